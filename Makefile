@@ -1,0 +1,28 @@
+# Two entry points for a new user: `make demo` and `make test`.
+# Both create .venv when missing. torch is pinned to the CPU build for this kind of machine;
+# GPU users install gradsync with `pip install -e .` over their own torch (pyproject says torch>=2.4).
+PY      := python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+TORCH   := torch==2.13.0
+STAMP   := $(VENV)/.installed
+
+.PHONY: demo test venv clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q $(TORCH)
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/gradsync bench --out bench-out --json bench-out/bench.json
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) bench-out
