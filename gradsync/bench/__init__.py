@@ -1,0 +1,1 @@
+"""``gradsync bench``: throughput, overhead, bytes and a correctness check for every strategy."""

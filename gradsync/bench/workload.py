@@ -1,0 +1,113 @@
+"""What one benchmark (or parity test) trains, and the single-process reference it must match.
+
+A :class:`Workload` fixes the model, per-worker batch size, optimizer and seed. Worker ``w`` at
+step ``t`` trains on the batch seeded ``batch_seed(seed, t, w, num_workers)``: the same on every
+machine, different for every (step, worker). The reference trains one model in one process: each
+step it runs every worker's batch separately (so BatchNorm sees per-worker statistics, as on
+real workers), averages the gradients with the data-parallel rule (a worker that did not use a
+parameter contributes zero; a parameter nobody used keeps ``grad=None``) and steps once.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from gradsync.errors import ConfigError
+from gradsync.models import ModelSpec, get_model
+
+# name -> (constructor, atol, rtol): the tolerance of the parity check for that optimizer.
+# A ring all-reduce or a server sums the workers' gradients in another order than the reference,
+# so each step differs by a few ulps (relative 2^-24 per addition). SGD with momentum carries
+# those differences forward almost unchanged: measured below 1e-6 after 30 steps of the tiny
+# models (docs/benchmarks.md), so 1e-5 + 1e-4 |p| leaves a margin of ten. Adam divides by the
+# root of the squared gradient, so a relative rounding error in a small gradient becomes the same
+# relative error in an lr-sized update: measured up to 4e-5 after 4 steps, identical for PyTorch
+# DDP, hence 1e-4. Any real error (a gradient missed, doubled or not averaged) moves parameters by
+# about lr = 1e-2 per step, a hundred times more than either tolerance.
+OPTIMIZERS = {
+    "sgd": (lambda params, lr: torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=1e-4), 1e-5, 1e-4),
+    "adam": (lambda params, lr: torch.optim.Adam(params, lr=lr), 1e-4, 1e-4),
+}
+
+
+@dataclass(frozen=True)
+class Workload:
+    model: str = "toy"
+    """Model name, optionally with a size (``resnet50:tiny``)."""
+    batch_size: int = 8
+    """Samples per worker per step."""
+    optimizer: str = "sgd"
+    """``sgd`` (momentum 0.9, weight decay 1e-4) or ``adam``."""
+    lr: float = 0.01
+    seed: int = 0
+
+    def spec(self) -> ModelSpec:
+        return get_model(self.model)
+
+    def build(self) -> tuple[nn.Module, torch.optim.Optimizer]:
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"unknown optimizer {self.optimizer!r}; valid: {', '.join(OPTIMIZERS)}")
+        torch.manual_seed(self.seed)
+        model = self.spec().build()
+        params = [p for p in model.parameters() if p.requires_grad]
+        return model, OPTIMIZERS[self.optimizer][0](params, self.lr)
+
+    @property
+    def tolerance(self) -> tuple[float, float]:
+        """(atol, rtol) of the parity check for this workload's optimizer."""
+        return OPTIMIZERS[self.optimizer][1:]
+
+    def batch(self, spec: ModelSpec, step: int, worker: int, num_workers: int):
+        return spec.batch(self.batch_size, batch_seed(self.seed, step, worker, num_workers))
+
+
+def batch_seed(seed: int, step: int, worker: int, num_workers: int) -> int:
+    return seed * 1_000_003 + step * num_workers + worker
+
+
+def train_step(model: nn.Module, optimizer, spec: ModelSpec, inputs, target) -> float:
+    loss = spec.loss(model(*inputs), target)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return float(loss.detach())
+
+
+def reference(work: Workload, num_workers: int, steps: int) -> nn.Module:
+    """Train the single-process data-parallel reference for ``steps`` steps."""
+    spec = work.spec()
+    model, optimizer = work.build()
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    for step in range(steps):
+        totals: list[torch.Tensor | None] = [None] * len(params)
+        for w in range(num_workers):
+            inputs, target = work.batch(spec, step, w, num_workers)
+            optimizer.zero_grad()
+            spec.loss(model(*inputs), target).backward()
+            for k, p in enumerate(params):
+                if p.grad is not None:
+                    totals[k] = p.grad.clone() if totals[k] is None else totals[k] + p.grad
+        for p, total in zip(params, totals):
+            p.grad = None if total is None else total / num_workers
+        optimizer.step()
+    optimizer.zero_grad()
+    return model
+
+
+def compare(params: dict[str, torch.Tensor], ref: nn.Module, tolerance: tuple[float, float]) -> dict:
+    """Max absolute and relative difference to the reference, and whether all are within tolerance."""
+    atol, rtol = tolerance
+    max_abs = max_rel = 0.0
+    ok = True
+    for name, q in ref.named_parameters():
+        p, q = params[name].detach(), q.detach()
+        diff = (p - q).abs()
+        if not diff.numel():
+            continue
+        max_abs = max(max_abs, float(diff.max()))
+        max_rel = max(max_rel, float((diff / q.abs().clamp_min(1e-12)).max()))
+        ok = ok and bool((diff <= atol + rtol * q.abs()).all())
+    return {"max_abs_diff": max_abs, "max_rel_diff": max_rel, "correct": ok}

@@ -1,0 +1,95 @@
+"""Start every rank from the same model, or stop with an error that says where they differ.
+
+``check_models_match`` compares a fixed-format signature of every parameter and buffer
+(kind, dtype, shape) with rank 0's: one broadcast of rank 0's signature, one all-reduce to find
+the first difference anywhere, one broadcast of the offending rank's row so every rank raises the
+same message. Ranks never reach a collective with mismatched tensors, so there is no hang.
+``broadcast_model`` then copies rank 0's values to every rank in flat chunks.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from gradsync.errors import ModelMismatchError
+from gradsync.transport import Transport
+
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+           torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128]
+_MAX_DIMS = 8
+_ROW = 3 + _MAX_DIMS
+CHUNK_BYTES = 64 * 1024 * 1024
+
+
+def _tensors(model: nn.Module) -> list[tuple[str, str, torch.Tensor]]:
+    params = [(name, "parameter", p) for name, p in model.named_parameters()]
+    return params + [(name, "buffer", b) for name, b in model.named_buffers()]
+
+
+def _row(kind: str, t: torch.Tensor) -> list[int]:
+    dtype = _DTYPES.index(t.dtype) if t.dtype in _DTYPES else len(_DTYPES)
+    dims = list(t.shape)[:_MAX_DIMS] + [-1] * max(0, _MAX_DIMS - t.dim())
+    return [0 if kind == "parameter" else 1, dtype, t.dim()] + dims
+
+
+def _show(row: list[int]) -> str:
+    dtype = str(_DTYPES[row[1]]).replace("torch.", "") if row[1] < len(_DTYPES) else "other"
+    return f"{dtype}{list(row[3:3 + min(row[2], _MAX_DIMS)])}"
+
+
+def check_models_match(model: nn.Module, transport: Transport, *, world: bool) -> None:
+    """Raise :class:`ModelMismatchError` on every rank if any rank's model differs from rank 0's."""
+    tensors = _tensors(model)
+    mine = torch.tensor([_row(kind, t) for _, kind, t in tensors] or [[0] * _ROW], dtype=torch.int64)[:len(tensors)]
+    count = transport.broadcast(torch.tensor([len(tensors)]), 0, world=world, what="model check").item()
+    reference = torch.zeros(count, _ROW, dtype=torch.int64)
+    if transport.topology.rank == 0:
+        reference.copy_(mine)
+    transport.broadcast(reference, 0, world=world, what="model check")
+    shared = min(count, len(tensors))
+    differs = (mine[:shared] != reference[:shared]).any(dim=1).nonzero()
+    first = int(differs[0]) if len(differs) else (shared if len(tensors) != count else 2**40)
+    ranks = transport.topology.world_size
+    key = torch.tensor([first * ranks + transport.topology.rank])
+    transport.allreduce(key, op="min", world=world, what="model check")
+    first, culprit = divmod(int(key), ranks)
+    if first == 2**40:
+        return
+    row = torch.zeros(_ROW + 1, dtype=torch.int64)
+    if transport.topology.rank == culprit:
+        row[0] = len(tensors)
+        if first < len(tensors):
+            row[1:] = mine[first]
+    transport.broadcast(row, culprit, world=world, what="model check")
+    raise ModelMismatchError(_mismatch_message(tensors, reference, first, culprit, row.tolist(), transport))
+
+
+def _mismatch_message(tensors, reference, first, culprit, row, transport) -> str:
+    who = transport.topology.describe(culprit)
+    if first >= min(len(reference), row[0]):
+        return (f"models differ across ranks: rank 0 has {len(reference)} parameters and buffers, "
+                f"{who} has {row[0]}. Every rank must build the same model before gradsync.distribute")
+    name = tensors[first][0] if first < len(tensors) else f"#{first}"
+    kind = "parameter" if row[1] == 0 else "buffer"
+    return (f"models differ across ranks: {kind} {name!r} (index {first}) is {_show(row[1:])} on {who} "
+            f"but {_show(reference[first].tolist())} on rank 0. Every rank must build the same model "
+            "(same architecture, sizes and dtype) before gradsync.distribute")
+
+
+@torch.no_grad()
+def broadcast_model(model: nn.Module, transport: Transport, *, world: bool) -> None:
+    """Copy rank 0's parameters and buffers to every rank, in flat chunks of one dtype."""
+    tensors = [t for _, _, t in _tensors(model)]
+    chunk: list[torch.Tensor] = []
+    for t in tensors + [None]:
+        if chunk and (t is None or t.dtype != chunk[0].dtype or
+                      sum(c.numel() for c in chunk) * chunk[0].element_size() > CHUNK_BYTES):
+            flat = torch.cat([c.reshape(-1) for c in chunk])
+            transport.broadcast(flat, 0, world=world, what="initial broadcast of the model")
+            offset = 0
+            for c in chunk:
+                c.copy_(flat[offset:offset + c.numel()].view_as(c))
+                offset += c.numel()
+            chunk = []
+        if t is not None and t.numel():
+            chunk.append(t)

@@ -1,0 +1,136 @@
+"""``gradsync.distribute``: turn a model and its optimizer into a data-parallel pair.
+
+The user's optimizer is wrapped, not replaced (Horovod's habit): its class becomes a subclass of
+the original, so ``isinstance`` checks, ``state_dict`` and learning-rate schedulers keep working,
+and ``step()`` first lets the strategy synchronize. ``distribute`` also checks that every rank
+built the same model, copies rank 0's parameters and buffers to all ranks, and installs the three
+hook points of :class:`gradsync.strategies.Strategy` on the model. On a server rank it serves
+until the workers shut down, then leaves the process (``exit_servers=True``), so one script serves
+both roles.
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+from typing import Any
+
+import torch
+from torch import nn
+
+from gradsync import runtime
+from gradsync.consistency import broadcast_model, check_models_match
+from gradsync.errors import ConfigError
+from gradsync.strategies import Strategy, SyncContext, resolve
+
+
+class _Sync:
+    """Per-optimizer state: the strategy, whether gradient hooks are live, the hook handles."""
+
+    def __init__(self, strategy: Strategy):
+        self.strategy = strategy
+        self.enabled = True
+        self.handles: list = []
+
+
+def _trainable(model: nn.Module) -> tuple[list[nn.Parameter], list[str]]:
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return [p for _, p in named], [n for n, _ in named]
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer, params: list[nn.Parameter], model: nn.Module) -> None:
+    known = {id(p) for p in model.parameters()}
+    for g, group in enumerate(optimizer.param_groups):
+        for k, p in enumerate(group["params"]):
+            if id(p) not in known:
+                raise ConfigError(f"optimizer param_groups[{g}]['params'][{k}] (shape {list(p.shape)}) "
+                                  "is not a parameter of the model passed to distribute")
+
+
+def _install_hooks(model: nn.Module, params: list[nn.Parameter], sync: _Sync) -> None:
+    strategy = sync.strategy
+
+    def ready(index):
+        def hook(_param):
+            if sync.enabled:
+                strategy.on_grad_ready(index)
+        return hook
+
+    sync.handles = [p.register_post_accumulate_grad_hook(ready(i)) for i, p in enumerate(params)]
+    sync.handles.append(model.register_forward_pre_hook(lambda module, args: strategy.before_forward()))
+    forward = strategy.wrap_forward(model.forward)
+    if forward is not None:
+        model.forward = forward
+
+
+def _wrap_optimizer(optimizer: torch.optim.Optimizer, sync: _Sync) -> torch.optim.Optimizer:
+    base = type(optimizer)
+
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        sync.strategy.step(lambda: base.step(self))
+        return loss
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally: backward passes inside this block are not synchronized;
+        the next backward outside it sends the accumulated gradients."""
+        sync.enabled = False
+        try:
+            yield
+        finally:
+            sync.enabled = True
+
+    members = {"step": step, "no_sync": no_sync, "strategy": property(lambda self: sync.strategy),
+               "__module__": base.__module__, "__doc__": base.__doc__}
+    optimizer.__class__ = type(base.__name__, (base,), members)
+    optimizer._gradsync = sync
+    return optimizer
+
+
+def distribute(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str | Strategy = "allreduce",
+               *, exit_servers: bool = True, **options: Any) -> torch.optim.Optimizer:
+    """Make ``optimizer.step()`` a synchronized data-parallel step. Returns the same optimizer.
+
+    Args:
+        model: the model every rank built identically (checked).
+        optimizer: its optimizer, over (a subset of) ``model``'s parameters.
+        strategy: a registered name (``"allreduce"``, ``"ps"``, ``"ps-async"``, ``"ddp"``, ...)
+            or a strategy object such as ``gradsync.AllReduce(bucket_mb=25)``.
+        exit_servers: on a parameter-server rank, leave the process once serving is over
+            (the default, so the same script runs on workers and servers).
+        **options: passed to the strategy's constructor when ``strategy`` is a name.
+
+    Gradients on workers are the mean over workers (see :mod:`gradsync.strategies.base`).
+    Call ``optimizer.step()`` once per backward, or use ``with optimizer.no_sync():`` for all
+    but the last backward of an accumulation.
+    """
+    rt = runtime.current()
+    strategy = resolve(strategy, **options)
+    topology = rt.topology
+    if getattr(optimizer, "_gradsync", None) is not None:
+        raise ConfigError("this optimizer was already passed to gradsync.distribute")
+    if topology.is_server and not strategy.uses_servers:
+        return _leave_server(exit_servers, optimizer)
+    params, names = _trainable(model)
+    _check_optimizer(optimizer, params, model)
+    world = strategy.uses_servers
+    check_models_match(model, rt.transport, world=world)
+    broadcast_model(model, rt.transport, world=world)
+    sync = _Sync(strategy)
+    strategy.attach(SyncContext(model, optimizer, params, names, rt.transport, topology))
+    runtime.on_shutdown(strategy.close)
+    if topology.is_server:
+        strategy.serve()
+        return _leave_server(exit_servers, optimizer)
+    _install_hooks(model, params, sync)
+    return _wrap_optimizer(optimizer, sync)
+
+
+def _leave_server(exit_servers: bool, optimizer):
+    if exit_servers:
+        runtime.shutdown()
+        sys.exit(0)
+    return optimizer

@@ -1,0 +1,18 @@
+"""Errors gradsync raises. Each message says which rank, which tensor, and what to do."""
+from __future__ import annotations
+
+
+class GradsyncError(RuntimeError):
+    """Base class: a misuse or a fault that gradsync detected and explained."""
+
+
+class ModelMismatchError(GradsyncError):
+    """Ranks built different models (a parameter's shape or dtype, or the parameter count, differs)."""
+
+
+class PeerFailureError(GradsyncError):
+    """A communication operation failed because another rank died, hung or disconnected."""
+
+
+class ConfigError(GradsyncError, ValueError):
+    """An option has an invalid value (unknown name, out-of-range number)."""

@@ -1,0 +1,200 @@
+"""Process-level state: ``gradsync.init()``, ``gradsync.shutdown()`` and peer-failure diagnosis.
+
+``init`` reads the standard environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
+``MASTER_PORT``) that ``gradsync run``, torchrun, SLURM wrappers and Kubeflow's PyTorchJob all set,
+plus ``GRADSYNC_NUM_SERVERS`` (how many of the last ranks are parameter servers) and
+``GRADSYNC_TIMEOUT`` (seconds before a stuck operation fails; default 30).
+
+Every rank runs a heartbeat thread that bumps a counter in the rendezvous store once a second.
+When an operation fails, the rank reads the counters twice and names the ranks whose counter
+stopped: "worker 1 (rank 1) stopped responding" instead of Gloo's "Connection reset by peer".
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from gradsync.errors import ConfigError, GradsyncError, PeerFailureError
+from gradsync.topology import Topology
+from gradsync.transport import Transport
+
+DEFAULT_TIMEOUT_S = 30.0
+HEARTBEAT_S = 1.0
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+class Heartbeat:
+    """Bumps ``gradsync/hb/<rank>`` in the store every second, on its own store connection."""
+
+    def __init__(self, addr: str, port: int, topology: Topology):
+        self.topology = topology
+        self.store = dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=5),
+                                   wait_for_workers=False)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="gradsync-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        key = f"gradsync/hb/{self.topology.rank}"
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                self.store.add(key, 1)
+            except Exception:  # the store host died; diagnosis will say so
+                return
+
+    def silent_ranks(self, window_s: float = 2.5 * HEARTBEAT_S) -> list[int] | None:
+        """Ranks whose heartbeat did not advance within ``window_s``; None if the store is gone."""
+        ranks = [r for r in range(self.topology.world_size) if r != self.topology.rank]
+        try:
+            before = [self.store.add(f"gradsync/hb/{r}", 0) for r in ranks]
+            time.sleep(window_s)
+            after = [self.store.add(f"gradsync/hb/{r}", 0) for r in ranks]
+        except Exception:
+            return None
+        return [r for r, b, a in zip(ranks, before, after) if a == b]
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+@dataclass
+class Runtime:
+    topology: Topology
+    transport: Transport
+    timeout_s: float
+    heartbeat: Heartbeat | None = None
+    owns_group: bool = True
+    closers: list = field(default_factory=list)
+
+    def explain(self, what: str, exc: BaseException) -> PeerFailureError:
+        """Turn a failed communication into an error naming the rank(s) at fault."""
+        me = self.topology.describe(self.topology.rank)
+        silent = self.heartbeat.silent_ranks() if self.heartbeat else []
+        if silent is None:
+            cause = ("rank 0, which hosts the rendezvous store, is unreachable "
+                     "(it has probably exited or crashed)")
+        elif silent:
+            cause = ", ".join(self.topology.describe(r) for r in silent) + " stopped responding"
+        else:
+            cause = (f"no peer died; the operation did not complete within {self.timeout_s:g} s. "
+                     "Either ranks issued different operations (different models, step counts or "
+                     "strategies) or a step takes longer than the timeout (raise it with "
+                     "gradsync.init(timeout_s=...) or GRADSYNC_TIMEOUT)")
+        return PeerFailureError(f"{what} failed on {me}: {cause}. Original error: {exc}")
+
+
+_RUNTIME: Runtime | None = None
+
+
+def _make_store(addr: str, port: int, topology: Topology, timeout_s: float):
+    # Under torchrun the agent already serves the store on MASTER_PORT: every rank is a client.
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    is_master = topology.rank == 0 and not agent
+    try:
+        return dist.TCPStore(addr, port, topology.world_size, is_master=is_master,
+                             timeout=timedelta(seconds=max(timeout_s, 60.0)),
+                             wait_for_workers=False)
+    except Exception as exc:
+        text = str(exc).lower()
+        if is_master and ("in use" in text or "eaddrinuse" in text):
+            raise ConfigError(
+                f"rank 0 cannot listen on {addr}:{port}: the port is in use. Choose another "
+                "port (gradsync run --port P, or MASTER_PORT) or stop the process that holds it"
+            ) from exc
+        raise GradsyncError(
+            f"{topology.describe(topology.rank)} could not reach the rendezvous store at "
+            f"{addr}:{port}: {exc}. Check that rank 0 is running and MASTER_ADDR/MASTER_PORT are "
+            "reachable from this host"
+        ) from exc
+
+
+def init(*, backend: str | None = None, timeout_s: float | None = None,
+         servers: int | None = None) -> Topology:
+    """Join the job described by the environment. Idempotent; returns the :class:`Topology`.
+
+    With no ``WORLD_SIZE``/``MASTER_ADDR`` in the environment it starts a one-process job, so
+    the same script runs alone or under a launcher.
+    """
+    global _RUNTIME
+    if _RUNTIME is not None:
+        return _RUNTIME.topology
+    timeout_s = float(timeout_s or os.environ.get("GRADSYNC_TIMEOUT") or DEFAULT_TIMEOUT_S)
+    servers = _env_int("GRADSYNC_NUM_SERVERS", 0) if servers is None else servers
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    owns_group = not dist.is_initialized()
+    if owns_group:
+        topology = Topology(_env_int("WORLD_SIZE", 1), _env_int("RANK", 0), servers,
+                            _env_int("LOCAL_RANK", 0))
+    else:  # the user already created the default process group: adopt it
+        topology = Topology(dist.get_world_size(), dist.get_rank(), servers, _env_int("LOCAL_RANK", 0))
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", topology.local_rank)
+        torch.cuda.set_device(device)
+    heartbeat = None
+    if owns_group:
+        addr = os.environ.get("MASTER_ADDR")
+        if topology.world_size == 1 and addr is None:
+            store = dist.HashStore()
+        else:
+            addr = addr or "127.0.0.1"
+            port = _env_int("MASTER_PORT", 29500)
+            store = _make_store(addr, port, topology, timeout_s)
+        dist.init_process_group(backend, store=store, rank=topology.rank,
+                                world_size=topology.world_size, timeout=timedelta(seconds=timeout_s))
+        if topology.world_size > 1:
+            heartbeat = Heartbeat(addr, port, topology)
+    worker_group = dist.group.WORLD
+    if topology.num_servers:
+        worker_group = dist.new_group(topology.worker_ranks)
+    runtime = Runtime(topology, None, timeout_s, heartbeat, owns_group)
+    runtime.transport = Transport(topology, worker_group, device, runtime.explain)
+    _RUNTIME = runtime
+    atexit.register(shutdown)
+    return topology
+
+
+def current() -> Runtime:
+    """The runtime, initialising it from the environment on first use."""
+    if _RUNTIME is None:
+        init()
+    return _RUNTIME
+
+
+def is_initialized() -> bool:
+    return _RUNTIME is not None
+
+
+def on_shutdown(closer) -> None:
+    """Register a callable run (in reverse order) by :func:`shutdown`, e.g. a strategy's close."""
+    current().closers.append(closer)
+
+
+def shutdown() -> None:
+    """Close strategies (servers are told to stop), stop the heartbeat, leave the process group."""
+    global _RUNTIME
+    runtime, _RUNTIME = _RUNTIME, None
+    if runtime is None:
+        return
+    for closer in reversed(runtime.closers):
+        closer()
+    if runtime.heartbeat:
+        runtime.heartbeat.stop()
+    if runtime.owns_group and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,50 @@
+"""Synchronization strategies and their registry.
+
+A strategy is one module with one job: how gradients or parameters move between ranks (see
+:mod:`gradsync.strategies.base` for the hook points). :data:`STRATEGIES` maps a public name to a
+constructor; adding one is one line, and users may register their own with :func:`register`.
+"""
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, Callable
+
+from gradsync.errors import ConfigError
+from gradsync.strategies.allreduce import AllReduce
+from gradsync.strategies.base import Strategy, SyncContext
+from gradsync.strategies.ddp import DDP
+from gradsync.strategies.ps import ParameterServer
+
+STRATEGIES: dict[str, Callable[..., Strategy]] = {
+    "allreduce": AllReduce,
+    "ps": ParameterServer,
+    "ps-async": partial(ParameterServer, mode="async"),
+    "ddp": DDP,
+}
+
+
+def register(name: str, constructor: Callable[..., Strategy]) -> None:
+    """Make ``constructor`` available as ``strategy=name`` everywhere (API, bench, CLI)."""
+    STRATEGIES[name] = constructor
+
+
+def strategy_names() -> list[str]:
+    return sorted(STRATEGIES)
+
+
+def resolve(strategy: str | Strategy, **options: Any) -> Strategy:
+    """A strategy object from an object (returned as is) or a registered name plus options."""
+    if isinstance(strategy, Strategy):
+        if options:
+            raise ConfigError("pass options to the strategy's constructor, not next to a strategy object")
+        return strategy
+    if strategy not in STRATEGIES:
+        raise ConfigError(f"unknown strategy {strategy!r}; valid strategies: {', '.join(strategy_names())}")
+    try:
+        return STRATEGIES[strategy](**options)
+    except TypeError as exc:
+        raise ConfigError(f"invalid options for strategy {strategy!r}: {exc}") from None
+
+
+__all__ = ["STRATEGIES", "AllReduce", "DDP", "ParameterServer", "Strategy", "SyncContext",
+           "register", "resolve", "strategy_names"]

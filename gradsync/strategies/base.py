@@ -1,0 +1,88 @@
+"""The strategy contract: how gradients (or parameters) move between ranks.
+
+:func:`gradsync.distribute` installs the same three hook points for every strategy and calls
+them; a strategy never installs autograd or module hooks itself, and nothing outside a strategy
+branches on which strategy is running.
+
+- ``on_grad_ready(i)``: parameter ``i``'s gradient was just accumulated during backward
+  (``Parameter.register_post_accumulate_grad_hook``). Start sending it if you like.
+- ``before_forward()``: the next forward pass is about to read the parameters. A strategy that
+  updates parameters remotely (a parameter server) makes sure they have arrived.
+- ``step(apply)``: the user called ``optimizer.step()``. Finish synchronization and call
+  ``apply()`` (the wrapped optimizer's own step) where the strategy wants the update to happen,
+  or not at all when the update happens on a server.
+
+Server ranks call ``serve()`` instead of training; ``close()`` runs at ``gradsync.shutdown()``.
+Gradient semantics every exact strategy implements (and the tests check against a single
+process): the gradient of a parameter is the mean over workers of each worker's gradient, a
+worker that did not use the parameter contributing zero; a parameter no worker used keeps
+``grad = None``, so the optimizer skips it, exactly as PyTorch DDP does.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar
+
+import torch
+from torch import nn
+
+from gradsync.topology import Topology
+from gradsync.transport import Transport
+
+
+@dataclass
+class SyncContext:
+    """What a strategy gets at attach time. ``params[i]`` is the parameter of hook index ``i``."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    params: list[nn.Parameter]
+    names: list[str]
+    transport: Transport
+    topology: Topology
+    stats: dict = field(default_factory=dict)
+
+
+class Strategy:
+    """Base class: a no-op strategy (each rank trains alone). Subclasses override hook points."""
+
+    name: ClassVar[str] = "local"
+    exact: ClassVar[bool] = True
+    """Whether final parameters equal the single-process data-parallel reference (up to fp32 rounding)."""
+    uses_servers: ClassVar[bool] = False
+    """Whether server ranks take part (they then call :meth:`serve`)."""
+
+    ctx: SyncContext
+
+    def attach(self, ctx: SyncContext) -> None:
+        self.ctx = ctx
+
+    def wrap_forward(self, forward: Callable) -> Callable | None:
+        """Optionally return a replacement for the model's forward (used by ``ddp``)."""
+        return None
+
+    def on_grad_ready(self, index: int) -> None:
+        pass
+
+    def before_forward(self) -> None:
+        pass
+
+    def step(self, apply: Callable[[], Any]) -> Any:
+        return apply()
+
+    def serve(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def describe(self) -> str:
+        """One line for logs and reports: the strategy and its effective options."""
+        return self.name
+
+
+def mean_of_used(total: torch.Tensor, used_count: float, num_workers: int) -> torch.Tensor | None:
+    """The data-parallel gradient from a sum over workers: ``None`` when no worker used it."""
+    if used_count == 0:
+        return None
+    return total.div_(num_workers)

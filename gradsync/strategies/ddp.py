@@ -1,0 +1,76 @@
+"""PyTorch's own DistributedDataParallel, wrapped: the reference peer in every comparison.
+
+``distribute(model, opt, "ddp")`` builds ``DistributedDataParallel`` over the workers' process
+group and routes the user's ``model(x)`` through it, so the training loop stays unchanged. The
+optimizer then steps locally on DDP's averaged gradients. Defaults are DDP's own (25 MB buckets,
+``find_unused_parameters=False``, buffers broadcast from rank 0 every forward), so a comparison
+with ``ddp`` is a comparison with what users get from PyTorch.
+
+Bytes on the wire are DDP's ring all-reduce of every gradient, ``2 (p-1)/p`` times their size per
+worker per step (counted from the parameter sizes; DDP's own collectives are not intercepted).
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable
+
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from gradsync.strategies.base import Strategy, SyncContext
+
+
+# torch 2.13 renamed broadcast_buffers and added init_sync; keep working on torch >= 2.4.
+_DDP_ARGS = inspect.signature(DistributedDataParallel.__init__).parameters
+_BUFFERS_ARG = "forward_sync_buffers" if "forward_sync_buffers" in _DDP_ARGS else "broadcast_buffers"
+_NO_INIT_SYNC = {"init_sync": False} if "init_sync" in _DDP_ARGS else {}
+
+
+class _Forward(nn.Module):
+    """Holds the user's model so DDP sees its parameters, and calls its original forward."""
+
+    def __init__(self, model: nn.Module, forward: Callable):
+        super().__init__()
+        self.model = model
+        self._forward = forward
+
+    def forward(self, *args, **kwargs):
+        return self._forward(*args, **kwargs)
+
+
+class DDP(Strategy):
+    """``torch.nn.parallel.DistributedDataParallel`` with its usual options."""
+
+    name = "ddp"
+
+    def __init__(self, bucket_mb: float = 25.0, find_unused_parameters: bool = False,
+                 broadcast_buffers: bool = True, gradient_as_bucket_view: bool = False):
+        self.options = dict(bucket_cap_mb=bucket_mb, find_unused_parameters=find_unused_parameters,
+                            **{_BUFFERS_ARG: broadcast_buffers},
+                            gradient_as_bucket_view=gradient_as_bucket_view)
+
+    def attach(self, ctx: SyncContext) -> None:
+        super().attach(ctx)
+        p = ctx.topology.num_workers
+        grad_bytes = sum(q.numel() * q.element_size() for q in ctx.params)
+        self.bytes_per_step = int(2 * (p - 1) / p * grad_bytes)
+
+    def wrap_forward(self, forward: Callable) -> Callable:
+        # distribute() already broadcast rank 0's state and checked shapes: skip DDP's own init sync.
+        ddp = DistributedDataParallel(_Forward(self.ctx.model, forward), **_NO_INIT_SYNC,
+                                      process_group=self.ctx.transport.worker_group, **self.options)
+        self.ddp = ddp
+
+        def forward_through_ddp(*args, **kwargs):
+            # A plain function, not the module: assigning a Module to model.forward would register
+            # it as a submodule and leave the class's forward in place.
+            return ddp(*args, **kwargs)
+
+        return forward_through_ddp
+
+    def step(self, apply: Callable[[], Any]) -> Any:
+        self.ctx.transport.count_external(self.bytes_per_step)
+        return apply()
+
+    def describe(self) -> str:
+        return f"ddp(bucket_mb={self.options['bucket_cap_mb']:g}, find_unused_parameters={self.options['find_unused_parameters']})"

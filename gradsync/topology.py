@@ -1,0 +1,70 @@
+"""Who is who: one value object that knows every rank's role.
+
+Layout contract (shared with ``gradsync run`` and documented in docs/launcher.md): of ``world_size``
+ranks, the first ``world_size - num_servers`` are workers and the last ``num_servers`` are
+parameter servers. Workers train; servers only serve the strategies that use them (``ps``).
+Checked once, here, against the world size; everything else asks this object.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gradsync.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Topology:
+    world_size: int
+    """Number of processes in the job (workers + servers)."""
+    rank: int
+    """This process's global rank."""
+    num_servers: int = 0
+    """Ranks at the end of the range that act as parameter servers."""
+    local_rank: int = 0
+    """Rank within this machine (selects the GPU under NCCL)."""
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ConfigError(f"world size must be >= 1, got {self.world_size}")
+        if not 0 <= self.rank < self.world_size:
+            raise ConfigError(f"rank {self.rank} is outside the world of {self.world_size} ranks")
+        if not 0 <= self.num_servers < self.world_size:
+            raise ConfigError(
+                f"{self.num_servers} servers in a world of {self.world_size} ranks leaves no worker; "
+                "a job needs at least one worker (servers must be fewer than WORLD_SIZE)"
+            )
+
+    @property
+    def num_workers(self) -> int:
+        return self.world_size - self.num_servers
+
+    @property
+    def worker_ranks(self) -> list[int]:
+        return list(range(self.num_workers))
+
+    @property
+    def server_ranks(self) -> list[int]:
+        return list(range(self.num_workers, self.world_size))
+
+    @property
+    def is_worker(self) -> bool:
+        return self.rank < self.num_workers
+
+    @property
+    def is_server(self) -> bool:
+        return not self.is_worker
+
+    @property
+    def role(self) -> str:
+        return "worker" if self.is_worker else "server"
+
+    @property
+    def role_rank(self) -> int:
+        """Index within the role: worker 0..W-1 or server 0..S-1."""
+        return self.rank if self.is_worker else self.rank - self.num_workers
+
+    def describe(self, rank: int) -> str:
+        """Human name of any rank, as used in error messages and log prefixes."""
+        if rank < self.num_workers:
+            return f"worker {rank} (rank {rank})"
+        return f"server {rank - self.num_workers} (rank {rank})"

@@ -1,0 +1,111 @@
+"""Transport: the one place where gradsync calls ``torch.distributed``.
+
+Strategies never touch process groups or sockets; they call these methods. That keeps three
+things in one file: which group a collective runs on (workers only, or the whole world with
+servers), how many bytes each call puts on the wire (for the benchmark's ``bytes_per_step``),
+and how a failed operation is turned into an error that names the rank that caused it.
+
+Wire format: only tensors cross the wire. Control messages are fixed-format ``int64`` headers
+(see ``gradsync.strategies.ps``); nothing is pickled.
+
+Byte accounting uses the algorithm's cost, not a packet capture: a ring all-reduce of ``n`` bytes
+over ``p`` ranks sends ``2 (p-1)/p * n`` bytes per rank, a point-to-point send sends ``n``.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from gradsync.topology import Topology
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
+
+
+class Handle:
+    """An operation in flight. ``wait()`` raises a :class:`PeerFailureError` that names the peer."""
+
+    __slots__ = ("_work", "_explain", "_what")
+
+    def __init__(self, work, explain: Callable[[str, BaseException], Exception], what: str):
+        self._work = work
+        self._explain = explain
+        self._what = what
+
+    def wait(self) -> None:
+        if self._work is None:
+            return
+        try:
+            self._work.wait()
+        except RuntimeError as exc:
+            raise self._explain(self._what, exc) from exc
+        self._work = None
+
+    def source_rank(self) -> int:
+        """For a receive from any source: the rank the message came from."""
+        return self._work._source_rank()
+
+
+class Transport:
+    """Collectives and point-to-point messages over the job's process groups."""
+
+    def __init__(self, topology: Topology, worker_group, device: torch.device,
+                 explain: Callable[[str, BaseException], Exception] | None = None):
+        self.topology = topology
+        self.worker_group = worker_group
+        self.device = device
+        self.bytes_sent = 0
+        self._explain = explain or (lambda what, exc: exc)
+
+    # -- collectives -------------------------------------------------------------------------
+    def _group(self, world: bool):
+        return dist.group.WORLD if world else self.worker_group
+
+    def _group_size(self, world: bool) -> int:
+        return self.topology.world_size if world else self.topology.num_workers
+
+    def allreduce_async(self, tensor: torch.Tensor, *, op: str = "sum", world: bool = False,
+                        what: str = "all-reduce") -> Handle:
+        """In-place all-reduce among the workers (or every rank with ``world=True``)."""
+        p = self._group_size(world)
+        self.bytes_sent += int(2 * (p - 1) / p * tensor.numel() * tensor.element_size())
+        work = dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=self._group(world), async_op=True)
+        return Handle(work, self._explain, what)
+
+    def allreduce(self, tensor: torch.Tensor, *, op: str = "sum", world: bool = False,
+                  what: str = "all-reduce") -> torch.Tensor:
+        self.allreduce_async(tensor, op=op, world=world, what=what).wait()
+        return tensor
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, *, world: bool = False,
+                  what: str = "broadcast") -> torch.Tensor:
+        """In-place broadcast from global rank ``src``."""
+        if self.topology.rank == src:
+            self.bytes_sent += tensor.numel() * tensor.element_size()
+        work = dist.broadcast(tensor, src=src, group=self._group(world), async_op=True)
+        Handle(work, self._explain, what).wait()
+        return tensor
+
+    def barrier(self, *, world: bool = True, what: str = "barrier") -> None:
+        flag = torch.zeros(1, device=self.device)
+        self.allreduce(flag, world=world, what=what)
+
+    def count_external(self, nbytes: int) -> None:
+        """Account bytes moved by a library gradsync does not intercept (PyTorch DDP's reducer)."""
+        self.bytes_sent += nbytes
+
+    # -- point to point ------------------------------------------------------------------------
+    def send_async(self, tensor: torch.Tensor, dst: int, tag: int, *, what: str = "send") -> Handle:
+        self.bytes_sent += tensor.numel() * tensor.element_size()
+        return Handle(dist.isend(tensor, dst=dst, tag=tag), self._explain, what)
+
+    def recv_async(self, tensor: torch.Tensor, src: Optional[int], tag: int, *,
+                   what: str = "receive") -> Handle:
+        """Receive into ``tensor`` from ``src`` (``None``: from whichever rank sends first)."""
+        return Handle(dist.irecv(tensor, src=src, tag=tag), self._explain, what)
+
+
+def wait_all(handles) -> None:
+    for handle in handles:
+        handle.wait()

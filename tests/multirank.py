@@ -1,0 +1,107 @@
+"""The one multi-rank test helper: run a function on N ranks over Gloo and collect the results.
+
+Each rank is a fresh process (``forkserver``, preloaded with torch so a rank starts in a fraction
+of a second) that joins the job through the real ``gradsync.init()`` path: ``RANK``/``WORLD_SIZE``
+/``MASTER_ADDR``/``MASTER_PORT`` on a free loopback port. The first rank to fail stops the others
+and its traceback becomes the test failure; a job that outlives ``timeout`` is killed and reported,
+never left hanging.
+"""
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+
+_CTX = mp.get_context("forkserver")
+_CTX.set_forkserver_preload(["torch", "gradsync"])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(fn, rank, world_size, servers, port, env, args, results):
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                       "GRADSYNC_NUM_SERVERS": str(servers), **env})
+    import torch
+    import gradsync
+
+    torch.set_num_threads(1)
+    try:
+        gradsync.init()
+        value = fn(*args)
+        gradsync.shutdown()
+        buffer = io.BytesIO()  # tensors by value: a shared-memory handle dies with this process
+        torch.save(value, buffer)
+        results.put((rank, "ok", buffer.getvalue()))
+    except BaseException:  # noqa: BLE001 - every failure, SystemExit included, goes to the parent
+        results.put((rank, "error", traceback.format_exc()))
+        os._exit(1)
+
+
+def _launch(fn, world_size, args, servers, env):
+    port, results = free_port(), _CTX.Queue()
+    procs = [_CTX.Process(target=_child, args=(fn, r, world_size, servers, port, env or {}, args, results),
+                          daemon=True) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    return procs, results
+
+
+def _collect(results, world_size: int, timeout: float, stop_on_error: bool) -> dict[int, tuple[str, object]]:
+    """Results by rank until all reported, the first error (if ``stop_on_error``) or the deadline."""
+    out: dict[int, tuple[str, object]] = {}
+    deadline = time.monotonic() + timeout
+    while len(out) < world_size:
+        try:
+            rank, status, value = results.get(timeout=max(0.1, deadline - time.monotonic()))
+        except queue.Empty:
+            if stop_on_error:
+                missing = sorted(set(range(world_size)) - set(out))
+                raise TimeoutError(f"ranks {missing} did not finish within {timeout:g} s") from None
+            break
+        out[rank] = (status, value)
+        if status == "error" and stop_on_error:
+            raise AssertionError(f"rank {rank} failed:\n{value}")
+    return out
+
+
+def _reap(procs, grace: float) -> None:
+    for p in procs:
+        p.join(timeout=grace)
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def run_ranks(fn, world_size: int, *args, servers: int = 0, timeout: float = 120.0,
+              env: dict[str, str] | None = None) -> list:
+    """Run ``fn(*args)`` on ``world_size`` ranks (the last ``servers`` are servers); return results by rank."""
+    procs, results = _launch(fn, world_size, args, servers, env)
+    ok = False
+    try:
+        out = _collect(results, world_size, timeout, stop_on_error=True)
+        ok = True
+    finally:
+        _reap(procs, grace=5.0 if ok else 0.1)
+    import torch
+
+    return [torch.load(io.BytesIO(out[r][1]), weights_only=False) for r in range(world_size)]
+
+
+def run_ranks_expect_failure(fn, world_size: int, *args, servers: int = 0, timeout: float = 120.0,
+                             env: dict[str, str] | None = None) -> dict[int, str]:
+    """Run ``fn`` expecting failures; return ``{rank: traceback}`` of every rank that failed in time."""
+    procs, results = _launch(fn, world_size, args, servers, env)
+    try:
+        out = _collect(results, world_size, timeout, stop_on_error=False)
+    finally:
+        _reap(procs, grace=0.5)
+    return {rank: value for rank, (status, value) in out.items() if status == "error"}

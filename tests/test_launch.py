@@ -1,0 +1,325 @@
+"""Tests for ``gradsync run`` (gradsync/launch.py).
+
+Children are tiny ``python -c`` scripts (no torch), so every test takes well under a few seconds.
+Processes are "gone" when /proc has no entry or a zombie: PID 1 of some containers never reaps
+orphans, and a zombie can hold no resources.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from gradsync import launch
+from gradsync.launch import RankSpec, launch_local, parse_hosts, plan_ranks, read_hostfile
+
+PY = sys.executable
+
+
+def child(source: str) -> list[str]:
+    return [PY, "-c", textwrap.dedent(source)]
+
+
+def run_cli(argv: list[str]) -> int:
+    """What ``gradsync.cli.main(["run", *argv])`` does, without importing the other subcommands."""
+    parser = argparse.ArgumentParser(prog="gradsync")
+    launch.add_parser(parser.add_subparsers(dest="command_name", required=True))
+    args = parser.parse_args(["run", *argv])
+    return args.handler(args)
+
+
+def launcher_process(argv: list[str]) -> subprocess.Popen:
+    return subprocess.Popen([PY, "-m", "gradsync.launch", *argv], text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def wait_gone(pids, timeout_s: float = 3.0) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(map(alive, pids)):
+        time.sleep(0.02)
+    return [pid for pid in pids if alive(pid)]
+
+
+def read_pids(directory, count: int) -> list[int]:
+    pids = [int((directory / name).read_text()) for name in os.listdir(directory) if name.startswith("pid-")]
+    assert len(pids) == count
+    return pids
+
+
+# Each rank writes its pid to $PIDDIR/pid-$RANK; FAIL_RANK waits for all of them, writes 25 stderr
+# lines and exits with FAIL_CODE (or SIGKILLs itself); the others sleep 60 s.
+FAILING_JOB = """
+    import os, signal, sys, time
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    d = os.environ["PIDDIR"]
+    with open(os.path.join(d, f"tmp-{rank}"), "w") as f:
+        f.write(str(os.getpid()))
+    os.rename(os.path.join(d, f"tmp-{rank}"), os.path.join(d, f"pid-{rank}"))
+    if rank != int(os.environ["FAIL_RANK"]):
+        time.sleep(60)
+    while len([n for n in os.listdir(d) if n.startswith("pid-")]) < world:
+        time.sleep(0.01)
+    for i in range(25):
+        print(f"boom line {i}", file=sys.stderr)
+    if os.environ["FAIL_CODE"] == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    sys.exit(int(os.environ["FAIL_CODE"]))
+"""
+
+
+# --- the environment contract and output ----------------------------------------------------------
+
+def test_env_contract_three_workers_two_servers(capsys, monkeypatch):
+    monkeypatch.setenv("GRADSYNC_TEST_PARENT", "inherited")
+    keys = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+            "MASTER_PORT", "GRADSYNC_NUM_WORKERS", "GRADSYNC_NUM_SERVERS", "GRADSYNC_ROLE",
+            "GRADSYNC_ROLE_RANK", "PYTHONUNBUFFERED", "GRADSYNC_TEST_PARENT", "EXTRA"]
+    script = f"import json, os; print(json.dumps({{k: os.environ.get(k) for k in {keys!r}}}))"
+    result = launch_local(child(script), np=3, servers=2, env={"EXTRA": "x"})
+    assert (result.returncode, result.failed, result.message) == (0, None, "")
+    envs = {}
+    for line in capsys.readouterr().out.splitlines():
+        label, payload = line[1:].split("] ", 1)
+        envs[label] = json.loads(payload)
+    assert sorted(envs) == ["server 0", "server 1", "worker 0", "worker 1", "worker 2"]
+    for label, env in envs.items():
+        role, role_rank = label.split()
+        assert env["GRADSYNC_ROLE"] == role and env["GRADSYNC_ROLE_RANK"] == role_rank
+        assert int(env["RANK"]) == int(role_rank) + (3 if role == "server" else 0)
+        assert env["LOCAL_RANK"] == env["RANK"]  # one machine: local ranks equal global ranks
+        assert (env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"], env["GROUP_RANK"]) == ("5", "5", "0")
+        assert (env["GRADSYNC_NUM_WORKERS"], env["GRADSYNC_NUM_SERVERS"]) == ("3", "2")
+        assert env["MASTER_ADDR"] == "127.0.0.1" and env["PYTHONUNBUFFERED"] == "1"
+        assert (env["GRADSYNC_TEST_PARENT"], env["EXTRA"]) == ("inherited", "x")
+    ports = {env["MASTER_PORT"] for env in envs.values()}
+    assert len(ports) == 1 and 0 < int(ports.pop()) < 65536  # one rendezvous port for the whole job
+
+
+def test_prefixes_split_streams_and_whole_lines(capsys):
+    script = """
+        import os, sys
+        r = os.environ["GRADSYNC_ROLE_RANK"]
+        for i in range(200):
+            print(r * 3000)                        # long lines: several pipe reads each
+            print(f"err {r} {i}", file=sys.stderr)
+        sys.stdout.write("no newline at the end")
+    """
+    assert launch_local(child(script), np=2, servers=1).returncode == 0
+    captured = capsys.readouterr()
+    out, err = captured.out.splitlines(), captured.err.splitlines()
+    expected_out = {f"[{label}] {label[-1] * 3000}" for label in ("worker 0", "worker 1", "server 0")}
+    assert set(out) - {f"[{label}] no newline at the end" for label in ("worker 0", "worker 1", "server 0")} \
+        == expected_out
+    assert len(out) == 3 * 201 and len(err) == 3 * 200
+    assert "[worker 1] err 1 199" in err and "[server 0] err 0 0" in err
+    assert all(line.startswith(("[worker 0] err 0 ", "[worker 1] err 1 ", "[server 0] err 0 ")) for line in err)
+
+
+def test_logdir_has_one_unprefixed_file_per_rank(tmp_path, capsys):
+    script = """
+        import os, sys
+        print("out", os.environ["RANK"]); print("err", os.environ["RANK"], file=sys.stderr)
+    """
+    assert launch_local(child(script), np=2, servers=1, logdir=str(tmp_path / "logs")).returncode == 0
+    logs = {name: (tmp_path / "logs" / name).read_text() for name in os.listdir(tmp_path / "logs")}
+    assert sorted(logs) == ["server-0.log", "worker-0.log", "worker-1.log"]
+    assert sorted(logs["server-0.log"].splitlines()) == ["err 2", "out 2"]
+    assert "[worker 0] out 0" in capsys.readouterr().out  # the terminal still gets the output
+
+
+# --- failures ---------------------------------------------------------------------------------------
+
+def test_failed_rank_stops_the_others_and_is_reported(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PIDDIR", str(tmp_path))
+    monkeypatch.setenv("FAIL_RANK", "1")
+    monkeypatch.setenv("FAIL_CODE", "3")
+    start = time.monotonic()
+    result = launch_local(child(FAILING_JOB), np=3, servers=1)
+    assert time.monotonic() - start < 5
+    assert result.returncode == 3 and result.failed == RankSpec(1, "worker", 1, 1)
+    first, *tail = result.message.splitlines()
+    assert first == "gradsync run: worker 1 (rank 1) failed with exit code 3"
+    assert [line.strip() for line in tail[1:]] == [f"boom line {i}" for i in range(5, 25)]  # the last 20
+    assert wait_gone(read_pids(tmp_path, 4), timeout_s=0.5) == []
+
+
+def test_rank_killed_by_signal(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PIDDIR", str(tmp_path))
+    monkeypatch.setenv("FAIL_RANK", "2")
+    monkeypatch.setenv("FAIL_CODE", "kill")
+    result = launch_local(child(FAILING_JOB), np=2, servers=1, grace_s=1)
+    assert result.returncode == 128 + 9 and result.failed.role == "server"
+    assert "server 0 (rank 2) was killed by signal 9 (SIGKILL)" in result.message
+    assert wait_gone(read_pids(tmp_path, 3), timeout_s=0.5) == []
+
+
+@pytest.mark.parametrize("exit_code", [0, 1])
+def test_grandchildren_are_stopped_even_if_they_ignore_sigterm(tmp_path, exit_code, capsys):
+    script = f"""
+        import subprocess, sys
+        grandchild = subprocess.Popen([sys.executable, "-c", "import signal, time; "
+            "signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(60)"],
+            stdout=subprocess.PIPE, text=True)
+        assert grandchild.stdout.readline() == "ready\\n"
+        open({str(tmp_path / "grandchild")!r}, "w").write(str(grandchild.pid))
+        sys.exit({exit_code})
+    """
+    result = launch_local(child(script), np=1, grace_s=0.3)
+    assert result.returncode == exit_code
+    assert wait_gone([int((tmp_path / "grandchild").read_text())], timeout_s=0.5) == []
+
+
+def test_missing_program_is_reported(capsys):
+    result = launch_local(["/nonexistent/program"], np=2)
+    assert result.returncode == 127 and "cannot start worker 0" in result.message
+
+
+# --- the launcher process itself ------------------------------------------------------------------
+
+SLEEPER = child("import os, time; print(os.getpid(), flush=True); time.sleep(60)")
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_signal_to_launcher_stops_children(sig, code):
+    proc = launcher_process(["-np", "2", "--", *SLEEPER])
+    pids = [int(proc.stdout.readline().split()[-1]) for _ in range(2)]
+    proc.send_signal(sig)
+    assert proc.wait(timeout=10) == code
+    assert wait_gone(pids, timeout_s=0.5) == []
+
+
+@pytest.mark.timeout(20)
+def test_killed_launcher_leaves_no_orphans():
+    proc = launcher_process(["-np", "2", "--", *SLEEPER])
+    pids = [int(proc.stdout.readline().split()[-1]) for _ in range(2)]
+    proc.kill()  # SIGKILL: no cleanup code runs; PR_SET_PDEATHSIG must do it
+    proc.wait(timeout=10)
+    assert wait_gone(pids) == []
+
+
+@pytest.mark.timeout(20)
+def test_cli_through_pipes_reports_failure():
+    script = "import os, sys; print('hi'); sys.exit(3 if os.environ['RANK'] == '1' else 0)"
+    proc = launcher_process(["-np", "2", "--", *child(script)])
+    out, err = proc.communicate(timeout=15)
+    assert proc.returncode == 3
+    assert "[worker 0] hi" in out.splitlines() and "[worker 1] hi" in out.splitlines()
+    assert "gradsync run: worker 1 (rank 1) failed with exit code 3" in err
+
+
+def test_gradsync_cli_main_runs_the_launcher(capsys):
+    pytest.importorskip("gradsync.bench.cli")  # cli.main imports every subcommand
+    from gradsync import cli
+    assert cli.main(["run", "-np", "2", "--", *child("print('ok')")]) == 0
+    assert "[worker 1] ok" in capsys.readouterr().out
+
+
+# --- ports and arguments ---------------------------------------------------------------------------
+
+def test_port_in_use_exits_2_before_spawning(capsys):
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        code = run_cli(["-np", "1", "--port", str(port), "--", *child("print('started')")])
+    captured = capsys.readouterr()
+    assert code == 2 and "started" not in captured.out
+    assert f"MASTER_PORT {port} is already in use" in captured.err
+    assert "127.0.0.1" in captured.err and "--port" in captured.err and "stop the process" in captured.err
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["-np", "0", "--", "x"], "must be >= 1"),
+    (["-np", "2", "--servers", "-1", "--", "x"], "must be >= 0"),
+    (["-np", "2"], "missing the command"),
+    (["-np", "2", "--"], "missing the command"),
+    (["-np", "2", "-H", "a:1", "--hostfile", "f", "--", "x"], "not allowed with"),
+    (["-np", "5", "-H", "a:2,b:2", "--node-rank", "0", "--", "x"], "-np 5 exceeds the 4 slots"),
+    (["-np", "2", "-H", "a:two", "--node-rank", "0", "--", "x"], "bad host entry"),
+    (["-np", "2", "-H", "a:1,b:1", "--node-rank", "2", "--", "x"], "out of range"),
+    (["-np", "1", "--node-rank", "1", "--", "x"], "--node-rank needs -H"),
+    (["-np", "1", "--port", "70000", "--", "x"], "1..65535"),
+])
+def test_argument_errors(argv, fragment, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli(argv)
+    assert exit_info.value.code == 2
+    assert fragment in capsys.readouterr().err
+
+
+# --- hosts ------------------------------------------------------------------------------------------
+
+def test_plan_ranks_two_hosts_with_servers():
+    hosts = [("h1", 2), ("h2", 2)]
+    assert plan_ranks(4, 3, hosts, 0) == [
+        RankSpec(0, "worker", 0, 0), RankSpec(1, "worker", 1, 1),
+        RankSpec(4, "server", 0, 2), RankSpec(6, "server", 2, 3)]
+    assert plan_ranks(4, 3, hosts, 1) == [
+        RankSpec(2, "worker", 2, 0), RankSpec(3, "worker", 3, 1), RankSpec(5, "server", 1, 2)]
+    assert plan_ranks(3, 0, hosts, 1) == [RankSpec(2, "worker", 2, 0)]  # workers fill h1 first
+    with pytest.raises(ValueError, match="exceeds"):
+        plan_ranks(5, 0, hosts, 0)
+
+
+def test_every_rank_is_placed_exactly_once():
+    hosts = [("a", 3), ("b", 1), ("c", 2)]
+    for np_, servers in [(1, 0), (4, 5), (6, 2)]:
+        ranks = [s.rank for node in range(3) for s in plan_ranks(np_, servers, hosts, node)]
+        assert sorted(ranks) == list(range(np_ + servers))
+
+
+def test_parse_hosts_and_hostfile(tmp_path):
+    assert parse_hosts("h1:2, h2:4,h3,[fd00::1]:2") == [("h1", 2), ("h2", 4), ("h3", 1), ("fd00::1", 2)]
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("# cluster\nnode1 slots=4\n\nnode2:2   # second\nnode3\n")
+    assert read_hostfile(hostfile) == [("node1", 4), ("node2", 2), ("node3", 1)]
+    hostfile.write_text("node1 slots=4 extra\n")
+    with pytest.raises(ValueError, match="bad line"):
+        read_hostfile(hostfile)
+    with pytest.raises(ValueError, match="SLOTS >= 1"):
+        parse_hosts("h1:0")
+
+
+def test_node_rank_detection(monkeypatch):
+    monkeypatch.setattr(socket, "gethostname", lambda: "NodeB")
+    monkeypatch.setattr(socket, "getfqdn", lambda name="": "nodeb.cluster.example")
+    assert launch.detect_node_rank([("nodea", 2), ("nodeb", 2)]) == 1
+    assert launch.detect_node_rank([("nodea.cluster.example", 2), ("nodeb.cluster.example", 2)]) == 1
+    assert launch.detect_node_rank([("198.51.100.7", 1), ("127.0.0.1", 1)]) == 1  # by local address
+    with pytest.raises(ValueError, match="is not in the host list.*--node-rank"):
+        launch.detect_node_rank([("198.51.100.7", 1), ("198.51.100.8", 1)])
+    with pytest.raises(ValueError, match="matches several entries.*--node-rank"):
+        launch.detect_node_rank([("nodeb", 1), ("nodeb", 1)])
+
+
+def test_second_node_runs_its_own_ranks(capsys):
+    script = ("import os; print(*[os.environ[k] for k in "
+              "('RANK', 'LOCAL_RANK', 'LOCAL_WORLD_SIZE', 'GROUP_RANK', 'MASTER_ADDR', 'MASTER_PORT')])")
+    with socket.socket() as holder:  # only node 0 checks the port: node 1 must not care
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        result = launch_local(child(script), np=3, servers=2, port=port,
+                              hosts=[("127.0.0.1", 1), ("localhost", 2)], node_rank=1)
+    assert result.returncode == 0
+    lines = sorted(capsys.readouterr().out.splitlines())
+    assert lines == [f"[server 1] 4 2 3 1 127.0.0.1 {port}",
+                     f"[worker 1] 1 0 3 1 127.0.0.1 {port}",
+                     f"[worker 2] 2 1 3 1 127.0.0.1 {port}"]

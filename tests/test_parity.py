@@ -1,0 +1,59 @@
+"""Parity of every exact strategy with the single-process data-parallel reference.
+
+Each rank trains the workload with the strategy; rank 0's final parameters must equal the
+reference (gradsync.bench.workload.reference) within the fp32 tolerance explained in
+gradsync.bench.workload.OPTIMIZERS, and every worker must hold the same parameters. The toy model has tied,
+frozen, never-used and sometimes-used parameters plus BatchNorm.
+"""
+import pytest
+import torch
+
+import gradsync
+from gradsync.bench.workload import Workload, compare, reference, train_step
+from multirank import run_ranks
+
+STEPS = 4
+
+
+def train(strategy: str, work: Workload, steps: int, options: dict):
+    topo = gradsync.topology()
+    spec = work.spec()
+    model, opt = work.build()
+    opt = gradsync.distribute(model, opt, strategy, exit_servers=False, **options)
+    if topo.is_server:
+        return None
+    frozen_before = model.frozen.weight.clone() if hasattr(model, "frozen") else None
+    for step in range(steps):
+        inputs, target = work.batch(spec, step, topo.rank, topo.num_workers)
+        train_step(model, opt, spec, inputs, target)
+    if frozen_before is not None:
+        assert torch.equal(model.frozen.weight, frozen_before), "a frozen parameter changed"
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+CASES = [  # (strategy, workers, servers, options)
+    ("allreduce", 1, 0, {}), ("allreduce", 2, 0, {}), ("allreduce", 4, 0, {}),
+    ("allreduce", 2, 0, {"bucket_mb": 0.001}),  # many tiny buckets
+    ("ps", 1, 0, {}), ("ps", 2, 0, {}), ("ps", 4, 0, {}),
+    ("ps", 2, 1, {}), ("ps", 2, 2, {}),
+    ("ddp", 1, 0, {"find_unused_parameters": True}), ("ddp", 2, 0, {"find_unused_parameters": True}),
+    ("ddp", 4, 0, {"find_unused_parameters": True}),
+]
+CASES = [c + ("sgd",) for c in CASES] + [  # Adam: per-parameter state, at 2 workers
+    ("allreduce", 2, 0, {}, "adam"), ("ps", 2, 0, {}, "adam"), ("ps", 2, 1, {}, "adam"),
+    ("ddp", 2, 0, {"find_unused_parameters": True}, "adam"),
+]
+
+
+@pytest.mark.parametrize("strategy,workers,servers,options,optimizer", CASES,
+                         ids=[f"{c[0]}-w{c[1]}-s{c[2]}-{c[4]}" + ("-tinybuckets" if c[3].get("bucket_mb") else "") for c in CASES])
+def test_matches_single_process_reference(strategy, workers, servers, options, optimizer):
+    work = Workload(model="toy", batch_size=6, optimizer=optimizer)
+    results = run_ranks(train, workers + servers, strategy, work, STEPS, options, servers=servers)
+    ref = reference(work, workers, STEPS)
+    first = results[0]
+    report = compare(first, ref, work.tolerance)
+    assert report["correct"], report
+    for rank in range(1, workers):
+        for name, value in results[rank].items():
+            torch.testing.assert_close(value, first[name], rtol=0, atol=0, msg=f"rank {rank} {name}")
