@@ -26,6 +26,8 @@ from gradsync.models import ModelSpec, get_model
 # relative error in an lr-sized update: measured up to 4e-5 after 4 steps, identical for PyTorch
 # DDP, hence 1e-4. Any real error (a gradient missed, doubled or not averaged) moves parameters by
 # about lr = 1e-2 per step, a hundred times more than either tolerance.
+# fp32 parity tests use well-conditioned models (the toy); the bench replays in float64 because
+# its models can be chaotic (see docs/benchmarks.md, "Correctness check").
 OPTIMIZERS = {
     "sgd": (lambda params, lr: torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=1e-4), 1e-5, 1e-4),
     "adam": (lambda params, lr: torch.optim.Adam(params, lr=lr), 1e-4, 1e-4),
@@ -42,6 +44,8 @@ class Workload:
     """``sgd`` (momentum 0.9, weight decay 1e-4) or ``adam``."""
     lr: float = 0.01
     seed: int = 0
+    dtype: str = "float32"
+    """``float32`` for timing; ``float64`` for the bench's correctness replay (see ``tolerance``)."""
 
     def spec(self) -> ModelSpec:
         return get_model(self.model)
@@ -50,17 +54,25 @@ class Workload:
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"unknown optimizer {self.optimizer!r}; valid: {', '.join(OPTIMIZERS)}")
         torch.manual_seed(self.seed)
-        model = self.spec().build()
+        model = self.spec().build().to(getattr(torch, self.dtype))
         params = [p for p in model.parameters() if p.requires_grad]
         return model, OPTIMIZERS[self.optimizer][0](params, self.lr)
 
     @property
     def tolerance(self) -> tuple[float, float]:
-        """(atol, rtol) of the parity check for this workload's optimizer."""
+        """(atol, rtol) of the parity check for this workload's optimizer and dtype."""
+        if self.dtype == "float64":
+            # Rounding noise is ~1e-16 relative; even a chaotic model (gradients of 50 at lr 1e-2)
+            # cannot grow it to 1e-8 in a few steps, while any real error is ~lr = 1e-2.
+            return 1e-8, 1e-6
         return OPTIMIZERS[self.optimizer][1:]
 
     def batch(self, spec: ModelSpec, step: int, worker: int, num_workers: int):
-        return spec.batch(self.batch_size, batch_seed(self.seed, step, worker, num_workers))
+        inputs, target = spec.batch(self.batch_size, batch_seed(self.seed, step, worker, num_workers))
+        if self.dtype != "float32":
+            dtype = getattr(torch, self.dtype)
+            inputs = tuple(x.to(dtype) if x.is_floating_point() else x for x in inputs)
+        return inputs, target
 
 
 def batch_seed(seed: int, step: int, worker: int, num_workers: int) -> int:

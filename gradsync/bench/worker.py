@@ -1,0 +1,161 @@
+"""One rank of ``gradsync bench``: ``python -m gradsync.bench.worker RUN_DIR``.
+
+Reads ``RUN_DIR/config.json`` (written by :mod:`gradsync.bench.cli`), then on every rank:
+
+1. compute-only: the same training steps with no strategy at all, on every worker at once (so
+   CPU contention is the same as in the real run): the step time without communication;
+2. for each strategy: build the model from the seed, ``distribute`` it, run ``warmup + steps``
+   timed steps (forward, backward, ``optimizer.step``, ``zero_grad``; batches made beforehand),
+   and record per-step time (the slowest worker's), bytes sent and peak resident memory;
+3. check that all workers hold the same parameters, and have rank 0 write
+   ``RUN_DIR/<strategy>.json`` plus its final parameters ``RUN_DIR/<strategy>.pt`` for the
+   parent's comparison with the single-process reference.
+Server ranks only take part in the strategies that use servers.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+
+import torch
+
+import gradsync
+from gradsync import runtime
+from gradsync.bench.workload import Workload
+
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+class PeakMemory:
+    """Samples this process's resident set every few milliseconds; reports the peak above start."""
+
+    def __init__(self, interval_s: float = 0.005):
+        self.interval_s = interval_s
+        self.base = self.peak = self._rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @staticmethod
+    def _rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * _PAGE
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.peak = max(self.peak, self._rss())
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._rss())
+
+    @property
+    def peak_mb(self) -> float:
+        return (self.peak - self.base) / 2**20
+
+
+def timed_steps(model, optimizer, work: Workload, total: int) -> list[float]:
+    topo = gradsync.topology()
+    spec = work.spec()
+    times = []
+    for step in range(total):
+        inputs, target = work.batch(spec, step, topo.rank, topo.num_workers)
+        start = time.perf_counter()
+        spec.loss(model(*inputs), target).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def slowest(times: list[float]) -> list[float]:
+    """Per step, the slowest worker's time: a synchronous step ends when the last worker ends."""
+    t = torch.tensor(times, dtype=torch.float64)
+    return runtime.current().transport.allreduce(t, op="max", what="gather of step times").tolist()
+
+
+def workers_agree(model) -> float:
+    """Largest difference between any worker's parameters and rank 0's."""
+    transport = runtime.current().transport
+    flat = torch.cat([p.detach().reshape(-1).double() for p in model.parameters()])
+    ref = transport.broadcast(flat.clone(), 0, what="consistency check")
+    diff = torch.tensor([float((flat - ref).abs().max()) if flat.numel() else 0.0], dtype=torch.float64)
+    return float(transport.allreduce(diff, op="max", what="consistency check"))
+
+
+def run_strategy(name: str, options: dict, work: Workload, total: int, run_dir: str) -> None:
+    topo = gradsync.topology()
+    transport = runtime.current().transport
+    with PeakMemory() as memory:
+        model, optimizer = work.build()
+        optimizer = gradsync.distribute(model, optimizer, name, exit_servers=False, **options)
+        if topo.is_server:
+            return
+        sent_before = transport.bytes_sent
+        times = timed_steps(model, optimizer, work, total)
+        sent = transport.bytes_sent - sent_before
+    optimizer.strategy.close()  # dedicated servers leave their loop
+    times = slowest(times)
+    agree = workers_agree(model)
+    mem = torch.tensor([memory.peak_mb], dtype=torch.float64)
+    transport.allreduce(mem, op="max", what="gather of peak memory")
+    if topo.rank == 0:
+        record = {"strategy": name, "describe": optimizer.strategy.describe(), "times": times,
+                  "bytes_per_step": sent / total, "peak_mem_mb": float(mem), "workers_max_diff": agree,
+                  "exact": bool(optimizer.strategy.exact)}
+        with open(os.path.join(run_dir, f"{name}.json"), "w") as f:
+            json.dump(record, f)
+        torch.save({n: p.detach() for n, p in model.named_parameters()}, os.path.join(run_dir, f"{name}.pt"))
+
+
+def run_check(name: str, options: dict, work: Workload, steps: int, run_dir: str) -> None:
+    """Replay ``name`` in float64 for ``steps`` steps; rank 0 saves the parameters to compare."""
+    model, optimizer = work.build()
+    optimizer = gradsync.distribute(model, optimizer, name, exit_servers=False, **options)
+    if gradsync.topology().is_server:
+        return
+    timed_steps(model, optimizer, work, steps)
+    optimizer.strategy.close()
+    if gradsync.topology().rank == 0:
+        torch.save({n: p.detach() for n, p in model.named_parameters()}, os.path.join(run_dir, f"{name}.check.pt"))
+
+
+def main(run_dir: str) -> int:
+    with open(os.path.join(run_dir, "config.json")) as f:
+        config = json.load(f)
+    torch.set_num_threads(config["threads"])
+    work = Workload(**config["workload"])
+    total = config["warmup"] + config["steps"]
+    topo = gradsync.init()
+    say = print if topo.rank == 0 else (lambda *a, **k: None)
+    if topo.is_worker:
+        model, optimizer = work.build()
+        times = slowest(timed_steps(model, optimizer, work, total))
+        if topo.rank == 0:
+            with open(os.path.join(run_dir, "compute.json"), "w") as f:
+                json.dump({"times": times}, f)
+        say(f"  {'compute only':<14} {total} steps in {sum(times):.1f} s", flush=True)
+    for name in config["strategies"]:
+        start = time.perf_counter()
+        run_strategy(name, config["options"].get(name, {}), work, total, run_dir)
+        runtime.current().transport.barrier(what=f"end of {name}")
+        say(f"  {name:<14} {total} steps in {time.perf_counter() - start:.1f} s", flush=True)
+    if config["check_steps"]:
+        check = Workload(**{**config["workload"], "dtype": "float64"})
+        for name in config["strategies"]:
+            run_check(name, config["options"].get(name, {}), check, config["check_steps"], run_dir)
+            runtime.current().transport.barrier(what=f"end of the {name} check")
+        say(f"  float64 replay of every strategy, {config['check_steps']} steps: done", flush=True)
+    gradsync.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
