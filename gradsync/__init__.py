@@ -7,12 +7,23 @@
         loss_fn(model(x), y).backward(); opt.step(); opt.zero_grad()
 
 See README.md and docs/architecture.md.
+
+Importing the package does not import torch: the public names below load their module on first
+use (PEP 562), so ``gradsync run`` (``gradsync.launch``, no torch) starts in milliseconds.
 """
-from gradsync.distribute import distribute
+import sys
+import types
+from importlib import import_module
+
 from gradsync.errors import ConfigError, GradsyncError, ModelMismatchError, PeerFailureError
-from gradsync.runtime import init, is_initialized, shutdown
-from gradsync.strategies import (DDP, STRATEGIES, AllReduce, ParameterServer, Strategy, register,
-                                 strategy_names)
+
+# Public name -> the module that defines it (each of these imports torch).
+_LAZY = {
+    "init": "gradsync.runtime", "shutdown": "gradsync.runtime", "is_initialized": "gradsync.runtime",
+    "distribute": "gradsync.distribute",
+    **{name: "gradsync.strategies" for name in ("Strategy", "AllReduce", "ParameterServer", "DDP",
+                                                 "STRATEGIES", "register", "strategy_names")},
+}
 
 
 def topology():
@@ -21,6 +32,32 @@ def topology():
 
     return runtime.current().topology
 
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'gradsync' has no attribute {name!r}")
+    value = getattr(import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+class _Package(types.ModuleType):
+    """``distribute`` and ``topology`` are public functions and also submodules. Importing a
+    submodule makes Python set it as a package attribute, which would hide the function (then
+    ``gradsync.topology()`` fails with "module is not callable" once anything imported
+    ``gradsync.runtime``). Keep the functions; the modules stay importable by their full names."""
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in ("distribute", "topology") and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 __all__ = ["init", "shutdown", "is_initialized", "distribute", "topology", "Strategy", "AllReduce",
            "ParameterServer", "DDP", "STRATEGIES", "register", "strategy_names", "GradsyncError",

@@ -26,21 +26,22 @@ _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.R
 class Handle:
     """An operation in flight. ``wait()`` raises a :class:`PeerFailureError` that names the peer."""
 
-    __slots__ = ("_work", "_explain", "_what")
+    __slots__ = ("_work", "_explain", "_what", "_done")
 
     def __init__(self, work, explain: Callable[[str, BaseException], Exception], what: str):
         self._work = work
         self._explain = explain
         self._what = what
+        self._done = False
 
     def wait(self) -> None:
-        if self._work is None:
+        if self._done:
             return
         try:
             self._work.wait()
         except RuntimeError as exc:
             raise self._explain(self._what, exc) from exc
-        self._work = None
+        self._done = True
 
     def source_rank(self) -> int:
         """For a receive from any source: the rank the message came from."""
@@ -96,14 +97,18 @@ class Transport:
         self.bytes_sent += nbytes
 
     # -- point to point ------------------------------------------------------------------------
+    # Point-to-point messages go straight to the world process group: ``dist.isend``'s argument
+    # checks cost more than the send itself for the hundreds of small messages a PS step makes.
     def send_async(self, tensor: torch.Tensor, dst: int, tag: int, *, what: str = "send") -> Handle:
         self.bytes_sent += tensor.numel() * tensor.element_size()
-        return Handle(dist.isend(tensor, dst=dst, tag=tag), self._explain, what)
+        return Handle(dist.group.WORLD.send([tensor], dst, tag), self._explain, what)
 
     def recv_async(self, tensor: torch.Tensor, src: Optional[int], tag: int, *,
                    what: str = "receive") -> Handle:
         """Receive into ``tensor`` from ``src`` (``None``: from whichever rank sends first)."""
-        return Handle(dist.irecv(tensor, src=src, tag=tag), self._explain, what)
+        world = dist.group.WORLD
+        work = world.recv_anysource([tensor], tag) if src is None else world.recv([tensor], src, tag)
+        return Handle(work, self._explain, what)
 
 
 def wait_all(handles) -> None:

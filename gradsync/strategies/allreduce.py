@@ -32,20 +32,19 @@ MB = 1024 * 1024
 @dataclass
 class Bucket:
     indices: list[int]
-    offsets: list[int]
+    views: list[torch.Tensor]
+    """``views[slot]``: the bucket region of parameter ``indices[slot]``, shaped like it."""
     numel: int
     buffer: torch.Tensor
     pending: int = 0
     ready: list[bool] = field(default_factory=list)
+    used: list[float] = field(default_factory=list)
     handle: Any = None
-
-    @property
-    def flags(self) -> torch.Tensor:
-        return self.buffer[self.numel:]
 
     def reset(self) -> None:
         self.pending = len(self.indices)
         self.ready = [False] * len(self.indices)
+        self.used = [0.0] * len(self.indices)
         self.handle = None
 
 
@@ -93,13 +92,14 @@ class AllReduce(Strategy):
         self.buckets: list[Bucket] = []
         self.where: dict[int, tuple[Bucket, int]] = {}
         for group in plan_buckets(params, order, self.cap_bytes, self.first_cap_bytes):
-            offsets, numel = [], 0
-            for i in group:
-                offsets.append(numel)
-                numel += params[i].numel()
+            numel = sum(params[i].numel() for i in group)
             first = params[group[0]]
             buffer = torch.zeros(numel + len(group), dtype=first.dtype, device=first.device)
-            bucket = Bucket(group, offsets, numel, buffer)
+            views, offset = [], 0
+            for i in group:
+                views.append(buffer[offset:offset + params[i].numel()].view_as(params[i]))
+                offset += params[i].numel()
+            bucket = Bucket(group, views, numel, buffer)
             bucket.reset()
             for slot, i in enumerate(group):
                 self.where[i] = (bucket, slot)
@@ -147,31 +147,27 @@ class AllReduce(Strategy):
 
     # -- internals -----------------------------------------------------------------------------
     def _fill(self, bucket: Bucket, slot: int) -> None:
-        i = bucket.indices[slot]
-        param, start = self.ctx.params[i], bucket.offsets[slot]
-        region = bucket.buffer[start:start + param.numel()]
-        if param.grad is None:
-            region.zero_()
-            bucket.flags[slot] = 0
+        grad = self.ctx.params[bucket.indices[slot]].grad
+        if grad is None:
+            bucket.views[slot].zero_()
+            bucket.used[slot] = 0.0
         else:
-            region.copy_(param.grad.reshape(-1))
-            bucket.flags[slot] = 1
+            bucket.views[slot].copy_(grad)
+            bucket.used[slot] = 1.0
 
     def _launch(self, k: int) -> None:
         bucket = self.buckets[k]
+        bucket.buffer[bucket.numel:].copy_(torch.tensor(bucket.used, dtype=bucket.buffer.dtype))
         what = f"all-reduce of bucket {k} (parameters {self.ctx.names[bucket.indices[0]]!r}..)"
         bucket.handle = self.ctx.transport.allreduce_async(bucket.buffer, what=what)
         self.next_launch = k + 1
 
     def _unpack(self, bucket: Bucket, workers: int) -> None:
         bucket.buffer[:bucket.numel].div_(workers)
-        counts = bucket.flags.tolist()
+        counts = bucket.buffer[bucket.numel:].tolist()
         for slot, i in enumerate(bucket.indices):
-            param, start = self.ctx.params[i], bucket.offsets[slot]
-            if counts[slot] == 0:
-                param.grad = None
-            else:  # the gradient becomes a view of the bucket: no copy back, no extra memory
-                param.grad = bucket.buffer[start:start + param.numel()].view_as(param)
+            # The gradient becomes a view of the bucket: no copy back, no second gradient buffer.
+            self.ctx.params[i].grad = bucket.views[slot] if counts[slot] else None
 
     def _rebuild_from_arrival(self) -> None:
         n = len(self.ctx.params)

@@ -50,6 +50,17 @@ def partition(sizes: list[int], servers: list[int]) -> list[int]:
     return owner
 
 
+class _Message:
+    """A push on the wire: ``grad.flatten() ++ [used]``, with views to fill and read it cheaply."""
+
+    __slots__ = ("wire", "grad", "used")
+
+    def __init__(self, param: torch.Tensor):
+        self.wire = torch.zeros(param.numel() + 1, dtype=param.dtype, device=param.device)
+        self.grad = self.wire[:-1].view_as(param)
+        self.used = self.wire[-1:]
+
+
 class ParameterServer(Strategy):
     """Push gradients to parameter servers during backward; pull updated parameters at step."""
 
@@ -76,15 +87,11 @@ class ParameterServer(Strategy):
         self.closed = False
         self.sends: list = []
         self.pushed = [False] * len(ctx.params)
-        self.push_buf = {i: self._message(i) for i, s in enumerate(self.owner) if s != topo.rank}
+        self.push_buf = {i: _Message(ctx.params[i]) for i, s in enumerate(self.owner) if s != topo.rank}
         # Buffers for other workers' pushes of the parameters this rank serves.
         peers = [w for w in topo.worker_ranks if w != topo.rank]
-        self.inbox = {(w, i): self._message(i) for w in peers for i in self.owned}
+        self.inbox = {(w, i): _Message(ctx.params[i]) for w in peers for i in self.owned}
         self.recvs: list = []
-
-    def _message(self, i: int) -> torch.Tensor:
-        p = self.ctx.params[i]
-        return torch.zeros(p.numel() + 1, dtype=p.dtype, device=p.device)
 
     # -- worker side ---------------------------------------------------------------------------
     def _open_step(self) -> None:
@@ -99,7 +106,7 @@ class ParameterServer(Strategy):
 
     def _post_pushes(self, workers: list[int]) -> list:
         t = self.ctx.transport
-        return [t.recv_async(self.inbox[(w, i)], w, 1 + i, what=f"push of {self.ctx.names[i]!r} from rank {w}")
+        return [t.recv_async(self.inbox[(w, i)].wire, w, 1 + i, what=f"push of {self.ctx.names[i]!r} from rank {w}")
                 for w in workers for i in self.owned]
 
     def on_grad_ready(self, index: int) -> None:
@@ -113,15 +120,15 @@ class ParameterServer(Strategy):
             raise GradsyncError(
                 f"parameter {self.ctx.names[i]!r} received a second gradient after it was pushed. "
                 "For gradient accumulation, run all but the last backward inside `with optimizer.no_sync():`")
-        buf, grad = self.push_buf[i], self.ctx.params[i].grad
+        msg, grad = self.push_buf[i], self.ctx.params[i].grad
         if grad is None:
-            buf.zero_()
+            msg.wire.zero_()
         else:
-            buf[:-1].copy_(grad.reshape(-1))
-            buf[-1] = 1
+            msg.grad.copy_(grad)
+            msg.used.fill_(1)
         self.pushed[i] = True
         self.sends.append(self.ctx.transport.send_async(
-            buf, self.owner[i], 1 + i, what=f"push of {self.ctx.names[i]!r} to rank {self.owner[i]}"))
+            msg.wire, self.owner[i], 1 + i, what=f"push of {self.ctx.names[i]!r} to rank {self.owner[i]}"))
 
     def step(self, apply: Callable[[], Any]) -> Any:
         if not self.open:
@@ -152,20 +159,20 @@ class ParameterServer(Strategy):
     def _aggregate(self, workers: list[int], own: bool = False) -> None:
         """Set ``grad`` of owned parameters to the workers' mean; other parameters get ``None``."""
         me = self.ctx.topology.rank
+        divisor = len(workers) if self.mode == "sync" else 1
         for i, p in enumerate(self.ctx.params):
             if self.owner[i] != me:
                 p.grad = None
                 continue
-            local = p.grad if own else None
-            total = torch.zeros_like(p).reshape(-1) if local is None else local.detach().reshape(-1).clone()
-            used = 0.0 if local is None else 1.0
+            # Sum in place: into the owner's own gradient when it has one, else a zeroed buffer.
+            total = p.grad if own and p.grad is not None else torch.zeros_like(p)
+            used = 1.0 if own and p.grad is not None else 0.0
             for w in workers:
                 if w != me:
                     msg = self.inbox[(w, i)]
-                    total += msg[:-1]
-                    used += float(msg[-1])
-            grad = mean_of_used(total, used, len(workers) if self.mode == "sync" else 1)
-            p.grad = None if grad is None else grad.view_as(p)
+                    total.add_(msg.grad)
+                    used += msg.used.item()
+            p.grad = mean_of_used(total, used, divisor)
 
     def _answer(self, workers: list[int]) -> list:
         t, me = self.ctx.transport, self.ctx.topology.rank

@@ -1,0 +1,68 @@
+"""``gradsync bench`` end to end, on the toy model so it takes seconds."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from gradsync.bench.report import FIELDS
+from gradsync.bench.workload import Workload, compare, reference
+
+
+def bench(*args, timeout=240):
+    return subprocess.run([sys.executable, "-m", "gradsync.cli", "bench", *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_every_strategy_with_a_dedicated_server(tmp_path):
+    out = tmp_path / "records.json"
+    proc = bench("--model", "toy", "--np", "2", "--servers", "1", "--batch-size", "4", "--steps", "3",
+                 "--warmup", "1", "--check-steps", "3", "--json", str(out), "--out", str(tmp_path / "o"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    records = {r["strategy"]: r for r in json.loads(out.read_text())}
+    assert set(records) == {"ddp", "allreduce", "ps", "ps-async"}
+    for name, r in records.items():
+        assert set(FIELDS) <= set(r), name
+        assert r["samples_per_s_min"] <= r["samples_per_s"] <= r["samples_per_s_max"]
+        assert r["bytes_per_step"] > 0 and r["compute_s"] > 0 and r["np"] == 2 and r["servers"] == 1
+    for name in ("ddp", "allreduce", "ps"):  # ps-async workers pull at different times: no agreement
+        assert records[name]["workers_max_diff"] == 0.0, f"{name}: workers disagree"
+        assert records[name]["correct"] is True, records[name]
+        assert records[name]["max_abs_diff"] < 1e-8
+    assert records["ps-async"]["correct"] is None  # not expected to equal the synchronous reference
+    assert (tmp_path / "o" / "bench.png").stat().st_size > 1000
+    assert "samples/s" in proc.stdout
+
+
+def test_the_check_catches_a_wrong_model():
+    """The comparison flags a model that missed one averaged step: it can fail."""
+    work = Workload(model="toy", batch_size=4, dtype="float64")
+    good, bad = reference(work, 2, 3), reference(work, 2, 2)
+    params = {n: p.detach() for n, p in good.named_parameters()}
+    assert compare(params, good, work.tolerance)["correct"]
+    assert not compare({n: p.detach() for n, p in bad.named_parameters()}, good, work.tolerance)["correct"]
+    one_worker = reference(work, 1, 3)
+    assert not compare({n: p.detach() for n, p in one_worker.named_parameters()}, good, work.tolerance)["correct"]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--np", "0"], "--np must be >= 1"),
+    (["--batch-size", "0"], "--batch-size must be >= 1"),
+    (["--servers", "-1"], "--servers must be >= 0"),
+    (["--strategies", "allreduce,nope"], "valid strategies: allreduce, ddp, ps, ps-async"),
+    (["--model", "nope"], "valid models:"),
+    (["--model", "resnet50:huge"], "valid sizes: full, tiny"),
+])
+def test_bad_arguments_are_argument_errors(args, message):
+    proc = bench(*args, timeout=60)
+    assert proc.returncode == 2
+    assert message in proc.stderr
+
+
+def test_reference_averages_per_worker_batches():
+    """With one worker the reference is plain training; with two it differs (different data)."""
+    work = Workload(model="toy", batch_size=4)
+    torch.manual_seed(0)
+    one, two = reference(work, 1, 2), reference(work, 2, 2)
+    assert any(not torch.equal(a, b) for a, b in zip(one.parameters(), two.parameters()))
