@@ -2,8 +2,9 @@
 
 ``check_models_match`` compares a fixed-format signature of every parameter and buffer
 (kind, dtype, shape) with rank 0's: one broadcast of rank 0's signature, one all-reduce to find
-the first difference anywhere, one broadcast of the offending rank's row so every rank raises the
-same message. Ranks never reach a collective with mismatched tensors, so there is no hang.
+the first difference anywhere, then (only on a mismatch) broadcasts of the offending rank's row and
+of both ranks' names for that tensor, so every rank raises the same message. Ranks never reach a
+collective with mismatched tensors, so there is no hang.
 ``broadcast_model`` then copies rank 0's values to every rank in flat chunks.
 """
 from __future__ import annotations
@@ -18,6 +19,7 @@ _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.in
            torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128]
 _MAX_DIMS = 8
 _ROW = 3 + _MAX_DIMS
+_NAME_LEN = 200  # bytes of a tensor's name sent with a mismatch report
 CHUNK_BYTES = 64 * 1024 * 1024
 
 
@@ -55,25 +57,49 @@ def check_models_match(model: nn.Module, transport: Transport, *, world: bool) -
     first, culprit = divmod(int(key), ranks)
     if first == 2**40:
         return
-    row = torch.zeros(_ROW + 1, dtype=torch.int64)
-    if transport.topology.rank == culprit:
+    # Every rank raises the same message, so names cross the wire too: the culprit's and rank 0's.
+    rank = transport.topology.rank
+    row = torch.zeros(1 + _ROW + _NAME_LEN, dtype=torch.int64)
+    if rank == culprit:
         row[0] = len(tensors)
         if first < len(tensors):
-            row[1:] = mine[first]
+            row[1:1 + _ROW] = mine[first]
+            row[1 + _ROW:] = _encode(tensors[first][0])
     transport.broadcast(row, culprit, world=world, what="model check")
-    raise ModelMismatchError(_mismatch_message(tensors, reference, first, culprit, row.tolist(), transport))
+    name0 = _encode(tensors[first][0] if rank == 0 and first < len(tensors) else "")
+    transport.broadcast(name0, 0, world=world, what="model check")
+    row = row.tolist()
+    theirs = (row[1:1 + _ROW], _decode(row[1 + _ROW:]))
+    ours = (reference[first].tolist() if first < count else None, _decode(name0.tolist()))
+    raise ModelMismatchError(_mismatch_message(first, count, row[0], transport.topology.describe(culprit),
+                                               theirs, ours))
 
 
-def _mismatch_message(tensors, reference, first, culprit, row, transport) -> str:
-    who = transport.topology.describe(culprit)
-    if first >= min(len(reference), row[0]):
-        return (f"models differ across ranks: rank 0 has {len(reference)} parameters and buffers, "
-                f"{who} has {row[0]}. Every rank must build the same model before gradsync.distribute")
-    name = tensors[first][0] if first < len(tensors) else f"#{first}"
-    kind = "parameter" if row[1] == 0 else "buffer"
-    return (f"models differ across ranks: {kind} {name!r} (index {first}) is {_show(row[1:])} on {who} "
-            f"but {_show(reference[first].tolist())} on rank 0. Every rank must build the same model "
+def _encode(name: str) -> torch.Tensor:
+    codes = list(name.encode()[:_NAME_LEN])
+    return torch.tensor(codes + [0] * (_NAME_LEN - len(codes)), dtype=torch.int64)
+
+
+def _decode(codes: list[int]) -> str:
+    return bytes(c for c in codes if c).decode(errors="replace")
+
+
+def _mismatch_message(first: int, count0: int, count: int, who: str, theirs, ours) -> str:
+    """``theirs``/``ours``: (row, name) of tensor ``first`` on the culprit ``who`` / on rank 0."""
+    if first >= min(count0, count):  # one model has more tensors than the other
+        (row, name), where = (theirs, who) if count > count0 else (ours, "rank 0")
+        return (f"models differ across ranks: rank 0 has {count0} parameters and buffers, {who} has "
+                f"{count}; the first without a counterpart is {_kind(row)} {name!r} ({_show(row)}) on "
+                f"{where}. Every rank must build the same model before gradsync.distribute")
+    (row, name), (row0, name0) = theirs, ours
+    renamed = "" if name == name0 else f" (called {name0!r} on rank 0)"
+    return (f"models differ across ranks: {_kind(row)} {name!r} (index {first}){renamed} is {_show(row)} "
+            f"on {who} but {_show(row0)} on rank 0. Every rank must build the same model "
             "(same architecture, sizes and dtype) before gradsync.distribute")
+
+
+def _kind(row: list[int]) -> str:
+    return "parameter" if row[0] == 0 else "buffer"
 
 
 @torch.no_grad()

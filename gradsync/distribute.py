@@ -64,14 +64,20 @@ def _install_hooks(model: nn.Module, params: list[nn.Parameter], sync: _Sync) ->
 
 def _wrap_optimizer(optimizer: torch.optim.Optimizer, sync: _Sync) -> torch.optim.Optimizer:
     base = type(optimizer)
+    # A torch LR scheduler created before distribute has replaced ``step`` on the instance by a
+    # wrapper around the class's step, which would hide ours and train without synchronizing.
+    # Synchronize around that wrapper instead, keeping its attributes (the scheduler checks them).
+    own_step = optimizer.__dict__.pop("step", None)
 
     def step(self, closure=None):
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        sync.strategy.step(lambda: base.step(self))
+        sync.strategy.step(own_step if own_step is not None else lambda: base.step(self))
         return loss
+
+    step.__dict__.update(getattr(own_step, "__dict__", {}))
 
     @contextlib.contextmanager
     def no_sync(self):

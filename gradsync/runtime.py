@@ -3,7 +3,9 @@
 ``init`` reads the standard environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
 ``MASTER_PORT``) that ``gradsync run``, torchrun, SLURM wrappers and Kubeflow's PyTorchJob all set,
 plus ``GRADSYNC_NUM_SERVERS`` (how many of the last ranks are parameter servers) and
-``GRADSYNC_TIMEOUT`` (seconds before a stuck operation fails; default 30).
+``GRADSYNC_TIMEOUT`` (seconds before a stuck operation fails; default 30). At start-up a rank
+waits ``max(GRADSYNC_TIMEOUT, RENDEZVOUS_MIN_S)`` seconds (60 by default) for rank 0's store, then
+fails with an error saying so.
 
 Every rank runs a heartbeat thread that bumps a counter in the rendezvous store once a second.
 When an operation fails, the rank reads the counters twice and names the ranks whose counter
@@ -27,6 +29,8 @@ from gradsync.transport import Transport
 
 DEFAULT_TIMEOUT_S = 30.0
 HEARTBEAT_S = 1.0
+RENDEZVOUS_MIN_S = 60.0
+"""Least time a rank waits for rank 0's store at start-up: ranks on other hosts may start late."""
 
 
 def _env_int(name: str, default: int) -> int:
@@ -102,14 +106,45 @@ class Runtime:
 _RUNTIME: Runtime | None = None
 
 
+def _within(seconds: float, make):
+    """``make()``, or ``TimeoutError`` after ``seconds`` (the call is left behind in a daemon thread)."""
+    box: list = []
+
+    def run() -> None:
+        try:
+            box.append((True, make()))
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            box.append((False, exc))
+
+    thread = threading.Thread(target=run, name="gradsync-rendezvous", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if not box:
+        raise TimeoutError(f"no answer within {seconds:g} s")
+    ok, value = box[0]
+    if ok:
+        return value
+    raise value
+
+
 def _make_store(addr: str, port: int, topology: Topology, timeout_s: float):
     # Under torchrun the agent already serves the store on MASTER_PORT: every rank is a client.
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     is_master = topology.rank == 0 and not agent
+    wait_s = max(timeout_s, RENDEZVOUS_MIN_S)
     try:
-        return dist.TCPStore(addr, port, topology.world_size, is_master=is_master,
-                             timeout=timedelta(seconds=max(timeout_s, 60.0)),
-                             wait_for_workers=False)
+        # A client connected to a port that another program holds waits for the store's answer
+        # forever, whatever its timeout: bound the whole construction ourselves.
+        return _within(wait_s, lambda: dist.TCPStore(addr, port, topology.world_size, is_master=is_master,
+                                                     timeout=timedelta(seconds=wait_s),
+                                                     wait_for_workers=False))
+    except TimeoutError as exc:
+        raise GradsyncError(
+            f"{topology.describe(topology.rank)} got no answer from the rendezvous store at "
+            f"{addr}:{port} within {wait_s:g} s. Either rank 0 is not running (check its log: it "
+            "fails with 'port in use' when another program holds that port) or MASTER_ADDR/"
+            "MASTER_PORT point elsewhere"
+        ) from exc
     except Exception as exc:
         text = str(exc).lower()
         if is_master and ("in use" in text or "eaddrinuse" in text):

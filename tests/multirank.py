@@ -43,6 +43,8 @@ def _child(fn, rank, world_size, servers, port, env, args, results):
         results.put((rank, "ok", buffer.getvalue()))
     except BaseException:  # noqa: BLE001 - every failure, SystemExit included, goes to the parent
         results.put((rank, "error", traceback.format_exc()))
+        results.close()
+        results.join_thread()  # flush the report: os._exit skips the queue's own flush at exit
         os._exit(1)
 
 
@@ -55,16 +57,29 @@ def _launch(fn, world_size, args, servers, env):
     return procs, results
 
 
-def _collect(results, world_size: int, timeout: float, stop_on_error: bool) -> dict[int, tuple[str, object]]:
-    """Results by rank until all reported, the first error (if ``stop_on_error``) or the deadline."""
+def _collect(results, procs, timeout: float, stop_on_error: bool,
+             wait_for=None) -> dict[int, tuple[str, object]]:
+    """Results by rank until every rank of ``wait_for`` (default: all) reported or exited, the
+    first error (if ``stop_on_error``) or the deadline. A rank that exited without reporting
+    (``os._exit``, a signal) counts as an error at once instead of running into the deadline."""
     out: dict[int, tuple[str, object]] = {}
+    wanted = set(range(len(procs)) if wait_for is None else wait_for)
     deadline = time.monotonic() + timeout
-    while len(out) < world_size:
+    while not wanted <= set(out):
+        # Read exit codes before polling: a rank flushes its report before it exits (see _child),
+        # so a rank that had exited and whose report is not in an empty queue sent none.
+        exited = {r: p.exitcode for r, p in enumerate(procs) if r not in out and p.exitcode is not None}
         try:
-            rank, status, value = results.get(timeout=max(0.1, deadline - time.monotonic()))
+            rank, status, value = results.get(timeout=0.2)
         except queue.Empty:
+            for rank, code in exited.items():
+                out[rank] = ("error", f"rank {rank} exited with code {code} without reporting a result")
+                if stop_on_error:
+                    raise AssertionError(out[rank][1]) from None
+            if time.monotonic() < deadline:
+                continue
             if stop_on_error:
-                missing = sorted(set(range(world_size)) - set(out))
+                missing = sorted(wanted - set(out))
                 raise TimeoutError(f"ranks {missing} did not finish within {timeout:g} s") from None
             break
         out[rank] = (status, value)
@@ -87,7 +102,7 @@ def run_ranks(fn, world_size: int, *args, servers: int = 0, timeout: float = 120
     procs, results = _launch(fn, world_size, args, servers, env)
     ok = False
     try:
-        out = _collect(results, world_size, timeout, stop_on_error=True)
+        out = _collect(results, procs, timeout, stop_on_error=True)
         ok = True
     finally:
         _reap(procs, grace=5.0 if ok else 0.1)
@@ -97,11 +112,13 @@ def run_ranks(fn, world_size: int, *args, servers: int = 0, timeout: float = 120
 
 
 def run_ranks_expect_failure(fn, world_size: int, *args, servers: int = 0, timeout: float = 120.0,
-                             env: dict[str, str] | None = None) -> dict[int, str]:
-    """Run ``fn`` expecting failures; return ``{rank: traceback}`` of every rank that failed in time."""
+                             env: dict[str, str] | None = None, wait_for=None) -> dict[int, str]:
+    """Run ``fn`` expecting failures; return ``{rank: traceback}`` of every rank that failed in time
+    (for a rank that exited without a report, a line saying so). ``wait_for``: wait only for these
+    ranks (default: all), e.g. to leave a deliberately hung rank behind; it is then killed."""
     procs, results = _launch(fn, world_size, args, servers, env)
     try:
-        out = _collect(results, world_size, timeout, stop_on_error=False)
+        out = _collect(results, procs, timeout, stop_on_error=False, wait_for=wait_for)
     finally:
         _reap(procs, grace=0.5)
     return {rank: value for rank, (status, value) in out.items() if status == "error"}

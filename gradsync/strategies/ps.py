@@ -78,7 +78,8 @@ class ParameterServer(Strategy):
         topo = ctx.topology
         self.dedicated = topo.num_servers > 0
         if self.mode == "async" and not self.dedicated:
-            raise ConfigError("ps in async mode needs dedicated server ranks: run with --servers 1 or more")
+            raise ConfigError("ps in async mode needs dedicated server ranks: run with `gradsync run "
+                              "--servers 1` or more (GRADSYNC_NUM_SERVERS under another launcher)")
         self.servers = topo.server_ranks if self.dedicated else topo.worker_ranks
         self.owner = partition([p.numel() for p in ctx.params], self.servers)
         self.owned = [i for i, s in enumerate(self.owner) if s == topo.rank]
@@ -202,8 +203,10 @@ class ParameterServer(Strategy):
                 break
             steps = {int(h[1]) for h in headers}
             if OP_STOP in ops or len(steps) > 1:
-                described = ", ".join(f"{self.ctx.topology.describe(w)}: {'stop' if h[0] == OP_STOP else f'step {int(h[1])}'}"
-                                      for w, h in zip(workers, headers))
+                described = ", ".join(
+                    f"{self.ctx.topology.describe(w)}: "
+                    + (f"stopped after {int(h[1])} steps" if h[0] == OP_STOP else f"starting step {int(h[1]) + 1}")
+                    for w, h in zip(workers, headers))
                 raise GradsyncError(f"workers are out of step ({described}); every worker must run the "
                                     "same number of optimizer steps before gradsync.shutdown()")
             wait_all(self._post_pushes(workers))

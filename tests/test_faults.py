@@ -1,0 +1,265 @@
+"""Bad input and faults: each error names the rank, the tensor and what to do, and none hangs.
+
+Every multi-rank case runs through tests/multirank.py and asserts on the error's text. Time bounds
+come from the runtime: a dead peer is named within the heartbeat diagnosis window (2.5 s) after
+Gloo notices the closed connection; a hung peer after ``GRADSYNC_TIMEOUT`` plus that window; a
+rank that cannot reach rank 0's store after ``max(GRADSYNC_TIMEOUT, runtime.RENDEZVOUS_MIN_S)``.
+"""
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import gradsync
+from multirank import run_ranks, run_ranks_expect_failure
+
+# Ranks that should have failed together but fell out of step fail after this many seconds.
+FAST_TIMEOUT = {"GRADSYNC_TIMEOUT": "10"}
+
+
+def mlp(kind: str = "", culprit: bool = False) -> nn.Module:
+    """Parameters 0.weight [8, 4], 0.bias [8], 2.weight [2, 8], 2.bias [2]; the culprit's differ by ``kind``."""
+    torch.manual_seed(0)
+    last = nn.Linear(8, 3 if culprit and kind == "shape" else 2, bias=not (culprit and kind == "fewer"))
+    layers = [nn.Linear(4, 8), nn.Tanh(), last] + ([nn.Linear(2, 2)] if culprit and kind == "more" else [])
+    model = nn.Sequential(*layers)
+    return model.double() if culprit and kind == "dtype" else model
+
+
+# -- ranks that built different models -------------------------------------------------------------
+def distribute_mismatched(cases, culprit: int) -> dict:
+    """Each case on the same job: every rank must raise, so the ranks stay in step for the next."""
+    rank, out = gradsync.topology().rank, {}
+    for strategy, kind in cases:
+        model = mlp(kind, culprit=rank == culprit)
+        try:
+            gradsync.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1), strategy, exit_servers=False)
+            out[strategy, kind] = "distribute returned without an error"
+        except gradsync.ModelMismatchError as exc:
+            out[strategy, kind] = str(exc)
+    return out
+
+
+EXPECTED = {  # kind -> what the message must say (culprit {who})
+    "shape": ["parameter '2.weight'", "float32[3, 8] on {who}", "float32[2, 8] on rank 0"],
+    "dtype": ["parameter '0.weight'", "float64[8, 4] on {who}", "float32[8, 4] on rank 0"],
+    "more": ["rank 0 has 4 parameters", "{who} has 6", "parameter '3.weight' (float32[2, 2]) on {who}"],
+    "fewer": ["rank 0 has 4 parameters", "{who} has 3", "parameter '2.bias' (float32[2]) on rank 0"],
+}
+CASES_2 = [(s, k) for s in ("allreduce", "ps", "ddp") for k in ("shape", "dtype", "more")]
+
+
+@pytest.fixture(scope="module")
+def mismatch_2_ranks():
+    return run_ranks(distribute_mismatched, 2, CASES_2, 1, timeout=60, env=FAST_TIMEOUT)
+
+
+@pytest.mark.parametrize("strategy,kind", CASES_2, ids=[f"{s}-{k}" for s, k in CASES_2])
+def test_model_mismatch_raises_on_every_rank(mismatch_2_ranks, strategy, kind):
+    messages = [result[strategy, kind] for result in mismatch_2_ranks]
+    assert messages[1] == messages[0], "every rank must raise the same error"
+    for part in EXPECTED[kind]:
+        assert part.format(who="worker 1 (rank 1)") in messages[0]
+    assert "Every rank must build the same model" in messages[0]
+
+
+def test_model_mismatch_on_a_server_at_3_ranks():
+    # ps checks every rank, servers included: the server built a model without the last bias.
+    results = run_ranks(distribute_mismatched, 3, [("ps", "fewer")], 2, servers=1, timeout=60, env=FAST_TIMEOUT)
+    messages = [result["ps", "fewer"] for result in results]
+    assert messages[1] == messages[2] == messages[0]
+    for part in EXPECTED["fewer"]:
+        assert part.format(who="server 0 (rank 2)") in messages[0]
+
+
+# -- bad options and misuse ------------------------------------------------------------------------
+def misuse() -> dict:
+    """Each misuse in turn on a 1-rank job: (error type, message), or what happened instead."""
+    def attempt(strategy="allreduce", extra_params=(), **options):
+        model = mlp()
+        opt = torch.optim.SGD(list(model.parameters()) + list(extra_params), lr=0.1)
+        gradsync.distribute(model, opt, strategy, exit_servers=False, **options)
+        return model, opt
+
+    def twice():
+        model, opt = attempt()
+        gradsync.distribute(model, opt, "allreduce")
+
+    cases = {
+        "unknown strategy": lambda: attempt("allreduse"),
+        "bucket_mb=0": lambda: attempt(bucket_mb=0),
+        "unknown option": lambda: attempt(bucket_megabytes=4),
+        "ps mode": lambda: attempt("ps", mode="nope"),
+        "ps-async without servers": lambda: attempt("ps-async"),
+        "foreign tensor": lambda: attempt(extra_params=[torch.zeros(3, requires_grad=True)]),
+        "distributed twice": twice,
+    }
+    out = {}
+    for name, case in cases.items():
+        try:
+            case()
+            out[name] = ("no error", "")
+        except Exception as exc:  # noqa: BLE001 - the test asserts on the type
+            out[name] = (type(exc).__name__, str(exc))
+    return out
+
+
+MISUSE = {  # case -> parts of the ConfigError's message
+    "unknown strategy": ["unknown strategy 'allreduse'", "valid strategies: allreduce, ddp, ps, ps-async"],
+    "bucket_mb=0": ["bucket sizes must be > 0 MB", "bucket_mb=0"],
+    "unknown option": ["invalid options for strategy 'allreduce'", "bucket_megabytes"],
+    "ps mode": ["ps mode must be 'sync' or 'async'", "'nope'"],
+    "ps-async without servers": ["needs dedicated server ranks", "--servers 1", "GRADSYNC_NUM_SERVERS"],
+    "foreign tensor": ["param_groups[0]['params'][4] (shape [3])", "not a parameter of the model"],
+    "distributed twice": ["already passed to gradsync.distribute"],
+}
+
+
+@pytest.fixture(scope="module")
+def misuse_results():
+    return run_ranks(misuse, 1, timeout=60)[0]
+
+
+@pytest.mark.parametrize("case", list(MISUSE))
+def test_misuse_raises_config_error(misuse_results, case):
+    kind, message = misuse_results[case]
+    assert kind == "ConfigError", (kind, message)
+    for part in MISUSE[case]:
+        assert part in message
+
+
+# -- a rank that dies or hangs in the middle of training ---------------------------------------------
+def train_until_fault(strategy: str, fault: str, options: dict):
+    """Train 5 steps; in step 3, rank 1 dies (``os._exit``) at ``fault`` or hangs. A survivor's
+    error is re-raised with the seconds it took from the start of step 3."""
+    topo = gradsync.topology()
+    model = mlp()
+    opt = gradsync.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1), strategy,
+                              exit_servers=False, **options)
+    if topo.is_server:
+        return None
+    faulty, current = topo.rank == 1, [0]
+    if faulty and fault == "mid-backward":  # layer 0 gets its gradient last: later buckets are sent
+        model[0].weight.register_hook(lambda grad: os._exit(1) if current[0] == 3 else None)
+    for step in range(5):
+        start, current[0] = time.monotonic(), step
+        try:
+            if faulty and step == 3 and fault == "hang":
+                time.sleep(3600)
+            loss = model(torch.randn(4, 4)).pow(2).mean()
+            if faulty and step == 3 and fault == "in-loss":
+                os._exit(1)
+            loss.backward()
+            if faulty and step == 3 and fault == "before-step":
+                os._exit(1)
+            opt.step()
+            opt.zero_grad()
+        except gradsync.PeerFailureError as exc:
+            raise gradsync.PeerFailureError(f"{exc} [{time.monotonic() - start:.2f} s into step 3]") from exc
+    return None
+
+
+def seconds_into_step(message: str) -> float:
+    return float(re.search(r"\[([\d.]+) s into step 3\]", message).group(1))
+
+
+DEATHS = [  # (strategy, options, workers, servers, where rank 1 dies)
+    ("allreduce", {"bucket_mb": 0.0001}, 2, 0, "mid-backward"),
+    ("ps", {}, 2, 1, "before-step"),
+    ("ps", {}, 3, 0, "in-loss"),
+]
+
+
+@pytest.mark.parametrize("strategy,options,workers,servers,fault", DEATHS,
+                         ids=[f"{d[0]}-w{d[2]}-s{d[3]}-{d[4]}" for d in DEATHS])
+def test_dead_rank_is_named_by_survivors(strategy, options, workers, servers, fault):
+    started = time.monotonic()
+    errors = run_ranks_expect_failure(train_until_fault, workers + servers, strategy, fault, options,
+                                      servers=servers, timeout=60)
+    elapsed = time.monotonic() - started
+    assert "exited with code 1" in errors.get(1, ""), errors
+    survivors = [r for r in range(workers + servers) if r != 1]
+    assert sorted(errors) == sorted(survivors + [1]), f"a survivor did not fail: {errors}"
+    for rank in survivors:
+        last = errors[rank].strip().splitlines()[-1]
+        assert "PeerFailureError" in last and "worker 1 (rank 1)" in last and "stopped responding" in last, last
+        if rank < workers:  # workers measure from the start of step 3 (servers serve in a loop)
+            assert seconds_into_step(last) < 20, last
+    assert elapsed < 40, f"the job took {elapsed:.1f} s to fail"
+
+
+def test_hung_rank_times_out_with_explanation():
+    started = time.monotonic()
+    errors = run_ranks_expect_failure(train_until_fault, 2, "allreduce", "hang", {}, timeout=40,
+                                      env={"GRADSYNC_TIMEOUT": "5"}, wait_for=[0])
+    elapsed = time.monotonic() - started
+    last = errors[0].strip().splitlines()[-1]
+    assert "PeerFailureError" in last and "failed on worker 0 (rank 0)" in last, last
+    assert "no peer died" in last and "did not complete within 5 s" in last and "GRADSYNC_TIMEOUT" in last, last
+    assert 5 <= seconds_into_step(last) < 15, last
+    assert elapsed < 25, f"the job took {elapsed:.1f} s to fail"
+
+
+# -- the rendezvous port is taken ------------------------------------------------------------------
+INIT_RANK = """
+import time, gradsync, gradsync.runtime
+gradsync.runtime.RENDEZVOUS_MIN_S = 0  # wait GRADSYNC_TIMEOUT for rank 0's store, not the 60 s floor
+start = time.monotonic()
+try:
+    gradsync.init()
+except gradsync.GradsyncError as exc:
+    print(f"{type(exc).__name__} after {time.monotonic() - start:.1f} s: {exc}")
+    raise SystemExit(3)
+"""
+
+
+def test_port_in_use_fails_every_rank_in_bounded_time():
+    with socket.socket() as holder:  # another program listening on MASTER_PORT
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+        env.update(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GRADSYNC_TIMEOUT="3")
+        ranks = [subprocess.Popen([sys.executable, "-c", INIT_RANK], env=dict(env, RANK=str(r)),
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+        try:
+            outputs = [rank.communicate(timeout=45)[0] for rank in ranks]
+        finally:
+            for rank in ranks:
+                rank.kill()
+    assert [rank.returncode for rank in ranks] == [3, 3], outputs
+    assert outputs[0].startswith("ConfigError"), outputs[0]
+    assert f"rank 0 cannot listen on 127.0.0.1:{port}: the port is in use" in outputs[0]
+    assert "MASTER_PORT" in outputs[0] and "gradsync run --port" in outputs[0]
+    assert outputs[1].startswith("GradsyncError after 3.0 s"), outputs[1]
+    assert "worker 1 (rank 1) got no answer from the rendezvous store" in outputs[1]
+    assert "rank 0 is not running" in outputs[1]
+
+
+# -- workers that run different numbers of steps ---------------------------------------------------
+def uneven_steps(steps_by_rank: dict):
+    topo = gradsync.topology()
+    model = mlp()
+    opt = gradsync.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1), "ps", exit_servers=False)
+    for _ in range(steps_by_rank.get(topo.rank, 0)):
+        model(torch.randn(4, 4)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def test_workers_out_of_step_with_a_server():
+    started = time.monotonic()
+    errors = run_ranks_expect_failure(uneven_steps, 3, {0: 3, 1: 2}, servers=1, timeout=40)
+    elapsed = time.monotonic() - started
+    last = errors[2].strip().splitlines()[-1]
+    assert last.startswith("gradsync.errors.GradsyncError: workers are out of step"), last
+    assert "worker 0 (rank 0): starting step 3" in last and "worker 1 (rank 1): stopped after 2 steps" in last
+    assert "same number of optimizer steps" in last
+    assert "server 0 (rank 2) stopped responding" in errors[0], errors[0]  # worker 0 waited for its pull
+    assert elapsed < 20, f"the job took {elapsed:.1f} s to end"
