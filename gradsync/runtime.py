@@ -169,7 +169,11 @@ def init(*, backend: str | None = None, timeout_s: float | None = None,
     global _RUNTIME
     if _RUNTIME is not None:
         return _RUNTIME.topology
-    timeout_s = float(timeout_s or os.environ.get("GRADSYNC_TIMEOUT") or DEFAULT_TIMEOUT_S)
+    raw_timeout = timeout_s or os.environ.get("GRADSYNC_TIMEOUT") or DEFAULT_TIMEOUT_S
+    try:
+        timeout_s = float(raw_timeout)
+    except ValueError:
+        raise ConfigError(f"GRADSYNC_TIMEOUT={raw_timeout!r} is not a number of seconds") from None
     servers = _env_int("GRADSYNC_NUM_SERVERS", 0) if servers is None else servers
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     owns_group = not dist.is_initialized()
@@ -180,7 +184,8 @@ def init(*, backend: str | None = None, timeout_s: float | None = None,
         topology = Topology(dist.get_world_size(), dist.get_rank(), servers, _env_int("LOCAL_RANK", 0))
     device = torch.device("cpu")
     if backend == "nccl":
-        device = torch.device("cuda", topology.local_rank)
+        # LOCAL_RANK counts servers too (workers first), so wrap onto the GPUs this host has.
+        device = torch.device("cuda", topology.local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     heartbeat = None
     if owns_group:

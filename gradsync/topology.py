@@ -28,7 +28,9 @@ class Topology:
             raise ConfigError(f"world size must be >= 1, got {self.world_size}")
         if not 0 <= self.rank < self.world_size:
             raise ConfigError(f"rank {self.rank} is outside the world of {self.world_size} ranks")
-        if not 0 <= self.num_servers < self.world_size:
+        if self.num_servers < 0:
+            raise ConfigError(f"the number of servers must be >= 0, got {self.num_servers}")
+        if self.num_servers >= self.world_size:
             raise ConfigError(
                 f"{self.num_servers} servers in a world of {self.world_size} ranks leaves no worker; "
                 "a job needs at least one worker (servers must be fewer than WORLD_SIZE)"

@@ -76,7 +76,11 @@ class Transport:
 
     def allreduce(self, tensor: torch.Tensor, *, op: str = "sum", world: bool = False,
                   what: str = "all-reduce") -> torch.Tensor:
-        self.allreduce_async(tensor, op=op, world=world, what=what).wait()
+        """Blocking all-reduce; CPU tensors are staged through the device under NCCL."""
+        staged = tensor.to(self.device)
+        self.allreduce_async(staged, op=op, world=world, what=what).wait()
+        if staged is not tensor:
+            tensor.copy_(staged)
         return tensor
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, *, world: bool = False,
@@ -84,8 +88,11 @@ class Transport:
         """In-place broadcast from global rank ``src``."""
         if self.topology.rank == src:
             self.bytes_sent += tensor.numel() * tensor.element_size()
-        work = dist.broadcast(tensor, src=src, group=self._group(world), async_op=True)
+        staged = tensor.to(self.device)  # NCCL moves device tensors only; a no-op on Gloo/CPU
+        work = dist.broadcast(staged, src=src, group=self._group(world), async_op=True)
         Handle(work, self._explain, what).wait()
+        if staged is not tensor:
+            tensor.copy_(staged)
         return tensor
 
     def barrier(self, *, world: bool = True, what: str = "barrier") -> None:

@@ -77,7 +77,7 @@ def timed_steps(model, optimizer, work: Workload, total: int) -> list[float]:
 
 def slowest(times: list[float]) -> list[float]:
     """Per step, the slowest worker's time: a synchronous step ends when the last worker ends."""
-    t = torch.tensor(times, dtype=torch.float64)
+    t = torch.tensor(times, dtype=torch.float64, device=runtime.current().transport.device)
     return runtime.current().transport.allreduce(t, op="max", what="gather of step times").tolist()
 
 
@@ -86,7 +86,7 @@ def workers_agree(model) -> float:
     transport = runtime.current().transport
     flat = torch.cat([p.detach().reshape(-1).double() for p in model.parameters()])
     ref = transport.broadcast(flat.clone(), 0, what="consistency check")
-    diff = torch.tensor([float((flat - ref).abs().max()) if flat.numel() else 0.0], dtype=torch.float64)
+    diff = torch.tensor([float((flat - ref).abs().max()) if flat.numel() else 0.0], dtype=torch.float64, device=transport.device)
     return float(transport.allreduce(diff, op="max", what="consistency check"))
 
 
@@ -104,7 +104,7 @@ def run_strategy(name: str, options: dict, work: Workload, total: int, run_dir: 
     optimizer.strategy.close()  # dedicated servers leave their loop
     times = slowest(times)
     agree = workers_agree(model)
-    mem = torch.tensor([memory.peak_mb], dtype=torch.float64)
+    mem = torch.tensor([memory.peak_mb], dtype=torch.float64, device=transport.device)
     transport.allreduce(mem, op="max", what="gather of peak memory")
     if topo.rank == 0:
         record = {"strategy": name, "describe": optimizer.strategy.describe(), "times": times,

@@ -99,7 +99,7 @@ class ParameterServer(Strategy):
         self.open = True
         t = self.ctx.transport
         if self.dedicated:
-            header = torch.tensor([OP_STEP, self.step_no], dtype=torch.int64)
+            header = torch.tensor([OP_STEP, self.step_no], dtype=torch.int64, device=self.ctx.transport.device)
             self.sends += [t.send_async(header, s, TAG_CONTROL, what=f"step header to rank {s}")
                            for s in self.servers]
         else:  # co-located: this worker serves its partition, so it listens for pushes now
@@ -188,7 +188,7 @@ class ParameterServer(Strategy):
             self._serve_async()
 
     def _headers(self, workers: list[int]) -> list[torch.Tensor]:
-        headers = [torch.zeros(2, dtype=torch.int64) for _ in workers]
+        headers = [torch.zeros(2, dtype=torch.int64, device=self.ctx.transport.device) for _ in workers]
         wait_all([self.ctx.transport.recv_async(h, w, TAG_CONTROL, what=f"step header from rank {w}")
                   for h, w in zip(headers, workers)])
         return headers
@@ -220,7 +220,7 @@ class ParameterServer(Strategy):
         t, optimizer = self.ctx.transport, self.ctx.optimizer
         remaining = set(self.ctx.topology.worker_ranks)
         while remaining:
-            header = torch.zeros(2, dtype=torch.int64)
+            header = torch.zeros(2, dtype=torch.int64, device=self.ctx.transport.device)
             handle = t.recv_async(header, None, TAG_CONTROL, what="step header from any worker")
             handle.wait()
             worker = handle.source_rank()
@@ -237,7 +237,7 @@ class ParameterServer(Strategy):
         if self.closed or not self.dedicated or self.ctx.topology.is_server:
             return
         self.closed = True
-        header = torch.tensor([OP_STOP, self.step_no], dtype=torch.int64)
+        header = torch.tensor([OP_STOP, self.step_no], dtype=torch.int64, device=self.ctx.transport.device)
         t = self.ctx.transport
         wait_all([t.send_async(header, s, TAG_CONTROL, what=f"stop to rank {s}") for s in self.servers])
 
