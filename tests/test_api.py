@@ -170,7 +170,7 @@ def test_gradient_accumulation_matches_reference(strategy):
 def backward_twice(strategy: str, options: dict):
     rank = gradsync.topology().rank
     model = mlp()
-    opt = gradsync.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1), strategy, **options)
+    gradsync.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1), strategy, **options)
     loss_of(model, 0, rank).backward()
     try:
         loss_of(model, 0, rank, micro=1).backward()

@@ -1,4 +1,4 @@
-"""Tests for ``gradsync run`` (gradsync/launch.py).
+"""Tests for ``gradsync run`` (gradsync/launch/).
 
 Children are tiny ``python -c`` scripts (no torch), so every test takes well under a few seconds.
 Processes are "gone" when /proc has no entry or a zombie: PID 1 of some containers never reaps

@@ -36,6 +36,7 @@ CASES = [  # (strategy, workers, servers, options)
     ("allreduce", 2, 0, {"bucket_mb": 0.001}),  # many tiny buckets
     ("ps", 1, 0, {}), ("ps", 2, 0, {}), ("ps", 4, 0, {}),
     ("ps", 2, 1, {}), ("ps", 2, 2, {}),
+    ("ps", 2, 0, {"fuse_kb": 0}), ("ps", 2, 1, {"fuse_kb": 0}), ("ps", 4, 2, {"fuse_kb": 1}),
     ("ddp", 1, 0, {"find_unused_parameters": True}), ("ddp", 2, 0, {"find_unused_parameters": True}),
     ("ddp", 4, 0, {"find_unused_parameters": True}),
 ]
@@ -46,7 +47,7 @@ CASES = [c + ("sgd",) for c in CASES] + [  # Adam: per-parameter state, at 2 wor
 
 
 @pytest.mark.parametrize("strategy,workers,servers,options,optimizer", CASES,
-                         ids=[f"{c[0]}-w{c[1]}-s{c[2]}-{c[4]}" + ("-tinybuckets" if c[3].get("bucket_mb") else "") for c in CASES])
+                         ids=[f"{c[0]}-w{c[1]}-s{c[2]}-{c[4]}" + "".join(f"-{k}{v}" for k, v in c[3].items() if k != "find_unused_parameters") for c in CASES])
 def test_matches_single_process_reference(strategy, workers, servers, options, optimizer):
     work = Workload(model="toy", batch_size=6, optimizer=optimizer)
     results = run_ranks(train, workers + servers, strategy, work, STEPS, options, servers=servers)

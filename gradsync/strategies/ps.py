@@ -32,6 +32,7 @@ from typing import Any, Callable
 import torch
 
 from gradsync.errors import ConfigError, GradsyncError
+from gradsync.strategies.allreduce import plan_buckets
 from gradsync.strategies.base import Strategy, SyncContext, mean_of_used
 from gradsync.transport import wait_all
 
@@ -50,15 +51,20 @@ def partition(sizes: list[int], servers: list[int]) -> list[int]:
     return owner
 
 
-class _Message:
-    """A push on the wire: ``grad.flatten() ++ [used]``, with views to fill and read it cheaply."""
+class _Fused:
+    """One message: the tensors' data back to back, then (for pushes) one "used" flag per tensor."""
 
-    __slots__ = ("wire", "grad", "used")
+    __slots__ = ("wire", "parts", "used")
 
-    def __init__(self, param: torch.Tensor):
-        self.wire = torch.zeros(param.numel() + 1, dtype=param.dtype, device=param.device)
-        self.grad = self.wire[:-1].view_as(param)
-        self.used = self.wire[-1:]
+    def __init__(self, params: list[torch.Tensor], flags: bool):
+        total = sum(p.numel() for p in params)
+        first = params[0]
+        self.wire = torch.zeros(total + (len(params) if flags else 0), dtype=first.dtype, device=first.device)
+        self.parts, offset = [], 0
+        for p in params:
+            self.parts.append(self.wire[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+        self.used = self.wire[total:] if flags else None
 
 
 class ParameterServer(Strategy):
@@ -67,10 +73,13 @@ class ParameterServer(Strategy):
     name = "ps"
     uses_servers = True
 
-    def __init__(self, mode: str = "sync"):
+    def __init__(self, mode: str = "sync", fuse_kb: float = 256.0):
         if mode not in ("sync", "async"):
             raise ConfigError(f"ps mode must be 'sync' or 'async', got {mode!r}")
+        if fuse_kb < 0:
+            raise ConfigError(f"fuse_kb must be >= 0 (0: one message per tensor), got {fuse_kb}")
         self.mode = mode
+        self.fuse_bytes = int(fuse_kb * 1024)
         self.exact = mode == "sync"
 
     def attach(self, ctx: SyncContext) -> None:
@@ -82,24 +91,61 @@ class ParameterServer(Strategy):
                               "--servers 1` or more (GRADSYNC_NUM_SERVERS under another launcher)")
         self.servers = topo.server_ranks if self.dedicated else topo.worker_ranks
         self.owner = partition([p.numel() for p in ctx.params], self.servers)
-        self.owned = [i for i, s in enumerate(self.owner) if s == topo.rank]
+        self._plan_groups()
+        me, params = topo.rank, ctx.params
+        mine = [g for g, grp in enumerate(self.groups) if self.group_owner[g] == me]
+        self.owned = [i for g in mine for i in self.groups[g]]
+        self.owned_groups = mine
         self.step_no = 0
         self.open = False
         self.closed = False
         self.sends: list = []
-        self.pushed = [False] * len(ctx.params)
-        self.push_buf = {i: _Message(ctx.params[i]) for i, s in enumerate(self.owner) if s != topo.rank}
-        # Buffers for other workers' pushes of the parameters this rank serves.
-        peers = [w for w in topo.worker_ranks if w != topo.rank]
-        self.inbox = {(w, i): _Message(ctx.params[i]) for w in peers for i in self.owned}
+        theirs = [g for g in range(len(self.groups)) if self.group_owner[g] != me]
+        self.outbox = {g: _Fused([params[i] for i in self.groups[g]], flags=True) for g in theirs}
+        # Fused pulls land in a buffer and are copied out; a single tensor lands in place.
+        self.pull_buf = {g: _Fused([params[i] for i in self.groups[g]], flags=False)
+                         for g in theirs if len(self.groups[g]) > 1}
+        self.answer_buf = {g: _Fused([params[i] for i in self.groups[g]], flags=False)
+                           for g in mine if len(self.groups[g]) > 1}
+        peers = [w for w in topo.worker_ranks if w != me]
+        self.inbox = {(w, g): _Fused([params[i] for i in self.groups[g]], flags=True) for w in peers for g in mine}
         self.recvs: list = []
+        self._reset_pushes()
+
+    def _plan_groups(self) -> None:
+        """Fuse tensors that are consecutive in backward order, go to one server and fit ``fuse_kb``.
+
+        The plan is static (the same on every rank), so a receiver always knows what a message holds.
+        """
+        params, order = self.ctx.params, list(reversed(range(len(self.ctx.params))))
+        self.groups: list[list[int]] = []
+        self.group_owner: list[int] = []
+        for server in self.servers:
+            mine = [i for i in order if self.owner[i] == server]
+            if self.fuse_bytes:
+                planned = plan_buckets(params, mine, self.fuse_bytes, self.fuse_bytes)
+            else:
+                planned = [[i] for i in mine]
+            self.groups += planned
+            self.group_owner += [server] * len(planned)
+        self.where = {i: (g, slot) for g, grp in enumerate(self.groups) for slot, i in enumerate(grp)}
+
+    def _reset_pushes(self) -> None:
+        self.pending = [len(grp) for grp in self.groups]
+        self.ready = [[False] * len(grp) for grp in self.groups]
+        self.pushed = [False] * len(self.groups)
+
+    def _label(self, g: int) -> str:
+        names = self.ctx.names
+        grp = self.groups[g]
+        return repr(names[grp[0]]) if len(grp) == 1 else f"{len(grp)} tensors from {names[grp[0]]!r}"
 
     # -- worker side ---------------------------------------------------------------------------
     def _open_step(self) -> None:
         self.open = True
         t = self.ctx.transport
         if self.dedicated:
-            header = torch.tensor([OP_STEP, self.step_no], dtype=torch.int64, device=self.ctx.transport.device)
+            header = torch.tensor([OP_STEP, self.step_no], dtype=torch.int64, device=t.device)
             self.sends += [t.send_async(header, s, TAG_CONTROL, what=f"step header to rank {s}")
                            for s in self.servers]
         else:  # co-located: this worker serves its partition, so it listens for pushes now
@@ -107,78 +153,115 @@ class ParameterServer(Strategy):
 
     def _post_pushes(self, workers: list[int]) -> list:
         t = self.ctx.transport
-        return [t.recv_async(self.inbox[(w, i)].wire, w, 1 + i, what=f"push of {self.ctx.names[i]!r} from rank {w}")
-                for w in workers for i in self.owned]
+        return [t.recv_async(self.inbox[(w, g)].wire, w, 1 + self.groups[g][0],
+                             what=f"push of {self._label(g)} from rank {w}")
+                for w in workers for g in self.owned_groups]
 
     def on_grad_ready(self, index: int) -> None:
         if not self.open:
             self._open_step()
-        if self.owner[index] != self.ctx.topology.rank:
-            self._push(index)
-
-    def _push(self, i: int) -> None:
-        if self.pushed[i]:
+        g, slot = self.where[index]
+        if self.group_owner[g] == self.ctx.topology.rank:
+            return
+        if self.pushed[g]:
             raise GradsyncError(
-                f"parameter {self.ctx.names[i]!r} received a second gradient after it was pushed. "
+                f"parameter {self.ctx.names[index]!r} received a second gradient after it was pushed. "
                 "For gradient accumulation, run all but the last backward inside `with optimizer.no_sync():`")
-        msg, grad = self.push_buf[i], self.ctx.params[i].grad
+        self._fill(g, slot)
+        if not self.ready[g][slot]:
+            self.ready[g][slot] = True
+            self.pending[g] -= 1
+        if self.pending[g] == 0:
+            self._push(g)
+
+    def _fill(self, g: int, slot: int) -> None:
+        msg, grad = self.outbox[g], self.ctx.params[self.groups[g][slot]].grad
         if grad is None:
-            msg.wire.zero_()
+            msg.parts[slot].zero_()
+            msg.used[slot] = 0
         else:
-            msg.grad.copy_(grad)
-            msg.used.fill_(1)
-        self.pushed[i] = True
+            msg.parts[slot].copy_(grad)
+            msg.used[slot] = 1
+
+    def _push(self, g: int) -> None:
+        self.pushed[g] = True
+        owner = self.group_owner[g]
         self.sends.append(self.ctx.transport.send_async(
-            msg.wire, self.owner[i], 1 + i, what=f"push of {self.ctx.names[i]!r} to rank {self.owner[i]}"))
+            self.outbox[g].wire, owner, 1 + self.groups[g][0], what=f"push of {self._label(g)} to rank {owner}"))
 
     def step(self, apply: Callable[[], Any]) -> Any:
         if not self.open:
             self._open_step()
-        me = self.ctx.topology.rank
-        for i in range(len(self.ctx.params)):
-            if self.owner[i] != me and not self.pushed[i]:
-                self._push(i)
+        for g in self.outbox:
+            if not self.pushed[g]:  # tensors without a gradient this step: zeros, flagged unused
+                for slot, done in enumerate(self.ready[g]):
+                    if not done:
+                        self._fill(g, slot)
+                self._push(g)
         result = None
         if not self.dedicated:
             wait_all(self.recvs)
             self._aggregate(self.ctx.topology.worker_ranks, own=True)
             result = apply()
             self.sends += self._answer(self.ctx.topology.worker_ranks)
-        wait_all(self._pull())
+        self._pull()
         wait_all(self.sends)
         self.sends, self.open = [], False
-        self.pushed = [False] * len(self.ctx.params)
+        self._reset_pushes()
         self.step_no += 1
         return result
 
-    def _pull(self) -> list:
-        t, me = self.ctx.transport, self.ctx.topology.rank
-        return [t.recv_async(self.ctx.params[i].data, s, 1 + i, what=f"pull of {self.ctx.names[i]!r} from rank {s}")
-                for i, s in enumerate(self.owner) if s != me]
+    def _pull(self) -> None:
+        t, params = self.ctx.transport, self.ctx.params
+        handles = []
+        for g in self.outbox:
+            target = self.pull_buf[g].wire if g in self.pull_buf else params[self.groups[g][0]].data
+            handles.append(t.recv_async(target, self.group_owner[g], 1 + self.groups[g][0],
+                                        what=f"pull of {self._label(g)} from rank {self.group_owner[g]}"))
+        wait_all(handles)
+        with torch.no_grad():
+            for g, buf in self.pull_buf.items():
+                for i, part in zip(self.groups[g], buf.parts):
+                    params[i].copy_(part)
 
     # -- server side (dedicated ranks, and co-located workers for their partition) ---------------
     def _aggregate(self, workers: list[int], own: bool = False) -> None:
         """Set ``grad`` of owned parameters to the workers' mean; other parameters get ``None``."""
-        me = self.ctx.topology.rank
+        me, params = self.ctx.topology.rank, self.ctx.params
         divisor = len(workers) if self.mode == "sync" else 1
-        for i, p in enumerate(self.ctx.params):
-            if self.owner[i] != me:
-                p.grad = None
+        for g, grp in enumerate(self.groups):
+            if self.group_owner[g] != me:
+                for i in grp:
+                    params[i].grad = None
                 continue
-            # Sum in place: into the owner's own gradient when it has one, else a zeroed buffer.
-            total = p.grad if own and p.grad is not None else torch.zeros_like(p)
-            used = 1.0 if own and p.grad is not None else 0.0
-            for w in workers:
-                if w != me:
-                    msg = self.inbox[(w, i)]
-                    total.add_(msg.grad)
-                    used += msg.used.item()
-            p.grad = mean_of_used(total, used, divisor)
+            msgs = [self.inbox[(w, g)] for w in workers if w != me]
+            flags = [m.used.tolist() for m in msgs]
+            for slot, i in enumerate(grp):
+                p = params[i]
+                # Sum in place: into the owner's own gradient when it has one, else a zeroed buffer.
+                total = p.grad if own and p.grad is not None else torch.zeros_like(p)
+                used = 1.0 if own and p.grad is not None else 0.0
+                for m, f in zip(msgs, flags):
+                    total.add_(m.parts[slot])
+                    used += f[slot]
+                p.grad = mean_of_used(total, used, divisor)
 
     def _answer(self, workers: list[int]) -> list:
-        t, me = self.ctx.transport, self.ctx.topology.rank
-        return [t.send_async(self.ctx.params[i].data, w, 1 + i, what=f"pull of {self.ctx.names[i]!r} to rank {w}")
-                for w in workers if w != me for i in self.owned]
+        """Send each owned group's updated parameters to ``workers`` (one fused message per group)."""
+        t, me, params = self.ctx.transport, self.ctx.topology.rank, self.ctx.params
+        handles = []
+        for g in self.owned_groups:
+            if g in self.answer_buf:
+                buf = self.answer_buf[g]
+                with torch.no_grad():
+                    for i, part in zip(self.groups[g], buf.parts):
+                        part.copy_(params[i])
+                data = buf.wire
+            else:
+                data = params[self.groups[g][0]].data
+            handles += [t.send_async(data, w, 1 + self.groups[g][0], what=f"pull of {self._label(g)} to rank {w}")
+                        for w in workers if w != me]
+        return handles
 
     def serve(self) -> None:
         """Dedicated server loop: runs until every worker has sent 'stop' (``gradsync.shutdown``)."""
@@ -243,4 +326,5 @@ class ParameterServer(Strategy):
 
     def describe(self) -> str:
         where = f"{len(self.servers)} dedicated servers" if self.dedicated else f"co-located on {len(self.servers)} workers"
-        return f"ps({self.mode}, {where})"
+        fused = f"fuse_kb={self.fuse_bytes / 1024:g}" if self.fuse_bytes else "one message per tensor"
+        return f"ps({self.mode}, {where}, {len(self.groups)} messages per push, {fused})"

@@ -1,67 +1,23 @@
-"""``gradsync run``: start the ranks of one data-parallel job on this machine.
-
-Rank layout, which the rest of gradsync relies on: with ``-np N --servers S`` the job has
-``WORLD_SIZE = N + S`` ranks; global ranks ``0..N-1`` are workers and ``N..N+S-1`` parameter
-servers. Every rank runs the same command and receives, on top of the launcher's environment:
-
-    RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK (node rank), MASTER_ADDR,
-    MASTER_PORT, GRADSYNC_NUM_WORKERS (= N), GRADSYNC_NUM_SERVERS (= S),
-    GRADSYNC_ROLE (``worker`` | ``server``), GRADSYNC_ROLE_RANK (index within the role),
-    PYTHONUNBUFFERED=1
-
-On several hosts the same command runs on each; each launcher starts only its node's ranks.
-Workers fill the hosts' slots in order, servers go round-robin over the hosts (see
-:func:`plan_ranks`). Servers do not use slots.
-
-Output: each child line is re-emitted whole, prefixed ``[worker 3] `` / ``[server 0] `` (role
-rank), stdout to stdout and stderr to stderr; ``logdir`` adds one unprefixed file per rank.
-Children read stdin from /dev/null.
-
-Failure: when a rank exits non-zero or dies by a signal, every rank's process group gets SIGTERM,
-then SIGKILL after ``grace_s``; the job's exit code is the failed rank's (128 + signal number for
-a signal). SIGINT/SIGTERM to the launcher stop the job the same way (exit 130/143). Children run
-in their own session (so grandchildren are stopped too, also after a successful job) and get
-SIGKILL if the launcher dies.
-
-This module must not import torch: the launcher has to start fast.
-"""
+"""Running one node's ranks: spawn, re-emit output with prefixes, stop everything on the first failure."""
 from __future__ import annotations
 
-import argparse
 import collections
 import contextlib
 import ctypes
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
 
-DEFAULT_MULTI_HOST_PORT = 29500  # torchrun's default; one agreed port, since hosts cannot search together
+from gradsync.launch.hosts import (DEFAULT_MULTI_HOST_PORT, RankSpec, _port_taken_message, find_free_port,
+                                   plan_ranks)
+
 TAIL_LINES = 20
 _POLL_S = 0.05
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
-
-
-@dataclass
-class RankSpec:
-    """One process of the job, as placed on this node."""
-
-    rank: int
-    """Global rank: workers first, then servers."""
-    role: str
-    """``worker`` or ``server``."""
-    role_rank: int
-    """Index within the role: ``server 0`` is global rank ``np``."""
-    local_rank: int
-    """Index among the ranks of this node (workers first, then servers)."""
-
-    @property
-    def label(self) -> str:
-        return f"{self.role} {self.role_rank}"
 
 
 @dataclass
@@ -72,125 +28,6 @@ class JobResult:
     """The first rank seen failing, or None."""
     message: str
     """Human-readable failure text for stderr ('' on success)."""
-
-
-# --- hosts and rank placement -------------------------------------------------------------------
-
-def parse_hosts(text: str) -> list[tuple[str, int]]:
-    """Parse ``h1:2,h2:2`` (a bare ``host`` means one slot; IPv6 as ``[addr]:N``)."""
-    return [_parse_host(item) for item in text.split(",") if item.strip()]
-
-
-def _parse_host(item: str, slots_text: str | None = None) -> tuple[str, int]:
-    host = item.strip()
-    if slots_text is None and ":" in host and not host.endswith("]"):
-        host, slots_text = host.rsplit(":", 1)
-    host = host.strip("[]")
-    try:
-        slots = 1 if slots_text is None else int(slots_text)
-    except ValueError:
-        slots = 0
-    if not host or slots < 1:
-        raise ValueError(f"bad host entry {item!r}: expected HOST:SLOTS with SLOTS >= 1")
-    return host, slots
-
-
-def read_hostfile(path) -> list[tuple[str, int]]:
-    """Read a hostfile: one ``host slots=N`` or ``host:N`` (or bare ``host``) per line, ``#`` comments."""
-    hosts = []
-    with open(path) as f:
-        for line in f:
-            words = line.split("#", 1)[0].split()
-            if not words:
-                continue
-            if len(words) == 2 and words[1].startswith("slots="):
-                hosts.append(_parse_host(words[0], words[1][len("slots="):]))
-            elif len(words) == 1:
-                hosts.append(_parse_host(words[0]))
-            else:
-                raise ValueError(f"{path}: bad line {line.strip()!r}: expected 'host slots=N' or 'host:N'")
-    if not hosts:
-        raise ValueError(f"{path}: no hosts")
-    return hosts
-
-
-def plan_ranks(np: int, servers: int, hosts: list[tuple[str, int]], node_rank: int) -> list[RankSpec]:
-    """The ranks node ``node_rank`` runs: workers fill hosts in order, servers round-robin."""
-    total = sum(slots for _, slots in hosts)
-    if np > total:
-        raise ValueError(f"-np {np} exceeds the {total} slots of the hosts {_format_hosts(hosts)}")
-    if not 0 <= node_rank < len(hosts):
-        raise ValueError(f"node rank {node_rank} is out of range for {len(hosts)} host(s)")
-    first = sum(slots for _, slots in hosts[:node_rank])
-    workers = range(first, min(np, first + hosts[node_rank][1]))
-    mine = [RankSpec(r, "worker", r, 0) for r in workers]
-    mine += [RankSpec(np + s, "server", s, 0) for s in range(servers) if s % len(hosts) == node_rank]
-    for local_rank, spec in enumerate(mine):
-        spec.local_rank = local_rank
-    return mine
-
-
-def _format_hosts(hosts: list[tuple[str, int]]) -> str:
-    return ",".join(f"{host}:{slots}" for host, slots in hosts)
-
-
-def detect_node_rank(hosts: list[tuple[str, int]]) -> int:
-    """Find this machine in ``hosts`` by hostname/FQDN, else by local IP address."""
-    names = _local_names()
-    matches = [i for i, (host, _) in enumerate(hosts) if host.lower() in names]
-    if not matches:
-        # Slower path (name resolution), only when no entry is spelled like our hostname.
-        matches = [i for i, (host, _) in enumerate(hosts) if _is_local_address(host)]
-    if len(matches) == 1:
-        return matches[0]
-    found = "matches several entries" if matches else "is not in"
-    raise ValueError(
-        f"this machine ({sorted(names)[0]}) {found} the host list {_format_hosts(hosts)}; "
-        "pass --node-rank K (K = this host's position in the list, counting from 0)")
-
-
-def _local_names() -> set[str]:
-    names = {socket.gethostname().lower(), socket.getfqdn().lower()}
-    return names | {name.split(".")[0] for name in names}
-
-
-def _is_local_address(host: str) -> bool:
-    try:
-        infos = socket.getaddrinfo(host, None, type=socket.SOCK_DGRAM)
-    except OSError:
-        return False
-    for family, _, _, _, address in infos:
-        with socket.socket(family, socket.SOCK_DGRAM) as sock:
-            try:  # only addresses of this machine's interfaces can be bound
-                sock.bind((address[0], 0, *address[2:]))
-                return True
-            except OSError:
-                continue
-    return False
-
-
-# --- ports --------------------------------------------------------------------------------------
-
-def find_free_port() -> int:
-    """A TCP port free right now on all interfaces (another process may still take it later)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
-
-
-def _port_taken_message(port: int, master_addr: str) -> str:
-    """'' if the rendezvous store can bind ``port`` here, else a message saying what to do."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        # SO_REUSEADDR like the store itself, so a port in TIME_WAIT from the last run counts as free.
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(("", port))
-            return ""
-        except OSError as err:
-            reason = err.strerror
-    return (f"gradsync run: MASTER_PORT {port} is already in use on this machine "
-            f"(MASTER_ADDR {master_addr}; binding 0.0.0.0:{port} failed: {reason}). "
-            f"Pass another --port, or stop the process holding it (`ss -ltnp 'sport = :{port}'` finds it).")
 
 
 # --- one running rank ---------------------------------------------------------------------------
@@ -459,75 +296,3 @@ def launch_local(command: list[str], *, np: int, servers: int = 0, port: int | N
     envs = _rank_envs(specs, np=np, servers=servers, node_rank=node_rank,
                       master_addr=master_addr, port=port, env=env)
     return _run(command, specs, envs, logdir=logdir, grace_s=grace_s, prefix_output=prefix_output)
-
-
-# --- command line -------------------------------------------------------------------------------
-
-def _int_in(low: int, high: int | None = None):
-    def parse(text: str) -> int:
-        value = int(text)
-        if value < low or (high is not None and value > high):
-            raise argparse.ArgumentTypeError(f"must be in {low}..{high}, got {value}" if high
-                                             else f"must be >= {low}, got {value}")
-        return value
-    return parse
-
-
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser(
-        "run", help="start the workers and servers of a job",
-        usage="gradsync run -np N [--servers S] [-H h1:n,h2:n | --hostfile F] [options] -- COMMAND ...",
-        description="Start ranks 0..N-1 as workers and N..N+S-1 as parameter servers, all running COMMAND.")
-    parser.add_argument("-np", "--num-workers", dest="np", type=_int_in(1), required=True)
-    parser.add_argument("--servers", type=_int_in(0), default=0, help="parameter servers (default 0)")
-    hosts = parser.add_mutually_exclusive_group()
-    hosts.add_argument("-H", "--hosts", help="host1:slots,host2:slots (workers fill hosts in order)")
-    hosts.add_argument("--hostfile", help="lines of 'host slots=N' or 'host:N'; '#' comments")
-    parser.add_argument("--node-rank", type=_int_in(0), help="this host's index in the host list")
-    parser.add_argument("--master-addr", help="rendezvous address (default: first host, or 127.0.0.1)")
-    parser.add_argument("--port", type=_int_in(1, 65535), help="rendezvous port (default: free port; 29500 on several hosts)")
-    parser.add_argument("--logdir", help="also write each rank's unprefixed output to DIR/worker-K.log")
-    parser.add_argument("--grace", type=float, default=3.0, help="seconds between SIGTERM and SIGKILL")
-    parser.add_argument("command", nargs=argparse.REMAINDER, help="the command every rank runs, after --")
-    parser.set_defaults(handler=main, run_parser=parser)
-    return parser
-
-
-def _hosts_and_node_rank(args, parser) -> tuple[list[tuple[str, int]] | None, int]:
-    if args.hosts is None and args.hostfile is None:
-        if args.node_rank:
-            parser.error("--node-rank needs -H or --hostfile")
-        return None, 0
-    try:
-        hosts = parse_hosts(args.hosts) if args.hosts is not None else read_hostfile(args.hostfile)
-        if not hosts:
-            raise ValueError("-H lists no hosts")
-        node_rank = args.node_rank
-        if node_rank is None:
-            node_rank = 0 if len(hosts) == 1 else detect_node_rank(hosts)
-        plan_ranks(args.np, args.servers, hosts, node_rank)  # checks -np against the slots
-    except (OSError, ValueError) as err:
-        parser.error(str(err))
-    return hosts, node_rank
-
-
-def main(args: argparse.Namespace) -> int:
-    parser = args.run_parser
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    if not command:
-        parser.error("missing the command to run, e.g. gradsync run -np 2 -- python train.py")
-    hosts, node_rank = _hosts_and_node_rank(args, parser)
-    result = launch_local(command, np=args.np, servers=args.servers, port=args.port,
-                          logdir=args.logdir, grace_s=args.grace, hosts=hosts,
-                          node_rank=node_rank, master_addr=args.master_addr)
-    if result.message:
-        print(result.message, file=sys.stderr, flush=True)
-    return result.returncode
-
-
-if __name__ == "__main__":
-    # `python -m gradsync.launch ARGS` == `gradsync run ARGS`, without importing the other subcommands.
-    _parser = argparse.ArgumentParser(prog="gradsync")
-    add_parser(_parser.add_subparsers(dest="command_name", required=True))
-    _args = _parser.parse_args(["run", *sys.argv[1:]])
-    sys.exit(main(_args))

@@ -1,0 +1,72 @@
+"""`gradsync run` arguments: a thin layer over :func:`gradsync.launch.launch_local`."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from gradsync.launch.hosts import detect_node_rank, parse_hosts, plan_ranks, read_hostfile
+from gradsync.launch.processes import launch_local
+
+
+# --- command line -------------------------------------------------------------------------------
+
+def _int_in(low: int, high: int | None = None):
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be in {low}..{high}, got {value}" if high
+                                             else f"must be >= {low}, got {value}")
+        return value
+    return parse
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "run", help="start the workers and servers of a job",
+        usage="gradsync run -np N [--servers S] [-H h1:n,h2:n | --hostfile F] [options] -- COMMAND ...",
+        description="Start ranks 0..N-1 as workers and N..N+S-1 as parameter servers, all running COMMAND.")
+    parser.add_argument("-np", "--num-workers", dest="np", type=_int_in(1), required=True)
+    parser.add_argument("--servers", type=_int_in(0), default=0, help="parameter servers (default 0)")
+    hosts = parser.add_mutually_exclusive_group()
+    hosts.add_argument("-H", "--hosts", help="host1:slots,host2:slots (workers fill hosts in order)")
+    hosts.add_argument("--hostfile", help="lines of 'host slots=N' or 'host:N'; '#' comments")
+    parser.add_argument("--node-rank", type=_int_in(0), help="this host's index in the host list")
+    parser.add_argument("--master-addr", help="rendezvous address (default: first host, or 127.0.0.1)")
+    parser.add_argument("--port", type=_int_in(1, 65535), help="rendezvous port (default: free port; 29500 on several hosts)")
+    parser.add_argument("--logdir", help="also write each rank's unprefixed output to DIR/worker-K.log")
+    parser.add_argument("--grace", type=float, default=3.0, help="seconds between SIGTERM and SIGKILL")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="the command every rank runs, after --")
+    parser.set_defaults(handler=main, run_parser=parser)
+    return parser
+
+
+def _hosts_and_node_rank(args, parser) -> tuple[list[tuple[str, int]] | None, int]:
+    if args.hosts is None and args.hostfile is None:
+        if args.node_rank:
+            parser.error("--node-rank needs -H or --hostfile")
+        return None, 0
+    try:
+        hosts = parse_hosts(args.hosts) if args.hosts is not None else read_hostfile(args.hostfile)
+        if not hosts:
+            raise ValueError("-H lists no hosts")
+        node_rank = args.node_rank
+        if node_rank is None:
+            node_rank = 0 if len(hosts) == 1 else detect_node_rank(hosts)
+        plan_ranks(args.np, args.servers, hosts, node_rank)  # checks -np against the slots
+    except (OSError, ValueError) as err:
+        parser.error(str(err))
+    return hosts, node_rank
+
+
+def main(args: argparse.Namespace) -> int:
+    parser = args.run_parser
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("missing the command to run, e.g. gradsync run -np 2 -- python train.py")
+    hosts, node_rank = _hosts_and_node_rank(args, parser)
+    result = launch_local(command, np=args.np, servers=args.servers, port=args.port,
+                          logdir=args.logdir, grace_s=args.grace, hosts=hosts,
+                          node_rank=node_rank, master_addr=args.master_addr)
+    if result.message:
+        print(result.message, file=sys.stderr, flush=True)
+    return result.returncode
