@@ -53,6 +53,9 @@ def test_the_check_catches_a_wrong_model():
     (["--strategies", "allreduce,nope"], "valid strategies: allreduce, ddp, ps, ps-async"),
     (["--model", "nope"], "valid models:"),
     (["--model", "resnet50:huge"], "valid sizes: full, tiny"),
+    (["--set", "ps.fuse_kb=-1"], "fuse_kb must be >= 0"),
+    (["--set", "ps.nope=1"], "invalid options for strategy 'ps'"),
+    (["--set", "fuse_kb=1"], "expected STRATEGY.KEY=VALUE"),
 ])
 def test_bad_arguments_are_argument_errors(args, message):
     proc = bench(*args, timeout=60)

@@ -31,6 +31,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--optimizer", default="sgd", help="sgd (momentum 0.9) or adam (default sgd)")
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--set", action="append", default=[], metavar="STRATEGY.KEY=VALUE",
+                   help="a strategy option, e.g. ps.fuse_kb=0 or allreduce.bucket_mb=4 (repeatable)")
     p.add_argument("--json", metavar="FILE", help="write one record per strategy to FILE")
     p.add_argument("--out", metavar="DIR", help="write the chart (bench.png) and records (bench.json) to DIR")
     p.add_argument("--check-steps", type=int, default=5,
@@ -64,7 +66,23 @@ def _validate(args, parser_error) -> list[str]:
     return names
 
 
-def _config(args, strategies: list[str]) -> dict:
+def _overrides(items: list[str], strategies: list[str], parser_error) -> dict[str, dict]:
+    """``["ps.fuse_kb=0"]`` -> ``{"ps": {"fuse_kb": 0}}``; values are JSON (numbers, true/false) or strings."""
+    out: dict[str, dict] = {}
+    for item in items:
+        key, eq, raw = item.partition("=")
+        name, dot, option = key.partition(".")
+        if not (eq and dot and option) or name not in strategies:
+            parser_error(f"--set {item!r}: expected STRATEGY.KEY=VALUE with STRATEGY one of {', '.join(strategies)}")
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            value = raw
+        out.setdefault(name, {})[option] = value
+    return out
+
+
+def _config(args, strategies: list[str], overrides: dict[str, dict]) -> dict:
     from gradsync.models import get_model
 
     hints = get_model(args.model).options.get("strategy_options", {})
@@ -72,7 +90,19 @@ def _config(args, strategies: list[str]) -> dict:
                 "lr": args.lr, "seed": args.seed}
     return {"workload": workload, "strategies": strategies, "np": args.np, "servers": args.servers,
             "steps": args.steps, "warmup": args.warmup, "threads": args.threads, "check_steps": args.check_steps,
-            "options": {s: hints.get(s, {}) for s in strategies}}
+            "options": {s: {**hints.get(s, {}), **overrides.get(s, {})} for s in strategies}}
+
+
+def _check_options(config: dict, parser_error) -> None:
+    """Build each strategy once here, so a bad option is an argument error, not a crash in the ranks."""
+    from gradsync.errors import ConfigError
+    from gradsync.strategies import resolve
+
+    for name, options in config["options"].items():
+        try:
+            resolve(name, **options)
+        except ConfigError as exc:
+            parser_error(str(exc))
 
 
 def _run_ranks(config: dict, run_dir: str) -> int:
@@ -122,7 +152,8 @@ def main(args) -> int:
 
     parser_error = _argparse.ArgumentParser(prog="gradsync bench").error
     strategies = _validate(args, parser_error)
-    config = _config(args, strategies)
+    config = _config(args, strategies, _overrides(args.set, strategies, parser_error))
+    _check_options(config, parser_error)
     print(f"gradsync bench: {args.model}, {args.np} workers, {args.servers} servers, batch {args.batch_size}, "
           f"{args.warmup}+{args.steps} steps, strategies {', '.join(strategies)}", flush=True)
     with tempfile.TemporaryDirectory(prefix="gradsync-bench-") as run_dir:
