@@ -1,8 +1,8 @@
 """``gradsync bench``: measure every strategy side by side and check it against a reference.
 
 With no arguments it runs the embedded default (``resnet50:tiny``, 2 workers on loopback, every
-strategy that can run without servers, 5 warm-up and 30 measured steps): about a minute on a
-2-core machine. The ranks run under the same launcher as ``gradsync run``; afterwards this
+strategy that can run without servers, 30 measured steps in 3 interleaved rounds, each after 5
+warm-up steps): under a minute on a 2-core machine. The ranks run under the same launcher as ``gradsync run``; afterwards this
 process trains the single-process reference and compares each exact strategy's parameters.
 """
 from __future__ import annotations
@@ -25,8 +25,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--np", type=int, default=2, help="number of workers (default 2)")
     p.add_argument("--servers", type=int, default=0, help="dedicated parameter-server ranks (default 0: co-located)")
     p.add_argument("--batch-size", type=int, default=32, help="samples per worker per step (default 32)")
-    p.add_argument("--steps", type=int, default=30, help="measured steps (default 30)")
-    p.add_argument("--warmup", type=int, default=5, help="steps discarded before measuring (default 5)")
+    p.add_argument("--steps", type=int, default=30, help="measured steps per strategy, over all rounds (default 30)")
+    p.add_argument("--warmup", type=int, default=5, help="steps discarded at the start of every round (default 5)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="rounds that interleave the strategies, so drift hits all alike (default 3)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     p.add_argument("--optimizer", default="sgd", help="sgd (momentum 0.9) or adam (default sgd)")
     p.add_argument("--lr", type=float, default=0.01)
@@ -47,7 +49,7 @@ def _validate(args, parser_error) -> list[str]:
 
     for flag, value, low in [("--np", args.np, 1), ("--batch-size", args.batch_size, 1), ("--steps", args.steps, 1),
                              ("--servers", args.servers, 0), ("--warmup", args.warmup, 0), ("--threads", args.threads, 1),
-                             ("--check-steps", args.check_steps, 0)]:
+                             ("--check-steps", args.check_steps, 0), ("--rounds", args.rounds, 1)]:
         if value < low:
             parser_error(f"{flag} must be >= {low}, got {value}")
     names = [s.strip() for s in args.strategies.split(",") if s.strip()]
@@ -90,6 +92,7 @@ def _config(args, strategies: list[str], overrides: dict[str, dict]) -> dict:
                 "lr": args.lr, "seed": args.seed}
     return {"workload": workload, "strategies": strategies, "np": args.np, "servers": args.servers,
             "steps": args.steps, "warmup": args.warmup, "threads": args.threads, "check_steps": args.check_steps,
+            "rounds": args.rounds, "per_round": -(-args.steps // args.rounds),
             "options": {s: {**hints.get(s, {}), **overrides.get(s, {})} for s in strategies}}
 
 
@@ -130,20 +133,19 @@ def _records(config: dict, run_dir: str) -> list[dict]:
     # Same thread count as the workers: CPU kernels then sum in the same order, and the comparison
     # measures synchronization alone (with other counts, chaotic models differ by far more).
     torch.set_num_threads(config["threads"])
-    with open(os.path.join(run_dir, "compute.json")) as f:
-        compute = json.load(f)["times"]
-    fp32_ref = reference(work, config["np"], config["warmup"] + config["steps"])
+    with open(os.path.join(run_dir, "results.json")) as f:
+        results = json.load(f)
+    fp32_ref = reference(work, config["np"], config["warmup"] + config["per_round"])
     check = Workload(**{**config["workload"], "dtype": "float64"})
     check_ref = reference(check, config["np"], config["check_steps"]) if config["check_steps"] else None
     records = []
     for name in config["strategies"]:
-        with open(os.path.join(run_dir, f"{name}.json")) as f:
-            raw = json.load(f)
+        raw = results["records"][name]
         fp32 = compare(torch.load(os.path.join(run_dir, f"{name}.pt")), fp32_ref, work.tolerance)
         result = None
         if check_ref is not None:
             result = compare(torch.load(os.path.join(run_dir, f"{name}.check.pt")), check_ref, check.tolerance)
-        records.append(summarize(raw, compute, config, result, fp32["max_abs_diff"]))
+        records.append(summarize(raw, results["compute"], config, result, fp32["max_abs_diff"]))
     return records
 
 

@@ -19,14 +19,14 @@ def summarize(raw: dict, compute_times: list[float], config: dict, check: dict |
               fp32_max_abs_diff: float) -> dict:
     """One JSON record for one strategy (see :data:`FIELDS`, plus a few descriptive extras)."""
     warm = config["warmup"]
-    times, compute = raw["times"][warm:], compute_times[warm:]
+    times, compute = raw["times"], compute_times  # warm-up already dropped, in every round
     samples = config["np"] * config["workload"]["batch_size"]
     rates = [samples / t for t in times]
     step_s, compute_s = statistics.median(times), statistics.median(compute)
     record = {
         "strategy": raw["strategy"], "describe": raw["describe"], "model": config["workload"]["model"],
         "np": config["np"], "servers": config["servers"], "batch_size": config["workload"]["batch_size"],
-        "steps": config["steps"], "warmup": warm, "threads": config["threads"],
+        "steps": len(times), "warmup": warm, "rounds": config["rounds"], "threads": config["threads"],
         "samples_per_s": statistics.median(rates), "samples_per_s_min": min(rates),
         "samples_per_s_max": max(rates), "step_s": step_s, "compute_s": compute_s,
         "comm_overhead_s": step_s - compute_s, "bytes_per_step": raw["bytes_per_step"],

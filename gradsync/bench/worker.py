@@ -4,12 +4,13 @@ Reads ``RUN_DIR/config.json`` (written by :mod:`gradsync.bench.cli`), then on ev
 
 1. compute-only: the same training steps with no strategy at all, on every worker at once (so
    CPU contention is the same as in the real run): the step time without communication;
-2. for each strategy: build the model from the seed, ``distribute`` it, run ``warmup + steps``
+2. for each strategy: build the model from the seed, ``distribute`` it, run ``warmup + per_round``
    timed steps (forward, backward, ``optimizer.step``, ``zero_grad``; batches made beforehand),
    and record per-step time (the slowest worker's), bytes sent and peak resident memory;
-3. check that all workers hold the same parameters, and have rank 0 write
-   ``RUN_DIR/<strategy>.json`` plus its final parameters ``RUN_DIR/<strategy>.pt`` for the
-   parent's comparison with the single-process reference.
+3. check that all workers hold the same parameters; rank 0 saves its final parameters
+   ``RUN_DIR/<strategy>.pt`` for the parent's comparison with the single-process reference;
+4. repeat 1-3 for ``rounds`` rounds, then rank 0 writes ``RUN_DIR/results.json``;
+5. replay each strategy in float64 for ``check_steps`` steps (``RUN_DIR/<strategy>.check.pt``).
 Server ranks only take part in the strategies that use servers.
 """
 from __future__ import annotations
@@ -90,14 +91,14 @@ def workers_agree(model) -> float:
     return float(transport.allreduce(diff, op="max", what="consistency check"))
 
 
-def run_strategy(name: str, options: dict, work: Workload, total: int, run_dir: str) -> None:
+def run_strategy(name: str, options: dict, work: Workload, total: int, run_dir: str) -> dict | None:
     topo = gradsync.topology()
     transport = runtime.current().transport
     with PeakMemory() as memory:
         model, optimizer = work.build()
         optimizer = gradsync.distribute(model, optimizer, name, exit_servers=False, **options)
         if topo.is_server:
-            return
+            return None
         sent_before = transport.bytes_sent
         times = timed_steps(model, optimizer, work, total)
         sent = transport.bytes_sent - sent_before
@@ -107,12 +108,21 @@ def run_strategy(name: str, options: dict, work: Workload, total: int, run_dir: 
     mem = torch.tensor([memory.peak_mb], dtype=torch.float64, device=transport.device)
     transport.allreduce(mem, op="max", what="gather of peak memory")
     if topo.rank == 0:
-        record = {"strategy": name, "describe": optimizer.strategy.describe(), "times": times,
-                  "bytes_per_step": sent / total, "peak_mem_mb": float(mem), "workers_max_diff": agree,
-                  "exact": bool(optimizer.strategy.exact)}
-        with open(os.path.join(run_dir, f"{name}.json"), "w") as f:
-            json.dump(record, f)
         torch.save({n: p.detach() for n, p in model.named_parameters()}, os.path.join(run_dir, f"{name}.pt"))
+    return {"strategy": name, "describe": optimizer.strategy.describe(), "times": times,
+            "bytes_per_step": sent / total, "peak_mem_mb": float(mem), "workers_max_diff": agree,
+            "exact": bool(optimizer.strategy.exact)}
+
+
+def merge(into: dict | None, record: dict, warmup: int) -> dict:
+    """Accumulate one round: measured times (warm-up dropped), worst memory and agreement."""
+    times = record["times"][warmup:]
+    if into is None:
+        return {**record, "times": times}
+    into["times"] += times
+    into["peak_mem_mb"] = max(into["peak_mem_mb"], record["peak_mem_mb"])
+    into["workers_max_diff"] = max(into["workers_max_diff"], record["workers_max_diff"])
+    return into
 
 
 def run_check(name: str, options: dict, work: Workload, steps: int, run_dir: str) -> None:
@@ -132,21 +142,27 @@ def main(run_dir: str) -> int:
         config = json.load(f)
     torch.set_num_threads(config["threads"])
     work = Workload(**config["workload"])
-    total = config["warmup"] + config["steps"]
+    total = config["warmup"] + config["per_round"]
     topo = gradsync.init()
     say = print if topo.rank == 0 else (lambda *a, **k: None)
-    if topo.is_worker:
-        model, optimizer = work.build()
-        times = slowest(timed_steps(model, optimizer, work, total))
-        if topo.rank == 0:
-            with open(os.path.join(run_dir, "compute.json"), "w") as f:
-                json.dump({"times": times}, f)
-        say(f"  {'compute only':<14} {total} steps in {sum(times):.1f} s", flush=True)
-    for name in config["strategies"]:
-        start = time.perf_counter()
-        run_strategy(name, config["options"].get(name, {}), work, total, run_dir)
-        runtime.current().transport.barrier(what=f"end of {name}")
-        say(f"  {name:<14} {total} steps in {time.perf_counter() - start:.1f} s", flush=True)
+    # Rounds interleave the strategies (compute-only, a, b, c, compute-only, a, ...), so drift on a
+    # shared machine falls on every strategy alike instead of on whichever ran last.
+    warmup, records, compute = config["warmup"], {}, []
+    for r in range(config["rounds"]):
+        if topo.is_worker:
+            model, optimizer = work.build()
+            compute += slowest(timed_steps(model, optimizer, work, total))[warmup:]
+        for name in config["strategies"]:
+            start = time.perf_counter()
+            record = run_strategy(name, config["options"].get(name, {}), work, total, run_dir)
+            if record is not None:
+                records[name] = merge(records.get(name), record, warmup)
+            runtime.current().transport.barrier(what=f"end of {name}")
+            say(f"  round {r + 1}/{config['rounds']}  {name:<10} {total} steps in "
+                f"{time.perf_counter() - start:.1f} s", flush=True)
+    if topo.rank == 0:
+        with open(os.path.join(run_dir, "results.json"), "w") as f:
+            json.dump({"compute": compute, "records": records}, f)
     if config["check_steps"]:
         check = Workload(**{**config["workload"], "dtype": "float64"})
         for name in config["strategies"]:

@@ -7,7 +7,7 @@ none, the workers themselves ("co-located": worker ``r`` serves its own partitio
 
 One step, on a worker:
 1. at the first gradient of the step, tell every dedicated server "step k" (a control header);
-2. push each gradient to its server as soon as backward produces it (one message per tensor);
+2. push gradients to their server as soon as backward has produced a whole group (see Wire);
 3. at ``optimizer.step()``: push zeros for parameters that got no gradient, then pull every
    parameter from its server into ``param.data`` (co-located: first serve the own partition).
 
@@ -19,8 +19,11 @@ worker's push as soon as it arrives, as one optimizer step with that worker's gr
 that worker alone: no barrier, and not equal to the synchronous reference.
 
 Wire (no pickle): control header ``int64[2] = (op, step)`` with ``op`` 1 = step, 2 = stop, on tag 0;
-a push of parameter ``i`` is ``grad.flatten() ++ [used]`` in the parameter's dtype on tag ``1 + i``;
-a pull is the parameter's data on tag ``1 + i``.
+a push is a *group* of tensors, ``grads.flatten() ++ [used flag per tensor]`` in their dtype, on
+tag ``1 + first index``; a pull is the group's parameter data on the same tag. Groups are tensors
+consecutive in backward order with the same server, up to ``fuse_kb`` (default 256 KB; fusion
+saves the per-message latency of the many small tensors, biases and norms, a model has);
+``fuse_kb=0`` sends one message per tensor.
 
 Must match across ranks: the model and the optimizer's hyperparameters (servers build their own
 from the same script). Optimizer state lives on the servers, one partition each.
