@@ -74,7 +74,10 @@ class Heartbeat:
         return [r for r, b, a in zip(ranks, before, after) if a == b]
 
     def stop(self) -> None:
+        # Join, so no store call is in flight while the process group and the store are torn down
+        # (a C++ thread inside TCPStore at exit aborts the process).
         self._stop.set()
+        self._thread.join(timeout=5 * HEARTBEAT_S)
 
 
 @dataclass

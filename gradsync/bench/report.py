@@ -77,7 +77,7 @@ def chart(records: list[dict], path: str, title: str) -> None:
     right.bar(names, overhead, bottom=compute, label="communication overhead", color="tab:orange")
     right.set_ylabel("ms per step (median)")
     right.set_title("Step time")
-    right.legend()
+    right.legend(loc="lower center", framealpha=0.9)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
