@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 
 from gradsync.errors import ConfigError, GradsyncError
-from gradsync.strategies.base import Strategy, SyncContext
+from gradsync.strategies.base import Strategy, SyncContext, fill_slot
 
 MB = 1024 * 1024
 
@@ -147,13 +147,7 @@ class AllReduce(Strategy):
 
     # -- internals -----------------------------------------------------------------------------
     def _fill(self, bucket: Bucket, slot: int) -> None:
-        grad = self.ctx.params[bucket.indices[slot]].grad
-        if grad is None:
-            bucket.views[slot].zero_()
-            bucket.used[slot] = 0.0
-        else:
-            bucket.views[slot].copy_(grad)
-            bucket.used[slot] = 1.0
+        bucket.used[slot] = fill_slot(bucket.views[slot], self.ctx.params[bucket.indices[slot]].grad)
 
     def _launch(self, k: int) -> None:
         bucket = self.buckets[k]

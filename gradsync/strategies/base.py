@@ -81,6 +81,15 @@ class Strategy:
         return self.name
 
 
+def fill_slot(slot: torch.Tensor, grad: torch.Tensor | None) -> float:
+    """Copy ``grad`` into its place in an outgoing message; 1.0 ("used"), or zeros and 0.0 for ``None``."""
+    if grad is None:
+        slot.zero_()
+        return 0.0
+    slot.copy_(grad)
+    return 1.0
+
+
 def mean_of_used(total: torch.Tensor, used_count: float, num_workers: int) -> torch.Tensor | None:
     """The data-parallel gradient from a sum over workers: ``None`` when no worker used it."""
     if used_count == 0:

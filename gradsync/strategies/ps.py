@@ -36,7 +36,7 @@ import torch
 
 from gradsync.errors import ConfigError, GradsyncError
 from gradsync.strategies.allreduce import plan_buckets
-from gradsync.strategies.base import Strategy, SyncContext, mean_of_used
+from gradsync.strategies.base import Strategy, SyncContext, fill_slot, mean_of_used
 from gradsync.transport import wait_all
 
 OP_STEP, OP_STOP = 1, 2
@@ -178,13 +178,8 @@ class ParameterServer(Strategy):
             self._push(g)
 
     def _fill(self, g: int, slot: int) -> None:
-        msg, grad = self.outbox[g], self.ctx.params[self.groups[g][slot]].grad
-        if grad is None:
-            msg.parts[slot].zero_()
-            msg.used[slot] = 0
-        else:
-            msg.parts[slot].copy_(grad)
-            msg.used[slot] = 1
+        msg = self.outbox[g]
+        msg.used[slot] = fill_slot(msg.parts[slot], self.ctx.params[self.groups[g][slot]].grad)
 
     def _push(self, g: int) -> None:
         self.pushed[g] = True
