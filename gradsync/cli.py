@@ -13,8 +13,10 @@ def _subcommands():
     # Imported lazily so `gradsync --help` does not pay for importing torch.
     from gradsync import launch
     from gradsync.bench import cli as bench_cli
+    from gradsync.cluster import cli as cluster_cli
+    from gradsync.emulate import cli as profile_cli
 
-    return {"run": launch, "bench": bench_cli}
+    return {"run": launch, "bench": bench_cli, "netcheck+cluster": cluster_cli, "profile": profile_cli}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from gradsync.launch.hosts import (DEFAULT_MULTI_HOST_PORT, RankSpec, _port_taken_message, find_free_port,
                                    plan_ranks)
@@ -229,12 +230,12 @@ def _rank_envs(specs: list[RankSpec], *, np: int, servers: int, node_rank: int, 
     return envs
 
 
-def _run(command, specs, envs, *, logdir, grace_s, prefix_output) -> JobResult:
+def _run(commands, specs, envs, *, logdir, grace_s, prefix_output) -> JobResult:
     out, ranks = _Output(prefix_output), []
     with _trap_signals() as caught:
         try:
             try:
-                for spec, env in zip(specs, envs):
+                for command, spec, env in zip(commands, specs, envs):
                     ranks.append(_spawn(command, spec, env, logdir))
             except OSError as err:  # no such program, not executable, log not writable
                 _stop(ranks, 0)
@@ -267,13 +268,16 @@ def _close(ranks: list[_Rank], timeout_s: float) -> None:
 def launch_local(command: list[str], *, np: int, servers: int = 0, port: int | None = None,
                  logdir: str | None = None, env: dict[str, str] | None = None,
                  grace_s: float = 3.0, prefix_output: bool = True,
-                 hosts=None, node_rank: int = 0, master_addr: str | None = None) -> JobResult:
+                 hosts=None, node_rank: int = 0, master_addr: str | None = None,
+                 placement: Callable[[RankSpec], tuple[list[str], dict[str, str]]] | None = None) -> JobResult:
     """Run this node's ranks of ``command`` until all finish or one fails (see the module docstring).
 
     Args:
         hosts: ``[(host, slots), ...]`` for a multi-host job, None for one machine.
         port: MASTER_PORT; default a free port on one machine, 29500 on several hosts.
         env: extra variables for the children, on top of ``os.environ``.
+        placement: per rank, a command prefix and extra variables (e.g. ``ip netns exec HOST``
+            and ``GLOO_SOCKET_IFNAME`` for an emulated cluster, :mod:`gradsync.cluster`).
         prefix_output: prefix re-emitted lines with ``[worker 3] ``.
     Returns the job's result; the failure message is not printed (the CLI prints it).
     """
@@ -295,4 +299,10 @@ def launch_local(command: list[str], *, np: int, servers: int = 0, port: int | N
         os.makedirs(logdir, exist_ok=True)
     envs = _rank_envs(specs, np=np, servers=servers, node_rank=node_rank,
                       master_addr=master_addr, port=port, env=env)
-    return _run(command, specs, envs, logdir=logdir, grace_s=grace_s, prefix_output=prefix_output)
+    commands = [list(command) for _ in specs]
+    if placement is not None:
+        for k, spec in enumerate(specs):
+            prefix, extra = placement(spec)
+            commands[k] = [*prefix, *command]
+            envs[k].update(extra)
+    return _run(commands, specs, envs, logdir=logdir, grace_s=grace_s, prefix_output=prefix_output)

@@ -1,0 +1,220 @@
+"""Shaped links on one machine: network namespaces, veth pairs, a bridge and ``tc tbf``.
+
+An :class:`EmulatedCluster` of ``N`` hosts is ``N + 1`` network namespaces created for it alone::
+
+    gsync-<pid>-<k>-h0 ... -h<N-1>     one per emulated host: ``eth0`` with 10.213.0.<i+1>/24, ``lo``
+    gsync-<pid>-<k>-sw                 the switch: bridge ``br0`` with ports ``p0`` ... ``p<N-1>``
+
+plus ``/etc/netns/<host namespace>/hosts`` naming the hosts' addresses.
+
+Host ``i``'s ``eth0`` and the switch's ``p<i>`` are the two ends of one veth pair, created inside the
+switch namespace and moved, so nothing is ever added to the machine's own namespace. With a rate,
+``tc tbf`` shapes the egress of *both* ends: ``eth0`` is the host's uplink, ``p<i>`` its downlink, so
+every host has a full-duplex link of that rate and a many-to-one pattern queues at the switch port
+as on a real switch. (``tbf`` on one end only would leave the other direction unshaped; ``tbf`` on a
+loopback would shape both directions together.)
+
+Ranks run inside their host's namespace through ``ip netns exec`` and must use ``eth0``
+(``GLOO_SOCKET_IFNAME``; otherwise Gloo resolves the host name to 127.0.0.1). Everything is removed
+by :meth:`EmulatedCluster.close`; if this process dies first, a small reaper process (started with
+the cluster, blocked on a pipe from us) removes it; ``gradsync cluster cleanup`` removes what is
+left after anything worse. Needs root or CAP_NET_ADMIN.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+
+from gradsync.errors import ConfigError
+
+PREFIX = "gsync-"
+IFNAME = "eth0"
+ETC_NETNS = "/etc/netns"
+SUBNET = "10.213.0"
+_NAME = re.compile(rf"^{PREFIX}(\d+)-(\d+)-(sw|h\d+)$")
+_counter = itertools.count()
+_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+
+
+def parse_rate(text: str) -> float:
+    """``'100mbit'``, ``'1gbit'``, ``'2.5g'``, ``'10G'`` -> bits per second."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(?:bit|bps|b)?(?:/s)?\s*", text.lower())
+    if not match or float(match.group(1)) <= 0:
+        raise ConfigError(f"bad link rate {text!r}: expected a positive number with a unit, e.g. 100mbit, 1gbit, 10gbit")
+    return float(match.group(1)) * _UNITS[match.group(2)]
+
+
+def format_rate(bps: float) -> str:
+    for unit, scale in (("Gbit", 1e9), ("Mbit", 1e6), ("kbit", 1e3)):
+        if bps >= scale:
+            return f"{bps / scale:g} {unit}/s"
+    return f"{bps:g} bit/s"
+
+
+def require_privileges() -> None:
+    """ConfigError unless this process may create namespaces and qdiscs (root or CAP_NET_ADMIN)."""
+    if os.geteuid() == 0 or _has_net_admin():
+        return
+    raise ConfigError("shaped links (--net) need root or CAP_NET_ADMIN to create network namespaces "
+                      "and tc qdiscs; run as root (e.g. sudo), or leave out --net to use loopback")
+
+
+def _has_net_admin() -> bool:
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        with open("/proc/self/status") as f:
+            caps = next(line for line in f if line.startswith("CapEff:"))
+        return bool(int(caps.split()[1], 16) & (1 << 12))  # CAP_NET_ADMIN = 12
+    return False
+
+
+def _ip(*args: str) -> None:
+    _run(["ip", *args])
+
+
+def _run(argv: list[str]) -> None:
+    done = subprocess.run(argv, capture_output=True, text=True)
+    if done.returncode:
+        raise ConfigError(f"network setup failed: `{' '.join(argv)}` said: {done.stderr.strip() or done.returncode}")
+
+
+def tbf_args(rate_bps: float) -> list[str]:
+    """``tc`` arguments of a token bucket that really reaches ``rate_bps`` here.
+
+    Burst must cover one timer tick (HZ=250: rate/250 bytes) and a whole 64 KB GSO packet with room
+    to spare, else the link falls short of its rate (measured; shared/reference/emulation.md).
+    """
+    burst = max(int(rate_bps / 8 / 250), 256 * 1024)
+    return ["tbf", "rate", f"{int(rate_bps)}bit", "burst", str(burst), "latency", "20ms"]
+
+
+class EmulatedCluster:
+    """``hosts`` namespaces joined by a switch; each host link shaped to ``rate_bps`` (None: unshaped)."""
+
+    def __init__(self, hosts: int, rate_bps: float | None = None):
+        if hosts < 1:
+            raise ConfigError(f"an emulated cluster needs at least 1 host, got {hosts}")
+        self.hosts, self.rate_bps = hosts, rate_bps
+        self.tag = f"{PREFIX}{os.getpid()}-{next(_counter)}"
+        self.switch = f"{self.tag}-sw"
+        self.namespaces: list[str] = []
+        self._reaper: subprocess.Popen | None = None
+
+    def host_ns(self, host: int) -> str:
+        return f"{self.tag}-h{host}"
+
+    def address(self, host: int) -> str:
+        return f"{SUBNET}.{host + 1}"
+
+    def exec_prefix(self, host: int) -> list[str]:
+        """Put in front of a command to run it on ``host``."""
+        return ["ip", "netns", "exec", self.host_ns(host)]
+
+    def env(self) -> dict[str, str]:
+        """Variables every rank inside the cluster needs."""
+        return {"GLOO_SOCKET_IFNAME": IFNAME}
+
+    # --- lifecycle ---
+
+    def __enter__(self) -> "EmulatedCluster":
+        self.create()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def create(self) -> None:
+        require_privileges()
+        self._start_reaper()
+        try:
+            self._add_ns(self.switch)
+            _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
+            _ip("-n", self.switch, "link", "set", "br0", "up")
+            for host in range(self.hosts):
+                self._add_host(host)
+        except BaseException:
+            self.close()
+            raise
+
+    def _add_ns(self, name: str) -> None:
+        _ip("netns", "add", name)
+        self.namespaces.append(name)
+        self._reaper.stdin.write(name + "\n")
+        self._reaper.stdin.flush()
+        _ip("-n", name, "link", "set", "lo", "up")
+
+    def _add_host(self, host: int) -> None:
+        ns, port = self.host_ns(host), f"p{host}"
+        self._add_ns(ns)
+        self._write_hosts_file(host)
+        _ip("-n", self.switch, "link", "add", port, "type", "veth", "peer", "name", IFNAME, "netns", ns)
+        _ip("-n", self.switch, "link", "set", port, "master", "br0", "up")
+        _ip("-n", ns, "addr", "add", f"{self.address(host)}/24", "dev", IFNAME)
+        _ip("-n", ns, "link", "set", IFNAME, "up")
+        if self.rate_bps:
+            _run(["tc", "-n", ns, "qdisc", "add", "dev", IFNAME, "root", *tbf_args(self.rate_bps)])
+            _run(["tc", "-n", self.switch, "qdisc", "add", "dev", port, "root", *tbf_args(self.rate_bps)])
+
+    def _write_hosts_file(self, host: int) -> None:
+        ns = self.host_ns(host)
+        # `ip netns exec` mounts /etc/netns/NS/hosts over /etc/hosts. Naming every address lets
+        # Gloo's reverse lookups answer at once instead of asking a DNS server nobody can reach.
+        os.makedirs(os.path.join(ETC_NETNS, ns), exist_ok=True)
+        with open(os.path.join(ETC_NETNS, ns, "hosts"), "w") as f:
+            f.write(f"127.0.0.1 localhost\n{self.address(host)} {socket.gethostname()}\n")
+            for h in range(self.hosts):  # the store listens on IPv6, so peers appear IPv4-mapped
+                f.write(f"{self.address(h)} {self.tag}-h{h}\n::ffff:{self.address(h)} {self.tag}-h{h}\n")
+
+    def _start_reaper(self) -> None:
+        # Own session: a Ctrl-C to our process group must not kill it before we clean up.
+        self._reaper = subprocess.Popen([sys.executable, "-m", "gradsync.cluster.reaper"],
+                                        stdin=subprocess.PIPE, text=True, start_new_session=True)
+
+    def close(self) -> None:
+        """Remove the namespaces (stopping anything still running in them); idempotent."""
+        remove(self.namespaces)
+        self.namespaces = []
+        if self._reaper is not None:
+            with contextlib.suppress(OSError):
+                self._reaper.stdin.close()  # EOF: the reaper finds nothing left and exits
+            self._reaper.wait()
+            self._reaper = None
+
+
+def remove(names: list[str]) -> None:
+    """Stop the processes inside each namespace (all of them started by gradsync), then delete it."""
+    for name in names:
+        pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pid), signal.SIGKILL)
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        shutil.rmtree(os.path.join(ETC_NETNS, name), ignore_errors=True)
+
+
+def leftovers(include_live: bool = False) -> list[str]:
+    """gradsync namespaces whose creating process is gone (all of them with ``include_live``)."""
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split("\n")
+    names = [line.split()[0] for line in listed if line.strip()]
+    found = []
+    for name in names:
+        match = _NAME.match(name)
+        if match and (include_live or not _alive(int(match.group(1)))):
+            found.append(name)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True

@@ -1,0 +1,6 @@
+"""Emulated compute: a model with real-size parameters and gradients whose layers take profiled time.
+
+- :mod:`gradsync.emulate.profile`: per-layer forward/backward times (measured, derived from FLOPs,
+  or shipped for the seed papers' models) and the ``--compute emulated[:PROFILE]`` lookup;
+- :mod:`gradsync.emulate.model`: the emulated model itself, a drop-in :class:`~gradsync.models.ModelSpec`.
+"""
