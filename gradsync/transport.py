@@ -18,6 +18,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from gradsync import trace
 from gradsync.topology import Topology
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
@@ -26,22 +27,30 @@ _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.R
 class Handle:
     """An operation in flight. ``wait()`` raises a :class:`PeerFailureError` that names the peer."""
 
-    __slots__ = ("_work", "_explain", "_what", "_done")
+    __slots__ = ("_work", "_explain", "_what", "_done", "_trace")
 
-    def __init__(self, work, explain: Callable[[str, BaseException], Exception], what: str):
+    def __init__(self, work, explain: Callable[[str, BaseException], Exception], what: str, trace_token=None):
         self._work = work
         self._explain = explain
         self._what = what
         self._done = False
+        self._trace = trace_token  # a point-to-point operation's trace event, ended by wait()
 
     def wait(self) -> None:
         if self._done:
             return
+        tracer = trace.current()
         try:
-            self._work.wait()
+            if tracer is None:
+                self._work.wait()
+            else:
+                with tracer.waiting(self._what):
+                    self._work.wait()
         except RuntimeError as exc:
             raise self._explain(self._what, exc) from exc
         self._done = True
+        if self._trace is not None and tracer is not None:
+            tracer.end_async(self._trace)
 
     def source_rank(self) -> int:
         """For a receive from any source: the rank the message came from."""
@@ -70,8 +79,13 @@ class Transport:
                         what: str = "all-reduce") -> Handle:
         """In-place all-reduce among the workers (or every rank with ``world=True``)."""
         p = self._group_size(world)
-        self.bytes_sent += int(2 * (p - 1) / p * tensor.numel() * tensor.element_size())
+        nbytes = tensor.numel() * tensor.element_size()
+        self.bytes_sent += int(2 * (p - 1) / p * nbytes)
         work = dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=self._group(world), async_op=True)
+        tracer = trace.current()
+        if tracer is not None:
+            token = tracer.begin_async(what, "comm", bytes=nbytes, op="all-reduce")
+            work.get_future().add_done_callback(lambda _future: tracer.end_async(token))
         return Handle(work, self._explain, what)
 
     def allreduce(self, tensor: torch.Tensor, *, op: str = "sum", world: bool = False,
@@ -107,15 +121,21 @@ class Transport:
     # Point-to-point messages go straight to the world process group: ``dist.isend``'s argument
     # checks cost more than the send itself for the hundreds of small messages a PS step makes.
     def send_async(self, tensor: torch.Tensor, dst: int, tag: int, *, what: str = "send") -> Handle:
-        self.bytes_sent += tensor.numel() * tensor.element_size()
-        return Handle(dist.group.WORLD.send([tensor], dst, tag), self._explain, what)
+        nbytes = tensor.numel() * tensor.element_size()
+        self.bytes_sent += nbytes
+        tracer = trace.current()
+        token = None if tracer is None else tracer.begin_async(what, "comm", bytes=nbytes, op="send", peer=dst)
+        return Handle(dist.group.WORLD.send([tensor], dst, tag), self._explain, what, token)
 
     def recv_async(self, tensor: torch.Tensor, src: Optional[int], tag: int, *,
                    what: str = "receive") -> Handle:
         """Receive into ``tensor`` from ``src`` (``None``: from whichever rank sends first)."""
         world = dist.group.WORLD
         work = world.recv_anysource([tensor], tag) if src is None else world.recv([tensor], src, tag)
-        return Handle(work, self._explain, what)
+        tracer = trace.current()
+        token = None if tracer is None else tracer.begin_async(
+            what, "comm", bytes=tensor.numel() * tensor.element_size(), op="receive", peer=src)
+        return Handle(work, self._explain, what, token)
 
 
 def wait_all(handles) -> None:

@@ -2,8 +2,15 @@
 
 With no arguments it runs the embedded default (``resnet50:tiny``, 2 workers on loopback, every
 strategy that can run without servers, 30 measured steps in 3 interleaved rounds, each after 5
-warm-up steps): under a minute on a 2-core machine. The ranks run under the same launcher as ``gradsync run``; afterwards this
-process trains the single-process reference and compares each exact strategy's parameters.
+warm-up steps): under a minute on a 2-core machine. The ranks run under the same launcher as
+``gradsync run``; afterwards this process trains the single-process reference and compares each
+exact strategy's parameters.
+
+An emulated cluster: ``--net 1gbit,10gbit`` puts every rank on its own emulated host with a link of
+that rate (one run per rate); ``--compute emulated`` replaces the model's computation by its
+profile (GPU-like layer times); ``--dilation K`` slows emulated compute and links alike by K, and
+every figure is reported back in undilated units. ``--np 2,4`` runs once per worker count.
+Several rates or worker counts also draw throughput against them (``--out``).
 """
 from __future__ import annotations
 
@@ -22,7 +29,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--model", default="resnet50:tiny", help="model NAME[:SIZE] (default resnet50:tiny)")
     p.add_argument("--strategies", default=",".join(DEFAULT_STRATEGIES),
                    help="comma-separated strategies (default: all that can run)")
-    p.add_argument("--np", type=int, default=2, help="number of workers (default 2)")
+    p.add_argument("--np", default="2", help="number of workers, or a comma-separated list (default 2)")
     p.add_argument("--servers", type=int, default=0, help="dedicated parameter-server ranks (default 0: co-located)")
     p.add_argument("--batch-size", type=int, default=32, help="samples per worker per step (default 32)")
     p.add_argument("--steps", type=int, default=30, help="measured steps per strategy, over all rounds (default 30)")
@@ -39,15 +46,48 @@ def add_parser(subparsers) -> None:
     p.add_argument("--out", metavar="DIR", help="write the chart (bench.png) and records (bench.json) to DIR")
     p.add_argument("--check-steps", type=int, default=5,
                    help="steps of the float64 correctness replay (default 5; 0 skips the check)")
+    p.add_argument("--net", metavar="RATE[,RATE...]",
+                   help="emulate hosts with links of RATE (e.g. 1gbit,10gbit), one rank per host; needs root")
+    p.add_argument("--compute", default="real", metavar="real|emulated[:PROFILE]",
+                   help="run the model (real), or emulate an accelerator from a compute profile "
+                        "(emulated: the model's shipped profile; emulated:flops:15tflops; emulated:FILE.json)")
+    p.add_argument("--dilation", type=float, default=1.0, metavar="K",
+                   help="emulated compute only: multiply layer times and divide link rates by K (default 1)")
+    p.add_argument("--trace", metavar="FILE", help="write a Chrome trace of the last round (open in ui.perfetto.dev)")
     p.set_defaults(handler=main)
 
 
+def _rates(args, parser_error) -> list[float | None]:
+    """``--net`` as undilated bits/s per run; ``[None]`` (loopback) without it."""
+    from gradsync.cluster import parse_rate, require_privileges
+    from gradsync.errors import ConfigError
+
+    if not args.net:
+        return [None]
+    try:
+        rates = [parse_rate(r) for r in args.net.split(",")]
+        require_privileges()
+    except ConfigError as exc:
+        parser_error(str(exc))
+    return rates
+
+
 def _validate(args, parser_error) -> list[str]:
-    from gradsync.bench.workload import OPTIMIZERS
+    from gradsync.bench.workload import OPTIMIZERS, Workload
+    from gradsync.errors import ConfigError
     from gradsync.models import get_model
     from gradsync.strategies import STRATEGIES, strategy_names
 
-    for flag, value, low in [("--np", args.np, 1), ("--batch-size", args.batch_size, 1), ("--steps", args.steps, 1),
+    try:
+        args.np_list = [int(n) for n in str(args.np).split(",")]
+    except ValueError:
+        parser_error(f"--np must be a number or a comma-separated list of numbers, got {args.np!r}")
+    args.rates = _rates(args, parser_error)
+    if args.dilation < 1:
+        parser_error(f"--dilation must be >= 1, got {args.dilation}")
+    if args.dilation != 1 and not args.compute.startswith("emulated"):
+        parser_error("--dilation needs --compute emulated: real computation cannot be slowed down")
+    for flag, value, low in [("--np", min(args.np_list), 1), ("--batch-size", args.batch_size, 1), ("--steps", args.steps, 1),
                              ("--servers", args.servers, 0), ("--warmup", args.warmup, 0), ("--threads", args.threads, 1),
                              ("--check-steps", args.check_steps, 0), ("--rounds", args.rounds, 1)]:
         if value < low:
@@ -60,7 +100,8 @@ def _validate(args, parser_error) -> list[str]:
         parser_error(f"unknown optimizer {args.optimizer!r}; valid: {', '.join(OPTIMIZERS)}")
     try:
         get_model(args.model)
-    except ValueError as exc:
+        Workload(model=args.model, batch_size=args.batch_size, compute=args.compute, dilation=args.dilation).spec()
+    except (ValueError, ConfigError) as exc:
         parser_error(str(exc))
     if args.servers == 0 and "ps-async" in names:
         names.remove("ps-async")
@@ -84,15 +125,17 @@ def _overrides(items: list[str], strategies: list[str], parser_error) -> dict[st
     return out
 
 
-def _config(args, strategies: list[str], overrides: dict[str, dict]) -> dict:
+def _config(args, strategies: list[str], overrides: dict[str, dict], np: int, rate: float | None) -> dict:
+    """One run: ``np`` workers, links of ``rate`` bits/s (undilated; None = loopback)."""
     from gradsync.models import get_model
 
     hints = get_model(args.model).options.get("strategy_options", {})
     workload = {"model": args.model, "batch_size": args.batch_size, "optimizer": args.optimizer,
-                "lr": args.lr, "seed": args.seed}
-    return {"workload": workload, "strategies": strategies, "np": args.np, "servers": args.servers,
+                "lr": args.lr, "seed": args.seed, "compute": args.compute, "dilation": args.dilation}
+    return {"workload": workload, "strategies": strategies, "np": np, "servers": args.servers,
             "steps": args.steps, "warmup": args.warmup, "threads": args.threads, "check_steps": args.check_steps,
-            "rounds": args.rounds, "per_round": -(-args.steps // args.rounds),
+            "rounds": args.rounds, "per_round": -(-args.steps // args.rounds), "rate_bps": rate,
+            "dilation": args.dilation, "trace": bool(args.trace),
             "options": {s: {**hints.get(s, {}), **overrides.get(s, {})} for s in strategies}}
 
 
@@ -109,15 +152,31 @@ def _check_options(config: dict, parser_error) -> None:
 
 
 def _run_ranks(config: dict, run_dir: str) -> int:
+    from gradsync.cluster import launch
+    from gradsync.errors import ConfigError
     from gradsync.launch import launch_local
 
     with open(os.path.join(run_dir, "config.json"), "w") as f:
         json.dump(config, f)
-    # A rank waits in a collective while others run a strategy it skips: allow long waits. Fixed
-    # mmap threshold: freed tensors go back to the OS, so per-strategy peak memory is meaningful.
-    env = {"GRADSYNC_TIMEOUT": "600", "MALLOC_MMAP_THRESHOLD_": "131072", "OMP_NUM_THREADS": str(config["threads"])}
-    result = launch_local([sys.executable, "-m", "gradsync.bench.worker", run_dir], np=config["np"],
-                          servers=config["servers"], env=env, prefix_output=False)
+    # A rank waits in a collective while others run a strategy it skips: allow long waits. Real
+    # compute: a fixed mmap threshold, so freed tensors go back to the OS and per-strategy peak
+    # memory is meaningful. Emulated compute: freed memory is kept for reuse, as a GPU's caching
+    # allocator does; else page faults on every new gradient would cost more than the layer.
+    env = {"GRADSYNC_TIMEOUT": "600", "OMP_NUM_THREADS": str(config["threads"])}
+    if config["workload"]["compute"] == "real":
+        env["MALLOC_MMAP_THRESHOLD_"] = "131072"
+    else:
+        env.update(MALLOC_MMAP_MAX_="0", MALLOC_TRIM_THRESHOLD_=str(1 << 40))
+    command = [sys.executable, "-m", "gradsync.bench.worker", run_dir]
+    options = {"np": config["np"], "servers": config["servers"], "env": env, "prefix_output": False}
+    try:
+        if config["rate_bps"] is None:
+            result = launch_local(command, **options)
+        else:
+            result = launch(command, rate_bps=config["rate_bps"] / config["dilation"], **options)
+    except ConfigError as exc:
+        print(f"gradsync bench: {exc}", file=sys.stderr)
+        return 1
     if result.returncode:
         print(result.message, file=sys.stderr)
     return result.returncode
@@ -127,16 +186,19 @@ def _records(config: dict, run_dir: str) -> list[dict]:
     import torch
 
     from gradsync.bench.report import summarize
+    from gradsync.bench.worker import check_workload
     from gradsync.bench.workload import Workload, compare, reference
 
     work = Workload(**config["workload"])
+    if work.compute != "real":  # the reference needs the values, not the emulated time
+        work = Workload(**{**config["workload"], "dilation": 0.0})
     # Same thread count as the workers: CPU kernels then sum in the same order, and the comparison
     # measures synchronization alone (with other counts, chaotic models differ by far more).
     torch.set_num_threads(config["threads"])
     with open(os.path.join(run_dir, "results.json")) as f:
         results = json.load(f)
     fp32_ref = reference(work, config["np"], config["warmup"] + config["per_round"])
-    check = Workload(**{**config["workload"], "dtype": "float64"})
+    check = check_workload(config["workload"])
     check_ref = reference(check, config["np"], config["check_steps"]) if config["check_steps"] else None
     records = []
     for name in config["strategies"]:
@@ -154,21 +216,54 @@ def main(args) -> int:
 
     parser_error = _argparse.ArgumentParser(prog="gradsync bench").error
     strategies = _validate(args, parser_error)
-    config = _config(args, strategies, _overrides(args.set, strategies, parser_error))
-    _check_options(config, parser_error)
-    print(f"gradsync bench: {args.model}, {args.np} workers, {args.servers} servers, batch {args.batch_size}, "
-          f"{args.warmup}+{args.steps} steps, strategies {', '.join(strategies)}", flush=True)
+    overrides = _overrides(args.set, strategies, parser_error)
+    records = []
+    for np in args.np_list:
+        for rate in args.rates:
+            config = _config(args, strategies, overrides, np, rate)
+            _check_options(config, parser_error)
+            code = _one_run(config, args, records)
+            if code:
+                return code
+    return _report(records, args)
+
+
+def _one_run(config: dict, args, records: list[dict]) -> int:
+    from gradsync.cluster import format_rate
+
+    rate, k = config["rate_bps"], config["dilation"]
+    net = "loopback" if rate is None else f"{format_rate(rate)} links" + (f" (really {format_rate(rate / k)})" if k != 1 else "")
+    print(f"gradsync bench: {args.model}, {config['np']} workers, {args.servers} servers, batch {args.batch_size}, "
+          f"{args.warmup}+{args.steps} steps, {net}, compute {args.compute}"
+          + (f", dilation {k:g}" if k != 1 else "") + f", strategies {', '.join(config['strategies'])}", flush=True)
     with tempfile.TemporaryDirectory(prefix="gradsync-bench-") as run_dir:
         code = _run_ranks(config, run_dir)
         if code:
             return code
         print("  comparing with the single-process reference ...", flush=True)
-        records = _records(config, run_dir)
-    return _report(records, args, config)
+        records += _records(config, run_dir)
+        if args.trace:
+            several = len(args.np_list) * len(args.rates) > 1
+            _save_trace(run_dir, args.trace, config if several else None)
+    return 0
 
 
-def _report(records: list[dict], args, config: dict) -> int:
-    from gradsync.bench.report import chart, table
+def _save_trace(run_dir: str, path: str, config: dict | None) -> None:
+    """Merge the ranks' traces into ``path`` (one file per run when there are several: FILE-np4-1gbit.json)."""
+    from gradsync.trace import merge
+
+    if config is not None:
+        base, ext = os.path.splitext(path)
+        rate = "loopback" if config["rate_bps"] is None else f"{config['rate_bps'] / 1e6:g}mbit"
+        path = f"{base}-np{config['np']}-{rate}{ext or '.json'}"
+    parts = sorted(f for f in os.listdir(run_dir) if f.startswith("trace-"))
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    count = merge([os.path.join(run_dir, f) for f in parts], path)
+    print(f"  trace: {path} ({count} events; open in https://ui.perfetto.dev or chrome://tracing)", flush=True)
+
+
+def _report(records: list[dict], args) -> int:
+    from gradsync.bench.report import chart, sweep_charts, table
 
     print()
     print(table(records))
@@ -180,9 +275,12 @@ def _report(records: list[dict], args, config: dict) -> int:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "bench.json"), "w") as f:
             json.dump(records, f, indent=1)
-        title = f"{args.model}, {args.np} workers, batch {args.batch_size}"
-        chart(records, os.path.join(args.out, "bench.png"), title)
-        print(f"\nchart: {os.path.join(args.out, 'bench.png')}")
+        title = f"{args.model}, batch {args.batch_size}, compute {args.compute}"
+        if len(args.np_list) * len(args.rates) == 1:
+            chart(records, os.path.join(args.out, "bench.png"), f"{title}, {args.np_list[0]} workers")
+            print(f"\nchart: {os.path.join(args.out, 'bench.png')}")
+        for path in sweep_charts(records, args.out, title):
+            print(f"chart: {path}")
     failed = [r["strategy"] for r in records if r["correct"] is False]
     if failed:
         print(f"\nFAILED correctness check: {', '.join(failed)}", file=sys.stderr)

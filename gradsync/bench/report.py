@@ -1,25 +1,35 @@
-"""Turn per-rank measurements into records, a table and a chart.
+"""Turn per-rank measurements into records, a table and charts.
 
 Throughput is global: ``num_workers * batch_size / step_time`` for each step after warm-up, where a
 step's time is the slowest worker's. We report its median with min and max, because the machine
-is noisy and a mean would let one preempted step move the result.
+is noisy and a mean would let one preempted step move the result. With ``--dilation K`` every time
+is divided by K before anything else, so records are in undilated (real-cluster) units.
+
+The physical bound of a run: ``T_compute`` is one worker's step without communication (the
+compute-only steps, measured under the same load), ``T_comm_min`` the bytes the busiest host
+must move for the strategy's traffic pattern (``Strategy.min_bytes_per_host``) over its link rate.
+``ideal = N * B / T_compute``; ``bound = N * B / max(T_compute, T_comm_min)`` (which is the ideal on
+loopback, where the rate is unknown), and ``efficiency = measured / bound``.
 """
 from __future__ import annotations
 
+import os
 import statistics
 
 # max_abs_diff, max_rel_diff and correct come from the float64 replay (``check_steps`` steps);
 # fp32_max_abs_diff compares the timed fp32 run itself with an fp32 reference, for information.
 FIELDS = ["strategy", "model", "np", "servers", "batch_size", "steps", "samples_per_s",
           "samples_per_s_min", "samples_per_s_max", "step_s", "compute_s", "comm_overhead_s",
-          "bytes_per_step", "peak_mem_mb", "max_abs_diff", "max_rel_diff", "correct"]
+          "bytes_per_step", "peak_mem_mb", "max_abs_diff", "max_rel_diff", "correct",
+          "net", "compute", "bound_samples_per_s", "efficiency"]
 
 
 def summarize(raw: dict, compute_times: list[float], config: dict, check: dict | None,
               fp32_max_abs_diff: float) -> dict:
     """One JSON record for one strategy (see :data:`FIELDS`, plus a few descriptive extras)."""
-    warm = config["warmup"]
-    times, compute = raw["times"], compute_times  # warm-up already dropped, in every round
+    warm, k = config["warmup"], config.get("dilation", 1.0)
+    times = [t / k for t in raw["times"]]  # warm-up already dropped, in every round
+    compute = [t / k for t in compute_times]
     samples = config["np"] * config["workload"]["batch_size"]
     rates = [samples / t for t in times]
     step_s, compute_s = statistics.median(times), statistics.median(compute)
@@ -33,7 +43,9 @@ def summarize(raw: dict, compute_times: list[float], config: dict, check: dict |
         "peak_mem_mb": raw["peak_mem_mb"], "workers_max_diff": raw["workers_max_diff"],
         "fp32_max_abs_diff": fp32_max_abs_diff, "check_steps": config["check_steps"],
         "max_abs_diff": None, "max_rel_diff": None, "correct": None,
+        **bound(raw["min_bytes_per_host"], compute_s, samples, config),
     }
+    record["efficiency"] = record["samples_per_s"] / record["bound_samples_per_s"]
     if check is not None:
         record.update(check)
         if not raw["exact"]:
@@ -41,17 +53,31 @@ def summarize(raw: dict, compute_times: list[float], config: dict, check: dict |
     return record
 
 
+def bound(min_bytes: float, compute_s: float, samples: int, config: dict) -> dict:
+    """The physical bound of one strategy's run (see the module docstring)."""
+    rate = config.get("rate_bps")
+    comm_s = None if rate is None else min_bytes * 8 / rate
+    ideal = samples / compute_s
+    limit = ideal if comm_s is None else samples / max(compute_s, comm_s)
+    workload = config["workload"]
+    return {"net": "loopback" if rate is None else f"{rate / 1e9:g} Gbit/s", "net_bps": rate,
+            "compute": workload.get("compute", "real"), "dilation": config.get("dilation", 1.0),
+            "t_compute_s": compute_s, "t_comm_min_s": comm_s, "min_bytes_per_host": min_bytes,
+            "ideal_samples_per_s": ideal, "bound_samples_per_s": limit}
+
+
 def table(records: list[dict]) -> str:
-    head = (f"{'strategy':<11} {'samples/s':>10} {'(min-max)':>15} {'step ms':>8} {'compute':>8} "
-            f"{'comm ovh':>9} {'MB/step':>8} {'peak MB':>8} {'f64 |diff|':>10} {'correct':>8} {'fp32 |diff|':>11}")
+    head = (f"{'strategy':<11} {'np':>3} {'net':>12} {'samples/s':>10} {'(min-max)':>15} {'bound':>8} {'eff':>5} "
+            f"{'step ms':>8} {'compute':>8} {'comm ovh':>9} {'MB/step':>8} {'peak MB':>8} {'f64 |diff|':>10} "
+            f"{'correct':>8} {'fp32 |diff|':>11}")
     lines = [head, "-" * len(head)]
     for r in records:
         diff = "-" if r["max_abs_diff"] is None else f"{r['max_abs_diff']:.1e}"
         correct = {True: "yes", False: "NO", None: "n/a"}[r["correct"]]
         lines.append(
-            f"{r['strategy']:<11} {r['samples_per_s']:>10.1f} "
+            f"{r['strategy']:<11} {r['np']:>3} {r['net']:>12} {r['samples_per_s']:>10.1f} "
             f"{'(' + format(r['samples_per_s_min'], '.0f') + '-' + format(r['samples_per_s_max'], '.0f') + ')':>15} "
-            f"{r['step_s'] * 1e3:>8.1f} {r['compute_s'] * 1e3:>8.1f} {r['comm_overhead_s'] * 1e3:>9.1f} "
+            f"{r['bound_samples_per_s']:>8.1f} {r['efficiency']:>5.2f} {r['step_s'] * 1e3:>8.1f} {r['compute_s'] * 1e3:>8.1f} {r['comm_overhead_s'] * 1e3:>9.1f} "
             f"{r['bytes_per_step'] / 2**20:>8.2f} {r['peak_mem_mb']:>8.1f} {diff:>10} {correct:>8} {r['fp32_max_abs_diff']:>11.1e}")
     return "\n".join(lines)
 
@@ -82,3 +108,38 @@ def chart(records: list[dict], path: str, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def sweep_charts(records: list[dict], out_dir: str, title: str) -> list[str]:
+    """Throughput against link rate (several rates) and against workers (several ``np``), one line
+    per strategy; the workers chart also draws the ideal (N x one worker's compute-only rate)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    rates = sorted({r["net_bps"] for r in records if r["net_bps"] is not None})
+    nps = sorted({r["np"] for r in records})
+    for axis, values, name in (("net_bps", rates, "throughput_vs_bandwidth.png"), ("np", nps, "throughput_vs_workers.png")):
+        if len(values) < 2:
+            continue
+        fig, ax = plt.subplots(figsize=(6.5, 4))
+        for strategy in dict.fromkeys(r["strategy"] for r in records):
+            points = sorted((r[axis], r["samples_per_s"]) for r in records if r["strategy"] == strategy and r[axis] is not None)
+            ax.plot([x / 1e9 if axis == "net_bps" else x for x, _ in points], [y for _, y in points], marker="o", label=strategy)
+        bound = sorted({(r[axis], r["ideal_samples_per_s"]) for r in records if r[axis] is not None and r["strategy"] == records[0]["strategy"]})
+        ax.plot([x / 1e9 if axis == "net_bps" else x for x, _ in bound], [y for _, y in bound], "k--", label="ideal (N x compute only)")
+        ax.set_xlabel("link rate (Gbit/s)" if axis == "net_bps" else "workers")
+        if axis == "net_bps":
+            ax.set_xscale("log")
+        ax.set_ylabel("samples/s (median)")
+        ax.set_title(title, fontsize=9)
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        path = os.path.join(out_dir, name)
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths

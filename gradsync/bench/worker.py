@@ -24,7 +24,7 @@ import time
 import torch
 
 import gradsync
-from gradsync import runtime
+from gradsync import runtime, trace
 from gradsync.bench.workload import Workload
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -62,9 +62,10 @@ class PeakMemory:
         return (self.peak - self.base) / 2**20
 
 
-def timed_steps(model, optimizer, work: Workload, total: int) -> list[float]:
+def timed_steps(model, optimizer, work: Workload, total: int, label: str = "compute only") -> list[float]:
     topo = gradsync.topology()
     spec = work.spec()
+    tracer = trace.current()
     times = []
     for step in range(total):
         inputs, target = work.batch(spec, step, topo.rank, topo.num_workers)
@@ -72,7 +73,10 @@ def timed_steps(model, optimizer, work: Workload, total: int) -> list[float]:
         spec.loss(model(*inputs), target).backward()
         optimizer.step()
         optimizer.zero_grad()
-        times.append(time.perf_counter() - start)
+        end = time.perf_counter()
+        times.append(end - start)
+        if tracer is not None:
+            tracer.span(f"{label} step {step}", "step", start, end)
     return times
 
 
@@ -99,10 +103,14 @@ def run_strategy(name: str, options: dict, work: Workload, total: int, run_dir: 
         optimizer = gradsync.distribute(model, optimizer, name, exit_servers=False, **options)
         if topo.is_server:
             return None
+        hooks = trace.instrument(model) if trace.current() is not None and work.compute == "real" else []
         sent_before = transport.bytes_sent
-        times = timed_steps(model, optimizer, work, total)
+        times = timed_steps(model, optimizer, work, total, label=name)
         sent = transport.bytes_sent - sent_before
+        for hook in hooks:
+            hook.remove()
     optimizer.strategy.close()  # dedicated servers leave their loop
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     times = slowest(times)
     agree = workers_agree(model)
     mem = torch.tensor([memory.peak_mb], dtype=torch.float64, device=transport.device)
@@ -111,7 +119,8 @@ def run_strategy(name: str, options: dict, work: Workload, total: int, run_dir: 
         torch.save({n: p.detach() for n, p in model.named_parameters()}, os.path.join(run_dir, f"{name}.pt"))
     return {"strategy": name, "describe": optimizer.strategy.describe(), "times": times,
             "bytes_per_step": sent / total, "peak_mem_mb": float(mem), "workers_max_diff": agree,
-            "exact": bool(optimizer.strategy.exact)}
+            "exact": bool(optimizer.strategy.exact), "model_bytes": model_bytes,
+            "min_bytes_per_host": optimizer.strategy.min_bytes_per_host(model_bytes)}
 
 
 def merge(into: dict | None, record: dict, warmup: int) -> dict:
@@ -137,6 +146,12 @@ def run_check(name: str, options: dict, work: Workload, steps: int, run_dir: str
         torch.save({n: p.detach() for n, p in model.named_parameters()}, os.path.join(run_dir, f"{name}.check.pt"))
 
 
+def check_workload(workload: dict) -> Workload:
+    """The float64 replay; emulated compute replays without sleeping (dilation 0), only the values matter."""
+    emulated = workload.get("compute", "real") != "real"
+    return Workload(**{**workload, "dtype": "float64", **({"dilation": 0.0} if emulated else {})})
+
+
 def main(run_dir: str) -> int:
     with open(os.path.join(run_dir, "config.json")) as f:
         config = json.load(f)
@@ -149,6 +164,8 @@ def main(run_dir: str) -> int:
     # shared machine falls on every strategy alike instead of on whichever ran last.
     warmup, records, compute = config["warmup"], {}, []
     for r in range(config["rounds"]):
+        if config["trace"] and r == config["rounds"] - 1:  # the last round, when everything is warm
+            trace.start(topo.rank, f"{topo.role} {topo.role_rank} (rank {topo.rank})")
         if topo.is_worker:
             model, optimizer = work.build()
             compute += slowest(timed_steps(model, optimizer, work, total))[warmup:]
@@ -160,11 +177,14 @@ def main(run_dir: str) -> int:
             runtime.current().transport.barrier(what=f"end of {name}")
             say(f"  round {r + 1}/{config['rounds']}  {name:<10} {total} steps in "
                 f"{time.perf_counter() - start:.1f} s", flush=True)
+    tracer = trace.stop()
+    if tracer is not None:
+        tracer.save(os.path.join(run_dir, f"trace-{topo.rank}.json"))
     if topo.rank == 0:
         with open(os.path.join(run_dir, "results.json"), "w") as f:
             json.dump({"compute": compute, "records": records}, f)
     if config["check_steps"]:
-        check = Workload(**{**config["workload"], "dtype": "float64"})
+        check = check_workload(config["workload"])
         for name in config["strategies"]:
             run_check(name, config["options"].get(name, {}), check, config["check_steps"], run_dir)
             runtime.current().transport.barrier(what=f"end of the {name} check")

@@ -9,6 +9,7 @@ parameter contributes zero; a parameter nobody used keeps ``grad=None``) and ste
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -46,9 +47,13 @@ class Workload:
     seed: int = 0
     dtype: str = "float32"
     """``float32`` for timing; ``float64`` for the bench's correctness replay (see ``tolerance``)."""
+    compute: str = "real"
+    """``real`` (run the model) or ``emulated[:PROFILE]`` (layers take profiled time; :mod:`gradsync.emulate`)."""
+    dilation: float = 1.0
+    """Emulated compute only: every profiled time is multiplied by this factor."""
 
     def spec(self) -> ModelSpec:
-        return get_model(self.model)
+        return _spec(self.model, self.batch_size, self.compute, self.dilation)
 
     def build(self) -> tuple[nn.Module, torch.optim.Optimizer]:
         if self.optimizer not in OPTIMIZERS:
@@ -73,6 +78,20 @@ class Workload:
             dtype = getattr(torch, self.dtype)
             inputs = tuple(x.to(dtype) if x.is_floating_point() else x for x in inputs)
         return inputs, target
+
+
+@functools.lru_cache(maxsize=8)
+def _spec(model: str, batch_size: int, compute: str, dilation: float) -> ModelSpec:
+    kind, _, profile = compute.partition(":")
+    if kind == "real":
+        if profile or dilation != 1.0:
+            raise ConfigError("real compute takes no profile and no dilation; use --compute emulated[:PROFILE]")
+        return get_model(model)
+    if kind != "emulated":
+        raise ConfigError(f"unknown compute {compute!r}: expected real, emulated or emulated:PROFILE")
+    from gradsync.emulate.model import emulated_spec
+
+    return emulated_spec(model, batch_size, profile or None, dilation)
 
 
 def batch_seed(seed: int, step: int, worker: int, num_workers: int) -> int:

@@ -35,6 +35,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--port", type=_int_in(1, 65535), help="rendezvous port (default: free port; 29500 on several hosts)")
     parser.add_argument("--logdir", help="also write each rank's unprefixed output to DIR/worker-K.log")
     parser.add_argument("--grace", type=float, default=3.0, help="seconds between SIGTERM and SIGKILL")
+    parser.add_argument("--net", metavar="RATE", help="emulated hosts joined by links of RATE (e.g. 1gbit); needs root")
+    parser.add_argument("--ranks-per-host", type=_int_in(1), default=1, help="ranks per emulated host with --net (default 1)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the command every rank runs, after --")
     parser.set_defaults(handler=main, run_parser=parser)
     return parser
@@ -64,9 +66,30 @@ def main(args: argparse.Namespace) -> int:
     if not command:
         parser.error("missing the command to run, e.g. gradsync run -np 2 -- python train.py")
     hosts, node_rank = _hosts_and_node_rank(args, parser)
+    if args.net is not None:
+        return _run_emulated(args, command, parser)
     result = launch_local(command, np=args.np, servers=args.servers, port=args.port,
                           logdir=args.logdir, grace_s=args.grace, hosts=hosts,
                           node_rank=node_rank, master_addr=args.master_addr)
+    if result.message:
+        print(result.message, file=sys.stderr, flush=True)
+    return result.returncode
+
+
+def _run_emulated(args, command: list[str], parser) -> int:
+    """``--net``: the job's ranks on emulated hosts (:mod:`gradsync.cluster`), removed afterwards."""
+    from gradsync.cluster import launch, parse_rate, require_privileges
+    from gradsync.errors import ConfigError
+
+    if args.hosts or args.hostfile or args.master_addr:
+        parser.error("--net emulates the hosts on this machine: it cannot be combined with -H, --hostfile or --master-addr")
+    try:
+        rate = parse_rate(args.net)
+        require_privileges()
+        result = launch(command, np=args.np, servers=args.servers, rate_bps=rate, ranks_per_host=args.ranks_per_host,
+                        port=args.port, logdir=args.logdir, grace_s=args.grace)
+    except ConfigError as exc:
+        parser.error(str(exc))
     if result.message:
         print(result.message, file=sys.stderr, flush=True)
     return result.returncode

@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 
 from gradsync.errors import ConfigError, GradsyncError
-from gradsync.strategies.base import Strategy, SyncContext, fill_slot
+from gradsync.strategies.base import Strategy, SyncContext, fill_slot, ring_bytes
 
 MB = 1024 * 1024
 
@@ -172,6 +172,9 @@ class AllReduce(Strategy):
         order = agreed.tolist()
         if order != [i for b in self.buckets for i in b.indices]:
             self._build(order)
+
+    def min_bytes_per_host(self, model_bytes: int) -> float:
+        return ring_bytes(model_bytes, self.ctx.topology.num_workers)
 
     def describe(self) -> str:
         return f"allreduce(bucket_mb={self.bucket_mb:g}, buckets={len(self.buckets)})"

@@ -80,6 +80,19 @@ class Strategy:
         """One line for logs and reports: the strategy and its effective options."""
         return self.name
 
+    def min_bytes_per_host(self, model_bytes: int) -> float:
+        """Bytes the busiest host must send (or receive, whichever is more) in one step, one rank per host.
+
+        The lower bound of this strategy's traffic pattern, for the benchmark's physical bound
+        (``T_comm_min = min_bytes_per_host / link rate``). Each rank alone: nothing.
+        """
+        return 0.0
+
+
+def ring_bytes(model_bytes: int, num_workers: int) -> float:
+    """A ring all-reduce: every host sends and receives ``2 (N-1)/N`` of the data (Patarasuk & Yuan)."""
+    return 2 * (num_workers - 1) / num_workers * model_bytes
+
 
 def fill_slot(slot: torch.Tensor, grad: torch.Tensor | None) -> float:
     """Copy ``grad`` into its place in an outgoing message; 1.0 ("used"), or zeros and 0.0 for ``None``."""

@@ -17,7 +17,7 @@ from typing import Any, Callable
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from gradsync.strategies.base import Strategy, SyncContext
+from gradsync.strategies.base import Strategy, SyncContext, ring_bytes
 
 
 # torch 2.13 renamed broadcast_buffers and added init_sync; keep working on torch >= 2.4.
@@ -71,6 +71,9 @@ class DDP(Strategy):
     def step(self, apply: Callable[[], Any]) -> Any:
         self.ctx.transport.count_external(self.bytes_per_step)
         return apply()
+
+    def min_bytes_per_host(self, model_bytes: int) -> float:
+        return ring_bytes(model_bytes, self.ctx.topology.num_workers)
 
     def describe(self) -> str:
         return f"ddp(bucket_mb={self.options['bucket_cap_mb']:g}, find_unused_parameters={self.options['find_unused_parameters']})"

@@ -36,7 +36,7 @@ import torch
 
 from gradsync.errors import ConfigError, GradsyncError
 from gradsync.strategies.allreduce import plan_buckets
-from gradsync.strategies.base import Strategy, SyncContext, fill_slot, mean_of_used
+from gradsync.strategies.base import Strategy, SyncContext, fill_slot, mean_of_used, ring_bytes
 from gradsync.transport import wait_all
 
 OP_STEP, OP_STOP = 1, 2
@@ -321,6 +321,14 @@ class ParameterServer(Strategy):
         header = torch.tensor([OP_STOP, self.step_no], dtype=torch.int64, device=self.ctx.transport.device)
         t = self.ctx.transport
         wait_all([t.send_async(header, s, TAG_CONTROL, what=f"stop to rank {s}") for s in self.servers])
+
+    def min_bytes_per_host(self, model_bytes: int) -> float:
+        """Dedicated servers: a worker pushes and pulls everything once, a server serves N workers its
+        share; co-located: each host exchanges the other hosts' shares, as much as a ring all-reduce."""
+        n, s = self.ctx.topology.num_workers, self.ctx.topology.num_servers
+        if s:
+            return max(model_bytes, n * model_bytes / s)
+        return ring_bytes(model_bytes, n)
 
     def describe(self) -> str:
         where = f"{len(self.servers)} dedicated servers" if self.dedicated else f"co-located on {len(self.servers)} workers"

@@ -1,0 +1,194 @@
+"""Timeline traces in the Chrome trace format (open in https://ui.perfetto.dev or chrome://tracing).
+
+While a :class:`Tracer` is active (:func:`start`), gradsync records, per rank:
+
+- ``compute`` track: each layer's forward and backward (real models: module hooks and gradient-ready
+  hooks; emulated models: the emulated accelerator's own timeline);
+- ``comm`` tracks: every communication operation from launch to completion with its bytes, named by
+  what it moves (``bucket 3``, ``push``, ``pull``, ``all-reduce`` ...). All-reduces end when Gloo or
+  NCCL completes them; point-to-point operations, which offer no completion callback, end when the
+  rank's wait for them returned (an upper bound);
+- ``wait`` track: every time the training thread blocked on communication.
+
+Each rank writes its own file (``Tracer.save``); :func:`merge` joins them into one trace with one
+process per rank. Timestamps are ``time.perf_counter()`` (CLOCK_MONOTONIC): comparable across the
+processes of one machine, which is where emulated clusters live. When no tracer is active every
+hook is a single ``is None`` test.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+
+_active: "Tracer | None" = None
+TRACKS = {"step": 0, "compute": 1, "wait": 2, "comm": 3}
+"""Thread ids of the tracks (Chrome traces want numbers; names go in metadata)."""
+
+
+class Tracer:
+    """Collects one rank's events in memory; ``save`` writes them as a Chrome trace."""
+
+    def __init__(self, rank: int, label: str):
+        self.rank, self.label = rank, label
+        self.events: list[dict] = []
+        self._lock = threading.Lock()  # completion callbacks arrive on communication threads
+        self._ids = iter(range(1, 1 << 62))
+
+    def span(self, name: str, track: str, start: float, end: float, **args) -> None:
+        """A complete event on ``track`` (times in ``perf_counter`` seconds)."""
+        event = {"name": name, "ph": "X", "pid": self.rank, "tid": TRACKS[track], "ts": start * 1e6,
+                 "dur": max(end - start, 0.0) * 1e6, "args": args}
+        with self._lock:
+            self.events.append(event)
+
+    def begin_async(self, name: str, track: str, **args) -> tuple[int, str, str, dict]:
+        """Start an operation that may overlap others on its track; pass the result to :meth:`end_async`."""
+        with self._lock:
+            op = next(self._ids)
+        return op, name, track, {"start": time.perf_counter(), **args}
+
+    def end_async(self, token, end: float | None = None) -> None:
+        op, name, track, args = token
+        start = args.pop("start")
+        end = time.perf_counter() if end is None else end
+        common = {"name": name, "cat": track, "id": op, "pid": self.rank, "tid": TRACKS[track]}
+        with self._lock:
+            self.events.append({**common, "ph": "b", "ts": start * 1e6, "args": args})
+            self.events.append({**common, "ph": "e", "ts": end * 1e6})
+
+    @contextlib.contextmanager
+    def waiting(self, what: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.span(what, "wait", start, time.perf_counter())
+
+    def save(self, path: str) -> None:
+        meta = [{"name": "process_name", "ph": "M", "pid": self.rank, "args": {"name": self.label}},
+                {"name": "process_sort_index", "ph": "M", "pid": self.rank, "args": {"sort_index": self.rank}}]
+        meta += [{"name": "thread_name", "ph": "M", "pid": self.rank, "tid": tid, "args": {"name": name}}
+                 for name, tid in TRACKS.items()]
+        with self._lock:
+            events = meta + self.events
+        with open(path, "w") as f:
+            json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+
+
+def start(rank: int, label: str) -> Tracer:
+    global _active
+    _active = Tracer(rank, label)
+    return _active
+
+
+def stop() -> Tracer | None:
+    global _active
+    tracer, _active = _active, None
+    return tracer
+
+
+def current() -> Tracer | None:
+    return _active
+
+
+def instrument(model) -> list:
+    """Hooks recording a real model's layers: forward spans (module hooks) and backward spans (from one
+    gradient becoming ready to the next, named by its parameter). Returns the handles to remove."""
+    last = {"t": 0.0}
+
+    def before(module, args):
+        module._gradsync_trace_start = time.perf_counter()
+
+    def after(name):
+        def hook(module, args, output):
+            tracer = current()
+            last["t"] = time.perf_counter()
+            if tracer is not None:
+                tracer.span(f"forward {name or '(root)'}", "compute", module._gradsync_trace_start, last["t"])
+        return hook
+
+    def ready(name):
+        def hook(param):
+            tracer, now = current(), time.perf_counter()
+            if tracer is not None:
+                tracer.span(f"backward {name}", "compute", last["t"], now)
+            last["t"] = now
+        return hook
+
+    handles = []
+    for name, module in model.named_modules():
+        if next(module.parameters(recurse=False), None) is not None or module is model:
+            handles += [module.register_forward_pre_hook(before), module.register_forward_hook(after(name))]
+    handles += [p.register_post_accumulate_grad_hook(ready(n)) for n, p in model.named_parameters() if p.requires_grad]
+    return handles
+
+
+def merge(paths: list[str], out: str) -> int:
+    """Join per-rank traces into one file; returns the number of events."""
+    events = []
+    for path in paths:
+        with open(path) as f:
+            events += json.load(f)["traceEvents"]
+    with open(out, "w") as f:
+        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+    return len(events)
+
+
+def render(path: str, png: str, *, steps: tuple[str, int, int] | None = None, title: str = "") -> None:
+    """Draw a merged trace as a picture (rows: each rank's step, compute, comm and wait tracks).
+
+    ``steps=(label, first, last)`` shows only the time of those step spans (e.g. ``("allreduce", 3, 4)``).
+    A stand-in for a Perfetto screenshot where no browser is at hand; the trace file has more detail.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    spans, opened = [], {}
+    for e in events:
+        if e["ph"] == "X":
+            spans.append((e["pid"], e["tid"], e["ts"], e["ts"] + e["dur"], e["name"]))
+        elif e["ph"] == "b":
+            opened[(e["pid"], e["id"])] = e
+        elif e["ph"] == "e" and (e["pid"], e["id"]) in opened:
+            b = opened.pop((e["pid"], e["id"]))
+            spans.append((e["pid"], b["tid"], b["ts"], e["ts"], b["name"]))
+    window = _window(spans, steps)
+    ranks = sorted({s[0] for s in spans})
+    colors = {"forward": "tab:blue", "backward": "tab:green", "step": "tab:gray", "wait": "tab:red", "comm": "tab:orange"}
+    fig, ax = plt.subplots(figsize=(12, 1.1 + 1.0 * len(ranks)))
+    names = {v: k for k, v in TRACKS.items()}
+    for pid, tid, start, end, name in spans:
+        if end < window[0] or start > window[1]:
+            continue
+        kind = name.split()[0] if names[tid] == "compute" else names[tid]
+        y = ranks.index(pid) * 5 + tid
+        ax.barh(y, (end - start) / 1e3, left=(start - window[0]) / 1e3, height=0.8,
+                color=colors.get(kind, "tab:purple"), edgecolor="black", linewidth=0.2, alpha=0.85 if kind == "comm" else 1)
+    ax.set_xlim(0, (window[1] - window[0]) / 1e3)
+    ax.set_yticks([r * 5 + t for r in range(len(ranks)) for t in TRACKS.values()])
+    ax.set_yticklabels([f"rank {rank} {track}" for rank in ranks for track in TRACKS], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms")
+    ax.set_title(title, fontsize=9)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
+    ax.legend(handles, list(colors), fontsize=7, loc="upper right", ncol=5)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+
+
+def _window(spans, steps) -> tuple[float, float]:
+    if steps is None:
+        return min(s[2] for s in spans), max(s[3] for s in spans)
+    label, first, last = steps
+    chosen = [s for s in spans if s[1] == TRACKS["step"] and s[4].split(" step ")[0] == label
+              and first <= int(s[4].rsplit(" ", 1)[1]) <= last]
+    if not chosen:
+        raise ValueError(f"no steps {first}..{last} of {label!r} in the trace")
+    return min(s[2] for s in chosen), max(s[3] for s in chosen)
