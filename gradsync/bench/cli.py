@@ -9,7 +9,8 @@ exact strategy's parameters.
 An emulated cluster: ``--net 1gbit,10gbit`` puts every rank on its own emulated host with a link of
 that rate (one run per rate); ``--compute emulated`` replaces the model's computation by its
 profile (GPU-like layer times); ``--dilation K`` slows emulated compute and links alike by K, and
-every figure is reported back in undilated units. ``--np 2,4`` runs once per worker count.
+every figure is reported back in undilated units (``--dilation auto``: per rate, just enough that
+no link really runs faster than 1 Gbit/s, which this machine emulates faithfully for 4+ hosts). ``--np 2,4`` runs once per worker count.
 Several rates or worker counts also draw throughput against them (``--out``).
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ import sys
 import tempfile
 
 DEFAULT_STRATEGIES = ["ddp", "allreduce", "ps", "ps-async"]
+AUTO_REAL_RATE = 1e9  # bits/s: the fastest real link rate --dilation auto allows (see docs/emulation.md)
 
 
 def add_parser(subparsers) -> None:
@@ -48,11 +50,14 @@ def add_parser(subparsers) -> None:
                    help="steps of the float64 correctness replay (default 5; 0 skips the check)")
     p.add_argument("--net", metavar="RATE[,RATE...]",
                    help="emulate hosts with links of RATE (e.g. 1gbit,10gbit), one rank per host; needs root")
+    p.add_argument("--delay", type=float, default=0.0, metavar="MS",
+                   help="with --net: one-way host-to-host delay in ms (undilated; a user-space delay line)")
     p.add_argument("--compute", default="real", metavar="real|emulated[:PROFILE]",
                    help="run the model (real), or emulate an accelerator from a compute profile "
                         "(emulated: the model's shipped profile; emulated:flops:15tflops; emulated:FILE.json)")
-    p.add_argument("--dilation", type=float, default=1.0, metavar="K",
-                   help="emulated compute only: multiply layer times and divide link rates by K (default 1)")
+    p.add_argument("--dilation", default="1", metavar="K|auto",
+                   help="emulated compute only: multiply layer times and divide link rates by K (default 1); "
+                        f"auto: per rate, max(1, rate / {AUTO_REAL_RATE / 1e9:g} Gbit/s)")
     p.add_argument("--trace", metavar="FILE", help="write a Chrome trace of the last round (open in ui.perfetto.dev)")
     p.set_defaults(handler=main)
 
@@ -72,21 +77,33 @@ def _rates(args, parser_error) -> list[float | None]:
     return rates
 
 
+def _cluster_args(args, parser_error) -> None:
+    """Parse --np lists, --net, --delay and --dilation in place (``args.dilation`` None means auto)."""
+    try:
+        args.np_list = [int(n) for n in str(args.np).split(",")]
+    except ValueError:
+        parser_error(f"--np must be a number or a comma-separated list of numbers, got {args.np!r}")
+    args.rates = _rates(args, parser_error)
+    if args.delay < 0 or (args.delay and not args.net):
+        parser_error("--delay needs --net and must be >= 0")
+    try:
+        auto = args.dilation == "auto"
+        args.dilation = None if auto else float(args.dilation)
+    except ValueError:
+        parser_error(f"--dilation must be a number >= 1 or auto, got {args.dilation!r}")
+    if not auto and args.dilation < 1:
+        parser_error(f"--dilation must be >= 1, got {args.dilation}")
+    if (auto or args.dilation != 1) and not args.compute.startswith("emulated"):
+        parser_error("--dilation needs --compute emulated: real computation cannot be slowed down")
+
+
 def _validate(args, parser_error) -> list[str]:
     from gradsync.bench.workload import OPTIMIZERS, Workload
     from gradsync.errors import ConfigError
     from gradsync.models import get_model
     from gradsync.strategies import STRATEGIES, strategy_names
 
-    try:
-        args.np_list = [int(n) for n in str(args.np).split(",")]
-    except ValueError:
-        parser_error(f"--np must be a number or a comma-separated list of numbers, got {args.np!r}")
-    args.rates = _rates(args, parser_error)
-    if args.dilation < 1:
-        parser_error(f"--dilation must be >= 1, got {args.dilation}")
-    if args.dilation != 1 and not args.compute.startswith("emulated"):
-        parser_error("--dilation needs --compute emulated: real computation cannot be slowed down")
+    _cluster_args(args, parser_error)
     for flag, value, low in [("--np", min(args.np_list), 1), ("--batch-size", args.batch_size, 1), ("--steps", args.steps, 1),
                              ("--servers", args.servers, 0), ("--warmup", args.warmup, 0), ("--threads", args.threads, 1),
                              ("--check-steps", args.check_steps, 0), ("--rounds", args.rounds, 1)]:
@@ -100,7 +117,7 @@ def _validate(args, parser_error) -> list[str]:
         parser_error(f"unknown optimizer {args.optimizer!r}; valid: {', '.join(OPTIMIZERS)}")
     try:
         get_model(args.model)
-        Workload(model=args.model, batch_size=args.batch_size, compute=args.compute, dilation=args.dilation).spec()
+        Workload(model=args.model, batch_size=args.batch_size, compute=args.compute, dilation=args.dilation or 1.0).spec()
     except (ValueError, ConfigError) as exc:
         parser_error(str(exc))
     if args.servers == 0 and "ps-async" in names:
@@ -130,12 +147,14 @@ def _config(args, strategies: list[str], overrides: dict[str, dict], np: int, ra
     from gradsync.models import get_model
 
     hints = get_model(args.model).options.get("strategy_options", {})
+    dilation = args.dilation or max(1.0, (rate or 0.0) / AUTO_REAL_RATE)  # None: --dilation auto
     workload = {"model": args.model, "batch_size": args.batch_size, "optimizer": args.optimizer,
-                "lr": args.lr, "seed": args.seed, "compute": args.compute, "dilation": args.dilation}
+                "lr": args.lr, "seed": args.seed, "compute": args.compute, "dilation": dilation}
     return {"workload": workload, "strategies": strategies, "np": np, "servers": args.servers,
             "steps": args.steps, "warmup": args.warmup, "threads": args.threads, "check_steps": args.check_steps,
             "rounds": args.rounds, "per_round": -(-args.steps // args.rounds), "rate_bps": rate,
-            "dilation": args.dilation, "trace": bool(args.trace),
+            "delay_ms": args.delay if rate is not None else 0.0,
+            "dilation": dilation, "trace": bool(args.trace),
             "options": {s: {**hints.get(s, {}), **overrides.get(s, {})} for s in strategies}}
 
 
@@ -158,22 +177,22 @@ def _run_ranks(config: dict, run_dir: str) -> int:
 
     with open(os.path.join(run_dir, "config.json"), "w") as f:
         json.dump(config, f)
-    # A rank waits in a collective while others run a strategy it skips: allow long waits. Real
-    # compute: a fixed mmap threshold, so freed tensors go back to the OS and per-strategy peak
-    # memory is meaningful. Emulated compute: freed memory is kept for reuse, as a GPU's caching
-    # allocator does; else page faults on every new gradient would cost more than the layer.
+    # A rank waits in a collective while others run a strategy it skips: allow long waits.
+    # Emulated compute: freed memory up to 256 MB a block is kept for reuse, as a GPU's caching
+    # allocator does; else page faults in every new 100 MB gradient would cost more than the
+    # layer's emulated time. Larger blocks (VGG-19's 411 MB fc6) go back to the OS: kept, they
+    # fragmented the heap until 4 VGG-19 workers ran out of memory.
     env = {"GRADSYNC_TIMEOUT": "600", "OMP_NUM_THREADS": str(config["threads"])}
-    if config["workload"]["compute"] == "real":
-        env["MALLOC_MMAP_THRESHOLD_"] = "131072"
-    else:
-        env.update(MALLOC_MMAP_MAX_="0", MALLOC_TRIM_THRESHOLD_=str(1 << 40))
+    if config["workload"]["compute"] != "real":
+        env.update(MALLOC_MMAP_THRESHOLD_=str(256 << 20), MALLOC_TRIM_THRESHOLD_=str(1 << 40))
     command = [sys.executable, "-m", "gradsync.bench.worker", run_dir]
     options = {"np": config["np"], "servers": config["servers"], "env": env, "prefix_output": False}
     try:
         if config["rate_bps"] is None:
             result = launch_local(command, **options)
         else:
-            result = launch(command, rate_bps=config["rate_bps"] / config["dilation"], **options)
+            result = launch(command, rate_bps=config["rate_bps"] / config["dilation"],
+                            delay_ms=config["delay_ms"] * config["dilation"], **options)
     except ConfigError as exc:
         print(f"gradsync bench: {exc}", file=sys.stderr)
         return 1
@@ -233,6 +252,8 @@ def _one_run(config: dict, args, records: list[dict]) -> int:
 
     rate, k = config["rate_bps"], config["dilation"]
     net = "loopback" if rate is None else f"{format_rate(rate)} links" + (f" (really {format_rate(rate / k)})" if k != 1 else "")
+    if config["delay_ms"]:
+        net += f", {config['delay_ms']:g} ms delay"
     print(f"gradsync bench: {args.model}, {config['np']} workers, {args.servers} servers, batch {args.batch_size}, "
           f"{args.warmup}+{args.steps} steps, {net}, compute {args.compute}"
           + (f", dilation {k:g}" if k != 1 else "") + f", strategies {', '.join(config['strategies'])}", flush=True)

@@ -15,6 +15,7 @@ def add_parser(subparsers) -> None:
                     "all-reduce bus bandwidth, and compare them with the configured rate (target: within 10 %%).")
     check.add_argument("--hosts", type=int, default=2, help="emulated hosts, one rank each (default 2)")
     check.add_argument("--net", required=True, metavar="RATE", help="link rate, e.g. 100mbit, 1gbit, 5gbit")
+    check.add_argument("--delay", type=float, default=0.0, metavar="MS", help="one-way host-to-host delay (default 0)")
     check.add_argument("--seconds", type=float, default=2.0, help="duration of one transfer at the configured rate")
     check.add_argument("--repeats", type=int, default=3, help="transfers per measurement; the median is reported")
     check.set_defaults(handler=netcheck)
@@ -37,13 +38,14 @@ def netcheck(args) -> int:
         rate = parse_rate(args.net)
     except ConfigError as exc:
         parser_error(str(exc))
-    print(f"gradsync netcheck: {args.hosts} hosts, links of {format_rate(rate)}", flush=True)
+    print(f"gradsync netcheck: {args.hosts} hosts, links of {format_rate(rate)}"
+          + (f", {args.delay:g} ms one-way delay" if args.delay else ""), flush=True)
     with tempfile.TemporaryDirectory(prefix="gradsync-netcheck-") as run_dir:
         with open(os.path.join(run_dir, "config.json"), "w") as f:
             json.dump({"rate_bps": rate, "seconds": args.seconds, "repeats": args.repeats}, f)
         try:
             result = launch([sys.executable, "-m", "gradsync.cluster.netcheck", run_dir], np=args.hosts,
-                            rate_bps=rate, env={"GRADSYNC_TIMEOUT": "300"})
+                            rate_bps=rate, delay_ms=args.delay, env={"GRADSYNC_TIMEOUT": "300"})
         except ConfigError as exc:
             print(f"gradsync netcheck: {exc}", file=sys.stderr)
             return 1
@@ -51,10 +53,12 @@ def netcheck(args) -> int:
             print(result.message, file=sys.stderr)
             return result.returncode
         with open(os.path.join(run_dir, "results.json")) as f:
-            rows = json.load(f)["rows"]
-    text, ok = report(rows, rate)
+            results = json.load(f)
+    text, ok = report(results["rows"], rate)
     print("Mbit/s and ratio to the configured rate, per host:")
     print(text)
+    print(f"\nround trip of a 4-byte message (median): {results['rtt_ms']:.2f} ms"
+          + (f" (configured delay: {2 * args.delay:g} ms there and back)" if args.delay else ""))
     verdict = "within" if ok else "NOT within"
     print(f"\n{verdict} {TARGET:.0%} of {format_rate(rate)} on every host and direction")
     return 0 if ok else 1

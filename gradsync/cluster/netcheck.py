@@ -7,6 +7,7 @@ gradsync's own transport (so the figures are what a strategy can get):
   and host ``i+1``'s downlink alone);
 - **bidirectional**: every host sends to the next and receives from the previous at once, so each
   host's uplink and downlink are busy together (full duplex);
+- **round trip**: a 4-byte message from host 0 to host 1 and back, median of 20 (the delay);
 - **all-reduce bus bandwidth**: ``algbw * 2 (N-1) / N`` of a ring all-reduce, which equals the link
   rate when the ring keeps every link busy (the NCCL-tests convention).
 
@@ -22,21 +23,23 @@ import sys
 import time
 
 COLUMNS = ["up_one_way", "down_one_way", "up_bidir", "down_bidir"]
-TARGET = 0.10  # within 10 % of the configured rate
+TARGET = 0.10
+BUFFER = 64 << 20  # within 10 % of the configured rate
 
 
-def _timed_exchange(transport, send_to, recv_from, payload, inbox, chunk: int) -> float:
-    """Seconds until this rank's receive (if any) completed; 0 when it only sends or idles.
+def _timed_exchange(transport, send_to, recv_from, payload, inbox, chunk: int, nbytes: int) -> float:
+    """Seconds until this rank's receive (if any) of ``nbytes`` completed; 0 when it only sends or idles.
 
-    The payload goes as messages of ``chunk`` bytes: Gloo moves one message between a pair in one
-    direction at a time, so a single 12 MB exchange got half the rate each way; messages of about
-    10 ms of link time each keep both directions busy.
+    The bytes go as messages of ``chunk`` bytes, cycling over the buffers: Gloo moves one message
+    between a pair in one direction at a time, so a single 12 MB exchange got half the rate each
+    way; messages of about 10 ms of link time each keep both directions busy.
     """
-    chunks = lambda t: t.split(chunk // 4)  # noqa: E731
+    outs, ins = payload.split(chunk // 4), inbox.split(chunk // 4)
     transport.barrier(what="netcheck start")
     start = time.perf_counter()
     sends, receives = [], []
-    for out, into in zip(chunks(payload), chunks(inbox)):  # interleaved, so both directions flow
+    for k in range(max(1, nbytes // chunk)):  # interleaved, so both directions flow
+        out, into = outs[k % len(outs)], ins[k % len(ins)]
         if send_to is not None:
             sends.append(transport.send_async(out, send_to, tag=7, what=f"netcheck send to rank {send_to}"))
         if recv_from is not None:
@@ -54,29 +57,50 @@ def measure(transport, n: int, rank: int, nbytes: int, repeats: int, rate_bps: f
     import torch
 
     chunk = min(4 << 20, max(64 << 10, int(rate_bps / 8 * 0.01))) // 4 * 4
+    nbytes = max(nbytes // chunk, 1) * chunk
     nxt, prev = (rank + 1) % n, (rank - 1) % n
     row = [0.0] * (len(COLUMNS) + 1)
     rate = lambda seconds: nbytes * 8 / seconds  # noqa: E731
-    # Buffers touched once up front: page faults in a fresh receive buffer would slow the first
-    # transfer at Gbit rates. One unmeasured exchange opens the connections.
-    payload, inbox, ring = (torch.zeros(nbytes // 4, dtype=torch.float32) for _ in range(3))
-    _timed_exchange(transport, nxt, prev, payload, inbox, chunk)
+    # Buffers of at most 64 MB, reused (a 5 Gbit/s transfer of 2 s would need 1.25 GB each), and
+    # touched once up front: page faults in a fresh receive buffer slow a transfer at Gbit rates.
+    size = min(nbytes, BUFFER) // chunk * chunk
+    payload, inbox, ring = (torch.zeros(size // 4, dtype=torch.float32) for _ in range(3))
+    _timed_exchange(transport, nxt, prev, payload, inbox, chunk, size)  # opens the connections
     for sender in range(n):  # one-way, one sender at a time
         times = [_timed_exchange(transport, nxt if rank == sender else None,
-                                 prev if rank == (sender + 1) % n else None, payload, inbox, chunk) for _ in range(repeats)]
+                                 prev if rank == (sender + 1) % n else None, payload, inbox, chunk, nbytes) for _ in range(repeats)]
         if rank == (sender + 1) % n:
             row[1] = rate(statistics.median(times))
-    times = [_timed_exchange(transport, nxt, prev, payload, inbox, chunk) for _ in range(repeats)]
+    times = [_timed_exchange(transport, nxt, prev, payload, inbox, chunk, nbytes) for _ in range(repeats)]
     row[3] = rate(statistics.median(times))
     transport.allreduce(ring, what="netcheck all-reduce")
     times = []
     for _ in range(repeats):
         transport.barrier(what="netcheck all-reduce start")
         start = time.perf_counter()
-        transport.allreduce(ring, what="netcheck all-reduce")
+        for _ in range(nbytes // size):
+            transport.allreduce(ring, what="netcheck all-reduce")
         times.append(time.perf_counter() - start)
-    row[4] = rate(statistics.median(times)) * 2 * (n - 1) / n
+    row[4] = (nbytes // size) * size * 8 / statistics.median(times) * 2 * (n - 1) / n
     return row
+
+
+def round_trip(transport, rank: int, repeats: int = 20) -> float:
+    """Median seconds for a 4-byte message from rank 0 to rank 1 and back (other ranks idle)."""
+    import torch
+
+    ball, times = torch.zeros(1), []
+    transport.barrier(what="netcheck round trip start")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        if rank == 0:
+            transport.send_async(ball, 1, tag=8, what="netcheck ping").wait()
+            transport.recv_async(ball, 1, tag=8, what="netcheck pong").wait()
+        elif rank == 1:
+            transport.recv_async(ball, 0, tag=8, what="netcheck ping").wait()
+            transport.send_async(ball, 0, tag=8, what="netcheck pong").wait()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def _gather(transport, n: int, rank: int, row: list[float]) -> list[list[float]]:
@@ -104,9 +128,10 @@ def main(run_dir: str) -> int:
     nbytes = max(1 << 20, int(config["rate_bps"] / 8 * config["seconds"])) // 4 * 4
     row = measure(transport, topo.world_size, topo.rank, nbytes, config["repeats"], config["rate_bps"])
     rows = _gather(transport, topo.world_size, topo.rank, row)
+    rtt = round_trip(transport, topo.rank)
     if topo.rank == 0:
         with open(os.path.join(run_dir, "results.json"), "w") as f:
-            json.dump({"rows": rows, "bytes": nbytes}, f)
+            json.dump({"rows": rows, "bytes": nbytes, "rtt_ms": rtt * 1e3}, f)
     gradsync.shutdown()
     return 0
 

@@ -97,10 +97,13 @@ def tbf_args(rate_bps: float) -> list[str]:
 class EmulatedCluster:
     """``hosts`` namespaces joined by a switch; each host link shaped to ``rate_bps`` (None: unshaped)."""
 
-    def __init__(self, hosts: int, rate_bps: float | None = None):
+    def __init__(self, hosts: int, rate_bps: float | None = None, delay_ms: float = 0.0):
         if hosts < 1:
             raise ConfigError(f"an emulated cluster needs at least 1 host, got {hosts}")
-        self.hosts, self.rate_bps = hosts, rate_bps
+        if delay_ms < 0:
+            raise ConfigError(f"link delay must be >= 0 ms, got {delay_ms}")
+        self.hosts, self.rate_bps, self.delay_ms = hosts, rate_bps, delay_ms
+        self._line: subprocess.Popen | None = None
         self.tag = f"{PREFIX}{os.getpid()}-{next(_counter)}"
         self.switch = f"{self.tag}-sw"
         self.namespaces: list[str] = []
@@ -137,7 +140,16 @@ class EmulatedCluster:
             _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
             _ip("-n", self.switch, "link", "set", "br0", "up")
             for host in range(self.hosts):
-                self._add_host(host)
+                self._add_ns(self.host_ns(host))
+                self._write_hosts_file(host)
+            if self.delay_ms:
+                self._start_delay_line()
+            else:
+                for host in range(self.hosts):
+                    _ip("-n", self.switch, "link", "add", f"p{host}", "type", "veth", "peer", "name", IFNAME,
+                        "netns", self.host_ns(host))
+            for host in range(self.hosts):
+                self._configure_link(host)
         except BaseException:
             self.close()
             raise
@@ -149,11 +161,20 @@ class EmulatedCluster:
         self._reaper.stdin.flush()
         _ip("-n", name, "link", "set", "lo", "up")
 
-    def _add_host(self, host: int) -> None:
+    def _start_delay_line(self) -> None:
+        """The TAP pairs of :mod:`gradsync.cluster.delayline` instead of veth pairs; large frames
+        (MTU 65000) keep the frame rate within what one Python process can forward."""
+        hosts = [self.host_ns(h) for h in range(self.hosts)]
+        self._line = subprocess.Popen([sys.executable, "-m", "gradsync.cluster.delayline", str(self.delay_ms),
+                                       self.switch, *hosts], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        if self._line.stdout.readline().strip() != "ready":
+            raise ConfigError("the delay line could not create its TAP devices (see the error above)")
+        for host in range(self.hosts):
+            _ip("-n", self.host_ns(host), "link", "set", IFNAME, "mtu", "65000")
+            _ip("-n", self.switch, "link", "set", f"p{host}", "mtu", "65000")
+
+    def _configure_link(self, host: int) -> None:
         ns, port = self.host_ns(host), f"p{host}"
-        self._add_ns(ns)
-        self._write_hosts_file(host)
-        _ip("-n", self.switch, "link", "add", port, "type", "veth", "peer", "name", IFNAME, "netns", ns)
         _ip("-n", self.switch, "link", "set", port, "master", "br0", "up")
         _ip("-n", ns, "addr", "add", f"{self.address(host)}/24", "dev", IFNAME)
         _ip("-n", ns, "link", "set", IFNAME, "up")
@@ -180,6 +201,15 @@ class EmulatedCluster:
         """Remove the namespaces (stopping anything still running in them); idempotent."""
         remove(self.namespaces)
         self.namespaces = []
+        if self._line is not None:
+            with contextlib.suppress(OSError):
+                self._line.stdin.close()  # EOF: the delay line exits and its devices vanish
+            try:
+                self._line.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self._line.kill()
+                self._line.wait()
+            self._line = None
         if self._reaper is not None:
             with contextlib.suppress(OSError):
                 self._reaper.stdin.close()  # EOF: the reaper finds nothing left and exits

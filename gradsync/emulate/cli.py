@@ -9,8 +9,11 @@ stderr. See docs/profiles.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
+import os
+import subprocess
 import sys
 
 SUMMARY_ROWS = 20
@@ -26,6 +29,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--steps", type=int, default=10, help="measured steps; each layer keeps its median (default 10)")
     p.add_argument("--warmup", type=int, default=3, help="steps run before measuring (default 3)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads while measuring (default: torch's)")
+    p.add_argument("--load", type=int, default=1, metavar="N",
+                   help="measure while N-1 more copies run alongside, as N workers share this machine "
+                        "(for a profile that should match an N-worker run here; default 1)")
     p.add_argument("--flops", metavar="RATE", help="derive from FLOPs at RATE instead of measuring, e.g. 15tflops")
     p.add_argument("--throughput", type=float, metavar="SAMPLES_PER_S",
                    help="derive from FLOPs, then scale so that a step takes batch-size/SAMPLES_PER_S seconds")
@@ -39,7 +45,7 @@ def _validate(args, parser_error) -> None:
     from gradsync.emulate.profile import parse_rate
     from gradsync.models import get_model
 
-    for flag, value, low in [("--batch-size", args.batch_size, 1), ("--steps", args.steps, 1),
+    for flag, value, low in [("--batch-size", args.batch_size, 1), ("--steps", args.steps, 1), ("--load", args.load, 1),
                              ("--warmup", args.warmup, 0), ("--threads", args.threads, 1)]:
         if value is not None and value < low:
             parser_error(f"{flag} must be >= {low}, got {value}")
@@ -63,12 +69,16 @@ def _validate(args, parser_error) -> None:
 def _profile(args):
     import torch
 
-    from gradsync.emulate.profile import from_flops, measure, parse_rate
+    from gradsync.emulate.derive import from_flops, measure
+    from gradsync.emulate.profile import parse_rate
 
     if args.flops is None and args.throughput is None:
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        profile = measure(args.model, args.batch_size, device=device, steps=args.steps,
-                          warmup=args.warmup, threads=args.threads)
+        with _background_load(args):
+            profile = measure(args.model, args.batch_size, device=device, steps=args.steps,
+                              warmup=args.warmup, threads=args.threads)
+        if args.load > 1:
+            profile.device += f", measured with {args.load - 1} more copies running (--load {args.load})"
     elif args.flops is not None:
         profile = from_flops(args.model, args.batch_size, parse_rate(args.flops), device=args.device_name)
     else:
@@ -83,6 +93,23 @@ def _profile(args):
     if args.note:
         profile.source += f"; {args.note}"
     return profile
+
+
+@contextlib.contextmanager
+def _background_load(args):
+    """``args.load - 1`` copies of the same measurement, started first and running longer, then stopped."""
+    extra = args.load - 1
+    command = [sys.executable, "-m", "gradsync.cli", "profile", "--model", args.model, "--batch-size",
+               str(args.batch_size), "--steps", str(10 * args.steps + 20), "--warmup", "0", "--out", os.devnull]
+    if args.threads:
+        command += ["--threads", str(args.threads)]
+    copies = [subprocess.Popen(command, stderr=subprocess.DEVNULL) for _ in range(extra)]
+    try:
+        yield
+    finally:
+        for copy in copies:
+            copy.kill()
+            copy.wait()
 
 
 def summary(profile, rows: int = SUMMARY_ROWS) -> str:

@@ -36,6 +36,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--logdir", help="also write each rank's unprefixed output to DIR/worker-K.log")
     parser.add_argument("--grace", type=float, default=3.0, help="seconds between SIGTERM and SIGKILL")
     parser.add_argument("--net", metavar="RATE", help="emulated hosts joined by links of RATE (e.g. 1gbit); needs root")
+    parser.add_argument("--delay", type=float, default=0.0, metavar="MS", help="with --net: one-way host-to-host delay")
     parser.add_argument("--ranks-per-host", type=_int_in(1), default=1, help="ranks per emulated host with --net (default 1)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the command every rank runs, after --")
     parser.set_defaults(handler=main, run_parser=parser)
@@ -86,7 +87,8 @@ def _run_emulated(args, command: list[str], parser) -> int:
     try:
         rate = parse_rate(args.net)
         require_privileges()
-        result = launch(command, np=args.np, servers=args.servers, rate_bps=rate, ranks_per_host=args.ranks_per_host,
+        result = launch(command, np=args.np, servers=args.servers, rate_bps=rate, delay_ms=args.delay,
+                        ranks_per_host=args.ranks_per_host,
                         port=args.port, logdir=args.logdir, grace_s=args.grace)
     except ConfigError as exc:
         parser.error(str(exc))

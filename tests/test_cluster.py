@@ -1,0 +1,215 @@
+"""Emulated clusters: namespaces, shaped links, teardown, and the commands that use them.
+
+These tests create network namespaces and qdiscs, which needs root (CI runs as root); elsewhere
+they skip. Every test checks that nothing is left behind: no namespace, no /etc/netns entry.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from gradsync.cluster import EmulatedCluster, leftovers, netns, parse_rate
+from gradsync.errors import ConfigError
+
+ROOT = os.geteuid() == 0
+needs_root = pytest.mark.skipif(not ROOT, reason="creating network namespaces and qdiscs needs root")
+GRADSYNC = [sys.executable, "-m", "gradsync.cli"]
+
+
+def ours() -> list[str]:
+    """Namespaces this test process (or its children) created and did not remove."""
+    return [n for n in leftovers(include_live=True) if n.startswith(f"{netns.PREFIX}{os.getpid()}-")]
+
+
+def test_rates_parse_and_bad_rates_are_config_errors():
+    assert parse_rate("100mbit") == 100e6 and parse_rate("2.5gbit") == 2.5e9 and parse_rate("10G") == 10e9
+    for bad in ("fast", "-1gbit", "0gbit", "1 gallon"):
+        with pytest.raises(ConfigError, match="bad link rate"):
+            parse_rate(bad)
+
+
+def test_without_privileges_the_error_says_what_is_needed(monkeypatch):
+    monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(netns, "_has_net_admin", lambda: False)
+    with pytest.raises(ConfigError, match="root or CAP_NET_ADMIN"):
+        EmulatedCluster(2, 1e9).create()
+
+
+@needs_root
+def test_a_cluster_shapes_both_ends_and_leaves_nothing_behind():
+    rate = 20e6
+    with EmulatedCluster(2, rate) as cluster:
+        assert len(ours()) == 3
+        for ns, dev in ((cluster.host_ns(0), "eth0"), (cluster.switch, "p0")):
+            qdisc = subprocess.run(["tc", "-n", ns, "qdisc", "show", "dev", dev], capture_output=True, text=True).stdout
+            assert "tbf" in qdisc and "20Mbit" in qdisc, qdisc
+        # 1 MB from host 0 to host 1 through the switch: shaped, so it takes about 0.4 s, not 1 ms.
+        server = subprocess.Popen(cluster.exec_prefix(1) + [sys.executable, "-c", _RECEIVER], stdout=subprocess.PIPE, text=True)
+        time.sleep(0.5)
+        subprocess.run(cluster.exec_prefix(0) + [sys.executable, "-c", _SENDER, cluster.address(1)], check=True, timeout=30)
+        seconds = float(server.communicate(timeout=30)[0])
+        assert 0.5 * 8e6 / rate < seconds < 3 * 8e6 / rate, f"1 MB took {seconds:.3f} s on a {rate / 1e6:.0f} Mbit/s link"
+    assert ours() == []
+    assert not os.path.exists(os.path.join(netns.ETC_NETNS, cluster.host_ns(0)))
+
+
+_RECEIVER = """
+import socket, time
+s = socket.socket(); s.bind(("0.0.0.0", 5000)); s.listen(); c, _ = s.accept(); n = 0; t = None
+while n < 1_000_000:
+    b = c.recv(1 << 16); t = t or time.perf_counter(); n += len(b)
+print(time.perf_counter() - t)
+"""
+_SENDER = """
+import socket, sys
+socket.create_connection((sys.argv[1], 5000)).sendall(bytes(1_000_000))
+"""
+
+
+@needs_root
+def test_the_reaper_removes_a_cluster_whose_owner_was_killed():
+    owner = subprocess.Popen([sys.executable, "-c", "from gradsync.cluster import EmulatedCluster\n"
+                              "c = EmulatedCluster(2, None); c.create(); print('up', flush=True)\n"
+                              "import time; time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    assert owner.stdout.readline().strip() == "up"
+    mine = [n for n in leftovers(include_live=True) if n.startswith(f"{netns.PREFIX}{owner.pid}-")]
+    assert len(mine) == 3
+    owner.send_signal(signal.SIGKILL)
+    owner.wait()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and set(mine) & set(leftovers(include_live=True)):
+        time.sleep(0.2)
+    assert not set(mine) & set(leftovers(include_live=True)), "the reaper left namespaces behind"
+
+
+@needs_root
+def test_cleanup_removes_leftovers_of_dead_processes_only():
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = f"{netns.PREFIX}{int(dead.stdout)}-0-h0"
+    subprocess.run(["ip", "netns", "add", stale], check=True)
+    try:
+        with EmulatedCluster(1, None):
+            out = subprocess.run(GRADSYNC + ["cluster", "cleanup"], capture_output=True, text=True, timeout=60)
+            assert out.returncode == 0, out.stderr
+            assert stale in out.stdout and stale not in leftovers(include_live=True)
+            assert len(ours()) == 2, "cleanup removed a live cluster"
+    finally:
+        netns.remove([stale])
+    assert ours() == []
+
+
+@needs_root
+def test_run_net_puts_each_rank_on_its_own_host():
+    script = ("import os, torch, gradsync\n"
+              "assert os.environ['GLOO_SOCKET_IFNAME'] == 'eth0' and os.environ['MASTER_ADDR'] == '10.213.0.1'\n"
+              "topo = gradsync.init()\n"
+              "t = torch.ones(3) * topo.rank\n"
+              "gradsync.runtime.current().transport.allreduce(t)\n"
+              "assert t.tolist() == [3.0] * 3, t\n"
+              "print('address', os.popen('ip -4 -o addr show eth0').read().split()[3])\n"
+              "gradsync.shutdown()\n")
+    before = set(leftovers(include_live=True))
+    out = subprocess.run(GRADSYNC + ["run", "-np", "3", "--net", "200mbit", "--", sys.executable, "-c", script],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    addresses = sorted(line.split()[-1] for line in out.stdout.splitlines() if "address" in line)
+    assert addresses == ["10.213.0.1/24", "10.213.0.2/24", "10.213.0.3/24"]
+    assert set(leftovers(include_live=True)) <= before, "gradsync run left namespaces behind"
+
+
+@needs_root
+def test_netcheck_reports_every_host_near_the_configured_rate():
+    out = subprocess.run(GRADSYNC + ["netcheck", "--hosts", "2", "--net", "100mbit", "--seconds", "0.5", "--repeats", "1"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode in (0, 1), out.stdout + out.stderr
+    rows = [line.split() for line in out.stdout.splitlines() if line[:1].isdigit()]
+    assert len(rows) == 2
+    ratios = [float(cell.rstrip("x")) for row in rows for cell in row[2::2]]
+    assert len(ratios) == 10 and all(0.5 < r < 1.2 for r in ratios), out.stdout
+
+
+@needs_root
+def test_bench_on_an_emulated_cluster_records_the_bound_and_a_trace(tmp_path):
+    from test_emulate import toy_profile
+
+    profile = toy_profile(tmp_path / "toy.json", ms=2.0)
+    before = set(leftovers(include_live=True))
+    records, trace = tmp_path / "records.json", tmp_path / "trace.json"
+    out = subprocess.run(GRADSYNC + ["bench", "--model", "toy", "--batch-size", "4", "--compute", f"emulated:{profile}",
+                                     "--dilation", "2", "--net", "100mbit", "--strategies", "allreduce,ps",
+                                     "--steps", "3", "--warmup", "1", "--rounds", "1", "--check-steps", "2",
+                                     "--json", str(records), "--trace", str(trace)],
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stdout + out.stderr
+    for r in json.loads(records.read_text()):
+        assert r["net"] == "0.1 Gbit/s" and r["compute"].startswith("emulated") and r["dilation"] == 2.0
+        assert r["correct"] is True and 0 < r["efficiency"] and r["bound_samples_per_s"] <= r["ideal_samples_per_s"]
+        assert r["t_comm_min_s"] == pytest.approx(r["min_bytes_per_host"] * 8 / 100e6)
+    events = json.loads(trace.read_text())["traceEvents"]
+    for rank in (0, 1):
+        names = {e["name"].split()[0] for e in events if e.get("pid") == rank and e["ph"] in "Xb"}
+        assert {"forward", "backward", "allreduce", "ps"} <= names, names
+        assert any(e["ph"] == "b" and e["args"]["bytes"] > 0 for e in events if e.get("pid") == rank)
+        assert any(e.get("tid") == 2 for e in events if e.get("pid") == rank), "no waits recorded"
+    assert set(leftovers(include_live=True)) <= before, "gradsync bench left namespaces behind"
+
+
+@needs_root
+def test_a_delay_line_adds_the_delay_and_goes_away_with_the_cluster():
+    with EmulatedCluster(2, 100e6, delay_ms=20) as cluster:
+        line = cluster._line
+        server = subprocess.Popen(cluster.exec_prefix(1) + [sys.executable, "-c", _ECHO])
+        time.sleep(0.5)
+        out = subprocess.run(cluster.exec_prefix(0) + [sys.executable, "-c", _PING, cluster.address(1)],
+                             capture_output=True, text=True, timeout=30)
+        server.kill()
+        server.wait()
+        rtt = float(out.stdout)
+        # 20 ms one way: 40 ms there and back at least; far less than twice that.
+        assert 0.040 <= rtt < 0.080, f"round trip {rtt * 1e3:.1f} ms with a 20 ms one-way delay"
+    assert line.poll() is not None, "the delay line outlived its cluster"
+    assert ours() == []
+
+
+_ECHO = """
+import socket
+s = socket.socket(); s.bind(("0.0.0.0", 5001)); s.listen(); c, _ = s.accept()
+c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+while (b := c.recv(64)):
+    c.sendall(b)
+"""
+_PING = """
+import socket, sys, time
+c = socket.create_connection((sys.argv[1], 5001)); c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+times = []
+for _ in range(5):
+    t = time.perf_counter(); c.sendall(b"x"); c.recv(64); times.append(time.perf_counter() - t)
+print(sorted(times)[2])
+"""
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--dilation", "2"], "needs --compute emulated"),
+    (["--compute", "emulated:flops:1tflops", "--dilation", "0.5"], "--dilation must be >= 1"),
+    (["--delay", "5"], "--delay needs --net"),
+    (["--net", "1 parsec"], "bad link rate"),
+    (["--compute", "emulated"], "no shipped compute profile"),
+])
+def test_bad_cluster_arguments_are_argument_errors(args, message):
+    out = subprocess.run(GRADSYNC + ["bench", "--model", "toy", *args], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and message in out.stderr, out.stderr
+
+
+def test_auto_dilation_keeps_every_real_link_at_most_1_gbit():
+    from argparse import Namespace
+
+    from gradsync.bench.cli import _config
+
+    args = Namespace(model="toy", batch_size=4, optimizer="sgd", lr=0.01, seed=0, compute="emulated", dilation=None,
+                     servers=0, steps=2, warmup=1, threads=1, check_steps=0, rounds=1, delay=0.0, trace=None)
+    for rate, k in ((100e6, 1.0), (1e9, 1.0), (4e9, 4.0), (25e9, 25.0)):
+        assert _config(args, ["allreduce"], {}, 4, rate)["dilation"] == k
