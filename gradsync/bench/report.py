@@ -114,7 +114,8 @@ def chart(records: list[dict], path: str, title: str) -> None:
 
 def sweep_charts(records: list[dict], out_dir: str, title: str) -> list[str]:
     """Throughput against link rate (several rates) and against workers (several ``np``), one line
-    per strategy; the workers chart also draws the ideal (N x one worker's compute-only rate)."""
+    per strategy; dashed: the bound of the first strategy (against rate) or the ideal, N x one
+    worker's compute-only rate (against workers)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -130,8 +131,11 @@ def sweep_charts(records: list[dict], out_dir: str, title: str) -> list[str]:
         for strategy in dict.fromkeys(r["strategy"] for r in records):
             points = sorted((r[axis], r["samples_per_s"]) for r in records if r["strategy"] == strategy and r[axis] is not None)
             ax.plot([x / 1e9 if axis == "net_bps" else x for x, _ in points], [y for _, y in points], marker="o", label=strategy)
-        bound = sorted({(r[axis], r["ideal_samples_per_s"]) for r in records if r[axis] is not None and r["strategy"] == records[0]["strategy"]})
-        ax.plot([x / 1e9 if axis == "net_bps" else x for x, _ in bound], [y for _, y in bound], "k--", label="ideal (N x compute only)")
+        # Against bandwidth, the bound of the first strategy's traffic pattern; against workers, the ideal.
+        key, label = (("bound_samples_per_s", f"bound ({records[0]['strategy']} traffic)") if axis == "net_bps"
+                      else ("ideal_samples_per_s", "ideal (N x compute only)"))
+        bound = sorted({(r[axis], r[key]) for r in records if r[axis] is not None and r["strategy"] == records[0]["strategy"]})
+        ax.plot([x / 1e9 if axis == "net_bps" else x for x, _ in bound], [y for _, y in bound], "k--", label=label)
         ax.set_xlabel("link rate (Gbit/s)" if axis == "net_bps" else "workers")
         if axis == "net_bps":
             ax.set_xscale("log")
