@@ -57,6 +57,13 @@ def _install_hooks(model: nn.Module, params: list[nn.Parameter], sync: _Sync) ->
 
     sync.handles = [p.register_post_accumulate_grad_hook(ready(i)) for i, p in enumerate(params)]
     sync.handles.append(model.register_forward_pre_hook(lambda module, args: strategy.before_forward()))
+    if type(strategy).on_params_needed is not Strategy.on_params_needed:
+        index = {id(p): i for i, p in enumerate(params)}
+        for module in model.modules():
+            owned = tuple(index[id(p)] for p in module.parameters(recurse=False) if id(p) in index)
+            if owned:
+                sync.handles.append(module.register_forward_pre_hook(
+                    lambda _module, _args, owned=owned: strategy.on_params_needed(owned)))
     forward = strategy.wrap_forward(model.forward)
     if forward is not None:
         model.forward = forward
@@ -89,7 +96,13 @@ def _wrap_optimizer(optimizer: torch.optim.Optimizer, sync: _Sync) -> torch.opti
         finally:
             sync.enabled = True
 
-    members = {"step": step, "no_sync": no_sync, "strategy": property(lambda self: sync.strategy),
+    def flush(self):
+        """Wait until every synchronization in flight has finished: parameters are then current
+        (strategies that overlap the next forward with communication, such as ``p3``, otherwise
+        finish a parameter only when the next forward reaches it)."""
+        sync.strategy.flush()
+
+    members = {"step": step, "no_sync": no_sync, "flush": flush, "strategy": property(lambda self: sync.strategy),
                "__module__": base.__module__, "__doc__": base.__doc__}
     optimizer.__class__ = type(base.__name__, (base,), members)
     optimizer._gradsync = sync

@@ -36,12 +36,13 @@ class Handle:
         self._done = False
         self._trace = trace_token  # a point-to-point operation's trace event, ended by wait()
 
-    def wait(self) -> None:
+    def wait(self, *, background: bool = False) -> None:
+        """Block until done. ``background``: a communication thread waits, not training (no wait span)."""
         if self._done:
             return
         tracer = trace.current()
         try:
-            if tracer is None:
+            if tracer is None or background:
                 self._work.wait()
             else:
                 with tracer.waiting(self._what):

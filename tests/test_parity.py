@@ -26,6 +26,7 @@ def train(strategy: str, work: Workload, steps: int, options: dict):
     for step in range(steps):
         inputs, target = work.batch(spec, step, topo.rank, topo.num_workers)
         train_step(model, opt, spec, inputs, target)
+    opt.flush()  # strategies that overlap the next forward (p3) finish parameters lazily
     if frozen_before is not None:
         assert torch.equal(model.frozen.weight, frozen_before), "a frozen parameter changed"
     return {name: p.detach().clone() for name, p in model.named_parameters()}
@@ -39,10 +40,15 @@ CASES = [  # (strategy, workers, servers, options)
     ("ps", 2, 0, {"fuse_kb": 0}), ("ps", 2, 1, {"fuse_kb": 0}), ("ps", 4, 2, {"fuse_kb": 1}),
     ("ddp", 1, 0, {"find_unused_parameters": True}), ("ddp", 2, 0, {"find_unused_parameters": True}),
     ("ddp", 4, 0, {"find_unused_parameters": True}),
+    ("p3", 1, 0, {}), ("p3", 2, 0, {}), ("p3", 4, 0, {}), ("p3", 2, 1, {}), ("p3", 4, 2, {}),
+    ("p3", 2, 0, {"slice_params": 7}),  # slices cut through tensors and span several
+    ("p3", 4, 0, {"slice_params": 50, "credit_mb": 0.001}),  # one slice in flight at a time
+    ("ps-sliced", 1, 0, {}), ("ps-sliced", 2, 0, {"slice_params": 7}), ("ps-sliced", 4, 2, {"slice_params": 50}),
 ]
 CASES = [c + ("sgd",) for c in CASES] + [  # Adam: per-parameter state, at 2 workers
     ("allreduce", 2, 0, {}, "adam"), ("ps", 2, 0, {}, "adam"), ("ps", 2, 1, {}, "adam"),
     ("ddp", 2, 0, {"find_unused_parameters": True}, "adam"),
+    ("p3", 2, 0, {"slice_params": 7}, "adam"), ("p3", 2, 1, {}, "adam"),
 ]
 
 

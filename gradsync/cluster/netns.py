@@ -38,6 +38,9 @@ PREFIX = "gsync-"
 IFNAME = "eth0"
 ETC_NETNS = "/etc/netns"
 SUBNET = "10.213.0"
+VETH_MTU = 9000
+"""Jumbo frames, as in GPU clusters: with 1500-byte frames the TCP/IP headers that ``tbf`` counts
+take 4.5 % of a link and a bidirectional 100 Mbit/s link measured 0.88x of its rate."""
 _NAME = re.compile(rf"^{PREFIX}(\d+)-(\d+)-(sw|h\d+)$")
 _counter = itertools.count()
 _UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
@@ -146,8 +149,8 @@ class EmulatedCluster:
                 self._start_delay_line()
             else:
                 for host in range(self.hosts):
-                    _ip("-n", self.switch, "link", "add", f"p{host}", "type", "veth", "peer", "name", IFNAME,
-                        "netns", self.host_ns(host))
+                    _ip("-n", self.switch, "link", "add", f"p{host}", "mtu", str(VETH_MTU), "type", "veth",
+                        "peer", "name", IFNAME, "mtu", str(VETH_MTU), "netns", self.host_ns(host))
             for host in range(self.hosts):
                 self._configure_link(host)
         except BaseException:

@@ -174,7 +174,7 @@ def measure(model_name: str, batch_size: int, *, device: str = "cpu", steps: int
               f"--steps {steps} --warmup {warmup}" + (f" --threads {threads}" if threads else "")
     return Profile(model_name, batch_size, where, f"measured: {command} ({datetime.date.today()}); "
                    f"median per layer over {steps} steps after {warmup} warm-up steps",
-                   [Layer(n, median[0][n], median[1][n]) for n in order])
+                   [Layer(n, median[0][n], median[1][n]) for n in order], on_host=not device.startswith("cuda"))
 
 
 def _measure_steps(model, spec, inputs, target, order, read, steps, warmup) -> list[tuple[dict, dict]]:

@@ -39,10 +39,15 @@ _POOL = 1 << 20  # elements of the gradient pattern; a gradient is a window of i
 
 
 class AcceleratorClock:
-    """When the emulated accelerator is free; forward books, backward sleeps (see module docstring)."""
+    """When the emulated accelerator is free; forward books, backward sleeps (see module docstring).
 
-    def __init__(self, dilation: float = 1.0):
+    ``busy``: the device is the host CPU (a profile measured here): every layer keeps this core
+    computing for its time, forward included, instead of sleeping.
+    """
+
+    def __init__(self, dilation: float = 1.0, busy: bool = False):
         self.dilation = dilation
+        self.busy = busy
         self.free = 0.0
         self.in_backward = False
 
@@ -50,6 +55,8 @@ class AcceleratorClock:
         start = max(self.free, time.perf_counter())
         self.free = start + ms * self.dilation / 1e3
         self.in_backward = False
+        if self.busy:
+            self.sleep_until(self.free)
         return start, self.free
 
     def backward(self, ms: float) -> tuple[float, float]:
@@ -60,9 +67,25 @@ class AcceleratorClock:
         return start, self.free
 
     def sleep_until(self, deadline: float) -> None:
+        if self.busy:
+            _burn_until(deadline)
+            return
         delay = deadline - time.perf_counter()
         if delay > 0:
             time.sleep(delay)
+
+
+_BURN = None
+
+
+def _burn_until(deadline: float) -> None:
+    """Keep this core computing until ``deadline``, in small matrix products (each releases the GIL,
+    so communication threads run between them as they would beside real layers)."""
+    global _BURN
+    if _BURN is None:
+        _BURN = torch.rand(48, 48)
+    while time.perf_counter() < deadline:
+        torch.mm(_BURN, _BURN)
 
 
 @functools.lru_cache(maxsize=4)
@@ -131,7 +154,7 @@ class EmulatedModel(nn.Module):
 
     def __init__(self, real: nn.Module, profile: Profile, dilation: float = 1.0):
         super().__init__()
-        self.clock = AcceleratorClock(dilation)
+        self.clock = AcceleratorClock(dilation, busy=profile.on_host)
         check_covers(profile, real)
         owned = layer_modules(real)
         self.order: list[EmulatedLayer] = []

@@ -62,6 +62,10 @@ class Profile:
     """How the times were obtained (measured with which command, or derived from FLOPs at what rate)."""
     layers: list[Layer] = field(default_factory=list)
     dtype: str = "float32"
+    on_host: bool = False
+    """The times were measured on the host CPU. The emulator then keeps a core busy for each layer
+    (computing, not sleeping) and runs forward synchronously, as the CPU did, so communication
+    competes with computation for the cores as it did in the measurement."""
     throughput: float | None = None
     """Samples/s the times were scaled to match, so that ``step_ms == 1000 * batch_size / throughput``
     (for shipped profiles a published measurement, or an estimate from one: the source says which);

@@ -13,6 +13,7 @@ from gradsync.errors import ConfigError
 from gradsync.strategies.allreduce import AllReduce
 from gradsync.strategies.base import Strategy, SyncContext
 from gradsync.strategies.ddp import DDP
+from gradsync.strategies.p3 import P3
 from gradsync.strategies.ps import ParameterServer
 
 STRATEGIES: dict[str, Callable[..., Strategy]] = {
@@ -20,6 +21,8 @@ STRATEGIES: dict[str, Callable[..., Strategy]] = {
     "ps": ParameterServer,
     "ps-async": partial(ParameterServer, mode="async"),
     "ddp": DDP,
+    "p3": P3,
+    "ps-sliced": partial(P3, priority=False, overlap=False),
 }
 
 
@@ -46,5 +49,5 @@ def resolve(strategy: str | Strategy, **options: Any) -> Strategy:
         raise ConfigError(f"invalid options for strategy {strategy!r}: {exc}") from None
 
 
-__all__ = ["STRATEGIES", "AllReduce", "DDP", "ParameterServer", "Strategy", "SyncContext",
+__all__ = ["STRATEGIES", "AllReduce", "DDP", "P3", "ParameterServer", "Strategy", "SyncContext",
            "register", "resolve", "strategy_names"]

@@ -8,9 +8,15 @@ branches on which strategy is running.
   (``Parameter.register_post_accumulate_grad_hook``). Start sending it if you like.
 - ``before_forward()``: the next forward pass is about to read the parameters. A strategy that
   updates parameters remotely (a parameter server) makes sure they have arrived.
+- ``on_params_needed(indices)``: the forward pass is about to run a module that directly owns
+  parameters ``indices`` (a forward pre-hook per such module; installed only for strategies that
+  override this method). A strategy that lets the next forward start before every parameter has
+  arrived (P3's forward overlap) waits here for just these.
 - ``step(apply)``: the user called ``optimizer.step()``. Finish synchronization and call
   ``apply()`` (the wrapped optimizer's own step) where the strategy wants the update to happen,
   or not at all when the update happens on a server.
+- ``flush()``: wait for everything in flight, so that parameters are current on this worker
+  (``optimizer.flush()``; before reading, saving or evaluating the model outside ``forward``).
 
 Server ranks call ``serve()`` instead of training; ``close()`` runs at ``gradsync.shutdown()``.
 Gradient semantics every exact strategy implements (and the tests check against a single
@@ -65,6 +71,12 @@ class Strategy:
         pass
 
     def before_forward(self) -> None:
+        pass
+
+    def on_params_needed(self, indices: tuple[int, ...]) -> None:
+        pass
+
+    def flush(self) -> None:
         pass
 
     def step(self, apply: Callable[[], Any]) -> Any:

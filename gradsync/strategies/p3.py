@@ -1,0 +1,446 @@
+"""P3: priority-based parameter propagation (Jayarajan et al., SysML 2019), and its ablation ``ps-sliced``.
+
+A parameter server whose traffic is cut into slices and sent in the order the *next forward pass*
+needs it. Backward produces the last layer's gradient first and the first layer's last, while the
+next forward needs the first layer first; a FIFO parameter server makes the first layer wait behind
+everything else. P3's three parts, each an option here so that a benchmark can show its share:
+
+1. **Slicing** (:mod:`gradsync.strategies.slicing`): parameters laid end to end in forward order and
+   cut into slices of ``slice_params`` elements, spread round-robin over the servers.
+2. **Priority** (``priority=True``): a slice's priority is its position in the forward pass. Each
+   process sends through a :class:`~gradsync.strategies.scheduler.PrioritySender` with at most
+   ``credit_mb`` in flight, so a newly ready slice near the input overtakes queued later ones;
+   servers answer by the same priority.
+3. **Forward overlap** (``overlap=True``): ``optimizer.step()`` returns at once; the next forward
+   runs each module as soon as *its* slices have arrived (the ``on_params_needed`` hook point).
+
+The pull rides on the push: once a server has every worker's push of a slice it averages them,
+updates the slice with the user's optimizer (one instance per slice, same class and
+hyperparameters; exact for elementwise optimizers) and answers each worker with the new values.
+
+Servers are the dedicated ranks (``gradsync run --servers S``) or, without any, the workers
+themselves (P3's own set-up: one server per machine); a co-located server runs on its worker's
+communication threads. ``ps-sliced`` = slicing alone: FIFO order, no credit, and ``step()``
+waits for every slice (pull after aggregation), like ``ps``.
+
+Wire (no pickle; one message size per job, so receives are posted ahead): ``uint8`` buffer =
+``int64[2]`` header ``(kind << 32 | slice, step)``, then ``slice_numel`` values, then one "used"
+flag per segment (a worker that did not use a parameter contributes zero; a parameter no worker
+used keeps ``grad = None`` on the server, so the optimizer skips it, as in DDP). One tag; between
+two ranks messages arrive in the order sent. A stream ends with ``POSTED`` stop messages, which
+fill exactly the receives the peer still has posted.
+
+Must match across ranks: the model and the optimizer's class and hyperparameters. With dedicated
+servers the servers' own optimizer is used, so an LR scheduler in the training loop does not reach
+it; co-located servers take each step's hyperparameters from their worker's optimizer.
+Parameters are current after the next forward has passed them, or after ``optimizer.flush()``.
+Tune ``slice_params`` (P3: 40,000-50,000) and ``credit_mb`` (enough to keep a link busy; too much
+and late slices can no longer be overtaken).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from collections import deque
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from gradsync import trace
+from gradsync.errors import ConfigError, GradsyncError
+from gradsync.strategies.base import Strategy, SyncContext, ring_bytes
+from gradsync.strategies.scheduler import PrioritySender
+from gradsync.strategies.slicing import SlicePlan, flat_view
+
+PUSH, ANSWER, STOP = 1, 2, 3
+TAG = 0x5033
+POSTED = 4
+"""Receives each rank keeps posted per peer (Gloo moves a message once its receive is posted)."""
+ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, torch.optim.RMSprop,
+               torch.optim.Adadelta, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.ASGD,
+               torch.optim.Rprop)
+"""Optimizers whose update of a slice equals their update of the whole tensor, element by element."""
+
+
+class Wire:
+    """The fixed message layout (module docstring): views into one ``uint8`` buffer."""
+
+    HEADER = 16
+
+    def __init__(self, plan: SlicePlan, dtype: torch.dtype):
+        self.dtype, self.numel, self.flags = dtype, plan.slice_numel, max(plan.max_segments, 1)
+        size = torch.empty((), dtype=dtype).element_size()
+        self.nbytes = self.HEADER + (self.numel + self.flags) * size
+        self._payload_end = self.HEADER + self.numel * size
+
+    def new(self, kind: int, index: int, step: int) -> torch.Tensor:
+        buf = torch.empty(self.nbytes, dtype=torch.uint8)
+        header = buf[:self.HEADER].view(torch.int64)
+        header[0], header[1] = kind << 32 | index, step
+        return buf
+
+    def header(self, buf: torch.Tensor) -> tuple[int, int, int]:
+        word, step = buf[:self.HEADER].view(torch.int64).tolist()
+        return word >> 32, word & 0xFFFFFFFF, step
+
+    def payload(self, buf: torch.Tensor) -> torch.Tensor:
+        return buf[self.HEADER:self._payload_end].view(self.dtype)
+
+    def used(self, buf: torch.Tensor) -> torch.Tensor:
+        return buf[self._payload_end:].view(self.dtype)
+
+
+class P3(Strategy):
+    """Sliced, prioritized parameter server with forward overlap (see the module docstring)."""
+
+    name = "p3"
+    uses_servers = True
+
+    def __init__(self, slice_params: int = 50_000, credit_mb: float | None = 1.0,
+                 priority: bool | Callable[[str, int], float] = True, overlap: bool = True,
+                 elementwise_optimizer: bool | None = None):
+        if isinstance(slice_params, bool) or not isinstance(slice_params, int) or slice_params < 1:
+            raise ConfigError(f"slice_params must be an integer >= 1 (elements per slice), got {slice_params!r}")
+        if credit_mb is not None and not credit_mb > 0:
+            raise ConfigError(f"credit_mb must be > 0 (or None: no limit), got {credit_mb!r}")
+        if not (isinstance(priority, bool) or callable(priority)):
+            raise ConfigError(f"priority must be True (forward order), False (FIFO) or a function "
+                              f"(parameter name, forward position) -> number, got {priority!r}")
+        if priority is False and not overlap:
+            self.name = "ps-sliced"
+        self.slice_params, self.credit_mb = slice_params, credit_mb
+        self.priority, self.overlap = priority, overlap
+        self.elementwise = elementwise_optimizer
+
+    # -- set-up ------------------------------------------------------------------------------------
+    def attach(self, ctx: SyncContext) -> None:
+        super().attach(ctx)
+        topo = ctx.topology
+        self.dedicated = topo.num_servers > 0
+        self.servers = topo.server_ranks if self.dedicated else topo.worker_ranks
+        self.me, self.workers = topo.rank, topo.worker_ranks
+        if topo.is_server:
+            self.peers = self.workers
+        else:
+            self.peers = [r for r in (self.servers if self.dedicated else self.workers) if r != self.me]
+        self._check_model(ctx)
+        self.optimizer_class = type(ctx.optimizer)  # before distribute wraps it
+        self.plan: SlicePlan | None = None
+        self.announced: dict[int, None] = {}
+        self.got_grad: set[int] = set()
+        self.steps, self.open, self.closed = 0, False, False
+        self.error: BaseException | None = None
+        self.cv = threading.Condition()
+        self.lock = threading.Lock()
+
+    def _check_model(self, ctx: SyncContext) -> None:
+        for p, n in zip(ctx.params, ctx.names):
+            if p.dtype != ctx.params[0].dtype:
+                raise ConfigError(f"{self.name} sends every parameter in one message format and needs one dtype; "
+                                  f"parameter {n!r} is {p.dtype}, {ctx.names[0]!r} is {ctx.params[0].dtype}")
+        for p, n in zip(ctx.params, ctx.names):
+            if not p.is_contiguous():
+                raise ConfigError(f"{self.name} slices parameters in memory order; parameter {n!r} is not "
+                                  "contiguous (make it so with `param.data = param.data.contiguous()`)")
+        cls = type(ctx.optimizer)
+        if self.elementwise is None and not issubclass(cls, ELEMENTWISE):
+            raise ConfigError(f"{self.name} updates each slice of a parameter on its own, which equals a whole-"
+                              f"tensor update only for elementwise optimizers (SGD, Adam, AdamW, Adagrad, RMSprop, "
+                              f"...); {cls.__name__} is not known to be one. If it is, pass elementwise_optimizer=True")
+        if self.elementwise is False:
+            raise ConfigError(f"{self.name} needs an elementwise optimizer (elementwise_optimizer=False was given)")
+
+    def _make_plan(self) -> None:
+        """Agree on the forward order (rank 0's), slice, and start the communication threads."""
+        ctx, n = self.ctx, len(self.ctx.params)
+        eager = [i for i in sorted(self.got_grad) if i not in self.announced]
+        order = eager + list(self.announced) + [i for i in range(n) if i not in self.announced and i not in eager]
+        if ctx.topology.world_size > 1:
+            agreed = torch.tensor(order, dtype=torch.int64, device=ctx.transport.device)
+            ctx.transport.broadcast(agreed, src=0, world=self.dedicated, what="broadcast of the forward order")
+            order = agreed.tolist()
+        self.plan = plan = SlicePlan(ctx.params, order, self.slice_params, self.servers)
+        self.wire = Wire(plan, ctx.params[0].dtype)
+        self.prio = self._priorities(order)
+        credit = None if self.credit_mb is None or not self.priority else int(self.credit_mb * 2**20)
+        if credit is not None and credit < self.wire.nbytes:
+            raise ConfigError(f"credit_mb={self.credit_mb:g} is less than one slice ({self.wire.nbytes / 2**20:.3f} MB "
+                              f"with slice_params={self.slice_params}): nothing could be sent; raise credit_mb")
+        self.eager = plan.slices_of(eager)
+        self.needs: dict[tuple[int, ...], list[int]] = {}
+        self.arrived = [0] * len(plan.slices)
+        self._build_server()
+        self.sender = PrioritySender(ctx.transport, credit)
+        self.threads = [threading.Thread(target=self._receive, args=(peer,), daemon=True,
+                                         name=f"gradsync-{self.name}-from-{peer}") for peer in self.peers]
+        for thread in self.threads:
+            thread.start()
+
+    def _priorities(self, order: list[int]) -> list[float]:
+        """Per slice: its index (forward order), a push counter (FIFO), or the user's function's minimum."""
+        plan = self.plan
+        if not callable(self.priority):
+            return [float(k) for k in range(len(plan.slices))]
+        position = {i: pos for pos, i in enumerate(order)}
+        per_param = {}
+        for i, name in enumerate(self.ctx.names):
+            value = self.priority(name, position[i])
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+                raise ConfigError(f"the priority function returned {value!r} for parameter {name!r}; "
+                                  "it must return a number (smaller = sent first)")
+            per_param[i] = float(value)
+        return [min(per_param[s.param] for s in sl.segments) for sl in plan.slices]
+
+    def _build_server(self) -> None:
+        """Per owned slice: 1-D parameters viewing the local model's memory, and an optimizer over them."""
+        params, opt = self.ctx.params, self.ctx.optimizer
+        group_of = {id(p): g for g, group in enumerate(opt.param_groups) for p in group["params"]}
+        self.owned: dict[int, tuple[list[nn.Parameter | None], torch.optim.Optimizer | None, list[int]]] = {}
+        for sl in self.plan.slices:
+            if sl.owner != self.me:
+                continue
+            views, groups = [], {}
+            for seg in sl.segments:
+                g = group_of.get(id(params[seg.param]))
+                view = None if g is None else nn.Parameter(flat_view(params[seg.param], seg))
+                views.append(view)
+                if view is not None:
+                    groups.setdefault(g, []).append(view)
+            made = None
+            if groups:
+                made = self.optimizer_class([{**self._hyper(opt.param_groups[g]), "params": ps} for g, ps in groups.items()])
+            self.owned[sl.index] = (views, made, list(groups))
+        self.accum: dict[tuple[int, int], list] = {}
+        self.hyper: dict[int, list[dict]] = {}
+
+    @staticmethod
+    def _hyper(group: dict) -> dict:
+        return {k: v for k, v in group.items() if k != "params"}
+
+    # -- worker: hook points -------------------------------------------------------------------------
+    def on_params_needed(self, indices: tuple[int, ...]) -> None:
+        if self.plan is None:  # the first forward: learn the order
+            self.announced.update(dict.fromkeys(indices))
+        elif self.overlap:
+            needed = self.needs.get(indices)
+            if needed is None:
+                needed = self.needs[indices] = self.plan.slices_of(indices)
+            self._wait(needed, indices)
+
+    def before_forward(self) -> None:
+        if self.plan is not None and self.overlap and self.eager:
+            self._wait(self.eager, ())
+
+    def on_grad_ready(self, index: int) -> None:
+        if self.plan is None:
+            self.got_grad.add(index)
+            return
+        if not self.open:
+            self._open_step()
+        if self.ready[index]:
+            raise GradsyncError(
+                f"parameter {self.ctx.names[index]!r} received a second gradient after it was pushed. "
+                "For gradient accumulation, run all but the last backward inside `with optimizer.no_sync():`")
+        self.ready[index] = True
+        for k in self.plan.of_param[index]:
+            self.pending[k] -= 1
+            if self.pending[k] == 0:
+                self._push(k)
+
+    def step(self, apply: Callable[[], Any]) -> Any:
+        self._check()
+        if self.plan is None:
+            self._make_plan()
+            self._open_step()
+            for i in self.got_grad:
+                self.ready[i] = True
+        elif not self.open:
+            self._open_step()
+        for k, sl in enumerate(self.plan.slices):
+            if not self.pushed[k]:
+                self._push(k)
+        self.steps += 1
+        self.open = False
+        if not self.overlap:
+            self.flush()
+        return None
+
+    def flush(self) -> None:
+        if self.plan is not None:
+            self._wait(range(len(self.plan.slices)), None)
+
+    def _open_step(self) -> None:
+        self.open = True
+        self.ready = [False] * len(self.ctx.params)
+        self.pending = [len(sl.segments) for sl in self.plan.slices]
+        self.pushed = [False] * len(self.plan.slices)
+        if not self.dedicated:  # this step's hyperparameters, for the co-located server's updates
+            self.hyper[self.steps] = [self._hyper(g) for g in self.ctx.optimizer.param_groups]
+            self.hyper.pop(self.steps - 4, None)
+
+    def _push(self, k: int) -> None:
+        sl, params = self.plan.slices[k], self.ctx.params
+        self.pushed[k] = True
+        buf = self.wire.new(PUSH, k, self.steps)
+        payload, used = self.wire.payload(buf), self.wire.used(buf)
+        for j, seg in enumerate(sl.segments):
+            grad = params[seg.param].grad
+            part = payload[seg.offset:seg.offset + seg.length]
+            if grad is None:
+                part.zero_()
+                used[j] = 0
+            else:
+                if grad.is_sparse:
+                    raise ConfigError(f"{self.name} sends dense slices; parameter {self.ctx.names[seg.param]!r} "
+                                      "has a sparse gradient (use a dense embedding, or the hybrid strategy)")
+                part.copy_(grad.reshape(-1)[seg.start:seg.start + seg.length])
+                used[j] = 1
+        if sl.owner == self.me:
+            self._accept(self.me, k, self.steps, payload, used)
+        else:
+            self.sender.put(self._send_priority(k), buf, sl.owner, TAG, what=f"push of slice {k} to rank {sl.owner}")
+
+    def _send_priority(self, k: int) -> float:
+        return self.prio[k] if self.priority is not False else 0.0  # equal priorities leave in FIFO order
+
+    # -- waiting -------------------------------------------------------------------------------------
+    def _wait(self, slices, indices) -> None:
+        target, arrived = self.steps, self.arrived
+        if all(arrived[k] >= target for k in slices):
+            return
+        tracer = trace.current()
+        what = ("parameters of " + ", ".join(repr(self.ctx.names[i]) for i in indices[:2]) if indices
+                else "every parameter")
+        with tracer.waiting(f"wait for {what}") if tracer is not None else contextlib.nullcontext():
+            with self.cv:
+                while not all(arrived[k] >= target for k in slices):
+                    self._check()
+                    self.cv.wait(0.5)
+
+    def _check(self) -> None:
+        if self.error is not None:
+            raise self.error
+        if self.plan is not None:
+            self.sender.check()
+
+    def _arrived(self, k: int, step: int) -> None:
+        with self.cv:
+            self.arrived[k] = step + 1
+            self.cv.notify_all()
+
+    # -- server: aggregate, update, answer -----------------------------------------------------------
+    def _accept(self, src: int, k: int, step: int, payload: torch.Tensor, used: torch.Tensor) -> None:
+        with self.lock:
+            acc = self.accum.get((k, step))
+            if acc is None:
+                self.accum[(k, step)] = acc = [payload.clone(), used.clone(), 1]
+            else:
+                acc[0].add_(payload)
+                acc[1].add_(used)
+                acc[2] += 1
+            if acc[2] == len(self.workers):
+                del self.accum[(k, step)]
+                self._update(k, step, acc[0], acc[1].tolist())
+
+    def _update(self, k: int, step: int, total: torch.Tensor, used: list[float]) -> None:
+        sl = self.plan.slices[k]
+        views, opt, groups = self.owned[k]
+        if opt is not None:
+            for seg, view, count in zip(sl.segments, views, used):
+                if view is not None:
+                    view.grad = total[seg.offset:seg.offset + seg.length].div_(len(self.workers)) if count else None
+            hyper = self.hyper.get(step)
+            if hyper is not None:
+                for group, g in zip(opt.param_groups, groups):
+                    group.update(hyper[g])
+            opt.step()
+            for view in views:
+                if view is not None:
+                    view.grad = None
+        answer = self.wire.new(ANSWER, k, step)
+        payload, params = self.wire.payload(answer), self.ctx.params
+        for seg in sl.segments:
+            payload[seg.offset:seg.offset + seg.length].copy_(flat_view(params[seg.param], seg))
+        for w in self.workers:
+            if w != self.me:
+                self.sender.put(self._send_priority(k), answer, w, TAG, what=f"pull of slice {k} to rank {w}")
+        if self.me in self.workers:
+            self._arrived(k, step)
+
+    def _deliver(self, k: int, step: int, payload: torch.Tensor) -> None:
+        params = self.ctx.params
+        with torch.no_grad():
+            for seg in self.plan.slices[k].segments:
+                flat_view(params[seg.param], seg).copy_(payload[seg.offset:seg.offset + seg.length])
+        self._arrived(k, step)
+
+    # -- communication threads -----------------------------------------------------------------------
+    def _receive(self, peer: int) -> None:
+        """Messages from ``peer``, in order: pushes (we serve), answers (we train), then its stops."""
+        t, wire = self.ctx.transport, self.wire
+        try:
+            posted = deque()
+            for _ in range(POSTED):
+                buf = torch.empty(wire.nbytes, dtype=torch.uint8)
+                posted.append((buf, t.recv_async(buf, peer, TAG, what=f"message from rank {peer}")))
+            while True:
+                buf, handle = posted.popleft()
+                handle.wait(background=True)
+                kind, k, step = wire.header(buf)
+                if kind == STOP:
+                    for _, rest in posted:  # the peer's other stop messages
+                        rest.wait(background=True)
+                    return
+                if kind == PUSH:
+                    self._accept(peer, k, step, wire.payload(buf), wire.used(buf))
+                else:
+                    self._deliver(k, step, wire.payload(buf))
+                posted.append((buf, t.recv_async(buf, peer, TAG, what=f"message from rank {peer}")))
+        except BaseException as exc:  # raised in the training thread by _check()
+            with self.cv:
+                self.error = self.error or exc
+                self.cv.notify_all()
+
+    def _stop_peers(self) -> None:
+        for peer in self.peers:
+            for _ in range(POSTED):
+                self.sender.put(math.inf, self.wire.new(STOP, 0, self.steps), peer, TAG, what=f"stop to rank {peer}")
+
+    def serve(self) -> None:
+        """A dedicated server: slices are served on the receiving threads until every worker stops."""
+        self._make_plan()
+        for thread in self.threads:
+            thread.join()
+        self._check()
+        self._stop_peers()
+        self.sender.close()
+
+    def close(self) -> None:
+        """Workers: wait for the last answers, then end every stream. Safe to call twice."""
+        if self.closed or self.ctx.topology.is_server:
+            return
+        self.closed = True
+        if self.plan is None:  # no step was taken; dedicated servers still wait for the plan
+            self._make_plan()
+        self.flush()
+        self._stop_peers()
+        self.sender.close()
+        for thread in self.threads:
+            thread.join()
+        self._check()
+
+    # -- reports ---------------------------------------------------------------------------------------
+    def min_bytes_per_host(self, model_bytes: int) -> float:
+        """As ``ps``: dedicated servers serve N workers their share; co-located hosts exchange like a ring."""
+        n, s = self.ctx.topology.num_workers, self.ctx.topology.num_servers
+        return max(model_bytes, n * model_bytes / s) if s else ring_bytes(model_bytes, n)
+
+    def describe(self) -> str:
+        where = f"{len(self.servers)} dedicated servers" if self.dedicated else f"co-located on {len(self.servers)} workers"
+        slices = f"{len(self.plan.slices)} slices" if self.plan is not None else "slices"
+        order = "custom priority" if callable(self.priority) else ("forward priority" if self.priority else "FIFO")
+        credit = f", credit {self.credit_mb:g} MB" if self.priority and self.credit_mb else ""
+        return (f"{self.name}({where}, {slices} of <= {self.slice_params} params, {order}{credit}, "
+                f"{'forward overlap' if self.overlap else 'pull at step'})")
