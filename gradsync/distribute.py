@@ -64,6 +64,8 @@ def _install_hooks(model: nn.Module, params: list[nn.Parameter], sync: _Sync) ->
             if owned:
                 sync.handles.append(module.register_forward_pre_hook(
                     lambda _module, _args, owned=owned: strategy.on_params_needed(owned)))
+    # A checkpoint must not catch parameters still in flight (p3 finishes them lazily).
+    sync.handles.append(model.register_state_dict_pre_hook(lambda *_args: strategy.flush()))
     forward = strategy.wrap_forward(model.forward)
     if forward is not None:
         model.forward = forward

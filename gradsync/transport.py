@@ -129,11 +129,14 @@ class Transport:
         return Handle(dist.group.WORLD.send([tensor], dst, tag), self._explain, what, token)
 
     def recv_async(self, tensor: torch.Tensor, src: Optional[int], tag: int, *,
-                   what: str = "receive") -> Handle:
-        """Receive into ``tensor`` from ``src`` (``None``: from whichever rank sends first)."""
+                   what: str = "receive", traced: bool = True) -> Handle:
+        """Receive into ``tensor`` from ``src`` (``None``: from whichever rank sends first).
+
+        ``traced=False``: a receive posted ahead of its message, whose caller traces the arrival itself.
+        """
         world = dist.group.WORLD
         work = world.recv_anysource([tensor], tag) if src is None else world.recv([tensor], src, tag)
-        tracer = trace.current()
+        tracer = trace.current() if traced else None
         token = None if tracer is None else tracer.begin_async(
             what, "comm", bytes=tensor.numel() * tensor.element_size(), op="receive", peer=src)
         return Handle(work, self._explain, what, token)

@@ -39,18 +39,18 @@ and late slices can no longer be overtaken).
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import threading
+import time
 from collections import deque
 from typing import Any, Callable
 
 import torch
-from torch import nn
 
 from gradsync import trace
 from gradsync.errors import ConfigError, GradsyncError
 from gradsync.strategies.base import Strategy, SyncContext, ring_bytes
+from gradsync.strategies.overlap import Arrivals, ForwardOrder, SliceOptimizers, check_sliceable, hyper
 from gradsync.strategies.scheduler import PrioritySender
 from gradsync.strategies.slicing import SlicePlan, flat_view
 
@@ -58,10 +58,6 @@ PUSH, ANSWER, STOP = 1, 2, 3
 TAG = 0x5033
 POSTED = 4
 """Receives each rank keeps posted per peer (Gloo moves a message once its receive is posted)."""
-ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, torch.optim.RMSprop,
-               torch.optim.Adadelta, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.ASGD,
-               torch.optim.Rprop)
-"""Optimizers whose update of a slice equals their update of the whole tensor, element by element."""
 
 
 class Wire:
@@ -125,62 +121,40 @@ class P3(Strategy):
             self.peers = self.workers
         else:
             self.peers = [r for r in (self.servers if self.dedicated else self.workers) if r != self.me]
-        self._check_model(ctx)
+        check_sliceable(self.name, ctx, self.elementwise)
         self.optimizer_class = type(ctx.optimizer)  # before distribute wraps it
+        self.order = ForwardOrder(len(ctx.params))
         self.plan: SlicePlan | None = None
-        self.announced: dict[int, None] = {}
-        self.got_grad: set[int] = set()
         self.steps, self.open, self.closed = 0, False, False
-        self.error: BaseException | None = None
-        self.cv = threading.Condition()
         self.lock = threading.Lock()
-
-    def _check_model(self, ctx: SyncContext) -> None:
-        for p, n in zip(ctx.params, ctx.names):
-            if p.dtype != ctx.params[0].dtype:
-                raise ConfigError(f"{self.name} sends every parameter in one message format and needs one dtype; "
-                                  f"parameter {n!r} is {p.dtype}, {ctx.names[0]!r} is {ctx.params[0].dtype}")
-        for p, n in zip(ctx.params, ctx.names):
-            if not p.is_contiguous():
-                raise ConfigError(f"{self.name} slices parameters in memory order; parameter {n!r} is not "
-                                  "contiguous (make it so with `param.data = param.data.contiguous()`)")
-        cls = type(ctx.optimizer)
-        if self.elementwise is None and not issubclass(cls, ELEMENTWISE):
-            raise ConfigError(f"{self.name} updates each slice of a parameter on its own, which equals a whole-"
-                              f"tensor update only for elementwise optimizers (SGD, Adam, AdamW, Adagrad, RMSprop, "
-                              f"...); {cls.__name__} is not known to be one. If it is, pass elementwise_optimizer=True")
-        if self.elementwise is False:
-            raise ConfigError(f"{self.name} needs an elementwise optimizer (elementwise_optimizer=False was given)")
 
     def _make_plan(self) -> None:
         """Agree on the forward order (rank 0's), slice, and start the communication threads."""
-        ctx, n = self.ctx, len(self.ctx.params)
-        eager = [i for i in sorted(self.got_grad) if i not in self.announced]
-        order = eager + list(self.announced) + [i for i in range(n) if i not in self.announced and i not in eager]
-        if ctx.topology.world_size > 1:
-            agreed = torch.tensor(order, dtype=torch.int64, device=ctx.transport.device)
-            ctx.transport.broadcast(agreed, src=0, world=self.dedicated, what="broadcast of the forward order")
-            order = agreed.tolist()
-        self.plan = plan = SlicePlan(ctx.params, order, self.slice_params, self.servers)
-        self.wire = Wire(plan, ctx.params[0].dtype)
-        self.prio = self._priorities(order)
+        ctx = self.ctx
+        eager, order = self.order.eager(), self.order.agree(ctx.transport, world=self.dedicated)
+        plan = SlicePlan(ctx.params, order, self.slice_params, self.servers)
+        wire = Wire(plan, ctx.params[0].dtype)
         credit = None if self.credit_mb is None or not self.priority else int(self.credit_mb * 2**20)
-        if credit is not None and credit < self.wire.nbytes:
-            raise ConfigError(f"credit_mb={self.credit_mb:g} is less than one slice ({self.wire.nbytes / 2**20:.3f} MB "
+        if credit is not None and credit < wire.nbytes:
+            raise ConfigError(f"credit_mb={self.credit_mb:g} is less than one slice ({wire.nbytes / 2**20:.3g} MB "
                               f"with slice_params={self.slice_params}): nothing could be sent; raise credit_mb")
+        self.prio = self._priorities(plan, order)
+        self.plan, self.wire = plan, wire
         self.eager = plan.slices_of(eager)
         self.needs: dict[tuple[int, ...], list[int]] = {}
-        self.arrived = [0] * len(plan.slices)
-        self._build_server()
+        self.arrivals = Arrivals(len(plan.slices), ctx.names)
+        owned = [sl.index for sl in plan.slices if sl.owner == self.me]
+        self.updaters = SliceOptimizers(plan, owned, ctx.params, ctx.optimizer, self.optimizer_class)
+        self.accum: dict[tuple[int, int], list] = {}
+        self.hyper: dict[int, list[dict]] = {}
         self.sender = PrioritySender(ctx.transport, credit)
         self.threads = [threading.Thread(target=self._receive, args=(peer,), daemon=True,
                                          name=f"gradsync-{self.name}-from-{peer}") for peer in self.peers]
         for thread in self.threads:
             thread.start()
 
-    def _priorities(self, order: list[int]) -> list[float]:
-        """Per slice: its index (forward order), a push counter (FIFO), or the user's function's minimum."""
-        plan = self.plan
+    def _priorities(self, plan: SlicePlan, order: list[int]) -> list[float]:
+        """Per slice: its index (forward order), or the minimum of the user's function over its parameters."""
         if not callable(self.priority):
             return [float(k) for k in range(len(plan.slices))]
         position = {i: pos for pos, i in enumerate(order)}
@@ -193,49 +167,24 @@ class P3(Strategy):
             per_param[i] = float(value)
         return [min(per_param[s.param] for s in sl.segments) for sl in plan.slices]
 
-    def _build_server(self) -> None:
-        """Per owned slice: 1-D parameters viewing the local model's memory, and an optimizer over them."""
-        params, opt = self.ctx.params, self.ctx.optimizer
-        group_of = {id(p): g for g, group in enumerate(opt.param_groups) for p in group["params"]}
-        self.owned: dict[int, tuple[list[nn.Parameter | None], torch.optim.Optimizer | None, list[int]]] = {}
-        for sl in self.plan.slices:
-            if sl.owner != self.me:
-                continue
-            views, groups = [], {}
-            for seg in sl.segments:
-                g = group_of.get(id(params[seg.param]))
-                view = None if g is None else nn.Parameter(flat_view(params[seg.param], seg))
-                views.append(view)
-                if view is not None:
-                    groups.setdefault(g, []).append(view)
-            made = None
-            if groups:
-                made = self.optimizer_class([{**self._hyper(opt.param_groups[g]), "params": ps} for g, ps in groups.items()])
-            self.owned[sl.index] = (views, made, list(groups))
-        self.accum: dict[tuple[int, int], list] = {}
-        self.hyper: dict[int, list[dict]] = {}
-
-    @staticmethod
-    def _hyper(group: dict) -> dict:
-        return {k: v for k, v in group.items() if k != "params"}
-
     # -- worker: hook points -------------------------------------------------------------------------
     def on_params_needed(self, indices: tuple[int, ...]) -> None:
         if self.plan is None:  # the first forward: learn the order
-            self.announced.update(dict.fromkeys(indices))
+            self.order.announced.update(dict.fromkeys(indices))
         elif self.overlap:
             needed = self.needs.get(indices)
             if needed is None:
                 needed = self.needs[indices] = self.plan.slices_of(indices)
-            self._wait(needed, indices)
+            self.arrivals.wait(needed, self.steps, indices)
+            self.sender.check()
 
     def before_forward(self) -> None:
         if self.plan is not None and self.overlap and self.eager:
-            self._wait(self.eager, ())
+            self.arrivals.wait(self.eager, self.steps)
 
     def on_grad_ready(self, index: int) -> None:
         if self.plan is None:
-            self.got_grad.add(index)
+            self.order.got_grad.add(index)
             return
         if not self.open:
             self._open_step()
@@ -254,7 +203,7 @@ class P3(Strategy):
         if self.plan is None:
             self._make_plan()
             self._open_step()
-            for i in self.got_grad:
+            for i in self.order.got_grad:
                 self.ready[i] = True
         elif not self.open:
             self._open_step()
@@ -269,7 +218,8 @@ class P3(Strategy):
 
     def flush(self) -> None:
         if self.plan is not None:
-            self._wait(range(len(self.plan.slices)), None)
+            self.arrivals.wait(range(len(self.plan.slices)), self.steps)
+            self.sender.check()
 
     def _open_step(self) -> None:
         self.open = True
@@ -277,7 +227,7 @@ class P3(Strategy):
         self.pending = [len(sl.segments) for sl in self.plan.slices]
         self.pushed = [False] * len(self.plan.slices)
         if not self.dedicated:  # this step's hyperparameters, for the co-located server's updates
-            self.hyper[self.steps] = [self._hyper(g) for g in self.ctx.optimizer.param_groups]
+            self.hyper[self.steps] = [hyper(g) for g in self.ctx.optimizer.param_groups]
             self.hyper.pop(self.steps - 4, None)
 
     def _push(self, k: int) -> None:
@@ -305,30 +255,10 @@ class P3(Strategy):
     def _send_priority(self, k: int) -> float:
         return self.prio[k] if self.priority is not False else 0.0  # equal priorities leave in FIFO order
 
-    # -- waiting -------------------------------------------------------------------------------------
-    def _wait(self, slices, indices) -> None:
-        target, arrived = self.steps, self.arrived
-        if all(arrived[k] >= target for k in slices):
-            return
-        tracer = trace.current()
-        what = ("parameters of " + ", ".join(repr(self.ctx.names[i]) for i in indices[:2]) if indices
-                else "every parameter")
-        with tracer.waiting(f"wait for {what}") if tracer is not None else contextlib.nullcontext():
-            with self.cv:
-                while not all(arrived[k] >= target for k in slices):
-                    self._check()
-                    self.cv.wait(0.5)
-
     def _check(self) -> None:
-        if self.error is not None:
-            raise self.error
         if self.plan is not None:
+            self.arrivals.check()
             self.sender.check()
-
-    def _arrived(self, k: int, step: int) -> None:
-        with self.cv:
-            self.arrived[k] = step + 1
-            self.cv.notify_all()
 
     # -- server: aggregate, update, answer -----------------------------------------------------------
     def _accept(self, src: int, k: int, step: int, payload: torch.Tensor, used: torch.Tensor) -> None:
@@ -346,19 +276,7 @@ class P3(Strategy):
 
     def _update(self, k: int, step: int, total: torch.Tensor, used: list[float]) -> None:
         sl = self.plan.slices[k]
-        views, opt, groups = self.owned[k]
-        if opt is not None:
-            for seg, view, count in zip(sl.segments, views, used):
-                if view is not None:
-                    view.grad = total[seg.offset:seg.offset + seg.length].div_(len(self.workers)) if count else None
-            hyper = self.hyper.get(step)
-            if hyper is not None:
-                for group, g in zip(opt.param_groups, groups):
-                    group.update(hyper[g])
-            opt.step()
-            for view in views:
-                if view is not None:
-                    view.grad = None
+        self.updaters.update(k, total.div_(len(self.workers)), used, self.hyper.get(step))
         answer = self.wire.new(ANSWER, k, step)
         payload, params = self.wire.payload(answer), self.ctx.params
         for seg in sl.segments:
@@ -367,14 +285,14 @@ class P3(Strategy):
             if w != self.me:
                 self.sender.put(self._send_priority(k), answer, w, TAG, what=f"pull of slice {k} to rank {w}")
         if self.me in self.workers:
-            self._arrived(k, step)
+            self.arrivals.mark(k, step)
 
     def _deliver(self, k: int, step: int, payload: torch.Tensor) -> None:
         params = self.ctx.params
         with torch.no_grad():
             for seg in self.plan.slices[k].segments:
                 flat_view(params[seg.param], seg).copy_(payload[seg.offset:seg.offset + seg.length])
-        self._arrived(k, step)
+        self.arrivals.mark(k, step)
 
     # -- communication threads -----------------------------------------------------------------------
     def _receive(self, peer: int) -> None:
@@ -384,7 +302,8 @@ class P3(Strategy):
             posted = deque()
             for _ in range(POSTED):
                 buf = torch.empty(wire.nbytes, dtype=torch.uint8)
-                posted.append((buf, t.recv_async(buf, peer, TAG, what=f"message from rank {peer}")))
+                posted.append((buf, t.recv_async(buf, peer, TAG, what=f"message from rank {peer}", traced=False)))
+            since = time.perf_counter()
             while True:
                 buf, handle = posted.popleft()
                 handle.wait(background=True)
@@ -393,15 +312,25 @@ class P3(Strategy):
                     for _, rest in posted:  # the peer's other stop messages
                         rest.wait(background=True)
                     return
+                since = self._trace_arrival(kind, k, peer, since)
                 if kind == PUSH:
                     self._accept(peer, k, step, wire.payload(buf), wire.used(buf))
                 else:
                     self._deliver(k, step, wire.payload(buf))
-                posted.append((buf, t.recv_async(buf, peer, TAG, what=f"message from rank {peer}")))
+                posted.append((buf, t.recv_async(buf, peer, TAG, what=f"message from rank {peer}", traced=False)))
         except BaseException as exc:  # raised in the training thread by _check()
-            with self.cv:
-                self.error = self.error or exc
-                self.cv.notify_all()
+            self.arrivals.fail(exc)
+
+    def _trace_arrival(self, kind: int, k: int, peer: int, since: float) -> float:
+        """A span per received slice, from the previous arrival on this stream to this one."""
+        now = time.perf_counter()
+        tracer = trace.current()
+        if tracer is not None:
+            first = self.ctx.names[self.plan.slices[k].segments[0].param]
+            what = "push" if kind == PUSH else "pull"
+            tracer.span(f"{what} slice {k} ({first}) from rank {peer}", "comm", since, now,
+                        bytes=self.wire.nbytes, op=f"{what} received", priority=self.prio[k])
+        return now
 
     def _stop_peers(self) -> None:
         for peer in self.peers:

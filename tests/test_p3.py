@@ -1,0 +1,170 @@
+"""P3's parts on their own (slicing, the priority sender) and its bad-input errors.
+
+Parity of ``p3`` and ``ps-sliced`` with the single-process reference is in test_parity.py.
+"""
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import gradsync
+from gradsync.bench.workload import Workload, compare, reference, train_step
+from gradsync.errors import ConfigError
+from gradsync.strategies import P3, resolve
+from gradsync.strategies.scheduler import PrioritySender
+from gradsync.strategies.slicing import SlicePlan
+from multirank import run_ranks
+
+
+# -- slicing ---------------------------------------------------------------------------------------
+def test_slices_follow_the_order_cut_through_tensors_and_cover_everything():
+    params = [torch.zeros(5), torch.zeros(2, 3), torch.zeros(1)]
+    plan = SlicePlan(params, order=[2, 0, 1], slice_params=4, servers=[7, 9])
+    covered = {i: [0] * p.numel() for i, p in enumerate(params)}
+    for sl in plan.slices:
+        assert sl.numel <= 4
+        offset = 0
+        for seg in sl.segments:
+            assert seg.offset == offset  # segments lie end to end
+            offset += seg.length
+            for e in range(seg.start, seg.start + seg.length):
+                covered[seg.param][e] += 1
+    assert all(c == [1] * len(c) for c in covered.values())  # every element exactly once
+    assert [s.segments[0].param for s in plan.slices] == [2, 0, 1]  # forward order: parameter 2 first
+    assert [s.owner for s in plan.slices] == [7, 9, 7]  # round-robin over the servers
+    assert plan.of_param[0] == [0, 1] and plan.slices_of([1]) == [1, 2]
+    assert plan.slice_numel == 4 and plan.max_segments == 2
+
+
+# -- the priority sender ---------------------------------------------------------------------------
+class _Handle:
+    def __init__(self, gate):
+        self.gate = gate
+
+    def wait(self, background=False):
+        self.gate.wait(5)
+
+
+class _Transport:
+    """Records the order of sends; the first send stays in flight until ``release`` is set."""
+
+    def __init__(self):
+        self.sent, self.release = [], threading.Event()
+
+    def send_async(self, tensor, dst, tag, what=""):
+        self.sent.append(what)
+        done = threading.Event()
+        done.set()
+        return _Handle(self.release if len(self.sent) == 1 else done)
+
+
+def test_a_ready_high_priority_message_overtakes_queued_ones():
+    transport = _Transport()
+    sender = PrioritySender(transport, credit_bytes=16)  # one 16-byte message in flight
+    sender.put(5, torch.zeros(4), 1, 0, what="a")
+    while not transport.sent:  # "a" is on the wire and holds all the credit
+        threading.Event().wait(0.01)
+    for name, priority in [("b", 3), ("c", 4), ("urgent", 0)]:
+        sender.put(priority, torch.zeros(4), 1, 0, what=name)
+    transport.release.set()
+    sender.drain()
+    assert transport.sent == ["a", "urgent", "b", "c"]
+
+
+def test_without_credit_messages_leave_in_the_order_put():
+    transport = _Transport()
+    transport.release.set()
+    sender = PrioritySender(transport, credit_bytes=None)
+    for name in "xyz":
+        sender.put(0.0, torch.zeros(1), 1, 0, what=name)
+    sender.drain()
+    assert transport.sent == ["x", "y", "z"]
+
+
+# -- bad input -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("options,message", [
+    ({"slice_params": 0}, "slice_params must be an integer >= 1"),
+    ({"slice_params": 2.5}, "slice_params must be an integer >= 1"),
+    ({"credit_mb": 0}, "credit_mb must be > 0"),
+    ({"priority": "first"}, "priority must be True"),
+])
+def test_bad_options_are_config_errors(options, message):
+    with pytest.raises(ConfigError, match=message):
+        resolve("p3", **options)
+
+
+def _one_rank(strategy, optimizer_class=torch.optim.SGD, steps=1):
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = gradsync.distribute(model, optimizer_class(model.parameters(), lr=0.1), strategy)
+    for _ in range(steps):
+        model(torch.ones(3, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def _standalone(fn):
+    gradsync.init()
+    try:
+        return fn()
+    finally:
+        gradsync.shutdown()
+
+
+def test_credit_smaller_than_one_slice_is_a_clear_error():
+    with pytest.raises(ConfigError, match="less than one slice"):
+        _standalone(lambda: _one_rank(P3(slice_params=100, credit_mb=0.0001)))
+
+
+def test_a_priority_function_must_return_numbers():
+    with pytest.raises(ConfigError, match=r"returned 'soon' for parameter '0.weight'"):
+        _standalone(lambda: _one_rank(P3(priority=lambda name, position: "soon")))
+
+
+def test_a_non_elementwise_optimizer_is_refused():
+    with pytest.raises(ConfigError, match="LBFGS is not known to be one"):
+        _standalone(lambda: _one_rank("p3", torch.optim.LBFGS))
+
+
+def test_a_custom_priority_function_still_trains_exactly():
+    """Reverse priority (the last layer first): a different order, the same model."""
+    def run():
+        torch.manual_seed(0)
+        model, opt = _one_rank(P3(priority=lambda name, position: -position, slice_params=5), steps=3)
+        return {n: p.detach().clone() for n, p in model.state_dict().items()}
+
+    def plain():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(3):
+            model(torch.ones(3, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        return model.state_dict()
+
+    got, want = _standalone(run), plain()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-6)
+
+
+# -- parameters in flight are finished before anyone reads them ----------------------------------------
+def _state_dict_right_after_step(work: Workload, steps: int):
+    topo = gradsync.topology()
+    spec = work.spec()
+    model, opt = work.build()
+    opt = gradsync.distribute(model, opt, "p3", exit_servers=False, slice_params=64)
+    for step in range(steps):
+        inputs, target = work.batch(spec, step, topo.rank, topo.num_workers)
+        train_step(model, opt, spec, inputs, target)
+    return {n: t.clone() for n, t in model.state_dict().items()}  # no flush: the state_dict hook does it
+
+
+def test_state_dict_after_step_holds_the_updated_parameters():
+    work = Workload(model="toy", batch_size=6)
+    results = run_ranks(_state_dict_right_after_step, 2, work, 3)
+    ref = reference(work, 2, 3)
+    params = {n: results[0][n] for n, _ in ref.named_parameters()}
+    report = compare(params, ref, work.tolerance)
+    assert report["correct"], report
