@@ -43,12 +43,16 @@ CASES = [  # (strategy, workers, servers, options)
     ("p3", 1, 0, {}), ("p3", 2, 0, {}), ("p3", 4, 0, {}), ("p3", 2, 1, {}), ("p3", 4, 2, {}),
     ("p3", 2, 0, {"slice_params": 7}),  # slices cut through tensors and span several
     ("p3", 4, 0, {"slice_params": 50, "credit_mb": 0.001}),  # one slice in flight at a time
+    ("allreduce-priority", 1, 0, {}), ("allreduce-priority", 2, 0, {}), ("allreduce-priority", 4, 0, {}),
+    ("allreduce-priority", 4, 0, {"partition_params": 9, "credit_mb": 0.0001}),  # one tiny partition at a time
+    ("allreduce-priority", 2, 1, {"partition_params": 50}),  # a server rank present: it only leaves
     ("ps-sliced", 1, 0, {}), ("ps-sliced", 2, 0, {"slice_params": 7}), ("ps-sliced", 4, 2, {"slice_params": 50}),
 ]
 CASES = [c + ("sgd",) for c in CASES] + [  # Adam: per-parameter state, at 2 workers
     ("allreduce", 2, 0, {}, "adam"), ("ps", 2, 0, {}, "adam"), ("ps", 2, 1, {}, "adam"),
     ("ddp", 2, 0, {"find_unused_parameters": True}, "adam"),
     ("p3", 2, 0, {"slice_params": 7}, "adam"), ("p3", 2, 1, {}, "adam"),
+    ("allreduce-priority", 2, 0, {"partition_params": 7}, "adam"),
 ]
 
 

@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 from gradsync.errors import ConfigError
 from gradsync.strategies.allreduce import AllReduce
+from gradsync.strategies.allreduce_priority import PriorityAllReduce
 from gradsync.strategies.base import Strategy, SyncContext
 from gradsync.strategies.ddp import DDP
 from gradsync.strategies.p3 import P3
@@ -18,6 +19,7 @@ from gradsync.strategies.ps import ParameterServer
 
 STRATEGIES: dict[str, Callable[..., Strategy]] = {
     "allreduce": AllReduce,
+    "allreduce-priority": PriorityAllReduce,
     "ps": ParameterServer,
     "ps-async": partial(ParameterServer, mode="async"),
     "ddp": DDP,
@@ -49,5 +51,5 @@ def resolve(strategy: str | Strategy, **options: Any) -> Strategy:
         raise ConfigError(f"invalid options for strategy {strategy!r}: {exc}") from None
 
 
-__all__ = ["STRATEGIES", "AllReduce", "DDP", "P3", "ParameterServer", "Strategy", "SyncContext",
+__all__ = ["STRATEGIES", "AllReduce", "DDP", "P3", "ParameterServer", "PriorityAllReduce", "Strategy", "SyncContext",
            "register", "resolve", "strategy_names"]

@@ -1,6 +1,7 @@
-"""P3's parts on their own (slicing, the priority sender) and its bad-input errors.
+"""The priority strategies' parts on their own (slicing, the priority sender) and bad input.
 
-Parity of ``p3`` and ``ps-sliced`` with the single-process reference is in test_parity.py.
+Parity of ``p3``, ``ps-sliced`` and ``allreduce-priority`` with the single-process reference is in
+test_parity.py.
 """
 import threading
 
@@ -11,7 +12,7 @@ from torch import nn
 import gradsync
 from gradsync.bench.workload import Workload, compare, reference, train_step
 from gradsync.errors import ConfigError
-from gradsync.strategies import P3, resolve
+from gradsync.strategies import P3, PriorityAllReduce, resolve
 from gradsync.strategies.scheduler import PrioritySender
 from gradsync.strategies.slicing import SlicePlan
 from multirank import run_ranks
@@ -83,15 +84,17 @@ def test_without_credit_messages_leave_in_the_order_put():
 
 
 # -- bad input -------------------------------------------------------------------------------------
-@pytest.mark.parametrize("options,message", [
-    ({"slice_params": 0}, "slice_params must be an integer >= 1"),
-    ({"slice_params": 2.5}, "slice_params must be an integer >= 1"),
-    ({"credit_mb": 0}, "credit_mb must be > 0"),
-    ({"priority": "first"}, "priority must be True"),
+@pytest.mark.parametrize("strategy,options,message", [
+    ("p3", {"slice_params": 0}, "slice_params must be an integer >= 1"),
+    ("p3", {"slice_params": 2.5}, "slice_params must be an integer >= 1"),
+    ("p3", {"credit_mb": 0}, "credit_mb must be > 0"),
+    ("p3", {"priority": "first"}, "priority must be True"),
+    ("allreduce-priority", {"partition_params": 0}, "partition_params must be an integer >= 1"),
+    ("allreduce-priority", {"credit_mb": -1}, "credit_mb must be > 0"),
 ])
-def test_bad_options_are_config_errors(options, message):
+def test_bad_options_are_config_errors(strategy, options, message):
     with pytest.raises(ConfigError, match=message):
-        resolve("p3", **options)
+        resolve(strategy, **options)
 
 
 def _one_rank(strategy, optimizer_class=torch.optim.SGD, steps=1):
@@ -115,6 +118,8 @@ def _standalone(fn):
 def test_credit_smaller_than_one_slice_is_a_clear_error():
     with pytest.raises(ConfigError, match="less than one slice"):
         _standalone(lambda: _one_rank(P3(slice_params=100, credit_mb=0.0001)))
+    with pytest.raises(ConfigError, match="less than one partition"):
+        _standalone(lambda: _one_rank(PriorityAllReduce(partition_params=100, credit_mb=0.0001)))
 
 
 def test_a_priority_function_must_return_numbers():
