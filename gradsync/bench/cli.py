@@ -58,6 +58,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--dilation", default="1", metavar="K|auto",
                    help="emulated compute only: multiply layer times and divide link rates by K (default 1); "
                         f"auto: per rate, max(1, rate / {AUTO_REAL_RATE / 1e9:g} Gbit/s)")
+    p.add_argument("--tune", action="store_true",
+                   help="before measuring, search each tunable strategy's knobs (p3: slice size and credit; "
+                        "allreduce-priority: partition size and credit) on the live cluster, and report every probe")
+    p.add_argument("--tune-steps", type=int, default=6, help="measured steps per tuning probe (default 6)")
     p.add_argument("--trace", metavar="FILE", help="write a Chrome trace of the last round (open in ui.perfetto.dev)")
     p.set_defaults(handler=main)
 
@@ -106,7 +110,8 @@ def _validate(args, parser_error) -> list[str]:
     _cluster_args(args, parser_error)
     for flag, value, low in [("--np", min(args.np_list), 1), ("--batch-size", args.batch_size, 1), ("--steps", args.steps, 1),
                              ("--servers", args.servers, 0), ("--warmup", args.warmup, 0), ("--threads", args.threads, 1),
-                             ("--check-steps", args.check_steps, 0), ("--rounds", args.rounds, 1)]:
+                             ("--check-steps", args.check_steps, 0), ("--rounds", args.rounds, 1),
+                             ("--tune-steps", args.tune_steps, 1)]:
         if value < low:
             parser_error(f"{flag} must be >= {low}, got {value}")
     names = [s.strip() for s in args.strategies.split(",") if s.strip()]
@@ -154,7 +159,7 @@ def _config(args, strategies: list[str], overrides: dict[str, dict], np: int, ra
             "steps": args.steps, "warmup": args.warmup, "threads": args.threads, "check_steps": args.check_steps,
             "rounds": args.rounds, "per_round": -(-args.steps // args.rounds), "rate_bps": rate,
             "delay_ms": args.delay if rate is not None else 0.0,
-            "dilation": dilation, "trace": bool(args.trace),
+            "dilation": dilation, "trace": bool(args.trace), "tune": args.tune, "tune_steps": args.tune_steps,
             "options": {s: {**hints.get(s, {}), **overrides.get(s, {})} for s in strategies}}
 
 
@@ -227,7 +232,21 @@ def _records(config: dict, run_dir: str) -> list[dict]:
         if check_ref is not None:
             result = compare(torch.load(os.path.join(run_dir, f"{name}.check.pt")), check_ref, check.tolerance)
         records.append(summarize(raw, results["compute"], config, result, fp32["max_abs_diff"]))
+        tuning = results.get("tuning", {}).get(name)
+        if tuning is not None:
+            records[-1]["tuning"] = tuning
+            _print_tuning(name, tuning, config)
     return records
+
+
+def _print_tuning(name: str, tuning: dict, config: dict) -> None:
+    samples, k = config["np"] * config["workload"]["batch_size"], config["dilation"]
+    print(f"  tuning {name} ({len(tuning['probes'])} probes of {config['tune_steps']} steps):", flush=True)
+    for probe in tuning["probes"]:
+        chosen = " <- chosen" if probe["options"] == tuning["chosen"] else ""
+        options = ", ".join(f"{key}={value:g}" if isinstance(value, float) else f"{key}={value}"
+                            for key, value in probe["options"].items())
+        print(f"    {options:<45} {samples * k / probe['step_s']:10.1f} samples/s{chosen}", flush=True)
 
 
 def main(args) -> int:

@@ -69,7 +69,8 @@ def bound(min_bytes: float, compute_s: float, samples: int, config: dict) -> dic
 
 
 def table(records: list[dict]) -> str:
-    head = (f"{'strategy':<11} {'np':>3} {'net':>12} {'samples/s':>10} {'(min-max)':>15} {'bound':>8} {'eff':>5} "
+    w = max([11] + [len(r["strategy"]) for r in records])
+    head = (f"{'strategy':<{w}} {'np':>3} {'net':>12} {'samples/s':>10} {'(min-max)':>15} {'bound':>8} {'eff':>5} "
             f"{'step ms':>8} {'compute':>8} {'comm ovh':>9} {'MB/step':>8} {'peak MB':>8} {'f64 |diff|':>10} "
             f"{'correct':>8} {'fp32 |diff|':>11}")
     lines = [head, "-" * len(head)]
@@ -77,7 +78,7 @@ def table(records: list[dict]) -> str:
         diff = "-" if r["max_abs_diff"] is None else f"{r['max_abs_diff']:.1e}"
         correct = {True: "yes", False: "NO", None: "n/a"}[r["correct"]]
         lines.append(
-            f"{r['strategy']:<11} {r['np']:>3} {r['net']:>12} {r['samples_per_s']:>10.1f} "
+            f"{r['strategy']:<{w}} {r['np']:>3} {r['net']:>12} {r['samples_per_s']:>10.1f} "
             f"{'(' + format(r['samples_per_s_min'], '.0f') + '-' + format(r['samples_per_s_max'], '.0f') + ')':>15} "
             f"{r['bound_samples_per_s']:>8.1f} {r['efficiency']:>5.2f} {r['step_s'] * 1e3:>8.1f} {r['compute_s'] * 1e3:>8.1f} {r['comm_overhead_s'] * 1e3:>9.1f} "
             f"{r['bytes_per_step'] / 2**20:>8.2f} {r['peak_mem_mb']:>8.1f} {diff:>10} {correct:>8} {r['fp32_max_abs_diff']:>11.1e}")

@@ -167,6 +167,30 @@ def check_workload(workload: dict) -> Workload:
     return Workload(**{**workload, "dtype": "float64", **({"dilation": 0.0} if emulated else {})})
 
 
+def tune_strategies(config: dict, work: Workload, run_dir: str) -> dict:
+    """``--tune``: for each strategy that declares a ``tune_space``, search it (gradsync.bench.tune)
+    and use the best options in the measured rounds. Returns ``{strategy: {"chosen", "probes"}}``."""
+    from gradsync.bench import tune
+    from gradsync.strategies import STRATEGIES, resolve
+
+    share, warmup, out = tune.broadcaster(runtime.current().transport), config["warmup"], {}
+    for name in config["strategies"]:
+        options = config["options"].get(name, {})
+        space = getattr(resolve(name, **options), "tune_space", None)
+        if not space:
+            continue
+
+        def probe(candidate, name=name):
+            record = run_strategy(name, candidate, work, warmup + config["tune_steps"], run_dir)
+            runtime.current().transport.barrier(what=f"end of a {name} tuning probe")
+            return None if record is None else tune.median_step(record["times"], warmup)
+
+        chosen, probes = tune.tune(space, tune.starting_point(STRATEGIES[name], space, options), probe, share)
+        config["options"][name] = chosen
+        out[name] = {"chosen": chosen, "probes": probes}
+    return out
+
+
 def main(run_dir: str) -> int:
     with open(os.path.join(run_dir, "config.json")) as f:
         config = json.load(f)
@@ -178,6 +202,7 @@ def main(run_dir: str) -> int:
     # Rounds interleave the strategies (compute-only, a, b, c, compute-only, a, ...), so drift on a
     # shared machine falls on every strategy alike instead of on whichever ran last.
     warmup, records, compute = config["warmup"], {}, []
+    tuning = tune_strategies(config, work, run_dir) if config.get("tune") else {}
     for r in range(config["rounds"]):
         if config["trace"] and r == config["rounds"] - 1:  # the last round, when everything is warm
             trace.start(topo.rank, f"{topo.role} {topo.role_rank} (rank {topo.rank})")
@@ -190,14 +215,14 @@ def main(run_dir: str) -> int:
             if record is not None:
                 records[name] = merge(records.get(name), record, warmup)
             runtime.current().transport.barrier(what=f"end of {name}")
-            say(f"  round {r + 1}/{config['rounds']}  {name:<10} {total} steps in "
+            say(f"  round {r + 1}/{config['rounds']}  {name:<18} {total} steps in "
                 f"{time.perf_counter() - start:.1f} s", flush=True)
     tracer = trace.stop()
     if tracer is not None:
         tracer.save(os.path.join(run_dir, f"trace-{topo.rank}.json"))
     if topo.rank == 0:
         with open(os.path.join(run_dir, "results.json"), "w") as f:
-            json.dump({"compute": compute, "records": records}, f)
+            json.dump({"compute": compute, "records": records, "tuning": tuning}, f)
     if config["check_steps"]:
         check = check_workload(config["workload"])
         for name in config["strategies"]:

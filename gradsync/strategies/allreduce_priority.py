@@ -47,6 +47,8 @@ class PriorityAllReduce(Strategy):
     """Partitioned all-reduce issued by priority under a credit, with per-layer forward waits."""
 
     name = "allreduce-priority"
+    tune_space = {"credit_mb": [4.0, 16.0, 64.0], "partition_params": [250_000, 1_000_000, 4_000_000]}
+    """What ``gradsync bench --tune`` searches (gradsync.bench.tune); ByteScheduler's ranges."""
 
     def __init__(self, partition_params: int = 1_000_000, credit_mb: float = 16.0,
                  elementwise_optimizer: bool | None = None):

@@ -93,6 +93,8 @@ class P3(Strategy):
 
     name = "p3"
     uses_servers = True
+    tune_space = {"credit_mb": [0.25, 1.0, 4.0], "slice_params": [12_500, 50_000, 200_000]}
+    """What ``gradsync bench --tune`` searches (gradsync.bench.tune)."""
 
     def __init__(self, slice_params: int = 50_000, credit_mb: float | None = 1.0,
                  priority: bool | Callable[[str, int], float] = True, overlap: bool = True,
