@@ -50,12 +50,14 @@ def test_the_check_catches_a_wrong_model():
     (["--np", "0"], "--np must be >= 1"),
     (["--batch-size", "0"], "--batch-size must be >= 1"),
     (["--servers", "-1"], "--servers must be >= 0"),
-    (["--strategies", "allreduce,nope"], "valid strategies: allreduce, ddp, ps, ps-async"),
+    (["--strategies", "allreduce,nope"], "valid strategies: allreduce, allreduce-priority, ddp, p3, ps, ps-async, ps-sliced"),
     (["--model", "nope"], "valid models:"),
     (["--model", "resnet50:huge"], "valid sizes: full, tiny"),
     (["--set", "ps.fuse_kb=-1"], "fuse_kb must be >= 0"),
     (["--set", "ps.nope=1"], "invalid options for strategy 'ps'"),
     (["--set", "fuse_kb=1"], "expected STRATEGY.KEY=VALUE"),
+    (["--strategies", "p3", "--set", "p3.slice_params=0"], "slice_params must be an integer >= 1"),
+    (["--tune", "--tune-steps", "0"], "--tune-steps must be >= 1"),
 ])
 def test_bad_arguments_are_argument_errors(args, message):
     proc = bench(*args, timeout=60)
@@ -69,3 +71,22 @@ def test_reference_averages_per_worker_batches():
     torch.manual_seed(0)
     one, two = reference(work, 1, 2), reference(work, 2, 2)
     assert any(not torch.equal(a, b) for a, b in zip(one.parameters(), two.parameters()))
+
+
+def test_tune_probes_the_space_and_measures_with_the_choice(tmp_path):
+    out = tmp_path / "records.json"
+    proc = bench("--model", "toy", "--np", "2", "--batch-size", "4", "--strategies", "ddp,p3,allreduce-priority",
+                 "--tune", "--tune-steps", "1", "--steps", "2", "--warmup", "1", "--rounds", "1",
+                 "--check-steps", "2", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    records = {r["strategy"]: r for r in json.loads(out.read_text())}
+    assert "tuning" not in records["ddp"]  # nothing to tune
+    for name in ("p3", "allreduce-priority"):
+        tuning = records[name]["tuning"]
+        assert len(tuning["probes"]) == 5  # defaults, then two other values of each of two knobs
+        best = min(tuning["probes"], key=lambda p: p["step_s"])
+        assert tuning["chosen"] == best["options"]
+        size = tuning["chosen"]["slice_params" if name == "p3" else "partition_params"]
+        assert f"<= {size} params" in records[name]["describe"]  # the measured run used the choice
+        assert records[name]["correct"] is True
+        assert f"tuning {name} (5 probes of 1 steps)" in proc.stdout

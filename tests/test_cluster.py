@@ -210,6 +210,7 @@ def test_auto_dilation_keeps_every_real_link_at_most_1_gbit():
     from gradsync.bench.cli import _config
 
     args = Namespace(model="toy", batch_size=4, optimizer="sgd", lr=0.01, seed=0, compute="emulated", dilation=None,
-                     servers=0, steps=2, warmup=1, threads=1, check_steps=0, rounds=1, delay=0.0, trace=None)
+                     servers=0, steps=2, warmup=1, threads=1, check_steps=0, rounds=1, delay=0.0, trace=None,
+                     tune=False, tune_steps=6)
     for rate, k in ((100e6, 1.0), (1e9, 1.0), (4e9, 4.0), (25e9, 25.0)):
         assert _config(args, ["allreduce"], {}, 4, rate)["dilation"] == k
