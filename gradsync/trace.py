@@ -147,17 +147,7 @@ def render(path: str, png: str, *, steps: tuple[str, int, int] | None = None, ti
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    with open(path) as f:
-        events = json.load(f)["traceEvents"]
-    spans, opened = [], {}
-    for e in events:
-        if e["ph"] == "X":
-            spans.append((e["pid"], e["tid"], e["ts"], e["ts"] + e["dur"], e["name"]))
-        elif e["ph"] == "b":
-            opened[(e["pid"], e["id"])] = e
-        elif e["ph"] == "e" and (e["pid"], e["id"]) in opened:
-            b = opened.pop((e["pid"], e["id"]))
-            spans.append((e["pid"], b["tid"], b["ts"], e["ts"], b["name"]))
+    spans = _spans(_load(path))
     window = _window(spans, steps)
     ranks = sorted({s[0] for s in spans})
     colors = {"forward": "tab:blue", "backward": "tab:green", "step": "tab:gray", "wait": "tab:red", "comm": "tab:orange"}
@@ -181,6 +171,65 @@ def render(path: str, png: str, *, steps: tuple[str, int, int] | None = None, ti
     fig.tight_layout()
     fig.savefig(png, dpi=120)
     plt.close(fig)
+
+
+def render_arrivals(path: str, png: str, *, steps: tuple[str, int, int], rank: int = 0, title: str = "") -> None:
+    """P3's picture: when each parameter slice came back to ``rank``, against its forward and backward.
+
+    One dot per pulled slice (``p3``/``ps-sliced`` traces), at its arrival time and at the height of
+    its priority, i.e. its position in the forward pass (input first, at the top); the rank's forward
+    and backward layers are shaded behind. With priority, the top of the model arrives first and the
+    next forward starts while the bottom is still in flight.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    events = _load(path)
+    window = _window(_spans(events), steps)
+    pulls = [(e["ts"] + e["dur"], e["args"]["priority"]) for e in events
+             if e["ph"] == "X" and e["pid"] == rank and e["name"].startswith("pull slice")
+             and window[0] <= e["ts"] + e["dur"] <= window[1]]
+    if not pulls:
+        raise ValueError(f"no pulled slices on rank {rank} in steps {steps[1]}..{steps[2]}: trace p3 or ps-sliced")
+    top = max(p for _, p in pulls) + 1
+    fig, ax = plt.subplots(figsize=(12, 4))
+    for pid, tid, start, end, name in _spans(events):
+        kind = name.split()[0]
+        if pid == rank and tid == TRACKS["compute"] and kind in ("forward", "backward") and end > window[0] and start < window[1]:
+            ax.axvspan((start - window[0]) / 1e3, (end - window[0]) / 1e3, color="tab:blue" if kind == "forward" else "tab:green",
+                       alpha=0.25, linewidth=0)
+    ax.scatter([(t - window[0]) / 1e3 for t, _ in pulls], [p for _, p in pulls], s=6, color="tab:orange", zorder=3)
+    ax.set_xlim(0, (window[1] - window[0]) / 1e3)
+    ax.set_ylim(top, -1)
+    ax.set_xlabel("ms")
+    ax.set_ylabel("slice (forward order: input at the top)")
+    ax.set_title(title, fontsize=9)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c, alpha=a) for c, a in (("tab:blue", 0.25), ("tab:green", 0.25), ("tab:orange", 1))]
+    ax.legend(handles, [f"rank {rank} forward", f"rank {rank} backward", "slice pulled (arrived)"], fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+
+
+def _load(path: str) -> list[dict]:
+    with open(path) as f:
+        return json.load(f)["traceEvents"]
+
+
+def _spans(events: list[dict]) -> list[tuple]:
+    """(pid, tid, start, end, name) of every complete span and every closed async pair."""
+    spans, opened = [], {}
+    for e in events:
+        if e["ph"] == "X":
+            spans.append((e["pid"], e["tid"], e["ts"], e["ts"] + e["dur"], e["name"]))
+        elif e["ph"] == "b":
+            opened[(e["pid"], e["id"])] = e
+        elif e["ph"] == "e" and (e["pid"], e["id"]) in opened:
+            b = opened.pop((e["pid"], e["id"]))
+            spans.append((e["pid"], b["tid"], b["ts"], e["ts"], b["name"]))
+    return spans
 
 
 def _window(spans, steps) -> tuple[float, float]:

@@ -81,12 +81,34 @@ def test_tune_probes_the_space_and_measures_with_the_choice(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     records = {r["strategy"]: r for r in json.loads(out.read_text())}
     assert "tuning" not in records["ddp"]  # nothing to tune
+    from gradsync.strategies import STRATEGIES
+
     for name in ("p3", "allreduce-priority"):
         tuning = records[name]["tuning"]
-        assert len(tuning["probes"]) == 5  # defaults, then two other values of each of two knobs
+        probes = 1 + sum(len(values) - 1 for values in STRATEGIES[name].tune_space.values())
+        assert len(tuning["probes"]) == probes  # the defaults, then every other value of each knob once
         best = min(tuning["probes"], key=lambda p: p["step_s"])
         assert tuning["chosen"] == best["options"]
         size = tuning["chosen"]["slice_params" if name == "p3" else "partition_params"]
         assert f"<= {size} params" in records[name]["describe"]  # the measured run used the choice
         assert records[name]["correct"] is True
-        assert f"tuning {name} (5 probes of 1 steps)" in proc.stdout
+        assert f"tuning {name} ({probes} probes of 1 steps)" in proc.stdout
+
+
+def _agreement(chunk, perturb):
+    import gradsync
+    from gradsync.bench.worker import workers_agree
+
+    model, _ = Workload(model="toy", batch_size=4).build()
+    if perturb and gradsync.topology().rank == 1:
+        with torch.no_grad():
+            list(model.parameters())[-1].view(-1)[-1] += 0.5
+    return workers_agree(model, chunk=chunk)
+
+
+@pytest.mark.parametrize("chunk", [7, 1 << 22])  # parameters split across and packed into chunks
+def test_workers_agree_finds_one_differing_element(chunk):
+    from multirank import run_ranks
+
+    assert run_ranks(_agreement, 2, chunk, True) == [pytest.approx(0.5, abs=1e-6)] * 2  # fp32 rounding of x + 0.5
+    assert run_ranks(_agreement, 2, chunk, False) == [0.0, 0.0]

@@ -12,7 +12,7 @@ import torch
 from gradsync.models import get_model, model_names
 from gradsync.models.layers import sinusoidal_positions
 
-ZOO = ["resnet50", "vgg19", "inception_v3", "mobilenet_v2", "transformer-nmt", "bert-base", "lstm-lm"]
+ZOO = ["resnet50", "vgg19", "inception_v3", "mobilenet_v2", "transformer-nmt", "bert-base", "lstm-lm", "sockeye-rnn"]
 
 # torchvision's counts for the vision models; the NLP counts are derived in each module's docstring.
 FULL_PARAMS = {
@@ -23,6 +23,7 @@ FULL_PARAMS = {
     "transformer-nmt": 60_556_544,
     "bert-base": 110_106_428,  # encoder + pooler + masked-LM and next-sentence heads
     "lstm-lm": 822_761_343,
+    "sockeye-rnn": 25_634_333,
 }
 
 pytestmark = pytest.mark.filterwarnings("ignore:LSTM with projections:UserWarning")

@@ -1,6 +1,8 @@
 """Traces: the transport records communication and waits; files merge and render."""
 import json
+import time
 
+import pytest
 import torch
 
 import gradsync
@@ -50,3 +52,57 @@ def test_no_tracer_means_no_events():
     tracer = trace.start(0, "x")
     assert trace.current() is tracer
     assert trace.stop() is tracer and trace.current() is None
+
+
+def traced_p3(path_prefix):
+    from gradsync.bench.workload import Workload, train_step
+
+    topo = gradsync.topology()
+    work = Workload(model="toy", batch_size=6)
+    spec = work.spec()
+    model, opt = work.build()
+    opt = gradsync.distribute(model, opt, "p3", slice_params=20)
+    tracer = trace.start(topo.rank, f"worker {topo.rank}")
+    trace.instrument(model)
+    for step in range(3):
+        start = time.perf_counter()
+        inputs, target = work.batch(spec, step, topo.rank, topo.num_workers)
+        train_step(model, opt, spec, inputs, target)
+        tracer.span(f"p3 step {step}", "step", start, time.perf_counter())
+    opt.flush()
+    trace.stop()
+    path = f"{path_prefix}-{topo.rank}.json"
+    tracer.save(path)
+    return path
+
+
+def test_p3_traces_every_pulled_slice_with_its_priority_and_draws_arrivals(tmp_path):
+    paths = run_ranks(traced_p3, 2, str(tmp_path / "trace"))
+    merged = tmp_path / "merged.json"
+    trace.merge(paths, str(merged))
+    events = json.loads(merged.read_text())["traceEvents"]
+    pulled = set()
+    for rank in (0, 1):
+        pulls = [e for e in events if e.get("pid") == rank and e["name"].startswith("pull slice")]
+        priorities = {int(e["args"]["priority"]) for e in pulls}  # priority = position = slice index here
+        assert priorities and all(k % 2 != rank for k in priorities), priorities  # the other rank owns them
+        assert len(pulls) >= 3 * len(priorities)  # every step's update of each came back
+        pulled |= priorities
+    assert pulled == set(range(len(pulled))) and len(pulled) > 2, pulled  # together: every slice
+    png = tmp_path / "arrivals.png"
+    trace.render_arrivals(str(merged), str(png), steps=("p3", 1, 2), rank=1, title="test")
+    assert png.stat().st_size > 1000
+    with pytest.raises(ValueError, match="no steps"):
+        trace.render_arrivals(str(merged), str(png), steps=("ps", 1, 2))
+
+
+def test_arrivals_need_a_trace_with_pulled_slices(tmp_path):
+    paths = run_ranks(traced_allreduce, 2, str(tmp_path / "trace"))
+    merged = tmp_path / "merged.json"
+    trace.merge(paths, str(merged))
+    events = json.loads(merged.read_text())["traceEvents"]
+    start = min(e["ts"] for e in events if "ts" in e)
+    events.append({"ph": "X", "pid": 0, "tid": trace.TRACKS["step"], "ts": start, "dur": 1e6, "name": "allreduce step 0"})
+    merged.write_text(json.dumps({"traceEvents": events}))
+    with pytest.raises(ValueError, match="no pulled slices on rank 0"):
+        trace.render_arrivals(str(merged), str(tmp_path / "x.png"), steps=("allreduce", 0, 0))

@@ -5,7 +5,7 @@ A strategy declares what can be tuned as a class attribute ``tune_space = {optio
 a coordinate descent, one option at a time in the order declared: probe the defaults, then every
 other value of the first option, keep the fastest, then the second option from there.
 ByteScheduler tuned the same two knobs with Bayesian optimisation over ~15 points of ~100 steps
-each; with two knobs of three values, coordinate descent needs five probes.
+each; with two knobs of three values, coordinate descent needs five probes (of four, seven).
 
 Each probe is a short run of the strategy (a fresh model: slice and partition sizes change the
 server-side optimizer state, which cannot be re-cut in place) on every rank of the job, scored by

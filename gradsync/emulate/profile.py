@@ -39,6 +39,7 @@ SHIPPED = {
     "bert-base": "bert-base-b32-v100.json",
     "transformer-nmt": "transformer-nmt-b32-v100.json",
     "lstm-lm": "lstm-lm-b32-v100.json",
+    "sockeye-rnn": "sockeye-rnn-b32-v100.json",
 }
 """The default profile of each full-size model (``--compute emulated`` with no PROFILE)."""
 

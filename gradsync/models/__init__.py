@@ -43,7 +43,7 @@ class ModelSpec:
 
 
 def _registry() -> dict[str, Callable[..., ModelSpec]]:
-    from gradsync.models import bert, inception, lstm, mobilenet, resnet, transformer, vgg, toy
+    from gradsync.models import bert, inception, lstm, mobilenet, resnet, sockeye, transformer, vgg, toy
 
     return {
         "resnet50": resnet.spec,
@@ -53,6 +53,7 @@ def _registry() -> dict[str, Callable[..., ModelSpec]]:
         "transformer-nmt": transformer.spec,
         "bert-base": bert.spec,
         "lstm-lm": lstm.spec,
+        "sockeye-rnn": sockeye.spec,
         "toy": toy.spec,
     }
 

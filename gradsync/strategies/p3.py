@@ -93,7 +93,7 @@ class P3(Strategy):
 
     name = "p3"
     uses_servers = True
-    tune_space = {"credit_mb": [0.25, 1.0, 4.0], "slice_params": [12_500, 50_000, 200_000]}
+    tune_space = {"credit_mb": [0.25, 1.0, 4.0, 16.0], "slice_params": [12_500, 50_000, 200_000, 800_000]}
     """What ``gradsync bench --tune`` searches (gradsync.bench.tune)."""
 
     def __init__(self, slice_params: int = 50_000, credit_mb: float | None = 1.0,
