@@ -30,6 +30,30 @@ class _Sync:
         self.strategy = strategy
         self.enabled = True
         self.handles: list = []
+        self.closed = False
+
+    def close(self) -> None:
+        """Close the strategy and take gradsync's hooks off the model. The gradient hooks live in
+        autograd's C++ nodes, out of Python's garbage collector's sight: only removing them lets
+        the model, the optimizer state and the strategy be freed."""
+        if self.closed:
+            return
+        self.closed = True
+        self.strategy.close()
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+        runtime.forget(self.close)
+
+
+class _ForwardRestore:
+    """A handle that takes a strategy's forward wrapper off the model again."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def remove(self) -> None:
+        self.model.__dict__.pop("forward", None)
 
 
 def _trainable(model: nn.Module) -> tuple[list[nn.Parameter], list[str]]:
@@ -69,6 +93,7 @@ def _install_hooks(model: nn.Module, params: list[nn.Parameter], sync: _Sync) ->
     forward = strategy.wrap_forward(model.forward)
     if forward is not None:
         model.forward = forward
+        sync.handles.append(_ForwardRestore(model))
 
 
 def _wrap_optimizer(optimizer: torch.optim.Optimizer, sync: _Sync) -> torch.optim.Optimizer:
@@ -104,7 +129,14 @@ def _wrap_optimizer(optimizer: torch.optim.Optimizer, sync: _Sync) -> torch.opti
         finish a parameter only when the next forward reaches it)."""
         sync.strategy.flush()
 
-    members = {"step": step, "no_sync": no_sync, "flush": flush, "strategy": property(lambda self: sync.strategy),
+    def close(self):
+        """End synchronization: close the strategy (dedicated servers leave their loop) and remove
+        gradsync's hooks, so that the model and this optimizer can be freed. Also done at
+        ``gradsync.shutdown()``; calling it twice is harmless."""
+        sync.close()
+
+    members = {"step": step, "no_sync": no_sync, "flush": flush, "close": close,
+               "strategy": property(lambda self: sync.strategy),
                "__module__": base.__module__, "__doc__": base.__doc__}
     optimizer.__class__ = type(base.__name__, (base,), members)
     optimizer._gradsync = sync
@@ -142,7 +174,7 @@ def distribute(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str
     broadcast_model(model, rt.transport, world=world)
     sync = _Sync(strategy)
     strategy.attach(SyncContext(model, optimizer, params, names, rt.transport, topology))
-    runtime.on_shutdown(strategy.close)
+    runtime.on_shutdown(sync.close)
     if topology.is_server:
         strategy.serve()
         return _leave_server(exit_servers, optimizer)

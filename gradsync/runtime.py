@@ -229,13 +229,20 @@ def on_shutdown(closer) -> None:
     current().closers.append(closer)
 
 
+def forget(closer) -> None:
+    """Unregister ``closer`` (already run by its owner): the registry no longer keeps what it
+    refers to alive, e.g. a closed strategy with its model and optimizer state."""
+    if _RUNTIME is not None:  # during shutdown() there is nothing left to unregister from
+        _RUNTIME.closers[:] = [c for c in _RUNTIME.closers if c != closer]
+
+
 def shutdown() -> None:
     """Close strategies (servers are told to stop), stop the heartbeat, leave the process group."""
     global _RUNTIME
     runtime, _RUNTIME = _RUNTIME, None
     if runtime is None:
         return
-    for closer in reversed(runtime.closers):
+    for closer in reversed(list(runtime.closers)):
         closer()
     if runtime.heartbeat:
         runtime.heartbeat.stop()

@@ -112,3 +112,31 @@ def test_workers_agree_finds_one_differing_element(chunk):
 
     assert run_ranks(_agreement, 2, chunk, True) == [pytest.approx(0.5, abs=1e-6)] * 2  # fp32 rounding of x + 0.5
     assert run_ranks(_agreement, 2, chunk, False) == [0.0, 0.0]
+
+
+def _freed_after_close(strategy):
+    import gc
+    import weakref
+
+    import gradsync
+    from gradsync.bench.workload import train_step
+
+    work = Workload(model="toy", batch_size=4)
+    spec = work.spec()
+    model, opt = work.build()
+    opt = gradsync.distribute(model, opt, strategy)
+    inputs, target = work.batch(spec, 0, gradsync.topology().rank, gradsync.topology().num_workers)
+    train_step(model, opt, spec, inputs, target)
+    opt.close()
+    ref = weakref.ref(model)
+    del model, opt
+    gc.collect()
+    return ref() is None
+
+
+@pytest.mark.parametrize("strategy", ["allreduce", "p3", "allreduce-priority"])
+def test_a_closed_strategy_lets_its_model_go(strategy):
+    """The bench builds one model per strategy and round: a closed one must not stay in memory."""
+    from multirank import run_ranks
+
+    assert run_ranks(_freed_after_close, 2, strategy) == [True, True]

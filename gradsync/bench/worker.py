@@ -143,7 +143,7 @@ def run_strategy(name: str, options: dict, work: Workload, total: int, run_dir: 
         sent = transport.bytes_sent - sent_before
         for hook in hooks:
             hook.remove()
-    optimizer.strategy.close()  # dedicated servers leave their loop
+    optimizer.close()  # dedicated servers leave their loop; the model can be freed before the next strategy
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     times = slowest(times)
     agree = workers_agree(model)
@@ -175,7 +175,7 @@ def run_check(name: str, options: dict, work: Workload, steps: int, run_dir: str
     if gradsync.topology().is_server:
         return
     timed_steps(model, optimizer, work, steps)
-    optimizer.strategy.close()
+    optimizer.close()
     if gradsync.topology().rank == 0:
         torch.save({n: p.detach() for n, p in model.named_parameters()}, os.path.join(run_dir, f"{name}.check.pt"))
 
