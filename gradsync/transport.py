@@ -76,13 +76,26 @@ class Transport:
     def _group_size(self, world: bool) -> int:
         return self.topology.world_size if world else self.topology.num_workers
 
+    def new_worker_group(self):
+        """A private process group of the workers, for a strategy that issues collectives from its
+        own threads: Gloo and NCCL match collectives by their order on a group, so those must never
+        interleave with the ones the training script (or gradsync) issues on the default groups.
+        Collective: every rank, servers included, calls it at the same point."""
+        return dist.new_group(self.topology.worker_ranks)
+
+    def free_group(self, group) -> None:
+        """Release a group from :meth:`new_worker_group` (on a rank outside it, nothing to do)."""
+        if group is not None and group is not dist.GroupMember.NON_GROUP_MEMBER:
+            dist.destroy_process_group(group)
+
     def allreduce_async(self, tensor: torch.Tensor, *, op: str = "sum", world: bool = False,
-                        what: str = "all-reduce") -> Handle:
-        """In-place all-reduce among the workers (or every rank with ``world=True``)."""
+                        what: str = "all-reduce", group=None) -> Handle:
+        """In-place all-reduce among the workers (or every rank with ``world=True``, or ``group``)."""
         p = self._group_size(world)
         nbytes = tensor.numel() * tensor.element_size()
         self.bytes_sent += int(2 * (p - 1) / p * nbytes)
-        work = dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=self._group(world), async_op=True)
+        group = self._group(world) if group is None else group
+        work = dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=group, async_op=True)
         tracer = trace.current()
         if tracer is not None:
             token = tracer.begin_async(what, "comm", bytes=nbytes, op="all-reduce")
@@ -90,10 +103,10 @@ class Transport:
         return Handle(work, self._explain, what)
 
     def allreduce(self, tensor: torch.Tensor, *, op: str = "sum", world: bool = False,
-                  what: str = "all-reduce") -> torch.Tensor:
+                  what: str = "all-reduce", group=None) -> torch.Tensor:
         """Blocking all-reduce; CPU tensors are staged through the device under NCCL."""
         staged = tensor.to(self.device)
-        self.allreduce_async(staged, op=op, world=world, what=what).wait()
+        self.allreduce_async(staged, op=op, world=world, what=what, group=group).wait()
         if staged is not tensor:
             tensor.copy_(staged)
         return tensor

@@ -243,10 +243,10 @@ def test_port_in_use_fails_every_rank_in_bounded_time():
 
 
 # -- workers that run different numbers of steps ---------------------------------------------------
-def uneven_steps(steps_by_rank: dict):
+def uneven_steps(steps_by_rank: dict, strategy: str = "ps"):
     topo = gradsync.topology()
     model = mlp()
-    opt = gradsync.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1), "ps", exit_servers=False)
+    opt = gradsync.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1), strategy, exit_servers=False)
     for _ in range(steps_by_rank.get(topo.rank, 0)):
         model(torch.randn(4, 4)).pow(2).mean().backward()
         opt.step()
@@ -263,3 +263,17 @@ def test_workers_out_of_step_with_a_server():
     assert "same number of optimizer steps" in last
     assert "server 0 (rank 2) stopped responding" in errors[0], errors[0]  # worker 0 waited for its pull
     assert elapsed < 20, f"the job took {elapsed:.1f} s to end"
+
+
+@pytest.mark.parametrize("strategy,steps,late", [
+    ("p3", {0: 3, 1: 2}, 0),  # rank 0's third push goes to a server (rank 1) that has stopped
+    ("allreduce-priority", {0: 2, 1: 3}, 1),  # rank 0, which schedules, stops first
+])
+def test_overlapping_strategies_raise_instead_of_hanging_when_out_of_step(strategy, steps, late):
+    started = time.monotonic()
+    errors = run_ranks_expect_failure(uneven_steps, 2, steps, strategy, timeout=40, wait_for=[late])
+    assert time.monotonic() - started < 30
+    last = errors[late].strip().splitlines()[-1]
+    early = 1 - late
+    assert last.startswith("gradsync.errors.GradsyncError: workers are out of step"), last
+    assert f"worker {early} (rank {early}) stopped after 2 steps while worker {late} (rank {late}) has taken 3" in last

@@ -173,3 +173,67 @@ def test_state_dict_after_step_holds_the_updated_parameters():
     params = {n: results[0][n] for n, _ in ref.named_parameters()}
     report = compare(params, ref, work.tolerance)
     assert report["correct"], report
+
+
+@pytest.mark.parametrize("name", ["p3", "allreduce-priority"])
+def test_every_tuning_probe_fits_its_credit(name):
+    """Coordinate descent combines each value of one knob with the other's current best: every
+    combination must be valid (credit >= one fp32 slice or partition plus its small header)."""
+    from gradsync.strategies import STRATEGIES
+
+    space = STRATEGIES[name].tune_space
+    size = space["slice_params" if name == "p3" else "partition_params"]
+    assert min(space["credit_mb"]) * 2**20 >= 1.01 * 4 * max(size)
+
+
+# -- the script's own collectives while partitions are in flight ---------------------------------------
+def _script_allreduces_between_steps(work: Workload, steps: int):
+    import torch.distributed as dist
+
+    topo = gradsync.topology()
+    spec = work.spec()
+    model, opt = work.build()
+    opt = gradsync.distribute(model, opt, "allreduce-priority", partition_params=9, credit_mb=0.0001)
+    sums = []
+    for step in range(steps):
+        inputs, target = work.batch(spec, step, topo.rank, topo.num_workers)
+        train_step(model, opt, spec, inputs, target)  # returns with partitions still being all-reduced
+        logged = torch.full((5,), float(topo.rank + 1))
+        dist.all_reduce(logged)  # the default group, as a script logging its loss would
+        sums.append(logged.tolist())
+    opt.flush()
+    return sums, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_the_scripts_own_allreduce_never_meets_a_partition():
+    work = Workload(model="toy", batch_size=6)
+    results = run_ranks(_script_allreduces_between_steps, 2, work, 4)
+    for sums, _ in results:
+        assert sums == [[3.0] * 5] * 4  # 1 + 2, never mixed with a partition's values
+    report = compare(results[0][1], reference(work, 2, 4), work.tolerance)
+    assert report["correct"], report
+
+
+# -- a pause between steps (evaluation, a checkpoint) longer than the transport timeout -----------------
+def _train_with_a_pause(work: Workload, strategy: str, steps: int, pause_s: float):
+    import time
+
+    topo = gradsync.topology()
+    spec = work.spec()
+    model, opt = work.build()
+    opt = gradsync.distribute(model, opt, strategy)
+    for step in range(steps):
+        if step == steps // 2:
+            time.sleep(pause_s)  # receives stay posted meanwhile: keep-alives must hold them
+        inputs, target = work.batch(spec, step, topo.rank, topo.num_workers)
+        train_step(model, opt, spec, inputs, target)
+    opt.flush()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("strategy", ["p3", "allreduce-priority"])
+def test_a_pause_longer_than_the_timeout_between_steps_is_fine(strategy):
+    work = Workload(model="toy", batch_size=6)
+    results = run_ranks(_train_with_a_pause, 2, work, strategy, 4, 5.0, env={"GRADSYNC_TIMEOUT": "2"}, timeout=60)
+    report = compare(results[0], reference(work, 2, 4), work.tolerance)
+    assert report["correct"], report

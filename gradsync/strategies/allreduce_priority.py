@@ -22,7 +22,9 @@ same partition's previous all-reduce, which every rank has already issued.
 Wire: per partition, one all-reduce of ``numel + segments`` elements; the trailing elements are
 "used" flags (a worker that did not use a parameter contributes zero; one no worker used keeps
 ``grad = None`` and its update is skipped, as in DDP). Decisions and the shutdown message
-``(-1, step)`` are the only other traffic. Must match across ranks: the model and the optimizer.
+``(-1, step)`` are the only other traffic, with a keep-alive ``(-2, step)`` whenever rank 0 has had
+nothing to decide for a third of the transport timeout (training paused between steps). Must
+match across ranks: the model and the optimizer.
 Tune ``partition_params`` (ByteScheduler: 1M by default, ~8M suggested for all-reduce) and
 ``credit_mb`` (4-64M parameters in its tuner); ``gradsync bench --tune`` searches both.
 """
@@ -35,19 +37,22 @@ from typing import Any, Callable
 
 import torch
 
+from gradsync import runtime
 from gradsync.errors import ConfigError, GradsyncError
 from gradsync.strategies.base import Strategy, SyncContext, ring_bytes
-from gradsync.strategies.overlap import Arrivals, ForwardOrder, SliceOptimizers, check_sliceable, hyper
+from gradsync.strategies.overlap import (Arrivals, ForwardOrder, SliceOptimizers, check_sliceable, hyper,
+                                         out_of_step)
 from gradsync.strategies.slicing import SlicePlan
 
 CONTROL_TAG = 0x4253
+STOP, KEEPALIVE = -1, -2  # decisions that name no partition: the schedule ended; nothing to do yet
 
 
 class PriorityAllReduce(Strategy):
     """Partitioned all-reduce issued by priority under a credit, with per-layer forward waits."""
 
     name = "allreduce-priority"
-    tune_space = {"credit_mb": [4.0, 16.0, 64.0], "partition_params": [250_000, 1_000_000, 4_000_000]}
+    tune_space = {"credit_mb": [4.0, 16.0, 64.0], "partition_params": [250_000, 500_000, 1_000_000]}
     """What ``gradsync bench --tune`` searches (gradsync.bench.tune); ByteScheduler's ranges."""
 
     def __init__(self, partition_params: int = 1_000_000, credit_mb: float = 16.0,
@@ -66,8 +71,12 @@ class PriorityAllReduce(Strategy):
         self.order = ForwardOrder(len(ctx.params))
         self.plan: SlicePlan | None = None
         self.steps, self.open, self.closed = 0, False, False
+        self.leader_steps: int | None = None  # followers: rank 0's steps, once it ended the schedule
         self.leader = ctx.topology.rank == 0
         self.followers = [w for w in ctx.topology.worker_ranks if w != ctx.topology.rank] if self.leader else []
+        # Our threads issue all-reduces while the script runs: on a group of their own, so that a
+        # loss the script all-reduces meanwhile can never be paired with one of our partitions.
+        self.group = ctx.transport.new_worker_group()
 
     def _make_plan(self) -> None:
         ctx = self.ctx
@@ -141,7 +150,13 @@ class PriorityAllReduce(Strategy):
                 self._fill(k)
         self.steps += 1
         self.open = False
+        if self.leader_steps is not None and self.steps > self.leader_steps:
+            raise self._out_of_step()
         return None
+
+    def _out_of_step(self) -> GradsyncError:
+        topo = self.ctx.topology
+        return out_of_step(topo.describe(0), self.leader_steps, topo.describe(topo.rank), self.steps)
 
     def flush(self) -> None:
         if self.plan is not None:
@@ -186,20 +201,28 @@ class PriorityAllReduce(Strategy):
     def _lead(self) -> None:
         """Rank 0: the highest-priority ready partition, when credit allows; tell the others, issue it."""
         t, sends = self.ctx.transport, deque()
+        idle_s = runtime.current().timeout_s / 3
         while True:
             with self.cv:
-                while not self._may_launch() and not (self.stopping and not self.ready):
-                    self.cv.wait()
-                if not self.ready:  # stopping
-                    break
-                step, k = heapq.heappop(self.ready)
-                self.inflight_bytes += self.nbytes[k]
+                idle = False
+                while not self._may_launch() and not (self.stopping and not self.ready) and not idle:
+                    idle = not self.cv.wait(idle_s) and not self.ready and not self.launched
+                if not idle:
+                    if not self.ready:  # stopping
+                        break
+                    step, k = heapq.heappop(self.ready)
+                    self.inflight_bytes += self.nbytes[k]
+            if idle:  # training paused: keep the followers' posted receive from timing out
+                keepalive = torch.tensor([KEEPALIVE, self.steps], dtype=torch.int64, device=t.device)
+                sends += [t.send_async(keepalive, r, CONTROL_TAG, what=f"keep-alive to rank {r}")
+                          for r in self.followers]
+                continue
             decision = torch.tensor([k, step], dtype=torch.int64, device=t.device)
             sends += [t.send_async(decision, r, CONTROL_TAG, what=f"schedule to rank {r}") for r in self.followers]
             self._launch(k, step)
             while len(sends) > 64:
                 sends.popleft().wait(background=True)
-        stop = torch.tensor([-1, self.steps], dtype=torch.int64, device=t.device)
+        stop = torch.tensor([STOP, self.steps], dtype=torch.int64, device=t.device)
         sends += [t.send_async(stop, r, CONTROL_TAG, what=f"end of schedule to rank {r}") for r in self.followers]
         for handle in sends:
             handle.wait(background=True)
@@ -217,7 +240,12 @@ class PriorityAllReduce(Strategy):
         while True:
             t.recv_async(decision, 0, CONTROL_TAG, what="schedule from rank 0", traced=False).wait(background=True)
             k, step = decision.tolist()
-            if k < 0:
+            if k == KEEPALIVE:
+                continue
+            if k == STOP:
+                self.leader_steps = step
+                if self.steps > step:  # this rank's last partitions will never be scheduled
+                    self.arrivals.fail(self._out_of_step())
                 return
             with self.cv:
                 while self.filled[k] != step and self.arrivals.error is None:
@@ -227,7 +255,7 @@ class PriorityAllReduce(Strategy):
 
     def _launch(self, k: int, step: int) -> None:
         what = f"all-reduce of partition {k} ({self.ctx.names[self.plan.slices[k].segments[0].param]!r}..)"
-        handle = self.ctx.transport.allreduce_async(self.buffers[k], what=what)
+        handle = self.ctx.transport.allreduce_async(self.buffers[k], what=what, group=self.group)
         with self.cv:
             self.launched.append((k, step, handle))
             self.cv.notify_all()
@@ -266,6 +294,9 @@ class PriorityAllReduce(Strategy):
         for thread in self.threads:
             thread.join()
         self.arrivals.check()
+        if self.ctx.topology.is_worker:  # every worker past its last all-reduce on the group: free it
+            self.ctx.transport.allreduce(torch.zeros(1), what="end of the partition group", group=self.group)
+            self.ctx.transport.free_group(self.group)
 
     def min_bytes_per_host(self, model_bytes: int) -> float:
         return ring_bytes(model_bytes, self.ctx.topology.num_workers)

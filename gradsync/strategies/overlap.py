@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from gradsync import trace
-from gradsync.errors import ConfigError
+from gradsync.errors import ConfigError, GradsyncError
 from gradsync.strategies.slicing import SlicePlan, flat_view
 
 ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, torch.optim.RMSprop,
@@ -148,3 +148,11 @@ class SliceOptimizers:
 def hyper(group: dict) -> dict:
     """An optimizer param group without its parameters: the hyperparameters."""
     return {k: v for k, v in group.items() if k != "params"}
+
+
+def out_of_step(stopped: str, their_steps: int, me: str, my_steps: int) -> GradsyncError:
+    """The error for a worker that trains past the last step of one that already stopped: what it
+    waits for would never come, so it raises instead of hanging."""
+    return GradsyncError(f"workers are out of step: {stopped} stopped after {their_steps} steps while {me} has taken "
+                         f"{my_steps}; every worker must run the same number of optimizer steps before "
+                         "gradsync.shutdown()")

@@ -40,6 +40,7 @@ and late slices can no longer be overtaken).
 from __future__ import annotations
 
 import math
+import sys
 import threading
 import time
 from collections import deque
@@ -47,14 +48,15 @@ from typing import Any, Callable
 
 import torch
 
-from gradsync import trace
+from gradsync import runtime, trace
 from gradsync.errors import ConfigError, GradsyncError
 from gradsync.strategies.base import Strategy, SyncContext, ring_bytes
-from gradsync.strategies.overlap import Arrivals, ForwardOrder, SliceOptimizers, check_sliceable, hyper
+from gradsync.strategies.overlap import (Arrivals, ForwardOrder, SliceOptimizers, check_sliceable, hyper,
+                                         out_of_step)
 from gradsync.strategies.scheduler import PrioritySender
 from gradsync.strategies.slicing import SlicePlan, flat_view
 
-PUSH, ANSWER, STOP = 1, 2, 3
+PUSH, ANSWER, STOP, KEEPALIVE = 1, 2, 3, 4
 TAG = 0x5033
 POSTED = 4
 """Receives each rank keeps posted per peer (Gloo moves a message once its receive is posted)."""
@@ -93,7 +95,7 @@ class P3(Strategy):
 
     name = "p3"
     uses_servers = True
-    tune_space = {"credit_mb": [0.25, 1.0, 4.0, 16.0], "slice_params": [12_500, 50_000, 200_000, 800_000]}
+    tune_space = {"credit_mb": [1.0, 4.0, 16.0], "slice_params": [12_500, 50_000, 200_000]}
     """What ``gradsync bench --tune`` searches (gradsync.bench.tune)."""
 
     def __init__(self, slice_params: int = 50_000, credit_mb: float | None = 1.0,
@@ -128,6 +130,8 @@ class P3(Strategy):
         self.order = ForwardOrder(len(ctx.params))
         self.plan: SlicePlan | None = None
         self.steps, self.open, self.closed = 0, False, False
+        self.stopped: dict[int, int] = {}  # worker peer -> the steps it took before it stopped
+        self.stopping = False  # our stop messages are queued: no keep-alive may follow them
         self.lock = threading.Lock()
 
     def _make_plan(self) -> None:
@@ -149,7 +153,8 @@ class P3(Strategy):
         self.updaters = SliceOptimizers(plan, owned, ctx.params, ctx.optimizer, self.optimizer_class)
         self.accum: dict[tuple[int, int], list] = {}
         self.hyper: dict[int, list[dict]] = {}
-        self.sender = PrioritySender(ctx.transport, credit)
+        # Receives stay posted between steps: keep-alives when idle, well inside the transport timeout.
+        self.sender = PrioritySender(ctx.transport, credit, idle=(runtime.current().timeout_s / 3, self._keepalive))
         self.threads = [threading.Thread(target=self._receive, args=(peer,), daemon=True,
                                          name=f"gradsync-{self.name}-from-{peer}") for peer in self.peers]
         for thread in self.threads:
@@ -214,9 +219,16 @@ class P3(Strategy):
                 self._push(k)
         self.steps += 1
         self.open = False
+        for peer, steps in self.stopped.items():
+            if self.steps > steps:
+                raise self._out_of_step(peer, steps)
         if not self.overlap:
             self.flush()
         return None
+
+    def _out_of_step(self, peer: int, steps: int) -> GradsyncError:
+        topo = self.ctx.topology
+        return out_of_step(topo.describe(peer), steps, topo.describe(self.me), self.steps)
 
     def flush(self) -> None:
         if self.plan is not None:
@@ -311,13 +323,18 @@ class P3(Strategy):
                 handle.wait(background=True)
                 kind, k, step = wire.header(buf)
                 if kind == STOP:
+                    if peer in self.workers:
+                        self.stopped[peer] = step
+                        if self.steps > step:  # our pushes to it will never be answered
+                            self.arrivals.fail(self._out_of_step(peer, step))
                     for _, rest in posted:  # the peer's other stop messages
                         rest.wait(background=True)
                     return
-                since = self._trace_arrival(kind, k, peer, since)
                 if kind == PUSH:
+                    since = self._trace_arrival(kind, k, peer, since)
                     self._accept(peer, k, step, wire.payload(buf), wire.used(buf))
-                else:
+                elif kind == ANSWER:
+                    since = self._trace_arrival(kind, k, peer, since)
                     self._deliver(k, step, wire.payload(buf))
                 posted.append((buf, t.recv_async(buf, peer, TAG, what=f"message from rank {peer}", traced=False)))
         except BaseException as exc:  # raised in the training thread by _check()
@@ -334,7 +351,16 @@ class P3(Strategy):
                         bytes=self.wire.nbytes, op=f"{what} received", priority=self.prio[k])
         return now
 
+    def _keepalive(self) -> None:
+        # After the stop messages a peer has no receive left. Runs on the sending thread, so stop
+        # messages put meanwhile are still queued, and a keep-alive's priority sends it before them.
+        if not self.stopping:
+            for peer in self.peers:
+                self.sender.put(sys.float_info.max, self.wire.new(KEEPALIVE, 0, self.steps), peer, TAG,
+                                what=f"keep-alive to rank {peer}")
+
     def _stop_peers(self) -> None:
+        self.stopping = True
         for peer in self.peers:
             for _ in range(POSTED):
                 self.sender.put(math.inf, self.wire.new(STOP, 0, self.steps), peer, TAG, what=f"stop to rank {peer}")

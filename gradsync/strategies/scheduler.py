@@ -13,6 +13,10 @@ than the credit still goes, alone.
 
 Errors in either thread are kept and re-raised by :meth:`check` (and :meth:`drain`), so the
 training thread reports them with the rank they name instead of hanging.
+
+``idle=(seconds, callback)``: after that long with nothing queued or in flight, the sending thread
+calls ``callback()`` (which may put messages): the keep-alives that stop a peer's posted receive
+from timing out while training pauses between steps (an evaluation pass, a checkpoint).
 """
 from __future__ import annotations
 
@@ -30,9 +34,11 @@ from gradsync.transport import Transport
 class PrioritySender:
     """Send ``(priority, tensor, dst, tag)`` messages by priority under a credit (see module docstring)."""
 
-    def __init__(self, transport: Transport, credit_bytes: int | None, name: str = "gradsync-sender"):
+    def __init__(self, transport: Transport, credit_bytes: int | None, name: str = "gradsync-sender",
+                 idle: tuple[float, Callable[[], None]] | None = None):
         self.transport = transport
         self.credit = credit_bytes
+        self._idle_s, self._on_idle = idle if idle is not None else (None, None)
         self._queue: list = []
         self._inflight: deque = deque()
         self._inflight_bytes = 0
@@ -90,12 +96,17 @@ class PrioritySender:
     def _issue(self) -> None:
         while True:
             with self._cv:
-                while not self._may_send() and not self._stopping and self.error is None:
-                    self._cv.wait()
+                idle = False
+                while not self._may_send() and not self._stopping and self.error is None and not idle:
+                    idle = not self._cv.wait(self._idle_s) and not self._queue and not self._inflight
                 if self._stopping or self.error is not None:
                     return
-                _, _, tensor, dst, tag, what, nbytes, on_sent = heapq.heappop(self._queue)
-                self._inflight_bytes += nbytes
+                if not idle:
+                    _, _, tensor, dst, tag, what, nbytes, on_sent = heapq.heappop(self._queue)
+                    self._inflight_bytes += nbytes
+            if idle:
+                self._on_idle()
+                continue
             handle = self.transport.send_async(tensor, dst, tag, what=what)
             with self._cv:
                 self._inflight.append((handle, nbytes, on_sent))
