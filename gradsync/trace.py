@@ -194,20 +194,22 @@ def render_arrivals(path: str, png: str, *, steps: tuple[str, int, int], rank: i
     if not pulls:
         raise ValueError(f"no pulled slices on rank {rank} in steps {steps[1]}..{steps[2]}: trace p3 or ps-sliced")
     top = max(p for _, p in pulls) + 1
+    shade = {"forward": "tab:blue", "backward": "tab:green"}
     fig, ax = plt.subplots(figsize=(12, 4))
     for pid, tid, start, end, name in _spans(events):
         kind = name.split()[0]
-        if pid == rank and tid == TRACKS["compute"] and kind in ("forward", "backward") and end > window[0] and start < window[1]:
-            ax.axvspan((start - window[0]) / 1e3, (end - window[0]) / 1e3, color="tab:blue" if kind == "forward" else "tab:green",
-                       alpha=0.25, linewidth=0)
+        if pid == rank and tid == TRACKS["compute"] and kind in shade and end > window[0] and start < window[1]:
+            ax.axvspan((start - window[0]) / 1e3, (end - window[0]) / 1e3, color=shade[kind], alpha=0.25, linewidth=0)
     ax.scatter([(t - window[0]) / 1e3 for t, _ in pulls], [p for _, p in pulls], s=6, color="tab:orange", zorder=3)
     ax.set_xlim(0, (window[1] - window[0]) / 1e3)
     ax.set_ylim(top, -1)
     ax.set_xlabel("ms")
     ax.set_ylabel("slice (forward order: input at the top)")
     ax.set_title(title, fontsize=9)
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c, alpha=a) for c, a in (("tab:blue", 0.25), ("tab:green", 0.25), ("tab:orange", 1))]
-    ax.legend(handles, [f"rank {rank} forward", f"rank {rank} backward", "slice pulled (arrived)"], fontsize=7, loc="lower right")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c, alpha=0.25) for c in shade.values()]
+    handles.append(plt.Rectangle((0, 0), 1, 1, color="tab:orange"))
+    labels = [f"rank {rank} forward", f"rank {rank} backward", "slice pulled (arrived)"]
+    ax.legend(handles, labels, fontsize=7, loc="lower right")
     fig.tight_layout()
     fig.savefig(png, dpi=120)
     plt.close(fig)
