@@ -19,7 +19,7 @@ from torch import nn
 
 from gradsync import runtime
 from gradsync.consistency import broadcast_model, check_models_match
-from gradsync.errors import ConfigError
+from gradsync.errors import ConfigError, GradsyncError
 from gradsync.strategies import Strategy, SyncContext, resolve
 
 
@@ -31,6 +31,8 @@ class _Sync:
         self.enabled = True
         self.handles: list = []
         self.closed = False
+        self.steps = 0  # optimizer steps taken, and the step at which the state was last consolidated
+        self.consolidated = 0
 
     def close(self) -> None:
         """Close the strategy and take gradsync's hooks off the model. The gradient hooks live in
@@ -90,6 +92,8 @@ def _install_hooks(model: nn.Module, params: list[nn.Parameter], sync: _Sync) ->
                     lambda _module, _args, owned=owned: strategy.on_params_needed(owned)))
     # A checkpoint must not catch parameters still in flight (p3 finishes them lazily).
     sync.handles.append(model.register_state_dict_pre_hook(lambda *_args: strategy.flush()))
+    # Nor may a late arrival overwrite parameters just loaded.
+    sync.handles.append(model.register_load_state_dict_pre_hook(lambda *_args: strategy.flush()))
     forward = strategy.wrap_forward(model.forward)
     if forward is not None:
         model.forward = forward
@@ -109,6 +113,7 @@ def _wrap_optimizer(optimizer: torch.optim.Optimizer, sync: _Sync) -> torch.opti
             with torch.enable_grad():
                 loss = closure()
         sync.strategy.step(own_step if own_step is not None else lambda: base.step(self))
+        sync.steps += 1
         return loss
 
     step.__dict__.update(getattr(own_step, "__dict__", {}))
@@ -135,7 +140,45 @@ def _wrap_optimizer(optimizer: torch.optim.Optimizer, sync: _Sync) -> torch.opti
         ``gradsync.shutdown()``; calling it twice is harmless."""
         sync.close()
 
+    def rank_and_strategy() -> str:
+        return f"rank {runtime.current().topology.rank}, strategy {sync.strategy.name}"
+
+    def consolidate_state_dict(self):
+        """Collective over the workers (every worker calls it, after the same step): gather the
+        optimizer state that ``ps`` (co-located) and ``p3`` keep spread over the workers, so that
+        ``state_dict()`` on any worker returns all of it (as ``ZeroRedundancyOptimizer`` does).
+        Other strategies need no call; it is harmless there."""
+        if sync.strategy.state_location == "servers":
+            raise GradsyncError(f"{rank_and_strategy()}: the optimizer state lives on the dedicated servers and "
+                                "cannot be gathered yet; checkpoint the model, or use co-located servers")
+        sync.strategy.gather_state()
+        sync.consolidated = sync.steps
+
+    def state_dict(self):
+        """The whole optimizer state, as torch lays it out (see :mod:`gradsync.strategies.optstate`)."""
+        where = sync.strategy.state_location
+        if where == "servers" and sync.steps:
+            raise GradsyncError(f"{rank_and_strategy()}: the optimizer state lives on the dedicated servers, and "
+                                "state_dict() here would miss it; checkpoint the model, or use co-located servers")
+        if where == "workers" and sync.consolidated != sync.steps:
+            raise GradsyncError(f"{rank_and_strategy()}: each worker holds the optimizer state of the parameters "
+                                "it serves; call optimizer.consolidate_state_dict() on every worker after the last "
+                                "step, then state_dict() on any of them")
+        if where == "here":
+            sync.strategy.gather_state()
+        return base.state_dict(self)
+
+    def load_state_dict(self, state_dict):
+        if sync.strategy.state_location == "servers":
+            raise GradsyncError(f"{rank_and_strategy()}: the optimizer state lives on the dedicated servers; load "
+                                "it before gradsync.distribute (the servers run the same script and take it then)")
+        base.load_state_dict(self, state_dict)
+        sync.strategy.load_state()
+        sync.consolidated = sync.steps
+
     members = {"step": step, "no_sync": no_sync, "flush": flush, "close": close,
+               "consolidate_state_dict": consolidate_state_dict, "state_dict": state_dict,
+               "load_state_dict": load_state_dict,
                "strategy": property(lambda self: sync.strategy),
                "__module__": base.__module__, "__doc__": base.__doc__}
     optimizer.__class__ = type(base.__name__, (base,), members)

@@ -58,6 +58,8 @@ def test_the_check_catches_a_wrong_model():
     (["--set", "fuse_kb=1"], "expected STRATEGY.KEY=VALUE"),
     (["--strategies", "p3", "--set", "p3.slice_params=0"], "slice_params must be an integer >= 1"),
     (["--tune", "--tune-steps", "0"], "--tune-steps must be >= 1"),
+    (["--strategies", "p3", "--set", "p3.overlap=maybe"], "overlap must be True or False, got 'maybe'"),
+    (["--strategies", "p3", "--set", "p3.elementwise_optimizer=yes"], "elementwise_optimizer must be True, False"),
 ])
 def test_bad_arguments_are_argument_errors(args, message):
     proc = bench(*args, timeout=60)
@@ -140,3 +142,12 @@ def test_a_closed_strategy_lets_its_model_go(strategy):
     from multirank import run_ranks
 
     assert run_ranks(_freed_after_close, 2, strategy) == [True, True]
+
+
+@pytest.mark.parametrize("raw,value", [("False", False), ("false", False), ("TRUE", True), ("None", None),
+                                       ("4", 4), ("0.5", 0.5), ("fifo", "fifo")])
+def test_set_values_are_typed(raw, value):
+    """``--set p3.overlap=False`` must be the boolean: the string "False" would be truthy."""
+    from gradsync.bench.cli import _overrides
+    out = _overrides([f"p3.overlap={raw}"], ["p3"], parser_error=pytest.fail)
+    assert out == {"p3": {"overlap": value}} and type(out["p3"]["overlap"]) is type(value)

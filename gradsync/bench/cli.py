@@ -132,17 +132,22 @@ def _validate(args, parser_error) -> list[str]:
 
 
 def _overrides(items: list[str], strategies: list[str], parser_error) -> dict[str, dict]:
-    """``["ps.fuse_kb=0"]`` -> ``{"ps": {"fuse_kb": 0}}``; values are JSON (numbers, true/false) or strings."""
+    """``["ps.fuse_kb=0"]`` -> ``{"ps": {"fuse_kb": 0}}``; values are JSON (numbers, true/false) or strings;
+    True/False/None in any case are the booleans and None."""
     out: dict[str, dict] = {}
     for item in items:
         key, eq, raw = item.partition("=")
         name, dot, option = key.partition(".")
         if not (eq and dot and option) or name not in strategies:
             parser_error(f"--set {item!r}: expected STRATEGY.KEY=VALUE with STRATEGY one of {', '.join(strategies)}")
-        try:
-            value = json.loads(raw)
-        except ValueError:
-            value = raw
+        words = {"true": True, "false": False, "none": None, "null": None}
+        if raw.lower() in words:  # Python's spelling too: a string "False" would be truthy
+            value = words[raw.lower()]
+        else:
+            try:
+                value = json.loads(raw)
+            except ValueError:
+                value = raw
         out.setdefault(name, {})[option] = value
     return out
 

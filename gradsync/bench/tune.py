@@ -1,11 +1,12 @@
 """``gradsync bench --tune``: search a strategy's knobs on the live cluster before measuring it.
 
 A strategy declares what can be tuned as a class attribute ``tune_space = {option: [values]}``
-(``p3``: slice size and credit; ``allreduce-priority``: partition size and credit). The search is
+(``p3``: slice size, credit and forward overlap; ``allreduce-priority``: partition size and credit). The search is
 a coordinate descent, one option at a time in the order declared: probe the defaults, then every
 other value of the first option, keep the fastest, then the second option from there.
 ByteScheduler tuned the same two knobs with Bayesian optimisation over ~15 points of ~100 steps
-each; with two knobs of three values, coordinate descent needs five probes (of four, seven).
+each; with two knobs of three values, coordinate descent needs five probes (of four, seven);
+``p3``'s on/off overlap adds one.
 
 Each probe is a short run of the strategy (a fresh model: slice and partition sizes change the
 server-side optimizer state, which cannot be re-cut in place) on every rank of the job, scored by

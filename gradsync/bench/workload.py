@@ -106,8 +106,9 @@ def train_step(model: nn.Module, optimizer, spec: ModelSpec, inputs, target) -> 
     return float(loss.detach())
 
 
-def reference(work: Workload, num_workers: int, steps: int) -> nn.Module:
-    """Train the single-process data-parallel reference for ``steps`` steps."""
+def reference(work: Workload, num_workers: int, steps: int, *, with_optimizer: bool = False):
+    """Train the single-process data-parallel reference for ``steps`` steps: the model (and its
+    optimizer, with ``with_optimizer``)."""
     spec = work.spec()
     model, optimizer = work.build()
     model.train()
@@ -125,7 +126,7 @@ def reference(work: Workload, num_workers: int, steps: int) -> nn.Module:
             p.grad = None if total is None else total / num_workers
         optimizer.step()
     optimizer.zero_grad()
-    return model
+    return (model, optimizer) if with_optimizer else model
 
 
 def compare(params: dict[str, torch.Tensor], ref: nn.Module, tolerance: tuple[float, float]) -> dict:

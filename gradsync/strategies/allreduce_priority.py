@@ -40,8 +40,9 @@ import torch
 from gradsync import runtime
 from gradsync.errors import ConfigError, GradsyncError
 from gradsync.strategies.base import Strategy, SyncContext, ring_bytes
-from gradsync.strategies.overlap import (Arrivals, ForwardOrder, SliceOptimizers, check_sliceable, hyper,
-                                         out_of_step)
+from gradsync.strategies.overlap import (Arrivals, ForwardOrder, SliceOptimizers, check_elementwise_flag,
+                                         check_sliceable, hyper, out_of_step)
+from gradsync.strategies.optstate import StateLayout, gather, install
 from gradsync.strategies.slicing import SlicePlan
 
 CONTROL_TAG = 0x4253
@@ -61,6 +62,7 @@ class PriorityAllReduce(Strategy):
             raise ConfigError(f"partition_params must be an integer >= 1, got {partition_params!r}")
         if not isinstance(credit_mb, (int, float)) or not credit_mb > 0:
             raise ConfigError(f"credit_mb must be > 0, got {credit_mb!r}")
+        check_elementwise_flag(elementwise_optimizer)
         self.partition_params, self.credit_mb = partition_params, credit_mb
         self.elementwise = elementwise_optimizer
 
@@ -68,6 +70,7 @@ class PriorityAllReduce(Strategy):
         super().attach(ctx)
         check_sliceable(self.name, ctx, self.elementwise)
         self.optimizer_class = type(ctx.optimizer)
+        self.state_location = "here"  # every worker updates every partition
         self.order = ForwardOrder(len(ctx.params))
         self.plan: SlicePlan | None = None
         self.steps, self.open, self.closed = 0, False, False
@@ -161,6 +164,19 @@ class PriorityAllReduce(Strategy):
     def flush(self) -> None:
         if self.plan is not None:
             self.arrivals.wait(range(len(self.plan.slices)), self.steps)
+
+    def gather_state(self) -> None:
+        if self.plan is not None:  # before the first step, the user's optimizer holds all there is
+            self.flush()
+            ctx = self.ctx
+            install(ctx.optimizer, ctx.params,
+                    gather(StateLayout(self.optimizer_class, ctx.optimizer, ctx.params), self.updaters.pieces()))
+
+    def load_state(self) -> None:
+        if self.plan is not None:
+            self.flush()
+            ctx = self.ctx
+            self.updaters.load(StateLayout(self.optimizer_class, ctx.optimizer, ctx.params), ctx.optimizer.state)
 
     def _open_step(self) -> None:
         self.open = True

@@ -85,6 +85,21 @@ class Strategy:
     def serve(self) -> None:
         pass
 
+    state_location: str = "optimizer"
+    """Where the optimizer state lives, for ``optimizer.state_dict()`` (see
+    :mod:`gradsync.strategies.optstate`): ``"optimizer"``, in the user's optimizer; ``"here"``, all of
+    it on this worker, in the strategy's own pieces; ``"workers"``, spread over the workers
+    (assembling it is a collective: ``optimizer.consolidate_state_dict()``); ``"servers"``, on
+    dedicated servers, out of the workers' reach."""
+
+    def gather_state(self) -> None:
+        """Put every parameter's current optimizer state, whole tensors, into the user's optimizer
+        (``state_location`` ``"here"``, or ``"workers"``, where every worker calls it)."""
+
+    def load_state(self) -> None:
+        """The user's optimizer was just loaded with whole-tensor state: hand it to the pieces the
+        strategy updates."""
+
     def close(self) -> None:
         pass
 

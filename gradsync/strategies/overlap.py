@@ -7,7 +7,8 @@
   (which the waiting thread raises, so a failed peer is an error, never a hang).
 - :class:`SliceOptimizers`: one optimizer instance per slice (the user's class and
   hyperparameters over 1-D views of the parameters' memory), so a slice can be updated as soon as
-  its averaged gradient is known. Exact for elementwise optimizers (:data:`ELEMENTWISE`).
+  its averaged gradient is known. Exact for elementwise optimizers (:data:`ELEMENTWISE`). Their
+  state goes in and out of checkpoints through :mod:`gradsync.strategies.optstate`.
 """
 from __future__ import annotations
 
@@ -19,12 +20,19 @@ from torch import nn
 
 from gradsync import trace
 from gradsync.errors import ConfigError, GradsyncError
+from gradsync.strategies.optstate import StateLayout, cut
 from gradsync.strategies.slicing import SlicePlan, flat_view
 
 ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, torch.optim.RMSprop,
                torch.optim.Adadelta, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.ASGD,
                torch.optim.Rprop)
 """Optimizers whose update of a slice equals their update of the whole tensor, element by element."""
+
+
+def check_elementwise_flag(elementwise: bool | None) -> None:
+    if elementwise is not None and not isinstance(elementwise, bool):
+        raise ConfigError(f"elementwise_optimizer must be True, False or None (decide from the optimizer's "
+                          f"class), got {elementwise!r}")
 
 
 def check_sliceable(name: str, ctx, elementwise: bool | None) -> None:
@@ -126,6 +134,24 @@ class SliceOptimizers:
             if groups:
                 made = optimizer_class([{**hyper(optimizer.param_groups[g]), "params": ps} for g, ps in groups.items()])
             self.of[k] = (views, made, list(groups))
+        if optimizer.state:  # state loaded into the user's optimizer before the plan existed
+            self.load(StateLayout(optimizer_class, optimizer, params), optimizer.state)
+            optimizer.state.clear()
+
+    def pieces(self):
+        """This rank's optimizer state, one :data:`~gradsync.strategies.optstate.Piece` per segment."""
+        for k, (views, opt, _) in self.of.items():
+            for seg, view in zip(self.plan.slices[k].segments, views):
+                if view is not None and view in opt.state:
+                    yield seg.param, seg.start, seg.length, opt.state[view]
+
+    def load(self, layout: StateLayout, state: dict) -> None:
+        """Give each slice's optimizer its part of ``state`` (whole tensors, keyed by parameter)."""
+        for k, (views, opt, _) in self.of.items():
+            for seg, view in zip(self.plan.slices[k].segments, views):
+                whole = state.get(self.params[seg.param]) if view is not None else None
+                if whole:
+                    opt.state[view] = cut(layout, whole, seg.param, seg.start, seg.length)
 
     def update(self, k: int, mean: torch.Tensor, used: list[float], hyperparameters: list[dict] | None) -> None:
         """Apply one step to slice ``k`` with gradient ``mean`` (its values in slice layout); a

@@ -51,8 +51,9 @@ import torch
 from gradsync import runtime, trace
 from gradsync.errors import ConfigError, GradsyncError
 from gradsync.strategies.base import Strategy, SyncContext, ring_bytes
-from gradsync.strategies.overlap import (Arrivals, ForwardOrder, SliceOptimizers, check_sliceable, hyper,
-                                         out_of_step)
+from gradsync.strategies.overlap import (Arrivals, ForwardOrder, SliceOptimizers, check_elementwise_flag,
+                                         check_sliceable, hyper, out_of_step)
+from gradsync.strategies.optstate import StateLayout, gather, install
 from gradsync.strategies.scheduler import PrioritySender
 from gradsync.strategies.slicing import SlicePlan, flat_view
 
@@ -95,16 +96,21 @@ class P3(Strategy):
 
     name = "p3"
     uses_servers = True
-    tune_space = {"credit_mb": [1.0, 4.0, 16.0], "slice_params": [12_500, 50_000, 200_000]}
-    """What ``gradsync bench --tune`` searches (gradsync.bench.tune)."""
+    tune_space = {"credit_mb": [1.0, 4.0, 16.0], "slice_params": [12_500, 50_000, 200_000],
+                  "overlap": [True, False]}
+    """What ``gradsync bench --tune`` searches (gradsync.bench.tune). Forward overlap is a cost where
+    communication is already hidden (docs/benchmarks.md, loopback overhead), so it is tuned too."""
 
     def __init__(self, slice_params: int = 50_000, credit_mb: float | None = 1.0,
                  priority: bool | Callable[[str, int], float] = True, overlap: bool = True,
                  elementwise_optimizer: bool | None = None):
         if isinstance(slice_params, bool) or not isinstance(slice_params, int) or slice_params < 1:
             raise ConfigError(f"slice_params must be an integer >= 1 (elements per slice), got {slice_params!r}")
-        if credit_mb is not None and not credit_mb > 0:
+        if credit_mb is not None and (not isinstance(credit_mb, (int, float)) or not credit_mb > 0):
             raise ConfigError(f"credit_mb must be > 0 (or None: no limit), got {credit_mb!r}")
+        if not isinstance(overlap, bool):
+            raise ConfigError(f"overlap must be True or False, got {overlap!r}")
+        check_elementwise_flag(elementwise_optimizer)
         if not (isinstance(priority, bool) or callable(priority)):
             raise ConfigError(f"priority must be True (forward order), False (FIFO) or a function "
                               f"(parameter name, forward position) -> number, got {priority!r}")
@@ -127,6 +133,7 @@ class P3(Strategy):
             self.peers = [r for r in (self.servers if self.dedicated else self.workers) if r != self.me]
         check_sliceable(self.name, ctx, self.elementwise)
         self.optimizer_class = type(ctx.optimizer)  # before distribute wraps it
+        self.state_location = "servers" if self.dedicated else ("workers" if topo.num_workers > 1 else "here")
         self.order = ForwardOrder(len(ctx.params))
         self.plan: SlicePlan | None = None
         self.steps, self.open, self.closed = 0, False, False
@@ -387,6 +394,22 @@ class P3(Strategy):
         for thread in self.threads:
             thread.join()
         self._check()
+
+    # -- checkpoints -----------------------------------------------------------------------------------
+    def gather_state(self) -> None:
+        """Co-located servers: each worker holds the state of the slices it serves."""
+        if self.plan is None:  # no step yet: the user's optimizer holds all there is (what was loaded)
+            return
+        self.flush()
+        ctx, spread = self.ctx, self.state_location == "workers"
+        layout = StateLayout(self.optimizer_class, ctx.optimizer, ctx.params)
+        install(ctx.optimizer, ctx.params, gather(layout, self.updaters.pieces(), ctx.transport if spread else None))
+
+    def load_state(self) -> None:
+        if self.plan is not None:
+            self.flush()
+            ctx = self.ctx
+            self.updaters.load(StateLayout(self.optimizer_class, ctx.optimizer, ctx.params), ctx.optimizer.state)
 
     # -- reports ---------------------------------------------------------------------------------------
     def min_bytes_per_host(self, model_bytes: int) -> float:

@@ -37,6 +37,7 @@ import torch
 from gradsync.errors import ConfigError, GradsyncError
 from gradsync.strategies.allreduce import plan_buckets
 from gradsync.strategies.base import Strategy, SyncContext, fill_slot, mean_of_used, ring_bytes
+from gradsync.strategies.optstate import StateLayout, gather, install
 from gradsync.transport import wait_all
 
 OP_STEP, OP_STOP = 1, 2
@@ -99,6 +100,8 @@ class ParameterServer(Strategy):
         mine = [g for g, grp in enumerate(self.groups) if self.group_owner[g] == me]
         self.owned = [i for g in mine for i in self.groups[g]]
         self.owned_groups = mine
+        self.optimizer_class = type(ctx.optimizer)  # before distribute wraps it
+        self.state_location = "servers" if self.dedicated else ("workers" if topo.num_workers > 1 else "optimizer")
         self.step_no = 0
         self.open = False
         self.closed = False
@@ -208,6 +211,13 @@ class ParameterServer(Strategy):
         self._reset_pushes()
         self.step_no += 1
         return result
+
+    def gather_state(self) -> None:
+        """Co-located: each worker's optimizer holds the state of the parameters it serves."""
+        opt, params = self.ctx.optimizer, self.ctx.params
+        pieces = [(i, 0, params[i].numel(), opt.state[params[i]]) for i in self.owned if opt.state.get(params[i])]
+        layout = StateLayout(self.optimizer_class, opt, params)
+        install(opt, params, gather(layout, pieces, self.ctx.transport))
 
     def _pull(self) -> None:
         t, params = self.ctx.transport, self.ctx.params

@@ -1,0 +1,167 @@
+"""Optimizer checkpoints under every strategy.
+
+``optimizer.state_dict()`` must hold the whole optimizer state, laid out as torch lays it out,
+even where the strategy keeps it spread over workers (co-located ``ps``, ``p3``) or in per-slice
+optimizers (``p3``, ``allreduce-priority``): after 2 steps it must equal the single-process
+reference optimizer's state, and training resumed from it for 2 more steps must equal the
+reference trained for 4.
+"""
+import pytest
+import torch
+
+import gradsync
+from gradsync.bench.workload import Workload, compare, reference, train_step
+from gradsync.errors import GradsyncError
+from multirank import run_ranks
+
+BEFORE, AFTER = 2, 2
+
+
+def _train(model, opt, work, steps):
+    topo, spec = gradsync.topology(), work.spec()
+    for step in steps:
+        inputs, target = work.batch(spec, step, topo.rank, topo.num_workers)
+        train_step(model, opt, spec, inputs, target)
+
+
+def _params(model):
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def _snapshot(opt_state):
+    """A copy of an optimizer state_dict, as torch.save and torch.load would give (torch's
+    load_state_dict keeps ``step`` tensors and Adam then increments them in place)."""
+    saved = dict(opt_state)
+    saved["state"] = {k: {n: t.clone() if torch.is_tensor(t) else t for n, t in entry.items()}
+                      for k, entry in opt_state["state"].items()}
+    return saved
+
+
+def save_and_resume(strategy, work, options, load):
+    """Train, checkpoint, and resume in a fresh model and optimizer; ``load``: when the resumed
+    run loads the optimizer state, ``"before"`` or ``"after"`` gradsync.distribute."""
+    model, opt = work.build()
+    opt = gradsync.distribute(model, opt, strategy, **options)
+    _train(model, opt, work, range(BEFORE))
+    opt.consolidate_state_dict()
+    saved_opt, saved_model = _snapshot(opt.state_dict()), model.state_dict()
+    opt.close()
+    model, opt = work.build()
+    model.load_state_dict(saved_model)
+    if load == "before":
+        opt.load_state_dict(_snapshot(saved_opt))
+    opt = gradsync.distribute(model, opt, strategy, **options)
+    if load == "after":
+        opt.load_state_dict(_snapshot(saved_opt))
+    _train(model, opt, work, range(BEFORE, BEFORE + AFTER))
+    opt.flush()
+    return {"state": saved_opt, "params": _params(model)}
+
+
+def roll_back(strategy, work, options):
+    """Checkpoint, take a step, then load the checkpoint into the same live model and optimizer."""
+    model, opt = work.build()
+    opt = gradsync.distribute(model, opt, strategy, **options)
+    _train(model, opt, work, range(BEFORE))
+    opt.consolidate_state_dict()
+    saved_opt = _snapshot(opt.state_dict())
+    saved_model = {k: v.clone() for k, v in model.state_dict().items()}
+    _train(model, opt, work, [7])  # a step to undo
+    model.load_state_dict(saved_model)
+    opt.load_state_dict(saved_opt)
+    _train(model, opt, work, range(BEFORE, BEFORE + AFTER))
+    opt.flush()
+    return {"state": saved_opt, "params": _params(model)}
+
+
+def _check_state(state, ref_opt, tolerance):
+    atol, rtol = tolerance
+    ref = ref_opt.state_dict()["state"]
+    assert state.keys() == ref.keys(), (sorted(state), sorted(ref))
+    for k, entry in ref.items():
+        assert state[k].keys() == entry.keys()
+        for key, value in entry.items():
+            torch.testing.assert_close(state[k][key], value, atol=atol, rtol=rtol, msg=f"state[{k}][{key!r}]")
+
+
+def _check_resumed(results, work, workers):
+    ref = reference(work, workers, BEFORE + AFTER)
+    for rank in range(workers):
+        report = compare(results[rank]["params"], ref, work.tolerance)
+        assert report["correct"], (rank, report)
+
+
+CASES = [  # (strategy, workers, options, when the resumed run loads)
+    ("allreduce", 2, {}, "before"), ("ddp", 2, {"find_unused_parameters": True}, "after"),
+    ("ps", 1, {}, "after"), ("ps", 2, {}, "before"), ("ps", 2, {}, "after"),
+    ("p3", 1, {}, "after"), ("p3", 2, {"slice_params": 7}, "before"), ("p3", 2, {"slice_params": 7}, "after"),
+    ("allreduce-priority", 2, {"partition_params": 7}, "before"),
+    ("allreduce-priority", 2, {"partition_params": 7}, "after"),
+]
+
+
+@pytest.mark.parametrize("strategy,workers,options,load", CASES,
+                         ids=[f"{c[0]}-w{c[1]}-load-{c[3]}" for c in CASES])
+def test_state_dict_is_the_reference_state_and_resumes_exactly(strategy, workers, options, load):
+    work = Workload(model="toy", batch_size=6, optimizer="adam")
+    results = run_ranks(save_and_resume, workers, strategy, work, options, load)
+    _, ref_opt = reference(work, workers, BEFORE, with_optimizer=True)
+    for rank in range(workers):  # every worker's consolidated state is the whole state
+        _check_state(results[rank]["state"]["state"], ref_opt, work.tolerance)
+    _check_resumed(results, work, workers)
+
+
+@pytest.mark.parametrize("strategy,options", [("p3", {"slice_params": 7}),
+                                              ("allreduce-priority", {"partition_params": 7})])
+def test_loading_into_a_running_strategy_rolls_back(strategy, options):
+    work = Workload(model="toy", batch_size=6, optimizer="adam")
+    results = run_ranks(roll_back, 2, strategy, work, options)
+    _check_resumed(results, work, 2)
+
+
+def resume_from_plain_torch(strategy, work, saved_model, saved_opt):
+    """Every rank, servers included, loads a plain PyTorch checkpoint before distribute."""
+    model, opt = work.build()
+    model.load_state_dict(saved_model)
+    opt.load_state_dict(saved_opt)
+    opt = gradsync.distribute(model, opt, strategy, exit_servers=False)
+    if gradsync.topology().is_server:
+        return None
+    _train(model, opt, work, range(BEFORE, BEFORE + AFTER))
+    opt.flush()
+    with pytest.raises(GradsyncError, match="dedicated servers"):
+        opt.state_dict()
+    return {"params": _params(model)}
+
+
+@pytest.mark.parametrize("strategy", ["ps", "p3"])
+def test_dedicated_servers_resume_from_a_plain_torch_checkpoint(strategy):
+    work = Workload(model="toy", batch_size=6, optimizer="adam")
+    ref_model, ref_opt = reference(work, 2, BEFORE, with_optimizer=True)
+    results = run_ranks(resume_from_plain_torch, 3, strategy, work, ref_model.state_dict(), ref_opt.state_dict(),
+                        servers=1)
+    _check_resumed(results, work, 2)
+
+
+def state_dict_without_consolidating(strategy):
+    work = Workload(model="toy", batch_size=6, optimizer="adam")
+    model, opt = work.build()
+    opt = gradsync.distribute(model, opt, strategy)
+    _train(model, opt, work, range(1))
+    try:
+        opt.state_dict()
+    except GradsyncError as exc:
+        message = str(exc)
+    else:
+        message = None
+    opt.consolidate_state_dict()
+    complete = len(opt.state_dict()["state"])
+    return message, complete
+
+
+@pytest.mark.parametrize("strategy", ["ps", "p3"])
+def test_state_spread_over_workers_needs_consolidating_first(strategy):
+    results = run_ranks(state_dict_without_consolidating, 2, strategy)
+    for rank, (message, complete) in enumerate(results):
+        assert message is not None and f"rank {rank}" in message and "consolidate_state_dict()" in message
+        assert complete > 0
