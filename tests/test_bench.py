@@ -26,6 +26,7 @@ def test_every_strategy_with_a_dedicated_server(tmp_path):
         assert set(FIELDS) <= set(r), name
         assert r["samples_per_s_min"] <= r["samples_per_s"] <= r["samples_per_s_max"]
         assert r["bytes_per_step"] > 0 and r["compute_s"] > 0 and r["np"] == 2 and r["servers"] == 1
+        assert 0 < r["host_cpu_busy"] <= 1, (name, r["host_cpu_busy"])  # three processes were running
     for name in ("ddp", "allreduce", "ps"):  # ps-async workers pull at different times: no agreement
         assert records[name]["workers_max_diff"] == 0.0, f"{name}: workers disagree"
         assert records[name]["correct"] is True, records[name]
@@ -151,3 +152,33 @@ def test_set_values_are_typed(raw, value):
     from gradsync.bench.cli import _overrides
     out = _overrides([f"p3.overlap={raw}"], ["p3"], parser_error=pytest.fail)
     assert out == {"p3": {"overlap": value}} and type(out["p3"]["overlap"]) is type(value)
+
+
+def test_host_cpu_sees_a_busy_core():
+    """The CPU share is measured, not assumed: spinning one core for 0.3 s shows as >= 0.3 s of busy
+    ticks (machine-wide, so other load can only add to it)."""
+    import os
+    import time
+
+    from gradsync.bench.worker import host_cpu
+
+    tick = os.sysconf("SC_CLK_TCK")
+    before = host_cpu()
+    end = time.perf_counter() + 0.3
+    while time.perf_counter() < end:
+        pass
+    after = host_cpu()
+    busy, total = after[0] - before[0], after[1] - before[1]
+    assert busy >= 0.25 * tick and total >= busy
+
+
+def test_a_cpu_bound_run_is_named():
+    from gradsync.bench.report import cpu_bound_note, cpu_busy
+
+    assert cpu_busy([[90, 100], [50, 100]]) == pytest.approx(0.7)
+    assert cpu_busy(None) is None and cpu_busy([[0, 0]]) is None
+    cool = {"strategy": "ps", "net": "10 Gbit/s", "compute": "emulated", "host_cpu_busy": 0.6}
+    hot = {**cool, "strategy": "p3", "host_cpu_busy": 0.95}
+    assert cpu_bound_note([cool, {**cool, "host_cpu_busy": None}]) is None
+    note = cpu_bound_note([cool, hot])
+    assert "p3 at 10 Gbit/s (95%)" in note and "ps at" not in note and "--dilation" in note

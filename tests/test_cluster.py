@@ -204,13 +204,31 @@ def test_bad_cluster_arguments_are_argument_errors(args, message):
     assert out.returncode == 2 and message in out.stderr, out.stderr
 
 
-def test_auto_dilation_keeps_every_real_link_at_most_1_gbit():
+def _dilation(text: str, rate: float) -> float:
     from argparse import Namespace
 
-    from gradsync.bench.cli import _config
+    from gradsync.bench.cli import _cluster_args, _config
 
-    args = Namespace(model="toy", batch_size=4, optimizer="sgd", lr=0.01, seed=0, compute="emulated", dilation=None,
+    def error(message):
+        raise SystemExit(message)
+
+    args = Namespace(model="toy", batch_size=4, optimizer="sgd", lr=0.01, seed=0, compute="emulated", dilation=text,
                      servers=0, steps=2, warmup=1, threads=1, check_steps=0, rounds=1, delay=0.0, trace=None,
-                     tune=False, tune_steps=6)
+                     tune=False, tune_steps=6, np="4", net=None)
+    _cluster_args(args, error)
+    return _config(args, ["allreduce"], {}, 4, rate)["dilation"]
+
+
+def test_auto_dilation_keeps_every_real_link_at_most_1_gbit():
     for rate, k in ((100e6, 1.0), (1e9, 1.0), (4e9, 4.0), (25e9, 25.0)):
-        assert _config(args, ["allreduce"], {}, 4, rate)["dilation"] == k
+        assert _dilation("auto", rate) == k
+    assert _dilation("3", 25e9) == 3.0
+
+
+def test_auto_dilation_to_a_lower_real_rate():
+    for rate, k in ((100e6, 1.0), (1e9, 2.0), (10e9, 20.0), (30e9, 60.0)):
+        assert _dilation("auto:500mbit", rate) == k
+    with pytest.raises(SystemExit, match="auto:RATE"):
+        _dilation("auto:fast", 1e9)
+    with pytest.raises(SystemExit, match="--dilation must be"):
+        _dilation("lots", 1e9)

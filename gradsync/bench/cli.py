@@ -10,7 +10,9 @@ An emulated cluster: ``--net 1gbit,10gbit`` puts every rank on its own emulated 
 that rate (one run per rate); ``--compute emulated`` replaces the model's computation by its
 profile (GPU-like layer times); ``--dilation K`` slows emulated compute and links alike by K, and
 every figure is reported back in undilated units (``--dilation auto``: per rate, just enough that
-no link really runs faster than 1 Gbit/s, which this machine emulates faithfully for 4+ hosts). ``--np 2,4`` runs once per worker count.
+no link really runs faster than 1 Gbit/s, which this machine emulates faithfully for 4+ hosts;
+``--dilation auto:500mbit`` caps the real rate lower, for strategies whose many messages keep the
+host's CPU busy: see the ``cpu`` column). ``--np 2,4`` runs once per worker count.
 Several rates or worker counts also draw throughput against them (``--out``).
 """
 from __future__ import annotations
@@ -55,9 +57,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--compute", default="real", metavar="real|emulated[:PROFILE]",
                    help="run the model (real), or emulate an accelerator from a compute profile "
                         "(emulated: the model's shipped profile; emulated:flops:15tflops; emulated:FILE.json)")
-    p.add_argument("--dilation", default="1", metavar="K|auto",
+    p.add_argument("--dilation", default="1", metavar="K|auto[:RATE]",
                    help="emulated compute only: multiply layer times and divide link rates by K (default 1); "
-                        f"auto: per rate, max(1, rate / {AUTO_REAL_RATE / 1e9:g} Gbit/s)")
+                        f"auto: per rate, max(1, rate / {AUTO_REAL_RATE / 1e9:g} Gbit/s); auto:RATE: "
+                        "max(1, rate / RATE), e.g. auto:500mbit when the cpu column is near 100 %%")
     p.add_argument("--tune", action="store_true",
                    help="before measuring, search each tunable strategy's knobs (p3: slice size and credit; "
                         "allreduce-priority: partition size and credit) on the live cluster, and report every probe")
@@ -82,7 +85,8 @@ def _rates(args, parser_error) -> list[float | None]:
 
 
 def _cluster_args(args, parser_error) -> None:
-    """Parse --np lists, --net, --delay and --dilation in place (``args.dilation`` None means auto)."""
+    """Parse --np lists, --net, --delay and --dilation in place (``args.dilation`` None means auto,
+    up to ``args.auto_real_rate`` bits/s really on a link)."""
     try:
         args.np_list = [int(n) for n in str(args.np).split(",")]
     except ValueError:
@@ -90,11 +94,19 @@ def _cluster_args(args, parser_error) -> None:
     args.rates = _rates(args, parser_error)
     if args.delay < 0 or (args.delay and not args.net):
         parser_error("--delay needs --net and must be >= 0")
+    from gradsync.cluster import parse_rate
+    from gradsync.errors import ConfigError
+
+    text = str(args.dilation)
+    auto = text == "auto" or text.startswith("auto:")
+    args.auto_real_rate = AUTO_REAL_RATE
     try:
-        auto = args.dilation == "auto"
-        args.dilation = None if auto else float(args.dilation)
-    except ValueError:
-        parser_error(f"--dilation must be a number >= 1 or auto, got {args.dilation!r}")
+        if text.startswith("auto:"):
+            args.auto_real_rate = parse_rate(text[len("auto:"):])
+        args.dilation = None if auto else float(text)
+    except (ValueError, ConfigError) as exc:
+        parser_error(f"--dilation must be a number >= 1, auto, or auto:RATE (e.g. auto:500mbit), got {text!r}"
+                     + (f" ({exc})" if isinstance(exc, ConfigError) else ""))
     if not auto and args.dilation < 1:
         parser_error(f"--dilation must be >= 1, got {args.dilation}")
     if (auto or args.dilation != 1) and not args.compute.startswith("emulated"):
@@ -157,7 +169,7 @@ def _config(args, strategies: list[str], overrides: dict[str, dict], np: int, ra
     from gradsync.models import get_model
 
     hints = get_model(args.model).options.get("strategy_options", {})
-    dilation = args.dilation or max(1.0, (rate or 0.0) / AUTO_REAL_RATE)  # None: --dilation auto
+    dilation = args.dilation or max(1.0, (rate or 0.0) / args.auto_real_rate)  # None: --dilation auto
     workload = {"model": args.model, "batch_size": args.batch_size, "optimizer": args.optimizer,
                 "lr": args.lr, "seed": args.seed, "compute": args.compute, "dilation": dilation}
     return {"workload": workload, "strategies": strategies, "np": np, "servers": args.servers,
@@ -308,10 +320,13 @@ def _save_trace(run_dir: str, path: str, config: dict | None) -> None:
 
 
 def _report(records: list[dict], args) -> int:
-    from gradsync.bench.report import chart, sweep_charts, table
+    from gradsync.bench.report import chart, cpu_bound_note, sweep_charts, table
 
     print()
     print(table(records))
+    note = cpu_bound_note(records)
+    if note:
+        print(note)
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:

@@ -10,6 +10,10 @@ compute-only steps, measured under the same load), ``T_comm_min`` the bytes the 
 must move for the strategy's traffic pattern (``Strategy.min_bytes_per_host``) over its link rate.
 ``ideal = N * B / T_compute``; ``bound = N * B / max(T_compute, T_comm_min)`` (which is the ideal on
 loopback, where the rate is unknown), and ``efficiency = measured / bound``.
+
+``host_cpu_busy``: the share of this machine's cores that were busy during the measured steps
+(rank 0's machine; on an emulated cluster, every emulated host's). Near 1, the run measured the
+host's CPU rather than the emulated cluster: :data:`CPU_BOUND` and above, the report says so.
 """
 from __future__ import annotations
 
@@ -21,7 +25,10 @@ import statistics
 FIELDS = ["strategy", "model", "np", "servers", "batch_size", "steps", "samples_per_s",
           "samples_per_s_min", "samples_per_s_max", "step_s", "compute_s", "comm_overhead_s",
           "bytes_per_step", "peak_mem_mb", "max_abs_diff", "max_rel_diff", "correct",
-          "net", "compute", "bound_samples_per_s", "efficiency"]
+          "net", "compute", "bound_samples_per_s", "efficiency", "host_cpu_busy"]
+
+CPU_BOUND = 0.9
+"""A run whose measured steps kept this share of the host's cores busy is reported as CPU-bound."""
 
 
 def summarize(raw: dict, compute_times: list[float], config: dict, check: dict | None,
@@ -42,7 +49,7 @@ def summarize(raw: dict, compute_times: list[float], config: dict, check: dict |
         "comm_overhead_s": step_s - compute_s, "bytes_per_step": raw["bytes_per_step"],
         "peak_mem_mb": raw["peak_mem_mb"], "workers_max_diff": raw["workers_max_diff"],
         "fp32_max_abs_diff": fp32_max_abs_diff, "check_steps": config["check_steps"],
-        "max_abs_diff": None, "max_rel_diff": None, "correct": None,
+        "max_abs_diff": None, "max_rel_diff": None, "correct": None, "host_cpu_busy": cpu_busy(raw.get("host_cpu")),
         **bound(raw["min_bytes_per_host"], compute_s, samples, config),
     }
     record["efficiency"] = record["samples_per_s"] / record["bound_samples_per_s"]
@@ -51,6 +58,24 @@ def summarize(raw: dict, compute_times: list[float], config: dict, check: dict |
         if not raw["exact"]:
             record["correct"] = None  # not expected to match the synchronous reference
     return record
+
+
+def cpu_busy(ticks: list | None) -> float | None:
+    """Busy share of the host's cores over the measured steps, from per-step ``[busy, total]`` ticks."""
+    if not ticks or not sum(t for _, t in ticks):
+        return None
+    return sum(b for b, _ in ticks) / sum(t for _, t in ticks)
+
+
+def cpu_bound_note(records: list[dict]) -> str | None:
+    """A warning naming the runs that kept the host's CPU busy (None if there are none)."""
+    hot = [r for r in records if r.get("host_cpu_busy") is not None and r["host_cpu_busy"] >= CPU_BOUND]
+    if not hot:
+        return None
+    runs = ", ".join(f"{r['strategy']} at {r['net']} ({r['host_cpu_busy']:.0%})" for r in hot)
+    advice = ("raise --dilation so that the emulated cluster runs slower than this machine can keep up with"
+              if any(r["compute"] != "real" for r in hot) else "these figures include waiting for a core")
+    return f"note: the host CPU was busy through the measured steps of {runs}: {advice}."
 
 
 def bound(min_bytes: float, compute_s: float, samples: int, config: dict) -> dict:
@@ -72,16 +97,17 @@ def table(records: list[dict]) -> str:
     w = max([11] + [len(r["strategy"]) for r in records])
     head = (f"{'strategy':<{w}} {'np':>3} {'net':>12} {'samples/s':>10} {'(min-max)':>15} {'bound':>8} {'eff':>5} "
             f"{'step ms':>8} {'compute':>8} {'comm ovh':>9} {'MB/step':>8} {'peak MB':>8} {'f64 |diff|':>10} "
-            f"{'correct':>8} {'fp32 |diff|':>11}")
+            f"{'correct':>8} {'fp32 |diff|':>11} {'cpu':>4}")
     lines = [head, "-" * len(head)]
     for r in records:
         diff = "-" if r["max_abs_diff"] is None else f"{r['max_abs_diff']:.1e}"
         correct = {True: "yes", False: "NO", None: "n/a"}[r["correct"]]
+        cpu = "-" if r.get("host_cpu_busy") is None else f"{r['host_cpu_busy']:.0%}"
         lines.append(
             f"{r['strategy']:<{w}} {r['np']:>3} {r['net']:>12} {r['samples_per_s']:>10.1f} "
             f"{'(' + format(r['samples_per_s_min'], '.0f') + '-' + format(r['samples_per_s_max'], '.0f') + ')':>15} "
             f"{r['bound_samples_per_s']:>8.1f} {r['efficiency']:>5.2f} {r['step_s'] * 1e3:>8.1f} {r['compute_s'] * 1e3:>8.1f} {r['comm_overhead_s'] * 1e3:>9.1f} "
-            f"{r['bytes_per_step'] / 2**20:>8.2f} {r['peak_mem_mb']:>8.1f} {diff:>10} {correct:>8} {r['fp32_max_abs_diff']:>11.1e}")
+            f"{r['bytes_per_step'] / 2**20:>8.2f} {r['peak_mem_mb']:>8.1f} {diff:>10} {correct:>8} {r['fp32_max_abs_diff']:>11.1e} {cpu:>4}")
     return "\n".join(lines)
 
 

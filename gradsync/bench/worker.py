@@ -78,19 +78,39 @@ class PeakMemory:
         return (self.peak - self.base) / 2**20
 
 
-def timed_steps(model, optimizer, work: Workload, total: int, label: str = "compute only") -> list[float]:
+def host_cpu() -> tuple[int, int] | None:
+    """This machine's CPU time so far, ``(busy, total)`` in clock ticks over all cores (``/proc/stat``;
+    None elsewhere). Busy excludes idle and I/O wait."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    total = sum(ticks[:8])  # user nice system idle iowait irq softirq steal (guest is inside user)
+    return total - ticks[3] - ticks[4], total
+
+
+def timed_steps(model, optimizer, work: Workload, total: int, label: str = "compute only",
+                cpu: list | None = None) -> list[float]:
+    """Run ``total`` training steps; per-step seconds. ``cpu``: gets each step's host CPU ticks
+    ``[busy, total]`` appended (an emulated cluster shares this machine's cores: a run that keeps
+    them busy measures the host, not the emulated cluster)."""
     topo = gradsync.topology()
     spec = work.spec()
     tracer = trace.current()
     times = []
     for step in range(total):
         inputs, target = work.batch(spec, step, topo.rank, topo.num_workers)
+        before = host_cpu() if cpu is not None else None
         start = time.perf_counter()
         spec.loss(model(*inputs), target).backward()
         optimizer.step()
         optimizer.zero_grad()
         end = time.perf_counter()
         times.append(end - start)
+        if before is not None:
+            after = host_cpu()
+            cpu.append([after[0] - before[0], after[1] - before[1]])
         if tracer is not None:
             tracer.span(f"{label} step {step}", "step", start, end)
     return times
@@ -138,7 +158,8 @@ def run_strategy(name: str, options: dict, work: Workload, total: int, run_dir: 
             return None
         hooks = trace.instrument(model) if trace.current() is not None and work.compute == "real" else []
         sent_before = transport.bytes_sent
-        times = timed_steps(model, optimizer, work, total, label=name)
+        cpu = [] if topo.rank == 0 and host_cpu() is not None else None  # one machine: rank 0's view
+        times = timed_steps(model, optimizer, work, total, label=name, cpu=cpu)
         optimizer.flush()  # the last step's lazily finished pulls (p3) count toward its bytes
         sent = transport.bytes_sent - sent_before
         for hook in hooks:
@@ -153,16 +174,19 @@ def run_strategy(name: str, options: dict, work: Workload, total: int, run_dir: 
         torch.save({n: p.detach() for n, p in model.named_parameters()}, os.path.join(run_dir, f"{name}.pt"))
     return {"strategy": name, "describe": optimizer.strategy.describe(), "times": times,
             "bytes_per_step": sent / total, "peak_mem_mb": float(mem), "workers_max_diff": agree,
-            "exact": bool(optimizer.strategy.exact), "model_bytes": model_bytes,
+            "exact": bool(optimizer.strategy.exact), "model_bytes": model_bytes, "host_cpu": cpu,
             "min_bytes_per_host": optimizer.strategy.min_bytes_per_host(model_bytes)}
 
 
 def merge(into: dict | None, record: dict, warmup: int) -> dict:
     """Accumulate one round: measured times (warm-up dropped), worst memory and agreement."""
     times = record["times"][warmup:]
+    cpu = None if record["host_cpu"] is None else record["host_cpu"][warmup:]
     if into is None:
-        return {**record, "times": times}
+        return {**record, "times": times, "host_cpu": cpu}
     into["times"] += times
+    if cpu is not None:
+        into["host_cpu"] += cpu
     into["peak_mem_mb"] = max(into["peak_mem_mb"], record["peak_mem_mb"])
     into["workers_max_diff"] = max(into["workers_max_diff"], record["workers_max_diff"])
     return into
