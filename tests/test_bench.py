@@ -26,7 +26,9 @@ def test_every_strategy_with_a_dedicated_server(tmp_path):
         assert set(FIELDS) <= set(r), name
         assert r["samples_per_s_min"] <= r["samples_per_s"] <= r["samples_per_s_max"]
         assert r["bytes_per_step"] > 0 and r["compute_s"] > 0 and r["np"] == 2 and r["servers"] == 1
-        assert 0 < r["host_cpu_busy"] <= 1, (name, r["host_cpu_busy"])  # three processes were running
+        # Three processes were running; None only if the measured steps lasted less than one clock tick
+        # (/proc/stat counts 10 ms ticks; these toy steps take milliseconds).
+        assert r["host_cpu_busy"] is None or 0 < r["host_cpu_busy"] <= 1, (name, r["host_cpu_busy"])
     for name in ("ddp", "allreduce", "ps"):  # ps-async workers pull at different times: no agreement
         assert records[name]["workers_max_diff"] == 0.0, f"{name}: workers disagree"
         assert records[name]["correct"] is True, records[name]
@@ -182,3 +184,4 @@ def test_a_cpu_bound_run_is_named():
     assert cpu_bound_note([cool, {**cool, "host_cpu_busy": None}]) is None
     note = cpu_bound_note([cool, hot])
     assert "p3 at 10 Gbit/s (95%)" in note and "ps at" not in note and "--dilation" in note
+    assert cpu_bound_note([{**hot, "compute": "real", "net": "loopback"}]) is None  # the model runs on the CPU

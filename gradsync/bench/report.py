@@ -12,8 +12,9 @@ must move for the strategy's traffic pattern (``Strategy.min_bytes_per_host``) o
 loopback, where the rate is unknown), and ``efficiency = measured / bound``.
 
 ``host_cpu_busy``: the share of this machine's cores that were busy during the measured steps
-(rank 0's machine; on an emulated cluster, every emulated host's). Near 1, the run measured the
-host's CPU rather than the emulated cluster: :data:`CPU_BOUND` and above, the report says so.
+(rank 0's machine; on an emulated cluster, every emulated host's). With emulated compute, near 1
+means the run measured the host's CPU rather than the emulated cluster: at :data:`CPU_BOUND` and
+above the report says so. (Real compute on the CPU keeps it busy by design.)
 """
 from __future__ import annotations
 
@@ -61,21 +62,25 @@ def summarize(raw: dict, compute_times: list[float], config: dict, check: dict |
 
 
 def cpu_busy(ticks: list | None) -> float | None:
-    """Busy share of the host's cores over the measured steps, from per-step ``[busy, total]`` ticks."""
+    """Busy share of the host's cores over the measured steps, from per-step ``[busy, total]`` ticks;
+    None when there are none, or when the steps together lasted less than one tick (10 ms)."""
     if not ticks or not sum(t for _, t in ticks):
         return None
     return sum(b for b, _ in ticks) / sum(t for _, t in ticks)
 
 
 def cpu_bound_note(records: list[dict]) -> str | None:
-    """A warning naming the runs that kept the host's CPU busy (None if there are none)."""
-    hot = [r for r in records if r.get("host_cpu_busy") is not None and r["host_cpu_busy"] >= CPU_BOUND]
+    """A warning naming the emulated-compute runs that kept the host's CPU busy (None if none did).
+
+    Real compute keeps the cores busy by design (the model runs on them); emulated compute sleeps
+    like a GPU, so there a busy CPU is the communication outrunning this machine."""
+    hot = [r for r in records if r["compute"] != "real" and r.get("host_cpu_busy") is not None
+           and r["host_cpu_busy"] >= CPU_BOUND]
     if not hot:
         return None
     runs = ", ".join(f"{r['strategy']} at {r['net']} ({r['host_cpu_busy']:.0%})" for r in hot)
-    advice = ("raise --dilation so that the emulated cluster runs slower than this machine can keep up with"
-              if any(r["compute"] != "real" for r in hot) else "these figures include waiting for a core")
-    return f"note: the host CPU was busy through the measured steps of {runs}: {advice}."
+    return (f"note: the host CPU was busy through the measured steps of {runs}: the figures measure this "
+            "machine, not the emulated cluster; raise --dilation (e.g. --dilation auto:500mbit).")
 
 
 def bound(min_bytes: float, compute_s: float, samples: int, config: dict) -> dict:
