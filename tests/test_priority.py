@@ -83,6 +83,25 @@ def test_without_credit_messages_leave_in_the_order_put():
     assert transport.sent == ["x", "y", "z"]
 
 
+def test_p3_sends_an_older_steps_messages_before_a_newer_steps():
+    """P3's key is (step, forward position): a worker's next-step push of the first layer must
+    not overtake the answers of the last layer another worker still waits for in this step."""
+    from gradsync.strategies.p3 import P3
+    p3 = P3()
+    p3.prio = [0.0, 1.0, 2.0]  # three slices in forward order
+    transport = _Transport()
+    sender = PrioritySender(transport, credit_bytes=16)
+    sender.put(p3._send_priority(0, 7), torch.zeros(4), 1, 0, what="in flight")
+    while not transport.sent:
+        threading.Event().wait(0.01)
+    for name, k, step in [("next step, first layer", 0, 8), ("this step, last layer", 2, 7),
+                          ("this step, middle layer", 1, 7)]:
+        sender.put(p3._send_priority(k, step), torch.zeros(4), 1, 0, what=name)
+    transport.release.set()
+    sender.drain()
+    assert transport.sent == ["in flight", "this step, middle layer", "this step, last layer", "next step, first layer"]
+
+
 # -- bad input -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("strategy,options,message", [
     ("p3", {"slice_params": 0}, "slice_params must be an integer >= 1"),

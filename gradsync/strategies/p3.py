@@ -10,7 +10,11 @@ everything else. P3's three parts, each an option here so that a benchmark can s
 2. **Priority** (``priority=True``): a slice's priority is its position in the forward pass. Each
    process sends through a :class:`~gradsync.strategies.scheduler.PrioritySender` with at most
    ``credit_mb`` in flight, so a newly ready slice near the input overtakes queued later ones;
-   servers answer by the same priority.
+   servers answer by the same priority. Every message is keyed ``(step, priority)``: an older
+   step's message goes first. Without the step, a worker that finished its backward early pushed
+   the next step's first layers ahead of the answers a slower worker still waited for (its last
+   layers), which slowed that worker further: on VGG-19 the workers fell into alternating long and
+   short steps (docs/benchmarks.md, VGG-19 trace).
 3. **Forward overlap** (``overlap=True``): ``optimizer.step()`` returns at once; the next forward
    runs each module as soon as *its* slices have arrived (the ``on_params_needed`` hook point).
 
@@ -271,10 +275,12 @@ class P3(Strategy):
         if sl.owner == self.me:
             self._accept(self.me, k, self.steps, payload, used)
         else:
-            self.sender.put(self._send_priority(k), buf, sl.owner, TAG, what=f"push of slice {k} to rank {sl.owner}")
+            self.sender.put(self._send_priority(k, self.steps), buf, sl.owner, TAG,
+                            what=f"push of slice {k} to rank {sl.owner}")
 
-    def _send_priority(self, k: int) -> float:
-        return self.prio[k] if self.priority is not False else 0.0  # equal priorities leave in FIFO order
+    def _send_priority(self, k: int, step: int) -> tuple[int, float]:
+        """Older steps first, then forward order (equal keys leave in FIFO order)."""
+        return step, (self.prio[k] if self.priority is not False else 0.0)
 
     def _check(self) -> None:
         if self.plan is not None:
@@ -304,7 +310,7 @@ class P3(Strategy):
             payload[seg.offset:seg.offset + seg.length].copy_(flat_view(params[seg.param], seg))
         for w in self.workers:
             if w != self.me:
-                self.sender.put(self._send_priority(k), answer, w, TAG, what=f"pull of slice {k} to rank {w}")
+                self.sender.put(self._send_priority(k, step), answer, w, TAG, what=f"pull of slice {k} to rank {w}")
         if self.me in self.workers:
             self.arrivals.mark(k, step)
 
@@ -363,14 +369,15 @@ class P3(Strategy):
         # messages put meanwhile are still queued, and a keep-alive's priority sends it before them.
         if not self.stopping:
             for peer in self.peers:
-                self.sender.put(sys.float_info.max, self.wire.new(KEEPALIVE, 0, self.steps), peer, TAG,
+                self.sender.put((math.inf, sys.float_info.max), self.wire.new(KEEPALIVE, 0, self.steps), peer, TAG,
                                 what=f"keep-alive to rank {peer}")
 
     def _stop_peers(self) -> None:
         self.stopping = True
         for peer in self.peers:
             for _ in range(POSTED):
-                self.sender.put(math.inf, self.wire.new(STOP, 0, self.steps), peer, TAG, what=f"stop to rank {peer}")
+                self.sender.put((math.inf, math.inf), self.wire.new(STOP, 0, self.steps), peer, TAG,
+                                what=f"stop to rank {peer}")
 
     def serve(self) -> None:
         """A dedicated server: slices are served on the receiving threads until every worker stops."""

@@ -1,7 +1,7 @@
 """Priority scheduling of outgoing messages with credit (P3's sender queue, ByteScheduler's credit).
 
 A :class:`PrioritySender` owns one background thread that hands messages to the transport,
-lowest priority number first, while at most ``credit_bytes`` are in flight; a second thread
+lowest priority first (a number, or any key that compares, such as ``p3``'s ``(step, position)``), while at most ``credit_bytes`` are in flight; a second thread
 waits for sends to finish and returns their credit. A message that becomes ready while others
 wait in the queue therefore overtakes every queued message of lower priority, at message
 granularity (Jayarajan et al., SysML 2019; Peng et al., SOSP 2019). Equal priorities leave in the
@@ -51,7 +51,7 @@ class PrioritySender:
         for thread in self._threads:
             thread.start()
 
-    def put(self, priority: float, tensor: torch.Tensor, dst: int, tag: int, what: str,
+    def put(self, priority, tensor: torch.Tensor, dst: int, tag: int, what: str,
             on_sent: Callable[[], None] | None = None) -> None:
         """Queue ``tensor`` for ``dst``; ``on_sent`` runs (on the sender's thread) once it has left."""
         self.check()
