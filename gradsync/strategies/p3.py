@@ -24,8 +24,8 @@ hyperparameters; exact for elementwise optimizers) and answers each worker with 
 
 Servers are the dedicated ranks (``gradsync run --servers S``) or, without any, the workers
 themselves (P3's own set-up: one server per machine); a co-located server runs on its worker's
-communication threads. ``ps-sliced`` = slicing alone: FIFO order, no credit, and ``step()``
-waits for every slice (pull after aggregation), like ``ps``.
+communication threads. ``ps-sliced`` = slicing alone: FIFO order (within a step), no credit, and
+``step()`` waits for every slice (pull after aggregation), like ``ps``.
 
 Wire (no pickle; one message size per job, so receives are posted ahead): ``uint8`` buffer =
 ``int64[2]`` header ``(kind << 32 | slice, step)``, then ``slice_numel`` values, then one "used"

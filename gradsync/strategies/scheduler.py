@@ -1,8 +1,9 @@
 """Priority scheduling of outgoing messages with credit (P3's sender queue, ByteScheduler's credit).
 
 A :class:`PrioritySender` owns one background thread that hands messages to the transport,
-lowest priority first (a number, or any key that compares, such as ``p3``'s ``(step, position)``), while at most ``credit_bytes`` are in flight; a second thread
-waits for sends to finish and returns their credit. A message that becomes ready while others
+lowest priority first (a number, or any key that compares, such as ``p3``'s ``(step, position)``),
+while at most ``credit_bytes`` are in flight; a second thread waits for sends to finish and returns
+their credit. A message that becomes ready while others
 wait in the queue therefore overtakes every queued message of lower priority, at message
 granularity (Jayarajan et al., SysML 2019; Peng et al., SOSP 2019). Equal priorities leave in the
 order they were put. ``credit_bytes=None`` sends everything at once, in the order put (FIFO).
