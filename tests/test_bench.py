@@ -177,8 +177,10 @@ def test_host_cpu_sees_a_busy_core():
 def test_a_cpu_bound_run_is_named():
     from gradsync.bench.report import cpu_bound_note, cpu_busy
 
-    assert cpu_busy([[90, 100], [50, 100]]) == pytest.approx(0.7)
+    assert cpu_busy([[90, 100], [50, 100]], cores=2) == pytest.approx(0.7)
     assert cpu_busy(None) is None and cpu_busy([[0, 0]]) is None
+    # 2 cores, 18 ticks: 90 ms of wall time, too short to resolve (CI once saw 0.0 with three processes up)
+    assert cpu_busy([[0, 10], [0, 8]], cores=2) is None
     cool = {"strategy": "ps", "net": "10 Gbit/s", "compute": "emulated", "host_cpu_busy": 0.6}
     hot = {**cool, "strategy": "p3", "host_cpu_busy": 0.95}
     assert cpu_bound_note([cool, {**cool, "host_cpu_busy": None}]) is None

@@ -61,12 +61,20 @@ def summarize(raw: dict, compute_times: list[float], config: dict, check: dict |
     return record
 
 
-def cpu_busy(ticks: list | None) -> float | None:
+# A window shorter than this many clock ticks per core (100 ms at the usual 100 Hz) is too coarse to
+# give a share: a few ticks, each charged whole to whatever a core was doing when it fired.
+MIN_TICKS_PER_CORE = 10
+
+
+def cpu_busy(ticks: list | None, cores: int | None = None) -> float | None:
     """Busy share of the host's cores over the measured steps, from per-step ``[busy, total]`` ticks;
-    None when there are none, or when the steps together lasted less than one tick (10 ms)."""
-    if not ticks or not sum(t for _, t in ticks):
+    None when there are none, or when the steps together lasted less than :data:`MIN_TICKS_PER_CORE`
+    ticks per core (``cores``: this machine's, by default)."""
+    cores = cores or os.cpu_count() or 1
+    total = sum(t for _, t in ticks or [])
+    if total < MIN_TICKS_PER_CORE * cores:
         return None
-    return sum(b for b, _ in ticks) / sum(t for _, t in ticks)
+    return sum(b for b, _ in ticks) / total
 
 
 def cpu_bound_note(records: list[dict]) -> str | None:
