@@ -14,9 +14,10 @@ def _subcommands():
     from gradsync import launch
     from gradsync.bench import cli as bench_cli
     from gradsync.cluster import cli as cluster_cli
+    from gradsync.compress import cli as codecs_cli
     from gradsync.emulate import cli as profile_cli
 
-    return {"run": launch, "bench": bench_cli, "netcheck+cluster": cluster_cli, "profile": profile_cli}
+    return {"run": launch, "bench": bench_cli, "netcheck+cluster": cluster_cli, "profile": profile_cli, "codecs": codecs_cli}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -158,3 +158,28 @@ class Transport:
 def wait_all(handles) -> None:
     for handle in handles:
         handle.wait()
+
+
+# -- collectives on a plain process group (for code that runs inside PyTorch's DDP, no Transport) --
+def group_rank_and_size(group=None) -> tuple[int, int]:
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def allreduce_sum_(tensor: torch.Tensor, group=None) -> torch.Tensor:
+    """Sum ``tensor`` in place over ``group`` (default: the whole job)."""
+    dist.all_reduce(tensor, group=group)
+    return tensor
+
+
+def allgather_bytes(message: torch.Tensor, group=None) -> list[torch.Tensor]:
+    """Every rank's ``uint8`` message, whatever their lengths (lengths first, then one padded all-gather)."""
+    size = dist.get_world_size(group)
+    length = torch.tensor([message.numel()], dtype=torch.int64, device=message.device)
+    lengths = [torch.empty_like(length) for _ in range(size)]
+    dist.all_gather(lengths, length, group=group)
+    longest = max(int(n) for n in lengths)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=message.device)
+    padded[: message.numel()] = message
+    gathered = [torch.empty_like(padded) for _ in range(size)]
+    dist.all_gather(gathered, padded, group=group)
+    return [g[: int(n)] for g, n in zip(gathered, lengths)]

@@ -1,0 +1,137 @@
+"""The compressor contract (after GRACE, Xu et al. ICDCS 2021, and Horovod's two-method compressor).
+
+A compressor turns one gradient into a *payload*, a list of tensors that are the only thing that crosses
+the wire, plus a *context* that stays on the sending rank::
+
+    payload, ctx = compressor.compress(grad)        # any float dtype, any shape, contiguous or not
+    approx = compressor.decompress(payload, ctx)    # grad's shape and dtype
+
+``decompress`` also works on a payload that came from another rank, given a context from a tensor of
+the same shape and dtype (a receiver builds one with :meth:`Compressor.context_for`).
+
+Declared properties, which synchronization strategies read instead of branching on names:
+
+- ``summable``: :meth:`Compressor.reduce` sums a gradient over ranks with all-reduces of compressed
+  tensors. By default it compresses, all-reduces each payload tensor and decompresses once, which is
+  right when the element-wise sum of payloads decompresses to the sum of what each would (casts,
+  random-k at shared indices); PowerSGD overrides it with its two rounds. Other compressors need
+  decode, merge, re-encode (a parameter server or a ring that merges), or an all-gather.
+- ``lossless``: ``decompress(compress(x)) == x`` exactly.
+
+Compressors are stateful per gradient (a residual, a momentum, a warm-start matrix, a step count), so
+a strategy builds one instance per gradient with :func:`gradsync.compress.build`; every rank must call
+``compress`` on its instance the same number of times (random-k and PowerSGD derive shared random
+numbers from that count).
+
+Faults: a NaN or Inf in a gradient cannot be compressed meaningfully (a scale becomes NaN and spreads
+over every element). :func:`compress_checked` raises :class:`NonFiniteGradientError` naming the
+parameter and rank before anything is sent, and turns a compressor's own :class:`CompressionError`
+(fp16 overflow) into one that names them too.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar
+
+import torch
+
+from gradsync.errors import GradsyncError
+
+Payload = list[torch.Tensor]
+
+
+class CompressionError(GradsyncError):
+    """A gradient could not be compressed faithfully (for example, out of the target format's range)."""
+
+
+class NonFiniteGradientError(CompressionError):
+    """A gradient holds NaN or Inf."""
+
+
+@dataclass
+class Context:
+    """What the receiving side needs to rebuild a tensor: its shape and dtype."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
+
+
+class Compressor:
+    """Base class. Subclasses are dataclasses whose fields are their options (documented per field)."""
+
+    name: ClassVar[str] = "compressor"
+    summable: ClassVar[bool] = False
+    lossless: ClassVar[bool] = False
+    shared_seed: ClassVar[bool] = False
+    """Whether every rank must seed this gradient's instance alike (see :func:`gradsync.compress.build`)."""
+
+    def compress(self, tensor: torch.Tensor) -> tuple[Payload, Any]:
+        raise NotImplementedError
+
+    def decompress(self, payload: Payload, ctx: Any) -> torch.Tensor:
+        raise NotImplementedError
+
+    def context_for(self, tensor: torch.Tensor) -> Any:
+        """The context a receiver uses to decompress another rank's payload for a tensor like this one."""
+        return Context(tensor.shape, tensor.dtype)
+
+    def reduce(self, tensor: torch.Tensor, allreduce: Callable[[torch.Tensor], None]
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sum ``tensor`` over ranks through compressed payloads (``summable`` compressors only).
+
+        ``allreduce(t)`` sums ``t`` in place over ranks. Returns ``(total, mine)``: the decompressed
+        sum, and this rank's own contribution as the sum saw it (what error feedback subtracts).
+        PowerSGD overrides this with its two rounds.
+        """
+        if not self.summable:
+            raise CompressionError(f"{self.name} payloads cannot be summed; use decode-merge-encode or all-gather")
+        payload, ctx = self.compress(tensor)
+        mine = self.decompress([p.clone() for p in payload], ctx)
+        for part in payload:
+            allreduce(part)
+        total = self.decompress(payload, ctx)
+        if not bool(torch.isfinite(total).all()):
+            raise CompressionError(f"the sum over ranks overflowed {self.name}'s range; divide by the number "
+                                   "of ranks before summing, or use bf16")
+        return total, mine
+
+    def describe(self) -> str:
+        shown = dataclasses.fields(self) if dataclasses.is_dataclass(self) else ()
+        opts = ", ".join(f"{f.name}={getattr(self, f.name)}" for f in shown if f.init and f.repr)
+        return f"{self.name}({opts})" if opts else self.name
+
+
+def wire_bytes(payload: Payload) -> int:
+    """Bytes a payload puts on the wire."""
+    return sum(t.numel() * t.element_size() for t in payload)
+
+
+def flat(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous 1-D float32 view or copy of ``tensor`` (compressors compute in float32)."""
+    return tensor.reshape(-1).float()
+
+
+def check_finite(tensor: torch.Tensor, name: str, rank: int | None = None) -> None:
+    if not bool(torch.isfinite(tensor).all()):
+        bad = int((~torch.isfinite(tensor)).sum())
+        where = "" if rank is None else f" on rank {rank}"
+        raise NonFiniteGradientError(
+            f"gradient of {name!r}{where} has {bad} NaN/Inf element(s) of {tensor.numel()}; nothing was sent. "
+            "Lower the learning rate, clip gradients, or skip the step (with AMP, unscale and check "
+            "before synchronizing).")
+
+
+def compress_checked(compressor: Compressor, tensor: torch.Tensor, name: str,
+                     rank: int | None = None) -> tuple[Payload, Any]:
+    """``compressor.compress(tensor)`` after a finiteness check; errors name ``name`` and ``rank``."""
+    check_finite(tensor, name, rank)
+    try:
+        return compressor.compress(tensor)
+    except CompressionError as exc:
+        where = "" if rank is None else f" on rank {rank}"
+        raise type(exc)(f"compressing {name!r}{where} with {compressor.name}: {exc}") from None
