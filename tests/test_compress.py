@@ -368,6 +368,8 @@ def test_codecs_command_measures_each_compressor(tmp_path, capsys):
     assert all(r["encode_gb_s"] > 0 and r["decode_gb_s"] > 0 for r in records.values())
     assert "topk(ratio=0.01)" in capsys.readouterr().out
     assert main(["codecs", "--compressors", "zip"]) == 2
+    assert main(["codecs", "--compressors", "topk:ratio=5"]) == 2
+    assert "topk ratio must be in (0, 1], got 5" in capsys.readouterr().err
 
 
 def test_convergence_benchmark_lossless_equals_exact_and_lossy_still_trains():

@@ -12,6 +12,7 @@ none           the gradient                       32 bits                      y
 fp16, bf16     half-precision cast                16 bits                      yes
 onebit         sign + two means                   1 bit                        no
 signsgd        sign                               1 bit                        no
+scaled-sign    sign x mean magnitude              1 bit                        no
 efsignsgd      sign x mean magnitude, with EF     1 bit                        no
 tbq            +-tau / 0 with residual            2 bits                       no
 terngrad       stochastic ternary                 2 bits                       no

@@ -117,11 +117,14 @@ def convergence(args, specs) -> int:
 def main(args) -> int:
     import torch
 
+    from gradsync.compress import build
     from gradsync.errors import ConfigError
 
     torch.set_num_threads(args.threads)
     try:
         specs = _specs(args.compressors)
+        for _, name, options in specs:  # bad options fail here, before minutes of measuring
+            build(name, **options)
     except ConfigError as exc:
         print(f"gradsync codecs: error: {exc}", file=sys.stderr)
         return 2
