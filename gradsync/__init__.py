@@ -22,7 +22,8 @@ _LAZY = {
     "init": "gradsync.runtime", "shutdown": "gradsync.runtime", "is_initialized": "gradsync.runtime",
     "distribute": "gradsync.distribute",
     **{name: "gradsync.strategies" for name in ("Strategy", "AllReduce", "ParameterServer", "DDP", "P3",
-                                                 "PriorityAllReduce", "STRATEGIES", "register", "strategy_names")},
+                                                 "PriorityAllReduce", "CaSyncRing", "CaSyncPS", "CompressedAllGather",
+                                                 "STRATEGIES", "register", "strategy_names")},
 }
 
 
@@ -60,6 +61,7 @@ class _Package(types.ModuleType):
 sys.modules[__name__].__class__ = _Package
 
 __all__ = ["init", "shutdown", "is_initialized", "distribute", "topology", "Strategy", "AllReduce",
-           "ParameterServer", "DDP", "P3", "PriorityAllReduce", "STRATEGIES", "register", "strategy_names", "GradsyncError",
+           "ParameterServer", "DDP", "P3", "PriorityAllReduce", "CaSyncRing", "CaSyncPS", "CompressedAllGather",
+           "STRATEGIES", "register", "strategy_names", "GradsyncError",
            "ConfigError", "ModelMismatchError", "PeerFailureError"]
 __version__ = "0.1.0"

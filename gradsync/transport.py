@@ -21,6 +21,7 @@ import torch.distributed as dist
 from gradsync import trace
 from gradsync.topology import Topology
 
+HEADER_WORDS = 4
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
 
 
@@ -155,6 +156,40 @@ class Transport:
         return Handle(work, self._explain, what, token)
 
 
+    # -- messages of any length (compressed payloads) -----------------------------------------------
+    # A header of ``HEADER_WORDS`` int64 goes first: the body's length in bytes, then three words
+    # the sender fills (gradsync's compressed strategies: a fault code, its rank and its parameter),
+    # so a receiver learns of a peer's fault from the message it was waiting for, instead of hanging.
+    def send_bytes(self, message: torch.Tensor, dst: int, tag: int, *, info: tuple[int, int, int] = (0, -1, -1),
+                   what: str = "send") -> list[Handle]:
+        """Send a ``uint8`` message (empty: header only) and three words of ``info`` to ``dst`` on ``tag``."""
+        header = torch.tensor([message.numel(), *info], dtype=torch.int64)
+        handles = [self.send_async(header, dst, tag, what=what)]
+        if message.numel():
+            handles.append(self.send_async(message, dst, tag, what=what))
+        return handles
+
+    def recv_bytes(self, src: int, tag: int, *, what: str = "receive") -> tuple[torch.Tensor, tuple[int, int, int]]:
+        """Receive one :meth:`send_bytes` message from ``src``: ``(message, info)``. Blocks (a
+        communication thread calls it)."""
+        header = torch.empty(HEADER_WORDS, dtype=torch.int64)
+        self.recv_async(header, src, tag, what=what).wait(background=True)
+        length, *info = header.tolist()
+        message = torch.empty(length, dtype=torch.uint8)
+        if length:
+            self.recv_async(message, src, tag, what=what).wait(background=True)
+        return message, tuple(info)
+
+    def allgather_bytes(self, message: torch.Tensor, *, info: tuple[int, int, int] = (0, -1, -1), group=None,
+                        what: str = "all-gather") -> tuple[list[torch.Tensor], list[tuple[int, int, int]]]:
+        """Every worker's ``uint8`` message and ``info``, in rank order (see :func:`allgather_with_info`)."""
+        self.bytes_sent += (self.topology.num_workers - 1) * message.numel()
+        try:
+            return allgather_with_info(message, info, self.worker_group if group is None else group)
+        except RuntimeError as exc:
+            raise self._explain(what, exc) from exc
+
+
 def wait_all(handles) -> None:
     for handle in handles:
         handle.wait()
@@ -173,13 +208,20 @@ def allreduce_sum_(tensor: torch.Tensor, group=None) -> torch.Tensor:
 
 def allgather_bytes(message: torch.Tensor, group=None) -> list[torch.Tensor]:
     """Every rank's ``uint8`` message, whatever their lengths (lengths first, then one padded all-gather)."""
+    return allgather_with_info(message, (0, 0, 0), group)[0]
+
+
+def allgather_with_info(message: torch.Tensor, info: tuple[int, int, int], group=None
+                        ) -> tuple[list[torch.Tensor], list[tuple[int, int, int]]]:
+    """:func:`allgather_bytes`, and three words of ``info`` from every rank (as in :meth:`Transport.send_bytes`)."""
     size = dist.get_world_size(group)
-    length = torch.tensor([message.numel()], dtype=torch.int64, device=message.device)
-    lengths = [torch.empty_like(length) for _ in range(size)]
-    dist.all_gather(lengths, length, group=group)
-    longest = max(int(n) for n in lengths)
+    header = torch.tensor([message.numel(), *info], dtype=torch.int64, device=message.device)
+    headers = [torch.empty_like(header) for _ in range(size)]
+    dist.all_gather(headers, header, group=group)
+    rows = [h.tolist() for h in headers]
+    longest = max(1, max(row[0] for row in rows))
     padded = torch.zeros(longest, dtype=torch.uint8, device=message.device)
     padded[: message.numel()] = message
     gathered = [torch.empty_like(padded) for _ in range(size)]
     dist.all_gather(gathered, padded, group=group)
-    return [g[: int(n)] for g, n in zip(gathered, lengths)]
+    return [g[: row[0]] for g, row in zip(gathered, rows)], [tuple(row[1:]) for row in rows]

@@ -55,9 +55,9 @@ LOSSLESS = [("none", {}), ("randomk", {"ratio": 1.0}), ("powersgd", {"rank": 16,
             ("topk", {"ratio": 1.0}), ("topk", {"ratio": 1.0, "error_feedback": True})]
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_lossless_hooks_match_plain_ddp(world):
-    for compressor, options in LOSSLESS if world == 2 else LOSSLESS[:4:3]:
+def test_lossless_hooks_match_plain_ddp():
+    world = 2  # 3 and more workers: the ddp strategy's parity cases (tests/test_parity.py) use this hook
+    for compressor, options in LOSSLESS:
         for rank, (plain, hooked, sent) in enumerate(run_ranks(reference_and, world, compressor, options, timeout=90)):
             assert sent > 0
             for a, b in zip(plain, hooked):

@@ -47,6 +47,15 @@ CASES = [  # (strategy, workers, servers, options)
     ("allreduce-priority", 4, 0, {"partition_params": 9, "credit_mb": 0.0001}),  # one tiny partition at a time
     ("allreduce-priority", 2, 1, {"partition_params": 50}),  # a server rank present: it only leaves
     ("ps-sliced", 1, 0, {}), ("ps-sliced", 2, 0, {"slice_params": 7}), ("ps-sliced", 4, 2, {"slice_params": 50}),
+    # Compressed strategies with lossless codecs, one case per code path: payloads all-reduced ("none"
+    # is summable), decode-merge-encode around the ring and at PS aggregators (top-k keeping every
+    # element is lossless but not summable), PS payload sums, and the all-gather baseline.
+    ("casync-ring", 2, 0, {"compression": "none"}),
+    ("allreduce", 2, 0, {"compression": "none"}), ("ddp", 2, 0, {"find_unused_parameters": True, "compression": "none"}),
+    ("casync-ring", 3, 0, {"compression": "topk:ratio=1", "bucket_mb": 0.001}),
+    ("casync-ps", 2, 0, {"compression": "none", "bucket_mb": 0.001}),
+    ("casync-ps", 3, 0, {"compression": "topk:ratio=1", "partition_mb": 0.0001}),
+    ("compressed-allgather", 3, 0, {"compression": "topk:ratio=1"}),
 ]
 CASES = [c + ("sgd",) for c in CASES] + [  # Adam: per-parameter state, at 2 workers
     ("allreduce", 2, 0, {}, "adam"), ("ps", 2, 0, {}, "adam"), ("ps", 2, 1, {}, "adam"),

@@ -44,6 +44,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--optimizer", default="sgd", help="sgd (momentum 0.9) or adam (default sgd)")
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compression", metavar="SPEC[;SPEC...]",
+                   help="compressors (docs/compression.md), e.g. onebit or 'onebit;topk:ratio=0.01': every "
+                        "strategy that takes one runs once per compressor, as STRATEGY+SPEC (casync-ring, casync-ps, "
+                        "compressed-allgather; allreduce and ddp where the payloads add up); the others run plain")
     p.add_argument("--set", action="append", default=[], metavar="STRATEGY.KEY=VALUE",
                    help="a strategy option, e.g. ps.fuse_kb=0 or allreduce.bucket_mb=4 (repeatable)")
     p.add_argument("--json", metavar="FILE", help="write one record per strategy to FILE")
@@ -137,10 +141,37 @@ def _validate(args, parser_error) -> list[str]:
         Workload(model=args.model, batch_size=args.batch_size, compute=args.compute, dilation=args.dilation or 1.0).spec()
     except (ValueError, ConfigError) as exc:
         parser_error(str(exc))
+    if args.compression:
+        names = _with_compression(names, args.compression, parser_error)
     if args.servers == 0 and "ps-async" in names:
         names.remove("ps-async")
         print("note: skipping ps-async, which needs dedicated servers (--servers 1 or more)", flush=True)
     return names
+
+
+def _with_compression(names: list[str], specs: str, parser_error) -> list[str]:
+    """Each strategy that takes a compressor once per spec, labelled ``STRATEGY+SPEC``; others as they are."""
+    from gradsync.errors import ConfigError
+    from gradsync.strategies import resolve
+
+    out = []
+    for name in names:
+        labels = []
+        for spec in filter(None, (s.strip() for s in specs.split(";"))):
+            try:
+                resolve(name, compression=spec)
+            except ConfigError as exc:
+                if "compression" in str(exc) and "unexpected keyword" in str(exc):
+                    break  # the strategy takes no compressor: it runs plain, once
+                if name in ("allreduce", "ddp") and "cannot" in str(exc):
+                    print(f"note: {name} runs plain, without {spec}: {exc}", flush=True)
+                    continue
+                parser_error(f"--compression {spec!r} with {name}: {exc}")
+            labels.append(f"{name}+{spec}")
+        out += labels if labels else [name]
+        if labels and name in ("allreduce", "ddp") and name not in out:
+            out.append(name)  # the uncompressed baseline too
+    return out
 
 
 def _overrides(items: list[str], strategies: list[str], parser_error) -> dict[str, dict]:
@@ -177,7 +208,14 @@ def _config(args, strategies: list[str], overrides: dict[str, dict], np: int, ra
             "rounds": args.rounds, "per_round": -(-args.steps // args.rounds), "rate_bps": rate,
             "delay_ms": args.delay if rate is not None else 0.0,
             "dilation": dilation, "trace": bool(args.trace), "tune": args.tune, "tune_steps": args.tune_steps,
-            "options": {s: {**hints.get(s, {}), **overrides.get(s, {})} for s in strategies}}
+            "options": {s: _options(s, hints, overrides) for s in strategies}}
+
+
+def _options(label: str, hints: dict, overrides: dict) -> dict:
+    """A bench label's strategy options: the model's hints, ``--set``, and the ``+SPEC`` compressor."""
+    name, plus, spec = label.partition("+")
+    options = {**hints.get(name, {}), **overrides.get(name, {}), **overrides.get(label, {})}
+    return {**options, "compression": spec} if plus else options
 
 
 def _check_options(config: dict, parser_error) -> None:
@@ -187,7 +225,7 @@ def _check_options(config: dict, parser_error) -> None:
 
     for name, options in config["options"].items():
         try:
-            resolve(name, **options)
+            resolve(name.partition("+")[0], **options)
         except ConfigError as exc:
             parser_error(str(exc))
 
@@ -271,7 +309,7 @@ def main(args) -> int:
 
     parser_error = _argparse.ArgumentParser(prog="gradsync bench").error
     strategies = _validate(args, parser_error)
-    overrides = _overrides(args.set, strategies, parser_error)
+    overrides = _overrides(args.set, list(dict.fromkeys(s.partition("+")[0] for s in strategies)), parser_error)
     records = []
     for np in args.np_list:
         for rate in args.rates:

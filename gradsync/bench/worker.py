@@ -147,13 +147,18 @@ def workers_agree(model, chunk: int = 1 << 22) -> float:
     return float(transport.allreduce(diff, op="max", what="consistency check"))
 
 
+def strategy_of(label: str) -> str:
+    """The strategy a bench label runs: ``casync-ring+onebit`` (``--compression``) runs ``casync-ring``."""
+    return label.partition("+")[0]
+
+
 def run_strategy(name: str, options: dict, work: Workload, total: int, run_dir: str) -> dict | None:
     topo = gradsync.topology()
     transport = runtime.current().transport
     gc.collect()  # the previous strategy's model, held in reference cycles by its hooks and threads
     with PeakMemory() as memory:
         model, optimizer = work.build()
-        optimizer = gradsync.distribute(model, optimizer, name, exit_servers=False, **options)
+        optimizer = gradsync.distribute(model, optimizer, strategy_of(name), exit_servers=False, **options)
         if topo.is_server:
             return None
         hooks = trace.instrument(model) if trace.current() is not None and work.compute == "real" else []
@@ -195,7 +200,7 @@ def merge(into: dict | None, record: dict, warmup: int) -> dict:
 def run_check(name: str, options: dict, work: Workload, steps: int, run_dir: str) -> None:
     """Replay ``name`` in float64 for ``steps`` steps; rank 0 saves the parameters to compare."""
     model, optimizer = work.build()
-    optimizer = gradsync.distribute(model, optimizer, name, exit_servers=False, **options)
+    optimizer = gradsync.distribute(model, optimizer, strategy_of(name), exit_servers=False, **options)
     if gradsync.topology().is_server:
         return
     timed_steps(model, optimizer, work, steps)
@@ -219,7 +224,7 @@ def tune_strategies(config: dict, work: Workload, run_dir: str) -> dict:
     share, warmup, out = tune.broadcaster(runtime.current().transport), config["warmup"], {}
     for name in config["strategies"]:
         options = config["options"].get(name, {})
-        space = getattr(resolve(name, **options), "tune_space", None)
+        space = getattr(resolve(strategy_of(name), **options), "tune_space", None)
         if not space:
             continue
 
@@ -228,7 +233,7 @@ def tune_strategies(config: dict, work: Workload, run_dir: str) -> dict:
             runtime.current().transport.barrier(what=f"end of a {name} tuning probe")
             return None if record is None else tune.median_step(record["times"], warmup)
 
-        chosen, probes = tune.tune(space, tune.starting_point(STRATEGIES[name], space, options), probe, share)
+        chosen, probes = tune.tune(space, tune.starting_point(STRATEGIES[strategy_of(name)], space, options), probe, share)
         config["options"][name] = chosen
         out[name] = {"chosen": chosen, "probes": probes}
     return out

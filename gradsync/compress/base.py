@@ -135,3 +135,34 @@ def compress_checked(compressor: Compressor, tensor: torch.Tensor, name: str,
     except CompressionError as exc:
         where = "" if rank is None else f" on rank {rank}"
         raise type(exc)(f"compressing {name!r}{where} with {compressor.name}: {exc}") from None
+
+
+# -- a payload as one self-describing byte message (what strategies send point to point) ----------------
+_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.uint8, torch.int8, torch.int16, torch.int32,
+           torch.int64, torch.float64]
+
+
+def to_bytes(payload: Payload) -> torch.Tensor:
+    """``payload`` as one ``uint8`` tensor: ``int64`` part count, then ``(numel, dtype code)`` per part,
+    then each part's bytes. Never empty, so it can always be sent."""
+    header = [len(payload)]
+    for part in payload:
+        header += [part.numel(), _DTYPES.index(part.dtype)]
+    parts = [torch.tensor(header, dtype=torch.int64).view(torch.uint8)]
+    parts += [p.reshape(-1).contiguous().view(torch.uint8) for p in payload]
+    return torch.cat(parts)
+
+
+def from_bytes(message: torch.Tensor, like: Payload | None = None) -> Payload:
+    """The payload in a :func:`to_bytes` message: flat parts, or shaped like ``like``'s where sizes match."""
+    count = int(message[:8].view(torch.int64))
+    header = message[8: 8 * (1 + 2 * count)].view(torch.int64).tolist()
+    out, offset = [], 8 * (1 + 2 * count)
+    for i in range(count):
+        numel, dtype = header[2 * i], _DTYPES[header[2 * i + 1]]
+        nbytes = numel * dtype.itemsize
+        part = message[offset: offset + nbytes].clone().view(dtype)
+        ref = like[i] if like is not None and i < len(like) else None
+        out.append(part.view(ref.shape) if ref is not None and ref.numel() == numel else part)
+        offset += nbytes
+    return out

@@ -30,7 +30,8 @@ import torch.distributed as dist  # for the GradBucket annotation DDP checks; no
 
 from gradsync import transport
 from gradsync.compress import build
-from gradsync.compress.base import CompressionError, Compressor, NonFiniteGradientError, Payload
+from gradsync.compress.base import (CompressionError, Compressor, NonFiniteGradientError, Payload, from_bytes,
+                                    to_bytes)
 from gradsync.compress.powersgd import PowerSGD
 
 
@@ -144,22 +145,3 @@ def _reduce_each(state: HookState, key: str, buffer: torch.Tensor, grads: list[t
         view = buffer[offset: offset + grad.numel()].view(grad.shape)
         offset += grad.numel()
         view.copy_(_sync(state, state.instance(f"{key}#{i}"), view, name, rank, size))
-
-
-# -- payloads as one byte message: a header of part lengths (int64), then each part's bytes ---------
-def to_bytes(payload: Payload) -> torch.Tensor:
-    header = torch.tensor([p.numel() for p in payload], dtype=torch.int64)
-    parts = [header.view(torch.uint8)] + [p.reshape(-1).contiguous().view(torch.uint8) for p in payload]
-    return torch.cat(parts)
-
-
-def from_bytes(message: torch.Tensor, like: Payload) -> Payload:
-    """Split a message from :func:`to_bytes` into tensors with ``like``'s dtypes (and shapes, where sizes match)."""
-    header = message[: 8 * len(like)].view(torch.int64)
-    out, offset = [], 8 * len(like)
-    for n, ref in zip(header.tolist(), like):
-        nbytes = n * ref.element_size()
-        part = message[offset: offset + nbytes].clone().view(ref.dtype)
-        out.append(part.view(ref.shape) if n == ref.numel() else part)
-        offset += nbytes
-    return out

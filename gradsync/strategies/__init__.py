@@ -13,6 +13,9 @@ from gradsync.errors import ConfigError
 from gradsync.strategies.allreduce import AllReduce
 from gradsync.strategies.allreduce_priority import PriorityAllReduce
 from gradsync.strategies.base import Strategy, SyncContext
+from gradsync.strategies.casync_ps import CaSyncPS
+from gradsync.strategies.casync_ring import CaSyncRing
+from gradsync.strategies.compressed_allgather import CompressedAllGather
 from gradsync.strategies.ddp import DDP
 from gradsync.strategies.p3 import P3
 from gradsync.strategies.ps import ParameterServer
@@ -25,6 +28,9 @@ STRATEGIES: dict[str, Callable[..., Strategy]] = {
     "ddp": DDP,
     "p3": P3,
     "ps-sliced": partial(P3, priority=False, overlap=False),
+    "casync-ring": CaSyncRing,
+    "casync-ps": CaSyncPS,
+    "compressed-allgather": CompressedAllGather,
 }
 
 
@@ -51,5 +57,5 @@ def resolve(strategy: str | Strategy, **options: Any) -> Strategy:
         raise ConfigError(f"invalid options for strategy {strategy!r}: {exc}") from None
 
 
-__all__ = ["STRATEGIES", "AllReduce", "DDP", "P3", "ParameterServer", "PriorityAllReduce", "Strategy", "SyncContext",
+__all__ = ["STRATEGIES", "AllReduce", "CaSyncPS", "CaSyncRing", "CompressedAllGather", "DDP", "P3", "ParameterServer", "PriorityAllReduce", "Strategy", "SyncContext",
            "register", "resolve", "strategy_names"]

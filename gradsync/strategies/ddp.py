@@ -8,6 +8,10 @@ with ``ddp`` is a comparison with what users get from PyTorch.
 
 Bytes on the wire are DDP's ring all-reduce of every gradient, ``2 (p-1)/p`` times their size per
 worker per step (counted from the parameter sizes; DDP's own collectives are not intercepted).
+
+``compression=NAME`` (any :mod:`gradsync.compress` spec, e.g. ``"powersgd:rank=2"``) registers
+:func:`gradsync.compress.hook.comm_hook` on the DDP model, with ``error_feedback`` if asked: what a
+user of vanilla DDP would do, and then the wire bytes are the hook's own count.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ from typing import Any, Callable
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from gradsync.compress import build, hook, parse_spec
 from gradsync.strategies.base import Strategy, SyncContext, ring_bytes
 
 
@@ -44,10 +49,16 @@ class DDP(Strategy):
     name = "ddp"
 
     def __init__(self, bucket_mb: float = 25.0, find_unused_parameters: bool = False,
-                 broadcast_buffers: bool = True, gradient_as_bucket_view: bool = False):
+                 broadcast_buffers: bool = True, gradient_as_bucket_view: bool = False,
+                 compression: str | None = None, error_feedback: bool = False):
         self.options = dict(bucket_cap_mb=bucket_mb, find_unused_parameters=find_unused_parameters,
                             **{_BUFFERS_ARG: broadcast_buffers},
                             gradient_as_bucket_view=gradient_as_bucket_view)
+        self.compression, self.error_feedback = compression, error_feedback
+        self.hook_state = None
+        if compression is not None:
+            name, options = parse_spec(compression)
+            self.exact = build(name, **options).lossless  # a bad name or option fails here
 
     def attach(self, ctx: SyncContext) -> None:
         super().attach(ctx)
@@ -60,6 +71,12 @@ class DDP(Strategy):
         ddp = DistributedDataParallel(_Forward(self.ctx.model, forward), **_NO_INIT_SYNC,
                                       process_group=self.ctx.transport.worker_group, **self.options)
         self.ddp = ddp
+        if self.compression is not None:
+            name, options = parse_spec(self.compression)
+            self.hook_state, compression_hook = hook.comm_hook(
+                name, self.ctx.model, error_feedback=self.error_feedback,
+                process_group=self.ctx.transport.worker_group, **options)
+            ddp.register_comm_hook(self.hook_state, compression_hook)
 
         def forward_through_ddp(*args, **kwargs):
             # A plain function, not the module: assigning a Module to model.forward would register
@@ -69,11 +86,18 @@ class DDP(Strategy):
         return forward_through_ddp
 
     def step(self, apply: Callable[[], Any]) -> Any:
-        self.ctx.transport.count_external(self.bytes_per_step)
+        if self.hook_state is None:
+            self.ctx.transport.count_external(self.bytes_per_step)
+        else:
+            self.ctx.transport.count_external(self.hook_state.bytes_sent)
+            self.hook_state.bytes_sent = 0
         return apply()
 
     def min_bytes_per_host(self, model_bytes: int) -> float:
         return ring_bytes(model_bytes, self.ctx.topology.num_workers)
 
     def describe(self) -> str:
-        return f"ddp(bucket_mb={self.options['bucket_cap_mb']:g}, find_unused_parameters={self.options['find_unused_parameters']})"
+        hooked = "" if self.compression is None else f", comm hook {self.compression}" + (
+            " with error feedback" if self.error_feedback else "")
+        return (f"ddp(bucket_mb={self.options['bucket_cap_mb']:g}, "
+                f"find_unused_parameters={self.options['find_unused_parameters']}{hooked})")

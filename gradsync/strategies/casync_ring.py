@@ -1,0 +1,126 @@
+"""``casync-ring``: compression-aware ring all-reduce (HiPress's CaSync on a ring, Bai et al. SOSP 2021).
+
+A compressor whose payloads add up (fp16, bf16, random-k with a shared seed, PowerSGD, and plain
+buckets under selective compression) needs no help: the payload itself is all-reduced
+(:meth:`gradsync.compress.Compressor.reduce`, one Gloo/NCCL ring).
+
+Any other compressor (onebit, TBQ, TernGrad, QSGD, top-k, DGC, ...) goes decode-merge-encode around
+the ring. Bucket ``k`` is cut into ``N`` chunks; worker ``r``:
+
+1. reduce-scatter, ``N-1`` hops: encode its own chunk ``r`` and send it to ``r+1``; at each hop,
+   receive chunk ``c`` from ``r-1``, decode it, add its own (exact) chunk ``c``, and re-encode the
+   partial sum for the next hop. The send of one hop is still on the wire while the next chunk is
+   decoded, merged and encoded: encoding overlaps communication (and the communication thread
+   overlaps both with backward);
+2. after the last hop it holds the full sum of chunk ``r+1``: encode it once, and take the decoded
+   payload as its own result, so every worker ends up with the same values;
+3. all-gather, ``N-1`` hops: pass each finished chunk's payload on unchanged; every worker decodes it.
+
+Per worker and bucket: ``2 (N-1)`` messages of ``1/N`` of the compressed bucket (the ring's optimal
+volume, times the compression ratio), ``N`` encodes and ``2N-1`` decodes of a chunk. Each compression
+site (the chunk a worker starts, each re-encoding hop, each finished chunk) keeps its own compressor
+state, so error feedback corrects the error where it was made. Lossy, so not ``exact`` (with
+``compression="none"`` it equals the plain reduction, which the tests check).
+"""
+from __future__ import annotations
+
+import torch
+
+from gradsync.compress import CompressionError, NonFiniteGradientError
+from gradsync.compress.powersgd import PowerSGD
+from gradsync.strategies.compressed import CompressedSync
+from gradsync.transport import wait_all
+
+
+class CaSyncRing(CompressedSync):
+    """Ring all-reduce of compressed buckets: payloads summed directly, or decode-merge-encode per hop."""
+
+    name = "casync-ring"
+
+    def exchange(self, k: int, flat: torch.Tensor) -> None:
+        if self.summable_bucket(k):
+            self._reduce_summable(k, flat)
+        else:
+            self._ring(k, flat)
+
+    def _reduce_summable(self, k: int, flat: torch.Tensor) -> None:
+        codec = self.site(k, "all")
+        if isinstance(getattr(codec, "inner", codec), PowerSGD):
+            if self._agree_no_fault(k):
+                self._reduce_per_gradient(k, flat)
+            return
+        if codec.lossless:  # a plain bucket cannot fail to encode: no agreement round, a NaN shows in the sum
+            self._allreduce(flat)
+            if not bool(torch.isfinite(flat).all()):
+                mine = "" if self.fault is None else f" (gradient of {self.ctx.names[self.fault.param]!r} on this rank)"
+                raise NonFiniteGradientError(
+                    f"the sum over workers of bucket {k} ({self.ctx.names[self.buckets[k].indices[0]]!r}..) holds "
+                    f"NaN/Inf: some worker's gradient was non-finite{mine}. Lower the learning rate, clip "
+                    "gradients, or skip the step.")
+            return
+        payload, ctx = self.compress(codec, flat, param=self.buckets[k].indices[0])
+        if not self._agree_no_fault(k):
+            return
+        for part in payload:
+            self._allreduce(part)
+        total = codec.decompress(payload, ctx)
+        if not bool(torch.isfinite(total).all()):  # the same sum on every worker: all raise this
+            raise CompressionError(f"the sum over workers of bucket {k} ({self.ctx.names[self.buckets[k].indices[0]]!r}..) "
+                                   f"overflowed {self.codec_name}'s range; use bf16, or scale the loss down")
+        flat.copy_(total)
+
+    def _agree_no_fault(self, k: int) -> bool:
+        """Collectives must not start while some worker has a fault: one flag all-reduce, then, if any
+        worker has one, a ring pass of headers that tells everyone which."""
+        flag = torch.tensor([float(self.fault is not None)])
+        self._allreduce(flag)
+        if float(flag):
+            self._share_fault(k)
+        return not float(flag)
+
+    def _reduce_per_gradient(self, k: int, flat: torch.Tensor) -> None:
+        """PowerSGD compresses matrices: one reduction per gradient of the bucket, in its own shape."""
+        bucket = self.buckets[k]
+        for slot, view in enumerate(bucket.views):
+            codec = self.site(k, f"all#{slot}")
+            total, _ = codec.reduce(view, self._allreduce)
+            view.copy_(total)
+
+    def _share_fault(self, k: int) -> None:
+        """Tell every worker the fault (one ring pass of headers), so all raise the same error."""
+        n, me = self.n, self.me
+        sends = []
+        for _ in range(n - 1):
+            sends += self.send(torch.empty(0, dtype=torch.uint8), (me + 1) % n, k)
+            self.recv((me - 1) % n, k)
+        wait_all(sends)
+
+    def _ring(self, k: int, flat: torch.Tensor) -> None:
+        n, me = self.n, self.me
+        nxt, prv = (me + 1) % n, (me - 1) % n
+        chunks = flat.tensor_split(n)
+        sends: list = []
+        first = self.buckets[k].indices[0]
+        message, _, _ = self.encode(self.site(k, f"start{me}"), chunks[me], param=first)
+        merged: torch.Tensor | None = None
+        for hop in range(n - 1):  # reduce-scatter
+            sends += self.send(message, nxt, k)
+            c = (me - hop - 1) % n
+            relay = self.site(k, f"hop{c}")
+            incoming = self.decode(relay, self.recv(prv, k), chunks[c])
+            merged = None if incoming is None else incoming.add_(chunks[c])
+            if hop < n - 2:
+                message, _, _ = self.encode(relay, merged)
+        mine = (me + 1) % n
+        final = self.site(k, f"final{mine}")
+        message, payload, ctx = self.encode(final, merged)
+        if payload is not None:
+            chunks[mine].copy_(final.decompress(payload, ctx))
+        for hop in range(n - 1):  # all-gather of the finished chunks, passed on as they are
+            sends += self.send(message, nxt, k)
+            c = (me - hop) % n
+            message = self.recv(prv, k)
+            decoded = self.decode(self.site(k, f"final{c}"), message, chunks[c])
+            if decoded is not None:
+                chunks[c].copy_(decoded)
+        wait_all(sends)

@@ -1,0 +1,341 @@
+"""What the compressed strategies share: buckets, one communication thread, compression sites, faults.
+
+``casync-ring`` and ``casync-ps`` (HiPress's CaSync, Bai et al. SOSP 2021) and their baseline
+``compressed-allgather`` differ only in :meth:`CompressedSync.exchange`, which turns one bucket of this
+worker's (already averaged) gradients into the bucket of everyone's. Everything else is here:
+
+- **Bulk synchronization.** Gradients are fused into buckets in backward order (``bucket_mb``, the
+  first ``first_bucket_mb``; :func:`gradsync.strategies.allreduce.plan_buckets`), so small gradients
+  travel together and a compressor's per-call cost is paid per bucket, not per bias vector.
+- **Overlap.** A bucket goes to the communication thread as soon as it is full (and every earlier
+  one went), so encoding, sending and decoding overlap the rest of backward; ``optimizer.step()``
+  waits for the last bucket. The thread's collectives use a process group of their own.
+- **Compression sites.** Each place that compresses (a worker's own gradient, a ring hop that
+  re-encodes a merged sum, a PS aggregator re-encoding its result) has its own compressor instance,
+  built by :func:`gradsync.compress.build` with a key every rank derives alike, so state (residuals,
+  momentum, error feedback) is fed back at the site that lost it, and shared seeds agree.
+- **Selective compression** (``selective=True``): :mod:`gradsync.strategies.costmodel` decides per
+  bucket whether to compress (and for ``casync-ps`` into how many partitions); plain buckets go
+  through the same algorithm with the lossless ``none`` codec. ``decisions`` holds the choices.
+- **Used flags.** After the buckets, one all-reduce of one flag per parameter tells how many workers
+  produced each gradient: zero leaves ``grad = None``, as in DDP (exact strategies' semantics).
+- **Faults.** Before its first message for a bucket a worker checks its gradients for NaN/Inf. A
+  worker with a fault (or a compressor error, e.g. fp16 overflow) keeps taking part in the bucket's
+  message pattern but sends headers only, carrying the fault (code, rank, parameter); every receiver
+  passes it on. When the pattern ends every worker knows, and each raises
+  :class:`~gradsync.compress.NonFiniteGradientError` (or ``CompressionError``) naming the rank and the
+  parameter: no rank raises while the others hang.
+
+Wire (no pickle): every message is ``transport.send_bytes``: an ``int64[4]`` header (body length,
+fault code, fault rank, fault parameter) and a body that is one payload in the self-describing format
+of :func:`gradsync.compress.base.to_bytes`.
+"""
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from gradsync.compress import CompressionError, Compressor, NonFiniteGradientError, build, parse_spec
+from gradsync.compress.base import Payload, from_bytes, to_bytes
+from gradsync.errors import ConfigError, GradsyncError
+from gradsync.strategies import costmodel
+from gradsync.strategies.allreduce import MB, Bucket, plan_buckets
+from gradsync.strategies.base import Strategy, SyncContext, fill_slot, ring_bytes
+
+FAULT_NONFINITE, FAULT_COMPRESSION = 1, 2
+TAG_BASE = 0x43530000  # + bucket index: this family's point-to-point tags
+
+
+@dataclass(frozen=True)
+class Fault:
+    code: int
+    rank: int
+    param: int
+    """Index of the parameter, or -1 for a merged sum (a ring hop or an aggregator re-encoding)."""
+
+    @property
+    def info(self) -> tuple[int, int, int]:
+        return (self.code, self.rank, self.param)
+
+
+class CompressedSync(Strategy):
+    """Base of the compressed strategies: override :meth:`exchange` (and ``algorithm`` for the cost model)."""
+
+    algorithm = "ring"
+
+    def __init__(self, compression: str = "onebit", error_feedback: bool = False, selective: bool = False,
+                 bucket_mb: float = 25.0, first_bucket_mb: float = 1.0, **compressor_options: Any):
+        name, options = parse_spec(compression)
+        options.update(compressor_options)
+        probe = build(name, **options)  # a bad name or option fails here, not in backward
+        if bucket_mb <= 0 or first_bucket_mb <= 0:
+            raise ConfigError(f"bucket sizes must be > 0 MB, got bucket_mb={bucket_mb}, first_bucket_mb={first_bucket_mb}")
+        self.codec_name, self.codec_options = name, options
+        self.error_feedback = error_feedback
+        self.selective = selective
+        self.summable = probe.summable
+        self.exact = probe.lossless
+        self.bucket_mb, self.first_bucket_mb = bucket_mb, first_bucket_mb
+        self.check_codec(probe)
+
+    def check_codec(self, probe: Compressor) -> None:
+        """Reject a compressor this algorithm cannot use (ConfigError)."""
+
+    # -- setup ---------------------------------------------------------------------------------------
+    def attach(self, ctx: SyncContext) -> None:
+        super().attach(ctx)
+        topo = ctx.topology
+        self.group = ctx.transport.new_worker_group()  # our thread's collectives, apart from the script's
+        self.workers = topo.worker_ranks
+        self.n = topo.num_workers
+        self.me = topo.worker_ranks.index(topo.rank) if topo.is_worker else -1
+        self.sites: dict[str, Compressor] = {}
+        self.error: BaseException | None = None
+        self.closed = False
+        self.ratio = 1.0
+        params = ctx.params
+        self.buckets: list[Bucket] = []
+        self.where: dict[int, tuple[Bucket, int]] = {}
+        order = list(reversed(range(len(params))))
+        for k, group in enumerate(plan_buckets(params, order, int(self.bucket_mb * MB), int(self.first_bucket_mb * MB))):
+            numel = sum(params[i].numel() for i in group)
+            buffer = torch.zeros(numel, dtype=params[group[0]].dtype, device=params[group[0]].device)
+            views, offset = [], 0
+            for i in group:
+                views.append(buffer[offset:offset + params[i].numel()].view_as(params[i]))
+                offset += params[i].numel()
+            bucket = Bucket(group, views, numel, buffer)
+            bucket.reset()
+            for slot, i in enumerate(group):
+                self.where[i] = (bucket, slot)
+            self.buckets.append(bucket)
+        self.flags = torch.zeros(len(params), dtype=torch.float32)
+        if topo.is_worker:
+            self.decisions = self._decide()
+            self.compressed = [d.compress for d in self.decisions]
+            self.parts = [d.parts for d in self.decisions]
+        self.queue: deque[int] = deque()
+        self.done = 0
+        self.next_launch = 0
+        self.cv = threading.Condition()
+        self.thread = None
+        if topo.is_worker:
+            self.thread = threading.Thread(target=self._run, name=f"gradsync-{self.name}", daemon=True)
+            self.thread.start()
+
+    def _decide(self) -> list[costmodel.Decision]:
+        """Per bucket: compress or not, and partitions (for ``ps``). Without ``selective``: always compress."""
+        sizes = [b.numel * b.buffer.element_size() for b in self.buckets]
+        dtype = self.buckets[0].buffer.dtype if self.buckets else torch.float32
+        encode, decode, ratio = costmodel.measure_codec(lambda: build(self.codec_name, **self.codec_options), dtype)
+        self.ratio = ratio
+        if not self.selective:
+            self.costs = None
+            return [costmodel.Decision(k, s, True, self.default_parts(s), 0.0, 0.0) for k, s in enumerate(sizes)]
+        latency, per_byte = costmodel.measure_link(self._allreduce, self.n)
+        mine = costmodel.Costs(latency, per_byte, encode, decode, ratio).as_tensor()
+        self.ctx.transport.allreduce(mine, op="max", what="cost model figures", group=self.group)
+        self.costs = costmodel.Costs.from_tensor(mine)  # the slowest worker's figures, alike on every rank
+        self.ratio = self.costs.ratio
+        return [self.decide(self.costs, k, s) for k, s in enumerate(sizes)]
+
+    def default_parts(self, nbytes: int) -> int:
+        return 1
+
+    def decide(self, costs: costmodel.Costs, bucket: int, nbytes: int) -> costmodel.Decision:
+        return costmodel.decide_ring(costs, bucket, nbytes, self.n, self.summable)
+
+    # -- hook points ---------------------------------------------------------------------------------
+    def on_grad_ready(self, index: int) -> None:
+        bucket, slot = self.where[index]
+        if bucket.handle is not None:
+            raise GradsyncError(
+                f"parameter {self.ctx.names[index]!r} received a second gradient after its bucket was "
+                "sent. For gradient accumulation, run all but the last backward inside "
+                "`with optimizer.no_sync():`")
+        bucket.used[slot] = fill_slot(bucket.views[slot], self.ctx.params[index].grad)
+        if not bucket.ready[slot]:
+            bucket.ready[slot] = True
+            bucket.pending -= 1
+        while self.next_launch < len(self.buckets) and self.buckets[self.next_launch].pending == 0:
+            self._launch(self.next_launch)
+
+    def step(self, apply: Callable[[], Any]) -> Any:
+        self.synchronize()
+        return apply()
+
+    def synchronize(self) -> None:
+        """Send what backward did not (unused parameters), wait for every bucket, set averaged gradients."""
+        for k in range(self.next_launch, len(self.buckets)):
+            bucket = self.buckets[k]
+            for slot, ready in enumerate(bucket.ready):
+                if not ready:
+                    bucket.used[slot] = fill_slot(bucket.views[slot], self.ctx.params[bucket.indices[slot]].grad)
+            self._launch(k)
+        with self.cv:
+            while self.done < len(self.buckets) and self.error is None:
+                self.cv.wait()
+        if self.error is not None:
+            raise self.error
+        for bucket in self.buckets:
+            for slot, i in enumerate(bucket.indices):
+                self.flags[i] = bucket.used[slot]
+        self.ctx.transport.allreduce(self.flags, what="all-reduce of the used flags")
+        counts = self.flags.tolist()
+        for bucket in self.buckets:
+            for slot, i in enumerate(bucket.indices):
+                self.ctx.params[i].grad = bucket.views[slot] if counts[i] else None
+            bucket.reset()
+        self.done = 0
+        self.next_launch = 0
+
+    def _launch(self, k: int) -> None:
+        self.buckets[k].handle = True  # handed to the thread: no more gradients into it this step
+        with self.cv:
+            self.queue.append(k)
+            self.cv.notify_all()
+        self.next_launch = k + 1
+
+    # -- the communication thread --------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                with self.cv:
+                    while not self.queue and not self.closed:
+                        self.cv.wait()
+                    if not self.queue:
+                        return
+                    k = self.queue.popleft()
+                self._sync(k)
+                with self.cv:
+                    self.done += 1
+                    self.cv.notify_all()
+        except BaseException as exc:  # handed to the training thread, raised at its next step()
+            with self.cv:
+                self.error = exc
+                self.cv.notify_all()
+
+    def _sync(self, k: int) -> None:
+        bucket = self.buckets[k]
+        flat = bucket.buffer
+        flat.div_(self.n)
+        self.fault = self._check(bucket)
+        if self.n > 1:
+            self.exchange(k, flat)
+        if self.fault is not None:
+            raise self._fault_error(self.fault, k)
+
+    def _check(self, bucket: Bucket) -> Fault | None:
+        if bool(torch.isfinite(bucket.buffer).all()):
+            return None
+        slot = next(s for s, v in enumerate(bucket.views) if not bool(torch.isfinite(v).all()))
+        return Fault(FAULT_NONFINITE, self.ctx.topology.rank, bucket.indices[slot])
+
+    def _fault_error(self, fault: Fault, k: int) -> GradsyncError:
+        bucket = self.buckets[k]
+        what = (f"gradient of {self.ctx.names[fault.param]!r}" if fault.param >= 0 else
+                f"the merged sum of bucket {k} ({self.ctx.names[bucket.indices[0]]!r}..)")
+        if fault.code == FAULT_NONFINITE:
+            return NonFiniteGradientError(
+                f"{what} on rank {fault.rank} has NaN/Inf elements; nothing was applied (every worker raises "
+                "this). Lower the learning rate, clip gradients, or skip the step.")
+        return CompressionError(f"compressing {what} on rank {fault.rank} with {self.codec_name} failed (out of "
+                                "its range, e.g. fp16 overflow); use bf16, or scale the loss down. Every worker "
+                                "raises this.")
+
+    # -- what the algorithms use -----------------------------------------------------------------------
+    def exchange(self, k: int, flat: torch.Tensor) -> None:
+        """Replace ``flat`` (this worker's averaged bucket ``k``) by the sum over workers, in place."""
+        raise NotImplementedError
+
+    def site(self, k: int, where: str) -> Compressor:
+        """The compressor instance of one compression site of bucket ``k`` (alike keys on every rank)."""
+        key = f"{k}/{where}"
+        if key not in self.sites:
+            if self.compressed[k]:
+                self.sites[key] = build(self.codec_name, key=key, worker=self.me,
+                                        error_feedback=self.error_feedback, **self.codec_options)
+            else:
+                self.sites[key] = build("none")
+        return self.sites[key]
+
+    def summable_bucket(self, k: int) -> bool:
+        """Whether bucket ``k``'s payloads add up (plain buckets always do)."""
+        return self.summable or not self.compressed[k]
+
+    def compress(self, codec: Compressor, tensor: torch.Tensor | None, param: int = -1) -> tuple[Payload | None, Any]:
+        """``codec.compress(tensor)``, or ``(None, None)`` once a fault is known (or this is one)."""
+        if self.fault is not None or tensor is None:
+            return None, None
+        try:
+            return codec.compress(tensor)
+        except CompressionError:
+            self.fault = Fault(FAULT_COMPRESSION, self.ctx.topology.rank, param)
+            return None, None
+
+    def encode(self, codec: Compressor, tensor: torch.Tensor | None, param: int = -1
+               ) -> tuple[torch.Tensor, Payload | None, Any]:
+        """``(message, payload, ctx)``; an empty message once a fault is known (or this is one)."""
+        payload, ctx = self.compress(codec, tensor, param)
+        if payload is None:
+            return torch.empty(0, dtype=torch.uint8), None, None
+        return to_bytes(payload), payload, ctx
+
+    def decode(self, codec: Compressor, message: torch.Tensor, like: torch.Tensor, ctx: Any = None,
+               shape_like: Payload | None = None) -> torch.Tensor | None:
+        """The tensor in ``message`` (None once a fault is known); ``ctx`` defaults to one for ``like``."""
+        if self.fault is not None:
+            return None
+        return codec.decompress(from_bytes(message, shape_like), codec.context_for(like) if ctx is None else ctx)
+
+    def send(self, message: torch.Tensor, worker: int, k: int) -> list:
+        info = self.fault.info if self.fault is not None else (0, -1, -1)
+        body = message if self.fault is None else message[:0]
+        return self.ctx.transport.send_bytes(body, self.workers[worker], TAG_BASE + k, info=info,
+                                             what=f"compressed bucket {k} to rank {self.workers[worker]}")
+
+    def recv(self, worker: int, k: int) -> torch.Tensor:
+        message, info = self.ctx.transport.recv_bytes(self.workers[worker], TAG_BASE + k,
+                                                      what=f"compressed bucket {k} from rank {self.workers[worker]}")
+        if info[0] and self.fault is None:
+            self.fault = Fault(*info)
+        return message
+
+    def _allreduce(self, tensor: torch.Tensor) -> None:
+        self.ctx.transport.allreduce(tensor, what="compressed all-reduce", group=self.group)
+
+    # -- the rest of the contract ----------------------------------------------------------------------
+    def close(self) -> None:
+        if self.closed:
+            return
+        with self.cv:
+            self.closed = True
+            self.cv.notify_all()
+        if self.thread is not None:
+            self.thread.join()
+        if self.ctx.topology.is_worker and self.error is None:
+            self.ctx.transport.allreduce(torch.zeros(1), what="end of the compression group", group=self.group)
+        self.ctx.transport.free_group(self.group)
+
+    def min_bytes_per_host(self, model_bytes: int) -> float:
+        return ring_bytes(model_bytes * self.ratio, self.ctx.topology.num_workers)
+
+    def report(self) -> str:
+        """The per-bucket decisions, one line each (selective compression's cost model, or "always")."""
+        return "\n".join(d.row() for d in getattr(self, "decisions", []))
+
+    def describe(self) -> str:
+        codec = self.codec_name + ("".join(f",{k}={v}" for k, v in self.codec_options.items())
+                                   if self.codec_options else "")
+        text = f"{self.name}({codec}{', error feedback' if self.error_feedback else ''}, {len(self.buckets)} buckets"
+        if self.selective and hasattr(self, "decisions"):
+            total = sum(d.nbytes for d in self.decisions) or 1
+            chosen = [d for d in self.decisions if d.compress]
+            share = sum(d.nbytes for d in chosen) / total
+            text += f", selective: compresses {len(chosen)}/{len(self.decisions)} buckets ({share:.0%} of bytes)"
+        return text + ")"
+

@@ -1,0 +1,48 @@
+"""``compressed-allgather``: the baseline compression-aware strategies are measured against.
+
+Each worker compresses its bucket, every payload is all-gathered, and each worker decodes all ``N``
+payloads and sums them: what GRACE's all-gather communicator and open-source DGC on Horovod do when
+payloads cannot be summed. Simple and exact in its merging (no re-encoding), but every worker
+receives ``N-1`` whole compressed buckets (vs ``2 (N-1)/N`` of one for a ring) and decodes ``N``, so
+traffic and decode time grow with the number of workers, and so does memory (``N`` payloads held at
+once). Summation is in rank order on every worker, so all end up with the same values.
+"""
+from __future__ import annotations
+
+import torch
+
+from gradsync.compress import Compressor
+from gradsync.compress.base import from_bytes
+from gradsync.compress.powersgd import PowerSGD
+from gradsync.errors import ConfigError
+from gradsync.strategies.compressed import CompressedSync, Fault
+
+
+class CompressedAllGather(CompressedSync):
+    """Compress, all-gather every payload, decode and sum locally."""
+
+    name = "compressed-allgather"
+
+    def check_codec(self, probe: Compressor) -> None:
+        if isinstance(getattr(probe, "inner", probe), PowerSGD):
+            raise ConfigError("compressed-allgather does not take powersgd (its factors are all-reduced); "
+                              "use casync-ring")
+
+    def exchange(self, k: int, flat: torch.Tensor) -> None:
+        codec = self.site(k, "all")
+        message, payload, ctx = self.encode(codec, flat, param=self.buckets[k].indices[0])
+        info = self.fault.info if self.fault is not None else (0, -1, -1)
+        messages, infos = self.ctx.transport.allgather_bytes(message, info=info, group=self.group,
+                                                             what=f"all-gather of compressed bucket {k}")
+        for code, rank, param in infos:
+            if code and self.fault is None:
+                self.fault = Fault(code, rank, param)
+        if self.fault is not None:
+            return
+        total = torch.zeros_like(flat)
+        for w, received in enumerate(messages):
+            total += codec.decompress(payload if w == self.me else from_bytes(received, payload), ctx)
+        flat.copy_(total)
+
+    def min_bytes_per_host(self, model_bytes: int) -> float:
+        return (self.ctx.topology.num_workers - 1) * model_bytes * self.ratio
