@@ -30,8 +30,7 @@ import torch.distributed as dist  # for the GradBucket annotation DDP checks; no
 
 from gradsync import transport
 from gradsync.compress import build
-from gradsync.compress.base import (CompressionError, Compressor, NonFiniteGradientError, Payload, from_bytes,
-                                    to_bytes)
+from gradsync.compress.base import CompressionError, Compressor, NonFiniteGradientError, from_bytes, to_bytes
 from gradsync.compress.powersgd import PowerSGD
 
 
