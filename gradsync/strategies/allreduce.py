@@ -53,6 +53,19 @@ class Bucket:
         self.used = [0.0] * len(self.indices)
         self.handle = None
 
+    def fill(self, slot: int, grad: torch.Tensor | None) -> None:
+        """Copy a gradient (or zeros, "unused", for ``None``) into its slot; count the slot once."""
+        self.used[slot] = fill_slot(self.views[slot], grad)
+        if not self.ready[slot]:
+            self.ready[slot] = True
+            self.pending -= 1
+
+    def fill_missing(self, params: list[torch.Tensor]) -> None:
+        """At step: the slots backward never filled (parameters unused this step)."""
+        for slot, ready in enumerate(self.ready):
+            if not ready:
+                self.fill(slot, params[self.indices[slot]].grad)
+
 
 def plan_buckets(params: list[torch.Tensor], order: list[int], cap_bytes: int,
                  first_cap_bytes: int) -> list[list[int]]:
@@ -146,10 +159,7 @@ class AllReduce(Strategy):
                 f"parameter {self.ctx.names[index]!r} received a second gradient after its bucket was "
                 "sent. For gradient accumulation, run all but the last backward inside "
                 "`with optimizer.no_sync():`")
-        self._fill(bucket, slot)
-        if not bucket.ready[slot]:
-            bucket.ready[slot] = True
-            bucket.pending -= 1
+        bucket.fill(slot, self.ctx.params[index].grad)
         while self.next_launch < len(self.buckets) and self.buckets[self.next_launch].pending == 0:
             self._launch(self.next_launch)
 
@@ -160,10 +170,7 @@ class AllReduce(Strategy):
     def synchronize(self) -> None:
         """Send what backward did not (unused parameters), wait, and write averaged gradients."""
         for k in range(self.next_launch, len(self.buckets)):
-            bucket = self.buckets[k]
-            for slot, ready in enumerate(bucket.ready):
-                if not ready:
-                    self._fill(bucket, slot)
+            self.buckets[k].fill_missing(self.ctx.params)
             self._launch(k)
         workers = self.ctx.topology.num_workers
         for k, bucket in enumerate(self.buckets):
@@ -179,9 +186,6 @@ class AllReduce(Strategy):
         self.steps += 1
 
     # -- internals -----------------------------------------------------------------------------
-    def _fill(self, bucket: Bucket, slot: int) -> None:
-        bucket.used[slot] = fill_slot(bucket.views[slot], self.ctx.params[bucket.indices[slot]].grad)
-
     def _launch(self, k: int) -> None:
         bucket = self.buckets[k]
         bucket.buffer[bucket.numel:].copy_(torch.tensor(bucket.used, dtype=bucket.buffer.dtype))

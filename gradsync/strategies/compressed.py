@@ -44,7 +44,7 @@ from gradsync.compress.base import Payload, from_bytes, to_bytes
 from gradsync.errors import ConfigError, GradsyncError
 from gradsync.strategies import costmodel
 from gradsync.strategies.allreduce import MB, Bucket, plan_buckets
-from gradsync.strategies.base import Strategy, SyncContext, fill_slot, ring_bytes
+from gradsync.strategies.base import Strategy, SyncContext, ring_bytes
 
 FAULT_NONFINITE, FAULT_COMPRESSION = 1, 2
 TAG_BASE = 0x43530000  # + bucket index: this family's point-to-point tags
@@ -157,10 +157,7 @@ class CompressedSync(Strategy):
                 f"parameter {self.ctx.names[index]!r} received a second gradient after its bucket was "
                 "sent. For gradient accumulation, run all but the last backward inside "
                 "`with optimizer.no_sync():`")
-        bucket.used[slot] = fill_slot(bucket.views[slot], self.ctx.params[index].grad)
-        if not bucket.ready[slot]:
-            bucket.ready[slot] = True
-            bucket.pending -= 1
+        bucket.fill(slot, self.ctx.params[index].grad)
         while self.next_launch < len(self.buckets) and self.buckets[self.next_launch].pending == 0:
             self._launch(self.next_launch)
 
@@ -171,10 +168,7 @@ class CompressedSync(Strategy):
     def synchronize(self) -> None:
         """Send what backward did not (unused parameters), wait for every bucket, set averaged gradients."""
         for k in range(self.next_launch, len(self.buckets)):
-            bucket = self.buckets[k]
-            for slot, ready in enumerate(bucket.ready):
-                if not ready:
-                    bucket.used[slot] = fill_slot(bucket.views[slot], self.ctx.params[bucket.indices[slot]].grad)
+            self.buckets[k].fill_missing(self.ctx.params)
             self._launch(k)
         with self.cv:
             while self.done < len(self.buckets) and self.error is None:
