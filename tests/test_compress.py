@@ -7,7 +7,7 @@ import torch
 from gradsync.compress import (COMPRESSORS, DGC, QSGD, TBQ, CompressionError, ErrorFeedback, GradDrop,
                                NonFiniteGradientError, OneBit, PowerSGD, RandomK, ScaledSign, SignSGD, TernGrad,
                                TopK, bits, build, compress_checked, register, wire_bytes)
-from gradsync.compress.base import Compressor
+from gradsync.compress.base import Compressor, all_finite
 from gradsync.compress.cast import Identity
 from gradsync.errors import ConfigError
 
@@ -334,6 +334,25 @@ def test_bit_packing_round_trips(width):
         packed = bits.pack(codes, width)
         assert packed.numel() == bits.packed_bytes(n, width)
         assert torch.equal(bits.unpack(packed, width, n), codes)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_select_decodes_one_bit_codes_to_two_values(dtype):
+    one, zero = torch.tensor(0.5, dtype=dtype), torch.tensor(-2.0, dtype=dtype)
+    for n in (0, 1, 9, 1001):
+        codes = torch.randint(0, 2, (n,), dtype=torch.uint8)
+        got = bits.select(bits.pack(codes, 1), n, one, zero)
+        assert got.dtype == dtype and torch.equal(got, torch.where(codes.bool(), one, zero))
+
+
+def test_all_finite_is_exact_also_when_the_sum_overflows():
+    big = torch.full((4,), 3e38)  # every element finite, the sum is not
+    assert all_finite(big) and all_finite(torch.full((8,), 6e4, dtype=torch.float16)) and all_finite(torch.empty(0))
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for x in (big.clone(), torch.ones(5, dtype=torch.bfloat16)):
+            x[2] = bad
+            assert not all_finite(x)
+    assert not all_finite(torch.tensor([float("inf"), float("-inf")]))
 
 
 def test_every_registered_compressor_is_a_compressor():

@@ -16,7 +16,7 @@ from typing import ClassVar
 
 import torch
 
-from gradsync.compress.base import CompressionError, Compressor, Context, Payload
+from gradsync.compress.base import CompressionError, Compressor, Context, Payload, all_finite
 
 FP16_MAX = 65504.0
 
@@ -45,7 +45,7 @@ class Cast(Compressor):
 
     def compress(self, tensor: torch.Tensor) -> tuple[Payload, Context]:
         out = tensor.reshape(-1).to(self.wire_dtype)
-        if self.wire_dtype == torch.float16 and tensor.dtype != torch.float16 and not bool(torch.isfinite(out).all()):
+        if self.wire_dtype == torch.float16 and tensor.dtype != torch.float16 and not all_finite(out):
             peak = float(tensor.abs().max())
             raise CompressionError(f"a value of magnitude {peak:.3g} exceeds float16's range ({FP16_MAX:g}); "
                                    "use bf16, or scale the loss down")

@@ -30,7 +30,8 @@ import torch.distributed as dist  # for the GradBucket annotation DDP checks; no
 
 from gradsync import transport
 from gradsync.compress import build
-from gradsync.compress.base import CompressionError, Compressor, NonFiniteGradientError, from_bytes, to_bytes
+from gradsync.compress.base import (CompressionError, Compressor, NonFiniteGradientError, all_finite, from_bytes,
+                                    to_bytes)
 from gradsync.compress.powersgd import PowerSGD
 
 
@@ -93,7 +94,7 @@ def _agree_finite(state: HookState, grads: list[torch.Tensor], names: list[str],
     rank = transport.group_rank_and_size(state.process_group)[0]
     flags = torch.zeros(size, dtype=torch.int64)  # flags[r]: 1 + index of rank r's first bad gradient
     for i, grad in enumerate(grads):
-        if not bool(torch.isfinite(grad).all()):
+        if not all_finite(grad):
             flags[rank] = i + 1
             break
     transport.allreduce_sum_(flags, state.process_group)

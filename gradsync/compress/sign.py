@@ -24,8 +24,9 @@ from gradsync.compress import bits
 from gradsync.compress.base import Compressor, Context, Payload, flat
 
 
-def _signs(payload: Payload, ctx: Context) -> torch.Tensor:
-    return bits.unpack(payload[0], 1, ctx.numel).bool()
+def _decode(payload: Payload, ctx: Context, positive: torch.Tensor, negative: torch.Tensor) -> torch.Tensor:
+    """``positive`` where the sign bit is set, else ``negative``, in the gradient's dtype and shape."""
+    return bits.select(payload[0], ctx.numel, positive.to(ctx.dtype), negative.to(ctx.dtype)).view(ctx.shape)
 
 
 @dataclass
@@ -37,15 +38,15 @@ class OneBit(Compressor):
     def compress(self, tensor: torch.Tensor) -> tuple[Payload, Context]:
         x = flat(tensor)
         positive = x >= 0
-        count = positive.sum()
-        total = x.sum()
-        pos_sum = torch.where(positive, x, 0).sum()
-        scales = torch.stack([pos_sum / count.clamp(min=1), (total - pos_sum) / (x.numel() - count).clamp(min=1)])
+        count = torch.count_nonzero(positive)
+        total, magnitude = x.sum(), torch.linalg.vector_norm(x, 1)
+        pos_sum, neg_sum = (total + magnitude) / 2, (total - magnitude) / 2  # no masked copy of x
+        scales = torch.stack([pos_sum / count.clamp(min=1), neg_sum / (x.numel() - count).clamp(min=1)])
         return [bits.pack(positive, 1), scales], Context(tensor.shape, tensor.dtype)
 
     def decompress(self, payload: Payload, ctx: Context) -> torch.Tensor:
         scales = payload[1].float()
-        return torch.where(_signs(payload, ctx), scales[0], scales[1]).to(ctx.dtype).view(ctx.shape)
+        return _decode(payload, ctx, scales[0], scales[1])
 
 
 @dataclass
@@ -58,8 +59,8 @@ class SignSGD(Compressor):
         return [bits.pack(flat(tensor) >= 0, 1)], Context(tensor.shape, tensor.dtype)
 
     def decompress(self, payload: Payload, ctx: Context) -> torch.Tensor:
-        ones = torch.ones((), dtype=ctx.dtype)
-        return torch.where(_signs(payload, ctx), ones, -ones).view(ctx.shape)
+        one = torch.ones(())
+        return _decode(payload, ctx, one, -one)
 
 
 @dataclass
@@ -75,4 +76,4 @@ class ScaledSign(Compressor):
 
     def decompress(self, payload: Payload, ctx: Context) -> torch.Tensor:
         scale = payload[1].float()[0]
-        return torch.where(_signs(payload, ctx), scale, -scale).to(ctx.dtype).view(ctx.shape)
+        return _decode(payload, ctx, scale, -scale)

@@ -29,6 +29,7 @@ from typing import Any, Callable
 import torch
 
 from gradsync.compress import CompressionError, PowerSGD, build, parse_spec
+from gradsync.compress.base import all_finite
 from gradsync.errors import ConfigError, GradsyncError
 from gradsync.strategies.base import Strategy, SyncContext, fill_slot, ring_bytes
 
@@ -218,7 +219,7 @@ class AllReduce(Strategy):
     def _decompress(self, k: int, bucket: Bucket) -> None:
         sent = bucket.handle
         total = sent.codec.decompress(sent.payload, sent.ctx)
-        if not bool(torch.isfinite(total).all()):  # the same sum everywhere: every worker raises this
+        if not all_finite(total):  # the same sum everywhere: every worker raises this
             raise CompressionError(
                 f"the {self.codec_name} all-reduce of bucket {k} ({self.ctx.names[bucket.indices[0]]!r}..) holds "
                 f"NaN/Inf: a worker's gradient was non-finite or beyond {self.codec_name}'s range. Lower the "

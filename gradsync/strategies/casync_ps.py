@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from gradsync.compress import Compressor
-from gradsync.compress.base import from_bytes, to_bytes
+from gradsync.compress.base import all_finite, from_bytes, to_bytes
 from gradsync.compress.powersgd import PowerSGD
 from gradsync.errors import ConfigError
 from gradsync.strategies import costmodel
@@ -105,7 +105,7 @@ class CaSyncPS(CompressedSync):
         if self.fault is not None:
             return torch.empty(0, dtype=torch.uint8), None
         result = self.site(k, f"push{j}").decompress(total, ctx)
-        if not bool(torch.isfinite(result).all()):
+        if not all_finite(result):
             self.fault = Fault(FAULT_COMPRESSION, self.ctx.topology.rank, -1)
             return torch.empty(0, dtype=torch.uint8), None
         return to_bytes(total), result

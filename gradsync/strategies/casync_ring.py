@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from gradsync.compress import CompressionError, NonFiniteGradientError
+from gradsync.compress.base import all_finite
 from gradsync.compress.powersgd import PowerSGD
 from gradsync.strategies.compressed import CompressedSync
 from gradsync.transport import wait_all
@@ -51,7 +52,7 @@ class CaSyncRing(CompressedSync):
             return
         if codec.lossless:  # a plain bucket cannot fail to encode: no agreement round, a NaN shows in the sum
             self._allreduce(flat)
-            if not bool(torch.isfinite(flat).all()):
+            if not all_finite(flat):
                 mine = "" if self.fault is None else f" (gradient of {self.ctx.names[self.fault.param]!r} on this rank)"
                 raise NonFiniteGradientError(
                     f"the sum over workers of bucket {k} ({self.ctx.names[self.buckets[k].indices[0]]!r}..) holds "
@@ -64,7 +65,7 @@ class CaSyncRing(CompressedSync):
         for part in payload:
             self._allreduce(part)
         total = codec.decompress(payload, ctx)
-        if not bool(torch.isfinite(total).all()):  # the same sum on every worker: all raise this
+        if not all_finite(total):  # the same sum on every worker: all raise this
             raise CompressionError(f"the sum over workers of bucket {k} ({self.ctx.names[self.buckets[k].indices[0]]!r}..) "
                                    f"overflowed {self.codec_name}'s range; use bf16, or scale the loss down")
         flat.copy_(total)
