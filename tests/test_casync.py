@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import gradsync
-from gradsync.bench.workload import Workload, reference, train_step
+from gradsync.bench.workload import Workload, compare, reference, train_step
 from gradsync.compress import CompressionError, NonFiniteGradientError, build
 from gradsync.errors import ConfigError, GradsyncError
 from gradsync.strategies import costmodel, resolve
@@ -117,6 +117,34 @@ def test_a_nan_on_one_worker_raises_the_same_error_on_every_worker():
                 assert "NaN/Inf" in message and (rank != 1 or "'0.weight' on this rank" in message), (rank, message)
             else:
                 assert "rank 1" in message and "0.weight" in message, (config, rank, message)
+
+
+PLAIN = [("casync-ring", {"selective": True, "bucket_mb": 0.001}), ("casync-ps", {"selective": True})]
+
+
+def left_plain(work: Workload, steps: int, bad_rank: int):
+    """Selective compression with a cost model that leaves every bucket plain (stubbed, so the path is
+    certain): each configuration's parameters after training, then its error for a NaN on ``bad_rank``."""
+    from gradsync.strategies.compressed import CompressedSync
+    CompressedSync.decide = lambda self, costs, k, nbytes: costmodel.Decision(k, nbytes, False, 1, 0.0, 0.0)
+    trained = train_each(PLAIN, work, steps)
+    for _, _, describe in trained:
+        assert "compresses 0/" in describe, describe
+    return [params for params, _, _ in trained], nan_on_one_worker(PLAIN, bad_rank)
+
+
+def test_buckets_left_plain_are_exact_and_name_a_faulty_worker():
+    work, workers = Workload(model="toy", batch_size=6), 3
+    results = run_ranks(left_plain, workers, work, STEPS, 1)
+    ref = reference(work, workers, STEPS)
+    for c, config in enumerate(PLAIN):
+        report = compare(results[0][0][c], ref, work.tolerance)  # the toy model has unused parameters
+        assert report["correct"], (config, report)
+        for rank in range(workers):
+            assert all(torch.equal(v, results[0][0][c][n]) for n, v in results[rank][0][c].items()), (config, rank)
+            kind, message = results[rank][1][c]
+            assert kind == NonFiniteGradientError.__name__ and "rank 1" in message and "'0.weight'" in message, \
+                (config, rank, message)
 
 
 def overflow(strategies):

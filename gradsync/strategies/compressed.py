@@ -15,16 +15,21 @@ worker's (already averaged) gradients into the bucket of everyone's. Everything 
   built by :func:`gradsync.compress.build` with a key every rank derives alike, so state (residuals,
   momentum, error feedback) is fed back at the site that lost it, and shared seeds agree.
 - **Selective compression** (``selective=True``): :mod:`gradsync.strategies.costmodel` decides per
-  bucket whether to compress (and for ``casync-ps`` into how many partitions); plain buckets go
-  through the same algorithm with the lossless ``none`` codec. ``decisions`` holds the choices.
-- **Used flags.** After the buckets, one all-reduce of one flag per parameter tells how many workers
-  produced each gradient: zero leaves ``grad = None``, as in DDP (exact strategies' semantics).
+  bucket whether to compress (and for ``casync-ps`` into how many partitions); ``decisions`` holds
+  the choices. A bucket it leaves plain is all-reduced straight from backward, as the ``allreduce``
+  strategy does (no thread hand-off), with its used flags and fault report in the same message, so
+  where nothing pays to compress the strategy costs what ``allreduce`` costs.
+- **Used flags.** After the compressed buckets, one all-reduce of one flag per parameter tells how
+  many workers produced each gradient: zero leaves ``grad = None``, as in DDP (exact strategies'
+  semantics). Plain buckets carry theirs as the all-reduce's last elements.
 - **Faults.** Before its first message for a bucket a worker checks its gradients for NaN/Inf. A
   worker with a fault (or a compressor error, e.g. fp16 overflow) keeps taking part in the bucket's
   message pattern but sends headers only, carrying the fault (code, rank, parameter); every receiver
   passes it on. When the pattern ends every worker knows, and each raises
   :class:`~gradsync.compress.NonFiniteGradientError` (or ``CompressionError``) naming the rank and the
-  parameter: no rank raises while the others hang.
+  parameter: no rank raises while the others hang. A plain bucket's all-reduce sums three more
+  elements (workers with a fault, their rank, their parameter), which name the rank exactly when one
+  worker has the fault and count them otherwise.
 
 Wire (no pickle): every message is ``transport.send_bytes``: an ``int64[4]`` header (body length,
 fault code, fault rank, fault parameter) and a body that is one payload in the self-describing format
@@ -40,7 +45,7 @@ from typing import Any, Callable
 import torch
 
 from gradsync.compress import CompressionError, Compressor, NonFiniteGradientError, build, parse_spec
-from gradsync.compress.base import Payload, from_bytes, to_bytes
+from gradsync.compress.base import Payload, all_finite, from_bytes, to_bytes
 from gradsync.errors import ConfigError, GradsyncError
 from gradsync.strategies import costmodel
 from gradsync.strategies.allreduce import MB, Bucket, plan_buckets
@@ -103,7 +108,8 @@ class CompressedSync(Strategy):
         order = list(reversed(range(len(params))))
         for k, group in enumerate(plan_buckets(params, order, int(self.bucket_mb * MB), int(self.first_bucket_mb * MB))):
             numel = sum(params[i].numel() for i in group)
-            buffer = torch.zeros(numel, dtype=params[group[0]].dtype, device=params[group[0]].device)
+            # Past the gradients: used flags and the fault report of a plain (all-reduced) bucket.
+            buffer = torch.zeros(numel + len(group) + 3, dtype=params[group[0]].dtype, device=params[group[0]].device)
             views, offset = [], 0
             for i in group:
                 views.append(buffer[offset:offset + params[i].numel()].view_as(params[i]))
@@ -114,10 +120,13 @@ class CompressedSync(Strategy):
                 self.where[i] = (bucket, slot)
             self.buckets.append(bucket)
         self.flags = torch.zeros(len(params), dtype=torch.float32)
+        self.direct, self.threaded = [False] * len(self.buckets), len(self.buckets)
         if topo.is_worker:
             self.decisions = self._decide()
             self.compressed = [d.compress for d in self.decisions]
             self.parts = [d.parts for d in self.decisions]
+            self.direct = [self.selective and not d.compress for d in self.decisions]
+            self.threaded = self.direct.count(False)
         self.queue: deque[int] = deque()
         self.done = 0
         self.next_launch = 0
@@ -170,29 +179,62 @@ class CompressedSync(Strategy):
         for k in range(self.next_launch, len(self.buckets)):
             self.buckets[k].fill_missing(self.ctx.params)
             self._launch(k)
+        plain = [k for k, direct in enumerate(self.direct) if direct]
+        for k in plain:
+            self.buckets[k].handle.wait()
         with self.cv:
-            while self.done < len(self.buckets) and self.error is None:
+            while self.done < self.threaded and self.error is None:
                 self.cv.wait()
-        if self.error is not None:
-            raise self.error
-        for bucket in self.buckets:
-            for slot, i in enumerate(bucket.indices):
-                self.flags[i] = bucket.used[slot]
-        self.ctx.transport.allreduce(self.flags, what="all-reduce of the used flags")
+        error = self.error or next((e for e in map(self._plain_fault, plain) if e is not None), None)
+        if error is None and self.threaded:
+            for k, bucket in enumerate(self.buckets):
+                for slot, i in enumerate(bucket.indices):
+                    self.flags[i] = 0.0 if self.direct[k] else bucket.used[slot]
+            self.ctx.transport.allreduce(self.flags, what="all-reduce of the used flags")
         counts = self.flags.tolist()
-        for bucket in self.buckets:
+        for k, bucket in enumerate(self.buckets):
+            used = bucket.buffer[bucket.numel:bucket.numel + len(bucket.indices)].tolist() if self.direct[k] else None
             for slot, i in enumerate(bucket.indices):
-                self.ctx.params[i].grad = bucket.views[slot] if counts[i] else None
+                count = used[slot] if used is not None else counts[i]
+                self.ctx.params[i].grad = bucket.views[slot] if count else None
             bucket.reset()
         self.done = 0
         self.next_launch = 0
+        if error is not None:
+            raise error
 
     def _launch(self, k: int) -> None:
-        self.buckets[k].handle = True  # handed to the thread: no more gradients into it this step
+        self.next_launch = k + 1
+        bucket = self.buckets[k]
+        if self.direct[k]:
+            bucket.handle = self._launch_plain(k, bucket)
+            return
+        bucket.handle = True  # handed to the thread: no more gradients into it this step
         with self.cv:
             self.queue.append(k)
             self.cv.notify_all()
-        self.next_launch = k + 1
+
+    def _launch_plain(self, k: int, bucket: Bucket):
+        """All-reduce a bucket selective compression left plain, with its used flags and fault report."""
+        fault = self._check(bucket)
+        report = [1.0, fault.rank, fault.param] if fault is not None else [0.0, 0.0, 0.0]
+        bucket.buffer[bucket.numel:].copy_(torch.tensor(bucket.used + report))
+        return self.ctx.transport.allreduce_async(
+            bucket.buffer, what=f"all-reduce of plain bucket {k} ({self.ctx.names[bucket.indices[0]]!r}..)")
+
+    def _plain_fault(self, k: int) -> GradsyncError | None:
+        """Average plain bucket ``k`` after its sum; the error every worker raises if one had a fault."""
+        bucket = self.buckets[k]
+        bucket.buffer[:bucket.numel].div_(self.n)
+        faulty, rank, param = bucket.buffer[-3:].tolist()
+        if not faulty:
+            return None
+        if faulty == 1:
+            return self._fault_error(Fault(FAULT_NONFINITE, int(rank), int(param)), k)
+        return NonFiniteGradientError(
+            f"gradients in bucket {k} ({self.ctx.names[bucket.indices[0]]!r}..) have NaN/Inf elements on "
+            f"{int(faulty)} workers; nothing was applied (every worker raises this). Lower the learning rate, "
+            "clip gradients, or skip the step.")
 
     # -- the communication thread --------------------------------------------------------------------
     def _run(self) -> None:
@@ -215,7 +257,7 @@ class CompressedSync(Strategy):
 
     def _sync(self, k: int) -> None:
         bucket = self.buckets[k]
-        flat = bucket.buffer
+        flat = bucket.buffer[:bucket.numel]
         flat.div_(self.n)
         self.fault = self._check(bucket)
         if self.n > 1:
@@ -224,9 +266,9 @@ class CompressedSync(Strategy):
             raise self._fault_error(self.fault, k)
 
     def _check(self, bucket: Bucket) -> Fault | None:
-        if bool(torch.isfinite(bucket.buffer).all()):
+        if all_finite(bucket.buffer[:bucket.numel]):
             return None
-        slot = next(s for s, v in enumerate(bucket.views) if not bool(torch.isfinite(v).all()))
+        slot = next(s for s, v in enumerate(bucket.views) if not all_finite(v))
         return Fault(FAULT_NONFINITE, self.ctx.topology.rank, bucket.indices[slot])
 
     def _fault_error(self, fault: Fault, k: int) -> GradsyncError:
