@@ -43,10 +43,9 @@ def train(compressor, options, rank_of_nan=None, builtin_hook=None):
     return [p.detach().clone() for p in model.parameters()], (state.bytes_sent if state else 0)
 
 
-def reference_and(compressor, options, builtin_hook=None):
-    plain = train(None, {})[0]
-    hooked, sent = train(compressor, options, builtin_hook=builtin_hook)
-    return plain, hooked, sent
+def reference_and_each(configs):
+    """Plain DDP's parameters, and (parameters, bytes sent) for each (compressor, options), in one job."""
+    return train(None, {})[0], [train(compressor, options) for compressor, options in configs]
 
 
 # Lossless configurations of each path: summable all-reduce (none, randomk at ratio 1), PowerSGD's two
@@ -57,8 +56,8 @@ LOSSLESS = [("none", {}), ("randomk", {"ratio": 1.0}), ("powersgd", {"rank": 16,
 
 def test_lossless_hooks_match_plain_ddp():
     world = 2  # 3 and more workers: the ddp strategy's parity cases (tests/test_parity.py) use this hook
-    for compressor, options in LOSSLESS:
-        for rank, (plain, hooked, sent) in enumerate(run_ranks(reference_and, world, compressor, options, timeout=90)):
+    for rank, (plain, runs) in enumerate(run_ranks(reference_and_each, world, LOSSLESS, timeout=90)):
+        for (compressor, options), (hooked, sent) in zip(LOSSLESS, runs):
             assert sent > 0
             for a, b in zip(plain, hooked):
                 # Same sums of the same values, in a different association (DDP sums then the hook
@@ -66,23 +65,27 @@ def test_lossless_hooks_match_plain_ddp():
                 torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=f"{compressor} {options} rank {rank}")
 
 
+def ours_and_pytorchs_fp16():
+    return train("fp16", {})[0], train(None, {}, None, "fp16_compress_hook")[0]
+
+
 def test_fp16_hook_matches_pytorchs_fp16_hook():
-    ours = run_ranks(train, 2, "fp16", {}, timeout=60)
-    theirs = run_ranks(train, 2, None, {}, None, "fp16_compress_hook", timeout=60)
-    for (a, _), (b, _) in zip(ours, theirs):
-        for p, q in zip(a, b):
+    for ours, theirs in run_ranks(ours_and_pytorchs_fp16, 2, timeout=60):
+        for p, q in zip(ours, theirs):
             torch.testing.assert_close(p, q, rtol=0, atol=0)  # divide, cast, sum in fp16, cast back: same ops
 
 
-@pytest.mark.parametrize("compressor,options", [("onebit", {"error_feedback": True}), ("dgc", {"ratio": 0.1}),
-                                                ("qsgd", {"levels": 7}), ("powersgd", {"rank": 1})])
-def test_lossy_hooks_leave_every_rank_with_the_same_model(compressor, options):
-    results = run_ranks(reference_and, 2, compressor, options, timeout=60)
-    (plain, first, sent), (_, second, _) = results
-    for a, b in zip(first, second):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)  # every rank decodes and sums the same payloads
-    assert any(not torch.equal(a, b) for a, b in zip(plain, first))  # compression did change the updates
-    assert all(torch.isfinite(p).all() for p in first)
+LOSSY = [("onebit", {"error_feedback": True}), ("dgc", {"ratio": 0.1}), ("qsgd", {"levels": 7}),
+         ("powersgd", {"rank": 1})]
+
+
+def test_lossy_hooks_leave_every_rank_with_the_same_model():
+    (plain, first), (_, second) = run_ranks(reference_and_each, 2, LOSSY, timeout=90)
+    for config, (mine, _), (theirs, _) in zip(LOSSY, first, second):
+        for a, b in zip(mine, theirs):
+            torch.testing.assert_close(a, b, rtol=0, atol=0, msg=str(config))  # every rank sums the same payloads
+        assert any(not torch.equal(a, b) for a, b in zip(plain, mine)), config  # compression changed the updates
+        assert all(torch.isfinite(p).all() for p in mine), config
 
 
 def test_nan_on_one_rank_raises_the_same_error_on_every_rank():
