@@ -5,9 +5,14 @@
 the first difference anywhere, then (only on a mismatch) broadcasts of the offending rank's row and
 of both ranks' names for that tensor, so every rank raises the same message. Ranks never reach a
 collective with mismatched tensors, so there is no hang.
-``broadcast_model`` then copies rank 0's values to every rank in flat chunks.
+``broadcast_model`` then copies rank 0's values to every rank in flat chunks, unless every rank
+already holds them: on CPU (Gloo) each rank hashes its values (SHA-256, ~1 GB/s) and the digests
+are compared first, so seeded identical models, the common case, skip a broadcast that costs
+minutes for a large model on a slow link.
 """
 from __future__ import annotations
+
+import hashlib
 
 import torch
 from torch import nn
@@ -102,10 +107,31 @@ def _kind(row: list[int]) -> str:
     return "parameter" if row[0] == 0 else "buffer"
 
 
+def _digest(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """SHA-256 of the tensors' bytes in order, as ``int64[4]``."""
+    h = hashlib.sha256()
+    for t in tensors:
+        if t.numel():
+            h.update(t.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy())
+    return torch.frombuffer(bytearray(h.digest()), dtype=torch.int64)
+
+
+def _all_hold_rank0s(tensors: list[torch.Tensor], transport: Transport, world: bool) -> bool:
+    mine = _digest(tensors)
+    theirs = mine.clone()
+    transport.broadcast(theirs, 0, world=world, what="model digest")
+    differ = torch.tensor([float(not torch.equal(mine, theirs))])
+    transport.allreduce(differ, world=world, what="model digest")
+    return not differ.item()
+
+
 @torch.no_grad()
 def broadcast_model(model: nn.Module, transport: Transport, *, world: bool) -> None:
-    """Copy rank 0's parameters and buffers to every rank, in flat chunks of one dtype."""
+    """Copy rank 0's parameters and buffers to every rank, in flat chunks of one dtype (skipped, on
+    CPU, when every rank's SHA-256 digest of its values equals rank 0's)."""
     tensors = [t for _, _, t in _tensors(model)]
+    if transport.device.type == "cpu" and _all_hold_rank0s(tensors, transport, world):
+        return
     chunk: list[torch.Tensor] = []
     for t in tensors + [None]:
         if chunk and (t is None or t.dtype != chunk[0].dtype or

@@ -62,7 +62,15 @@ def optimizer_api() -> dict:
     fresh_model = mlp()
     fresh = gradsync.distribute(fresh_model, torch.optim.SGD(fresh_model.parameters(), lr=1.0, momentum=0.0))
     fresh.load_state_dict(state)
-    return {"same": opt is sgd and early is early_sgd, "is_sgd": isinstance(opt, torch.optim.SGD),
+    torch.manual_seed(rank)  # different values on every rank: distribute starts all from rank 0's
+    differ = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
+    gradsync.distribute(differ, torch.optim.SGD(differ.parameters(), lr=0.1))
+    torch.manual_seed(0)
+    one_bit = nn.Linear(3, 3)  # the same seed, and one element that differs on rank 1
+    with torch.no_grad():
+        one_bit.bias[1] += 1e-7 * rank
+    gradsync.distribute(one_bit, torch.optim.SGD(one_bit.parameters(), lr=0.1))
+    return {"same": opt is sgd and early is early_sgd, "started": [differ.state_dict(), one_bit.state_dict()], "is_sgd": isinstance(opt, torch.optim.SGD),
             "lrs": [opt.param_groups[0]["lr"], early.param_groups[0]["lr"]],
             "warnings": [str(w.message) for w in caught], "state": state, "reloaded": fresh.state_dict(),
             "params": params_of(model), "early_params": params_of(early_model)}
@@ -75,6 +83,17 @@ def api_results():
 
 def test_distribute_returns_the_same_optimizer(api_results):
     assert api_results[0]["same"] and api_results[0]["is_sgd"]
+
+
+def test_distribute_starts_every_rank_from_rank_0s_values(api_results):
+    torch.manual_seed(0)
+    expected = [nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)).state_dict()]
+    torch.manual_seed(0)
+    expected.append(nn.Linear(3, 3).state_dict())
+    for rank, result in enumerate(api_results):
+        for want, got in zip(expected, result["started"]):
+            assert want.keys() == got.keys()
+            assert all(torch.equal(want[k], got[k]) for k in want), rank
 
 
 def test_lr_scheduler_made_before_or_after_distribute(api_results):
