@@ -70,6 +70,22 @@ def test_bad_arguments_are_argument_errors(args, message):
     assert message in proc.stderr
 
 
+def test_compression_specs_expand_per_strategy_and_skip_refused_pairs(capsys):
+    from gradsync.bench.cli import _with_compression
+
+    def fail(message):
+        raise AssertionError(message)
+
+    names = _with_compression(["ddp", "allreduce", "casync-ps", "ps"], "onebit;powersgd", fail)
+    assert names == ["ddp+onebit", "ddp+powersgd", "ddp", "allreduce", "casync-ps+onebit", "ps"]
+    notes = capsys.readouterr().out
+    assert "allreduce runs plain, without onebit" in notes and "casync-ps skips powersgd" in notes
+    with pytest.raises(AssertionError, match="unknown compressor 'zip'"):
+        _with_compression(["casync-ring"], "zip", fail)
+    with pytest.raises(AssertionError, match="none of --strategies casync-ps takes"):
+        _with_compression(["casync-ps"], "powersgd", fail)  # not casync-ps with its default onebit
+
+
 def test_reference_averages_per_worker_batches():
     """With one worker the reference is plain training; with two it differs (different data)."""
     work = Workload(model="toy", batch_size=4)
