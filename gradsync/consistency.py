@@ -116,7 +116,8 @@ def _digest(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.frombuffer(bytearray(h.digest()), dtype=torch.int64)
 
 
-def _all_hold_rank0s(tensors: list[torch.Tensor], transport: Transport, world: bool) -> bool:
+def all_hold_rank0s(tensors: list[torch.Tensor], transport: Transport, world: bool) -> bool:
+    """Whether every rank's tensors are bytewise rank 0's (SHA-256 digests compared: 32 bytes each)."""
     mine = _digest(tensors)
     theirs = mine.clone()
     transport.broadcast(theirs, 0, world=world, what="model digest")
@@ -130,7 +131,7 @@ def broadcast_model(model: nn.Module, transport: Transport, *, world: bool) -> N
     """Copy rank 0's parameters and buffers to every rank, in flat chunks of one dtype (skipped, on
     CPU, when every rank's SHA-256 digest of its values equals rank 0's)."""
     tensors = [t for _, _, t in _tensors(model)]
-    if transport.device.type == "cpu" and _all_hold_rank0s(tensors, transport, world):
+    if transport.device.type == "cpu" and all_hold_rank0s(tensors, transport, world):
         return
     chunk: list[torch.Tensor] = []
     for t in tensors + [None]:
