@@ -334,6 +334,8 @@ def test_bit_packing_round_trips(width):
         packed = bits.pack(codes, width)
         assert packed.numel() == bits.packed_bytes(n, width)
         assert torch.equal(bits.unpack(packed, width, n), codes)
+        offset = torch.cat([codes.new_zeros(3), codes])[3:]  # a view that does not start on a word
+        assert torch.equal(bits.pack(offset, width), packed)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])

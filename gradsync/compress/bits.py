@@ -37,7 +37,10 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     if pad:
         codes = torch.cat([codes, codes.new_zeros(pad)])
     if bits == 1:
-        return ((codes.contiguous().view(torch.int64) * _GATHER) >> 49).to(torch.uint8)
+        codes = codes.contiguous()
+        if codes.storage_offset() % 8:  # a view of uint8 codes that does not start on a word
+            codes = codes.clone()
+        return ((codes.view(torch.int64) * _GATHER) >> 49).to(torch.uint8)
     lanes = codes.view(-1, per_byte) << _shifts(bits, codes.device)
     # Lanes occupy disjoint bits, so OR-ing them is a sum that cannot carry.
     out = lanes[:, 0].clone()
