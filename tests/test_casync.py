@@ -85,6 +85,18 @@ FAULTS = [("casync-ring", {"compression": "onebit"}), ("casync-ring", {"compress
           ("casync-ring", {"compression": "none"})]
 
 
+def error_of_one_step(opt, loss) -> tuple[str, str] | None:
+    """Backward and step; the GradsyncError raised (type name, message), or None. Closes ``opt``."""
+    try:
+        loss.backward()
+        opt.step()
+        return None
+    except GradsyncError as exc:
+        return type(exc).__name__, str(exc)
+    finally:
+        opt.close()
+
+
 def nan_on_one_worker(configs, bad_rank):
     """Per configuration, one step where ``bad_rank``'s first-layer gradient has a NaN: each worker's error."""
     topo = gradsync.topology()
@@ -95,13 +107,7 @@ def nan_on_one_worker(configs, bad_rank):
         opt = gradsync.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1), strategy, **options)
         if topo.rank == bad_rank:  # before accumulation, so the strategy sees it
             model[0].weight.register_hook(lambda g: g.index_fill(0, torch.tensor([0]), float("nan")))
-        try:
-            model(torch.randn(4, 8)).sum().backward()
-            opt.step()
-            out.append(None)
-        except GradsyncError as exc:
-            out.append((type(exc).__name__, str(exc)))
-        opt.close()
+        out.append(error_of_one_step(opt, model(torch.randn(4, 8)).sum()))
     return out
 
 
@@ -155,13 +161,7 @@ def overflow(strategies):
         model = torch.nn.Linear(4, 1)
         opt = gradsync.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1), strategy, compression="fp16")
         scale = 1e9 if topo.rank == 1 else 1.0  # beyond fp16's 65504 on rank 1 only
-        try:
-            (model(torch.ones(2, 4)).sum() * scale).backward()
-            opt.step()
-            out.append(None)
-        except GradsyncError as exc:
-            out.append((type(exc).__name__, str(exc)))
-        opt.close()
+        out.append(error_of_one_step(opt, model(torch.ones(2, 4)).sum() * scale))
     return out
 
 

@@ -88,6 +88,50 @@ def plan_buckets(params: list[torch.Tensor], order: list[int], cap_bytes: int,
     return groups
 
 
+class BucketedSync(Strategy):
+    """Gradients copied into buckets as backward produces them; each full bucket is launched, strictly
+    in index order so every rank issues the same collectives in the same order. Subclasses implement
+    ``_launch(k)`` and ``synchronize()`` (``allreduce``, and the compressed strategies)."""
+
+    def _make_buckets(self, order: list[int], cap_bytes: int, first_cap_bytes: int, extra: int) -> None:
+        """``self.buckets`` over ``order``; each buffer has ``extra(group)`` elements past the gradients."""
+        params = self.ctx.params
+        self.buckets: list[Bucket] = []
+        self.where: dict[int, tuple[Bucket, int]] = {}
+        for group in plan_buckets(params, order, cap_bytes, first_cap_bytes):
+            numel = sum(params[i].numel() for i in group)
+            first = params[group[0]]
+            buffer = torch.zeros(numel + extra(group), dtype=first.dtype, device=first.device)
+            views, offset = [], 0
+            for i in group:
+                views.append(buffer[offset:offset + params[i].numel()].view_as(params[i]))
+                offset += params[i].numel()
+            bucket = Bucket(group, views, numel, buffer)
+            bucket.reset()
+            for slot, i in enumerate(group):
+                self.where[i] = (bucket, slot)
+            self.buckets.append(bucket)
+        self.next_launch = 0
+
+    def on_grad_ready(self, index: int) -> None:
+        bucket, slot = self.where[index]
+        if bucket.handle is not None:
+            raise GradsyncError(
+                f"parameter {self.ctx.names[index]!r} received a second gradient after its bucket was "
+                "sent. For gradient accumulation, run all but the last backward inside "
+                "`with optimizer.no_sync():`")
+        bucket.fill(slot, self.ctx.params[index].grad)
+        while self.next_launch < len(self.buckets) and self.buckets[self.next_launch].pending == 0:
+            self._launch(self.next_launch)
+
+    def step(self, apply: Callable[[], Any]) -> Any:
+        self.synchronize()
+        return apply()
+
+    def _launch(self, k: int) -> None:
+        raise NotImplementedError
+
+
 @dataclass
 class _Compressed:
     """A compressed bucket in flight: its all-reduces, and what decompresses their sum."""
@@ -102,7 +146,7 @@ class _Compressed:
             handle.wait()
 
 
-class AllReduce(Strategy):
+class AllReduce(BucketedSync):
     """Overlapped bucketed all-reduce of gradients among workers, then a local optimizer step."""
 
     name = "allreduce"
@@ -131,42 +175,14 @@ class AllReduce(Strategy):
         self._build(list(reversed(range(len(ctx.params)))))
 
     def _build(self, order: list[int]) -> None:
-        params = self.ctx.params
         self.codecs: dict = {}  # per bucket (compression=...): new buckets start with fresh state
-        self.buckets: list[Bucket] = []
-        self.where: dict[int, tuple[Bucket, int]] = {}
-        for group in plan_buckets(params, order, self.cap_bytes, self.first_cap_bytes):
-            numel = sum(params[i].numel() for i in group)
-            first = params[group[0]]
-            buffer = torch.zeros(numel + len(group), dtype=first.dtype, device=first.device)
-            views, offset = [], 0
-            for i in group:
-                views.append(buffer[offset:offset + params[i].numel()].view_as(params[i]))
-                offset += params[i].numel()
-            bucket = Bucket(group, views, numel, buffer)
-            bucket.reset()
-            for slot, i in enumerate(group):
-                self.where[i] = (bucket, slot)
-            self.buckets.append(bucket)
-        self.next_launch = 0
+        self._make_buckets(order, self.cap_bytes, self.first_cap_bytes, extra=len)  # + used flags
 
     # -- hook points ---------------------------------------------------------------------------
     def on_grad_ready(self, index: int) -> None:
         if self.steps == 0:
             self.arrival.append(index)
-        bucket, slot = self.where[index]
-        if bucket.handle is not None:
-            raise GradsyncError(
-                f"parameter {self.ctx.names[index]!r} received a second gradient after its bucket was "
-                "sent. For gradient accumulation, run all but the last backward inside "
-                "`with optimizer.no_sync():`")
-        bucket.fill(slot, self.ctx.params[index].grad)
-        while self.next_launch < len(self.buckets) and self.buckets[self.next_launch].pending == 0:
-            self._launch(self.next_launch)
-
-    def step(self, apply: Callable[[], Any]) -> Any:
-        self.synchronize()
-        return apply()
+        super().on_grad_ready(index)
 
     def synchronize(self) -> None:
         """Send what backward did not (unused parameters), wait, and write averaged gradients."""

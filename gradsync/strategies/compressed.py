@@ -40,7 +40,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -48,8 +48,8 @@ from gradsync.compress import CompressionError, Compressor, NonFiniteGradientErr
 from gradsync.compress.base import Payload, all_finite, from_bytes, to_bytes
 from gradsync.errors import ConfigError, GradsyncError
 from gradsync.strategies import costmodel
-from gradsync.strategies.allreduce import MB, Bucket, plan_buckets
-from gradsync.strategies.base import Strategy, SyncContext, ring_bytes
+from gradsync.strategies.allreduce import MB, Bucket, BucketedSync
+from gradsync.strategies.base import SyncContext, ring_bytes
 
 FAULT_NONFINITE, FAULT_COMPRESSION = 1, 2
 TAG_BASE = 0x43530000  # + bucket index: this family's point-to-point tags
@@ -67,7 +67,7 @@ class Fault:
         return (self.code, self.rank, self.param)
 
 
-class CompressedSync(Strategy):
+class CompressedSync(BucketedSync):
     """Base of the compressed strategies: override :meth:`exchange` (and ``algorithm`` for the cost model)."""
 
     algorithm = "ring"
@@ -103,22 +103,9 @@ class CompressedSync(Strategy):
         self.closed = False
         self.ratio = 1.0
         params = ctx.params
-        self.buckets: list[Bucket] = []
-        self.where: dict[int, tuple[Bucket, int]] = {}
-        order = list(reversed(range(len(params))))
-        for k, group in enumerate(plan_buckets(params, order, int(self.bucket_mb * MB), int(self.first_bucket_mb * MB))):
-            numel = sum(params[i].numel() for i in group)
-            # Past the gradients: used flags and the fault report of a plain (all-reduced) bucket.
-            buffer = torch.zeros(numel + len(group) + 3, dtype=params[group[0]].dtype, device=params[group[0]].device)
-            views, offset = [], 0
-            for i in group:
-                views.append(buffer[offset:offset + params[i].numel()].view_as(params[i]))
-                offset += params[i].numel()
-            bucket = Bucket(group, views, numel, buffer)
-            bucket.reset()
-            for slot, i in enumerate(group):
-                self.where[i] = (bucket, slot)
-            self.buckets.append(bucket)
+        # Past the gradients: used flags and the fault report of a plain (all-reduced) bucket.
+        self._make_buckets(list(reversed(range(len(params)))), int(self.bucket_mb * MB),
+                           int(self.first_bucket_mb * MB), extra=lambda group: len(group) + 3)
         self.flags = torch.zeros(len(params), dtype=torch.float32)
         self.direct, self.threaded = [False] * len(self.buckets), len(self.buckets)
         if topo.is_worker:
@@ -129,7 +116,6 @@ class CompressedSync(Strategy):
             self.threaded = self.direct.count(False)
         self.queue: deque[int] = deque()
         self.done = 0
-        self.next_launch = 0
         self.cv = threading.Condition()
         self.thread = None
         if topo.is_worker:
@@ -158,22 +144,7 @@ class CompressedSync(Strategy):
     def decide(self, costs: costmodel.Costs, bucket: int, nbytes: int) -> costmodel.Decision:
         return costmodel.decide_ring(costs, bucket, nbytes, self.n, self.summable)
 
-    # -- hook points ---------------------------------------------------------------------------------
-    def on_grad_ready(self, index: int) -> None:
-        bucket, slot = self.where[index]
-        if bucket.handle is not None:
-            raise GradsyncError(
-                f"parameter {self.ctx.names[index]!r} received a second gradient after its bucket was "
-                "sent. For gradient accumulation, run all but the last backward inside "
-                "`with optimizer.no_sync():`")
-        bucket.fill(slot, self.ctx.params[index].grad)
-        while self.next_launch < len(self.buckets) and self.buckets[self.next_launch].pending == 0:
-            self._launch(self.next_launch)
-
-    def step(self, apply: Callable[[], Any]) -> Any:
-        self.synchronize()
-        return apply()
-
+    # -- hook points: BucketedSync's on_grad_ready and step ----------------------------------------
     def synchronize(self) -> None:
         """Send what backward did not (unused parameters), wait for every bucket, set averaged gradients."""
         for k in range(self.next_launch, len(self.buckets)):
