@@ -245,7 +245,7 @@ def _run_ranks(config: dict, run_dir: str) -> int:
     # layer's emulated time. Larger blocks (VGG-19's 411 MB fc6) go back to the OS: kept, they
     # fragmented the heap until 4 VGG-19 workers ran out of memory.
     # Tensors of 2 MB and more on transparent huge pages (PyTorch's THP_MEM_ALLOC_ENABLE): a fresh
-    # 64 MB buffer then costs 32 page faults instead of 16384, ~4x faster to first write on this CPU.
+    # 64 MB buffer then costs 32 page faults instead of 16384 (docs/benchmarks.md, VGG-19 second run).
     # Every strategy runs with it; set THP_MEM_ALLOC_ENABLE=0 to measure without.
     env = {"GRADSYNC_TIMEOUT": "600", "OMP_NUM_THREADS": str(config["threads"]),
            "THP_MEM_ALLOC_ENABLE": os.environ.get("THP_MEM_ALLOC_ENABLE", "1")}

@@ -7,7 +7,7 @@ first within each byte: code ``j`` of a byte occupies bits ``[j * bits, (j + 1) 
 One-bit codes are the hot path of the sign compressors, so they skip the per-lane loop: eight code
 bytes read as one 64-bit word ``sum_j c_j 2^(8j)``, times ``sum_i 2^(7i)``, put ``c_j`` at bit
 ``8j + 7i``; for ``i = 7 - j`` that is bit ``49 + j``, and no two ``(i, j)`` share a bit, so nothing
-carries and ``(word * M) >> 49`` is the packed byte (a 64-bit multiply, about 5x the lane loop).
+carries and ``(word * M) >> 49`` is the packed byte (a 64-bit multiply instead of 8 shifted lanes).
 :func:`select` decodes one-bit codes to two values with a 256-row table, one row per byte value.
 """
 from __future__ import annotations
