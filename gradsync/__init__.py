@@ -22,7 +22,7 @@ _LAZY = {
     "init": "gradsync.runtime", "shutdown": "gradsync.runtime", "is_initialized": "gradsync.runtime",
     "distribute": "gradsync.distribute",
     **{name: "gradsync.strategies" for name in ("Strategy", "AllReduce", "ParameterServer", "DDP", "P3",
-                                                 "PriorityAllReduce", "CaSyncRing", "CaSyncPS", "CompressedAllGather",
+                                                 "PriorityAllReduce", "CaSyncRing", "CaSyncPS", "CompressedAllGather", "SMA", "PairAveraging",
                                                  "STRATEGIES", "register", "strategy_names")},
 }
 
@@ -61,7 +61,7 @@ class _Package(types.ModuleType):
 sys.modules[__name__].__class__ = _Package
 
 __all__ = ["init", "shutdown", "is_initialized", "distribute", "topology", "Strategy", "AllReduce",
-           "ParameterServer", "DDP", "P3", "PriorityAllReduce", "CaSyncRing", "CaSyncPS", "CompressedAllGather",
+           "ParameterServer", "DDP", "P3", "PriorityAllReduce", "CaSyncRing", "CaSyncPS", "CompressedAllGather", "SMA", "PairAveraging",
            "STRATEGIES", "register", "strategy_names", "GradsyncError",
            "ConfigError", "ModelMismatchError", "PeerFailureError"]
 __version__ = "0.1.0"

@@ -24,15 +24,32 @@ from gradsync.strategies import Strategy, SyncContext, resolve
 
 
 class _Sync:
-    """Per-optimizer state: the strategy, whether gradient hooks are live, the hook handles."""
+    """Per-optimizer state: the strategy, whether gradient hooks are live, the hook handles, and
+    the observer (:class:`gradsync.adapt.Monitors`) that sees local and synchronized gradients."""
 
-    def __init__(self, strategy: Strategy):
+    def __init__(self, strategy: Strategy, params: list[nn.Parameter], names: list[str]):
         self.strategy = strategy
+        self.params, self.names = params, names
         self.enabled = True
         self.handles: list = []
         self.closed = False
+        self.observer = None
         self.steps = 0  # optimizer steps taken, and the step at which the state was last consolidated
         self.consolidated = 0
+
+    def set_observer(self, observer) -> None:
+        if self.observer is not None:
+            self.observer.close()
+        self.observer = observer
+
+    def observed(self, apply):
+        """``apply`` preceded by the observer's look at the synchronized gradients."""
+        observer = self.observer
+
+        def run():
+            observer.on_synced()
+            return apply()
+        return run
 
     def close(self) -> None:
         """Close the strategy and take gradsync's hooks off the model. The gradient hooks live in
@@ -42,10 +59,15 @@ class _Sync:
             return
         self.closed = True
         self.strategy.close()
+        self.remove_hooks()
+        if self.observer is not None:
+            self.observer.close()
+        runtime.forget(self.close)
+
+    def remove_hooks(self) -> None:
         for handle in self.handles:
             handle.remove()
         self.handles = []
-        runtime.forget(self.close)
 
 
 class _ForwardRestore:
@@ -76,8 +98,10 @@ def _install_hooks(model: nn.Module, params: list[nn.Parameter], sync: _Sync) ->
     strategy = sync.strategy
 
     def ready(index):
-        def hook(_param):
+        def hook(param):
             if sync.enabled:
+                if sync.observer is not None:
+                    sync.observer.on_local_grad(index, param.grad)
                 strategy.on_grad_ready(index)
         return hook
 
@@ -112,7 +136,12 @@ def _wrap_optimizer(optimizer: torch.optim.Optimizer, sync: _Sync) -> torch.opti
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        sync.strategy.step(own_step if own_step is not None else lambda: base.step(self))
+        apply = own_step if own_step is not None else lambda: base.step(self)
+        if sync.observer is None:
+            sync.strategy.step(apply)
+        else:
+            sync.strategy.step(sync.observed(apply))
+            sync.observer.after_step()
         sync.steps += 1
         return loss
 
@@ -139,6 +168,37 @@ def _wrap_optimizer(optimizer: torch.optim.Optimizer, sync: _Sync) -> torch.opti
         gradsync's hooks, so that the model and this optimizer can be freed. Also done at
         ``gradsync.shutdown()``; calling it twice is harmless."""
         sync.close()
+
+    def switch_strategy(self, strategy, **options):
+        """Continue with another strategy from the next step on, keeping parameters and optimizer
+        state (KungFu's strategy adaptation). Collective: every worker calls it after the same step,
+        with the same strategy. Parameters in flight are finished first; state spread over the
+        workers (``ps``, ``p3``) is gathered and handed to the new strategy."""
+        new = resolve(strategy, **options)
+        old = sync.strategy
+        topo = runtime.current().topology
+        if topo.num_servers and (old.uses_servers or new.uses_servers):
+            raise ConfigError(f"{rank_and_strategy()}: cannot switch strategies in a job with dedicated servers "
+                              "(they serve one strategy until shutdown); use co-located servers")
+        if sync.observer is not None and not new.mean_grads_at_apply and any(
+                m.needs_mean_grads for m in sync.observer):
+            raise ConfigError(f"{rank_and_strategy()}: the attached monitors read synchronized gradients, which "
+                              f"strategy {new.name!r} does not produce")
+        old.flush()
+        if old.state_location in ("here", "workers"):
+            old.gather_state()
+        old.close()
+        sync.remove_hooks()
+        wrapped, self.__class__ = self.__class__, base  # strategies take the user's class at attach
+        try:
+            new.attach(SyncContext(sync.model, self, sync.params, sync.names, runtime.current().transport, topo))
+        finally:
+            self.__class__ = wrapped
+        sync.strategy = new
+        _install_hooks(sync.model, sync.params, sync)
+        new.load_state()
+        sync.consolidated = sync.steps
+        return new
 
     def rank_and_strategy() -> str:
         return f"rank {runtime.current().topology.rank}, strategy {sync.strategy.name}"
@@ -178,7 +238,7 @@ def _wrap_optimizer(optimizer: torch.optim.Optimizer, sync: _Sync) -> torch.opti
 
     members = {"step": step, "no_sync": no_sync, "flush": flush, "close": close,
                "consolidate_state_dict": consolidate_state_dict, "state_dict": state_dict,
-               "load_state_dict": load_state_dict,
+               "load_state_dict": load_state_dict, "switch_strategy": switch_strategy,
                "strategy": property(lambda self: sync.strategy),
                "__module__": base.__module__, "__doc__": base.__doc__}
     optimizer.__class__ = type(base.__name__, (base,), members)
@@ -215,7 +275,8 @@ def distribute(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str
     world = strategy.uses_servers
     check_models_match(model, rt.transport, world=world)
     broadcast_model(model, rt.transport, world=world)
-    sync = _Sync(strategy)
+    sync = _Sync(strategy, params, names)
+    sync.model = model
     strategy.attach(SyncContext(model, optimizer, params, names, rt.transport, topology))
     runtime.on_shutdown(sync.close)
     if topology.is_server:

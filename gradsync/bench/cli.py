@@ -272,7 +272,7 @@ def _records(config: dict, run_dir: str) -> list[dict]:
 
     from gradsync.bench.report import summarize
     from gradsync.bench.worker import check_workload
-    from gradsync.bench.workload import Workload, compare, reference
+    from gradsync.bench.workload import Workload, compare, eval_loss, reference
 
     work = Workload(**config["workload"])
     if work.compute != "real":  # the reference needs the values, not the emulated time
@@ -283,16 +283,20 @@ def _records(config: dict, run_dir: str) -> list[dict]:
     with open(os.path.join(run_dir, "results.json")) as f:
         results = json.load(f)
     fp32_ref = reference(work, config["np"], config["warmup"] + config["per_round"])
+    ref_loss = eval_loss(work, dict(fp32_ref.named_parameters()))
     check = check_workload(config["workload"])
     check_ref = reference(check, config["np"], config["check_steps"]) if config["check_steps"] else None
     records = []
     for name in config["strategies"]:
         raw = results["records"][name]
-        fp32 = compare(torch.load(os.path.join(run_dir, f"{name}.pt")), fp32_ref, work.tolerance)
+        final = torch.load(os.path.join(run_dir, f"{name}.pt"))
+        fp32 = compare(final, fp32_ref, work.tolerance)
         result = None
         if check_ref is not None:
             result = compare(torch.load(os.path.join(run_dir, f"{name}.check.pt")), check_ref, check.tolerance)
         records.append(summarize(raw, results["compute"], config, result, fp32["max_abs_diff"]))
+        if not raw["exact"]:  # its model is not the reference's: how good is it?
+            records[-1].update(eval_loss=eval_loss(work, final), ref_eval_loss=ref_loss)
         tuning = results.get("tuning", {}).get(name)
         if tuning is not None:
             records[-1]["tuning"] = tuning
@@ -368,6 +372,10 @@ def _report(records: list[dict], args) -> int:
 
     print()
     print(table(records))
+    for r in records:
+        if "eval_loss" in r:
+            print(f"{r['strategy']}: not exact; held-out loss of rank 0's model {r['eval_loss']:.4g} against the "
+                  f"reference's {r['ref_eval_loss']:.4g} ({r['eval_loss'] / r['ref_eval_loss'] - 1:+.1%})")
     note = cpu_bound_note(records)
     if note:
         print(note)

@@ -129,6 +129,23 @@ def reference(work: Workload, num_workers: int, steps: int, *, with_optimizer: b
     return (model, optimizer) if with_optimizer else model
 
 
+EVAL_STEP = 1_000_000
+"""Evaluation batches are the workload's batches at steps from here on: never trained on."""
+
+
+@torch.no_grad()
+def eval_loss(work: Workload, params: dict[str, torch.Tensor], batches: int = 4) -> float:
+    """Mean loss of a model with ``params`` over ``batches`` held-out batches (model in train mode,
+    as the reference trains: BatchNorm uses batch statistics). For strategies that are not exact
+    (``sma``, ``pair-averaging``, lossy compression), how much worse their model is than the reference's."""
+    spec = work.spec()
+    model, _ = work.build()
+    model.load_state_dict(params, strict=False)
+    losses = [float(spec.loss(model(*inputs), target))
+              for inputs, target in (work.batch(spec, EVAL_STEP + k, 0, 1) for k in range(batches))]
+    return sum(losses) / len(losses)
+
+
 def compare(params: dict[str, torch.Tensor], ref: nn.Module, tolerance: tuple[float, float]) -> dict:
     """Max absolute and relative difference to the reference, and whether all are within tolerance."""
     atol, rtol = tolerance

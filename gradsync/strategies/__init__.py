@@ -18,7 +18,9 @@ from gradsync.strategies.casync_ring import CaSyncRing
 from gradsync.strategies.compressed_allgather import CompressedAllGather
 from gradsync.strategies.ddp import DDP
 from gradsync.strategies.p3 import P3
+from gradsync.strategies.pair_averaging import PairAveraging
 from gradsync.strategies.ps import ParameterServer
+from gradsync.strategies.sma import SMA
 
 STRATEGIES: dict[str, Callable[..., Strategy]] = {
     "allreduce": AllReduce,
@@ -31,6 +33,8 @@ STRATEGIES: dict[str, Callable[..., Strategy]] = {
     "casync-ring": CaSyncRing,
     "casync-ps": CaSyncPS,
     "compressed-allgather": CompressedAllGather,
+    "sma": SMA,
+    "pair-averaging": PairAveraging,
 }
 
 
@@ -57,5 +61,5 @@ def resolve(strategy: str | Strategy, **options: Any) -> Strategy:
         raise ConfigError(f"invalid options for strategy {strategy!r}: {exc}") from None
 
 
-__all__ = ["STRATEGIES", "AllReduce", "CaSyncPS", "CaSyncRing", "CompressedAllGather", "DDP", "P3", "ParameterServer", "PriorityAllReduce", "Strategy", "SyncContext",
+__all__ = ["STRATEGIES", "AllReduce", "CaSyncPS", "CaSyncRing", "CompressedAllGather", "DDP", "P3", "PairAveraging", "ParameterServer", "SMA", "PriorityAllReduce", "Strategy", "SyncContext",
            "register", "resolve", "strategy_names"]

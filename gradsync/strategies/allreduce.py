@@ -93,6 +93,8 @@ class BucketedSync(Strategy):
     in index order so every rank issues the same collectives in the same order. Subclasses implement
     ``_launch(k)`` and ``synchronize()`` (``allreduce``, and the compressed strategies)."""
 
+    mean_grads_at_apply = True
+
     def _make_buckets(self, order: list[int], cap_bytes: int, first_cap_bytes: int, extra: int) -> None:
         """``self.buckets`` over ``order``; each buffer has ``extra(group)`` elements past the gradients."""
         params = self.ctx.params

@@ -57,6 +57,9 @@ class Strategy:
     """Whether final parameters equal the single-process data-parallel reference (up to fp32 rounding)."""
     uses_servers: ClassVar[bool] = False
     """Whether server ranks take part (they then call :meth:`serve`)."""
+    mean_grads_at_apply: ClassVar[bool] = False
+    """Whether ``apply()`` runs on every worker with every parameter's ``grad`` holding the mean over
+    workers (what gradient monitors such as :class:`gradsync.adapt.NoiseScale` read)."""
 
     ctx: SyncContext
 

@@ -1,0 +1,285 @@
+"""Adaptation policies: Python classes that watch training and change it while it runs (KungFu).
+
+A :class:`Policy` has six hooks, ``before_``/``after_`` x ``train``/``epoch``/``step``, no-ops by
+default; the :class:`Controller` calls ``before_*`` in the order the policies were given and
+``after_*`` in reverse (so policies nest like context managers). Every hook receives the controller,
+through which a policy reads the monitors and acts: ``set_batch_size``, ``scale_lr``,
+``switch_strategy``, ``resize``. Policies must decide the same thing on every worker: decide from
+monitor values (reduced over workers, so equal everywhere) or from values the policy reduced itself.
+
+    ctl = Controller(opt, [AdaptiveBatchSize(ns, max_batch_size=256)], monitors=mons,
+                     batch_size=32, dataset_size=len(data))
+    with ctl.train():
+        for epoch in ctl.epochs(10):
+            for step in ctl.steps():
+                idx = ctl.batch_indices()          # this worker's share of the global batch
+                loss_fn(model(x[idx]), y[idx]).backward(); opt.step(); opt.zero_grad()
+
+Built-ins: :class:`AdaptiveBatchSize`, :class:`StrategySwitch`, :class:`ScheduledResize`.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import statistics
+import time
+from typing import Any, Iterator
+
+import torch
+
+from gradsync import runtime
+from gradsync.adapt.data import GlobalBatches
+from gradsync.adapt.monitor import Monitors, NoiseScale, Throughput
+from gradsync.errors import ConfigError
+
+
+class Policy:
+    """Base class: every hook is a no-op. Override the ones you need."""
+
+    def before_train(self, ctl: "Controller") -> None: ...
+    def after_train(self, ctl: "Controller") -> None: ...
+    def before_epoch(self, ctl: "Controller") -> None: ...
+    def after_epoch(self, ctl: "Controller") -> None: ...
+    def before_step(self, ctl: "Controller") -> None: ...
+    def after_step(self, ctl: "Controller") -> None: ...
+
+
+class Controller:
+    """Runs the policies around the user's training loop and holds what they may change.
+
+    ``batch_size``: samples per worker per step (policies may change it). ``dataset_size``: with it,
+    :meth:`batch_indices` hands out each worker's share of one global order per epoch, so that no
+    sample is skipped or seen twice within an epoch, whatever the batch size or the number of
+    workers does meanwhile; :meth:`steps` then ends with the epoch.
+    """
+
+    def __init__(self, optimizer, policies: list[Policy] = (), *, monitors: Monitors | None = None,
+                 batch_size: int, dataset_size: int | None = None, seed: int = 0):
+        if getattr(optimizer, "_gradsync", None) is None:
+            raise ConfigError("Controller needs an optimizer returned by gradsync.distribute")
+        for p in policies:
+            if not isinstance(p, Policy):
+                raise ConfigError(f"{p!r} is not a gradsync.adapt.Policy")
+        if batch_size < 1:
+            raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
+        self.optimizer = optimizer
+        self.policies = list(policies)
+        self.monitors = monitors if monitors is not None else getattr(optimizer._gradsync, "observer", None)
+        self.batch_size = batch_size
+        self.data = GlobalBatches(dataset_size, seed) if dataset_size else None
+        self.step = 0
+        self.epoch = 0
+        self.stop_requested = False
+
+    # -- who we are ------------------------------------------------------------------------------
+    @property
+    def num_workers(self) -> int:
+        return runtime.current().topology.num_workers
+
+    @property
+    def rank(self) -> int:
+        return runtime.current().topology.rank
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.batch_size * self.num_workers
+
+    def values(self) -> dict[str, float]:
+        return self.monitors.values() if self.monitors is not None else {}
+
+    # -- the loop --------------------------------------------------------------------------------
+    def _call(self, hook: str) -> None:
+        order = self.policies if hook.startswith("before") else reversed(self.policies)
+        for policy in order:
+            getattr(policy, hook)(self)
+
+    @contextlib.contextmanager
+    def train(self):
+        self._call("before_train")
+        yield self
+        self._call("after_train")
+
+    def epochs(self, count: int) -> Iterator[int]:
+        while self.epoch < count and not self.stop_requested:
+            self._call("before_epoch")
+            yield self.epoch
+            self._call("after_epoch")
+            self.epoch += 1
+            if self.data is not None:
+                self.data.next_epoch(self.epoch)
+
+    def steps(self, count: int | None = None) -> Iterator[int]:
+        """Step numbers (global, across epochs); ends after ``count`` steps, or at the end of the
+        epoch when there is a dataset, or when a policy called :meth:`stop`."""
+        done = 0
+        while (count is None or done < count) and not self.stop_requested:
+            if self.data is not None and self.data.epoch_done:
+                return
+            self._call("before_step")
+            yield self.step
+            if self.data is not None:
+                self.data.advance(self.global_batch_size)
+            self.step += 1
+            done += 1
+            self._call("after_step")
+
+    def batch_indices(self) -> torch.Tensor:
+        """This worker's sample indices for the current step (its slice of the global batch)."""
+        if self.data is None:
+            raise ConfigError("batch_indices needs Controller(dataset_size=...)")
+        return self.data.share(self.global_batch_size, self.rank, self.num_workers)
+
+    # -- actions ---------------------------------------------------------------------------------
+    def stop(self) -> None:
+        self.stop_requested = True
+
+    def set_batch_size(self, batch_size: int) -> None:
+        """Samples per worker from the next step on; monitors that need it are told."""
+        if batch_size < 1:
+            raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
+        self.batch_size = batch_size
+        for m in self.monitors or []:
+            if isinstance(m, (NoiseScale, Throughput)):
+                m.batch_size = batch_size
+
+    def scale_lr(self, factor: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = group["lr"] * factor
+
+    def switch_strategy(self, strategy, **options):
+        return self.optimizer.switch_strategy(strategy, **options)
+
+    def resize(self, num_workers: int) -> None:
+        from gradsync.adapt import elastic
+
+        elastic.request_resize(num_workers)
+
+
+class AdaptiveBatchSize(Policy):
+    """Grow the batch as the gradient noise scale grows (McCandlish et al. 2018; KungFu Fig. 4).
+
+    Every ``every`` steps, when the measured noise scale ``B_simple`` exceeds ``threshold`` times the
+    global batch, the per-worker batch doubles (up to ``max_batch_size``): the batch then tracks the
+    noise scale from below, where a bigger batch still buys almost proportionally fewer steps. The
+    learning rate follows the batch by ``lr_scaling``: ``"linear"`` (Goyal et al. 2017: lr x 2 when
+    the batch doubles), ``"sqrt"`` (x sqrt(2), for Adam-like optimizers), or ``None``.
+    ``history`` lists ``(step, noise_scale, new_batch_size)`` of every change.
+    """
+
+    def __init__(self, noise_scale: NoiseScale, max_batch_size: int, *, every: int = 10, threshold: float = 2.0,
+                 lr_scaling: str | None = "linear"):
+        if lr_scaling not in ("linear", "sqrt", None):
+            raise ConfigError(f"lr_scaling must be 'linear', 'sqrt' or None, got {lr_scaling!r}")
+        if every < 1 or threshold <= 0:
+            raise ConfigError("AdaptiveBatchSize: every must be >= 1 and threshold > 0")
+        self.noise_scale, self.max_batch_size = noise_scale, max_batch_size
+        self.every, self.threshold, self.lr_scaling = every, threshold, lr_scaling
+        self.history: list[tuple[int, float, int]] = []
+
+    def after_step(self, ctl: Controller) -> None:
+        if ctl.step % self.every:
+            return
+        gns = self.noise_scale.value
+        if not math.isfinite(gns) or gns <= self.threshold * ctl.global_batch_size:
+            return
+        new = min(self.max_batch_size, ctl.batch_size * 2)
+        if new == ctl.batch_size:
+            return
+        factor = new / ctl.batch_size
+        ctl.set_batch_size(new)
+        if self.lr_scaling == "linear":
+            ctl.scale_lr(factor)
+        elif self.lr_scaling == "sqrt":
+            ctl.scale_lr(math.sqrt(factor))
+        self.history.append((ctl.step, gns, new))
+
+
+class StrategySwitch(Policy):
+    """Use whichever candidate strategy is fastest now, and look again when things change.
+
+    Probing: each candidate runs ``probe_steps`` steps (the first one after a switch is not counted);
+    its time is the median step time, the slowest worker's (one all-reduce, so every worker decides
+    alike). Then the fastest runs. Every ``check_every`` steps the current strategy's median over
+    the last ``probe_steps`` steps is compared with its time when chosen: ``tolerance`` slower (the
+    network got slower, another job shares it; KungFu votes at 0.8x) and the candidates are probed
+    again. Parameters and optimizer state carry over every switch (``optimizer.switch_strategy``).
+
+    ``candidates``: names, or ``(name, options)`` pairs. ``history``: ``(step, event, detail)``.
+    """
+
+    def __init__(self, candidates: list, *, probe_steps: int = 5, check_every: int = 50, tolerance: float = 0.2):
+        if len(candidates) < 2:
+            raise ConfigError("StrategySwitch needs at least two candidate strategies")
+        if probe_steps < 2:
+            raise ConfigError("StrategySwitch: probe_steps must be >= 2 (the first step after a switch is dropped)")
+        self.candidates = [(c, {}) if isinstance(c, str) else (c[0], dict(c[1])) for c in candidates]
+        self.probe_steps, self.check_every, self.tolerance = probe_steps, check_every, tolerance
+        self.history: list[tuple[int, str, Any]] = []
+        self.times: list[float] = []
+        self.probing: int | None = 0  # index of the candidate being probed; None once one is chosen
+        self.measured: dict[int, float] = {}
+        self.chosen_time = math.inf
+        self.current: int | None = None
+        self._last = None
+
+    def label(self, k: int) -> str:
+        name, options = self.candidates[k]
+        return name if not options else f"{name}({', '.join(f'{a}={b}' for a, b in options.items())})"
+
+    def _switch(self, ctl: Controller, k: int) -> None:
+        if self.current != k:
+            ctl.switch_strategy(self.candidates[k][0], **self.candidates[k][1])
+            self.current = k
+        self.times, self._last = [], None
+
+    def before_train(self, ctl: Controller) -> None:
+        self._switch(ctl, 0)
+        self.history.append((ctl.step, "probe", self.label(0)))
+
+    def _median_slowest(self) -> float:
+        t = torch.tensor([statistics.median(self.times[1:])], dtype=torch.float64)
+        runtime.current().transport.allreduce(t, op="max", what="StrategySwitch step times")
+        return float(t)
+
+    def after_step(self, ctl: Controller) -> None:
+        now = time.perf_counter()
+        if self._last is not None:
+            self.times.append(now - self._last)
+        self._last = now
+        if self.probing is not None:
+            if len(self.times) < self.probe_steps:
+                return
+            self.measured[self.probing] = self._median_slowest()
+            self.history.append((ctl.step, "measured", (self.label(self.probing), self.measured[self.probing])))
+            if self.probing + 1 < len(self.candidates):
+                self.probing += 1
+                self._switch(ctl, self.probing)
+                return
+            best = min(self.measured, key=self.measured.get)
+            self.probing, self.chosen_time = None, self.measured[best]
+            self._switch(ctl, best)
+            self.history.append((ctl.step, "chose", self.label(best)))
+            return
+        if ctl.step % self.check_every or len(self.times) < self.probe_steps:
+            return
+        self.times = self.times[-self.probe_steps:]
+        recent = self._median_slowest()
+        if recent > (1 + self.tolerance) * self.chosen_time:
+            self.history.append((ctl.step, "slower", (self.label(self.current), recent)))
+            self.probing, self.measured = 0, {}
+            self._switch(ctl, 0)
+
+
+class ScheduledResize(Policy):
+    """Resize the job at given steps: ``ScheduledResize({100: 4, 300: 2})`` (needs ``gradsync run --elastic``)."""
+
+    def __init__(self, schedule: dict[int, int]):
+        for step, size in schedule.items():
+            if step < 0 or size < 1:
+                raise ConfigError(f"ScheduledResize: step {step} -> {size} workers is not a valid entry")
+        self.schedule = dict(schedule)
+
+    def after_step(self, ctl: Controller) -> None:
+        size = self.schedule.get(ctl.step)
+        if size is not None and size != ctl.num_workers:
+            ctl.resize(size)

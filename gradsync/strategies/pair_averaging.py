@@ -1,0 +1,118 @@
+"""Asynchronous decentralized pair averaging, ``pair-averaging`` (AD-PSGD, Lian et al., ICML 2018;
+KungFu's ``PairAveragingOptimizer``).
+
+Every step a worker pulls the model of one peer chosen at random, averages it with its own
+(``v <- (v + v_peer) / 2``) and applies its local gradient. There is no global barrier: a worker
+never waits for more than one peer, and that peer does not stop training to answer, since every
+worker runs a small server thread that answers pulls from a snapshot of its model (refreshed after
+each of its own steps). Workers may therefore average models from different steps.
+
+Wire (no pickle): a pull is an ``int64[2] = (op, rank)`` request on tag ``TAG_REQUEST`` (op 1 = pull,
+2 = this worker is leaving), answered by the flat model (one buffer per dtype) on tag ``TAG_REPLY``.
+At ``close`` a worker tells every peer it is leaving and keeps serving until every peer has said the
+same, so a peer's last pull is always answered.
+
+Not exact (see :mod:`gradsync.strategies.sma`); the bench reports its loss next to the reference.
+"""
+from __future__ import annotations
+
+import random
+import threading
+from typing import Any, Callable
+
+import torch
+
+from gradsync.strategies.base import Strategy, SyncContext
+
+TAG_REQUEST, TAG_REPLY = 910_001, 910_002
+OP_PULL, OP_LEAVE = 1, 2
+
+
+class PairAveraging(Strategy):
+    name = "pair-averaging"
+    exact = False
+
+    def __init__(self, seed: int = 0):
+        self.seed = seed
+
+    def attach(self, ctx: SyncContext) -> None:
+        super().attach(ctx)
+        topo = ctx.topology
+        self.me, self.peers = topo.rank, [r for r in topo.worker_ranks if r != topo.rank]
+        self.rng = random.Random(self.seed * 7919 + topo.rank)
+        groups: dict[tuple, list[torch.nn.Parameter]] = {}
+        for p in ctx.params:
+            groups.setdefault((p.dtype, p.device), []).append(p)
+        self.groups = list(groups.values())
+        flat = lambda g: torch.cat([p.detach().reshape(-1) for p in g])
+        self.snapshot = [flat(g) for g in self.groups]
+        self.inbox = [torch.empty_like(s) for s in self.snapshot]
+        self.lock = threading.Lock()
+        self.failure: BaseException | None = None
+        self.closed = False
+        self.thread = None
+        if self.peers:
+            self.thread = threading.Thread(target=self._serve, name="gradsync-pair-averaging", daemon=True)
+            self.thread.start()
+
+    def _serve(self) -> None:
+        transport, left = self.ctx.transport, 0
+        request = torch.empty(2, dtype=torch.int64)
+        try:
+            while left < len(self.peers):
+                try:
+                    transport.recv_async(request, None, TAG_REQUEST, what="pair-averaging request",
+                                         traced=False).wait(background=True)
+                except Exception:
+                    if self.closed:
+                        return
+                    continue  # no pull within the timeout: keep serving
+                op, peer = request.tolist()
+                if op == OP_LEAVE:
+                    left += 1
+                    continue
+                with self.lock:
+                    for s in self.snapshot:
+                        transport.send_async(s, peer, TAG_REPLY, what=f"model for worker {peer}").wait(background=True)
+        except BaseException as exc:  # noqa: BLE001 - reported by the training thread
+            self.failure = exc
+
+    def step(self, apply: Callable[[], Any]) -> Any:
+        if self.failure is not None:
+            raise self.failure
+        if self.peers:
+            transport = self.ctx.transport
+            peer = self.rng.choice(self.peers)
+            transport.send_async(torch.tensor([OP_PULL, self.me]), peer, TAG_REQUEST,
+                                 what=f"pull request to worker {peer}").wait()
+            for box in self.inbox:
+                transport.recv_async(box, peer, TAG_REPLY, what=f"model of worker {peer}").wait()
+            with torch.no_grad():
+                for group, box in zip(self.groups, self.inbox):
+                    offset = 0
+                    for p in group:
+                        p.add_(box[offset:offset + p.numel()].view_as(p)).mul_(0.5)
+                        offset += p.numel()
+        result = apply()
+        with self.lock, torch.no_grad():
+            for group, s in zip(self.groups, self.snapshot):
+                torch.cat([p.detach().reshape(-1) for p in group], out=s)
+        return result
+
+    def close(self) -> None:
+        if self.thread is None or self.closed:
+            return
+        for peer in self.peers:
+            self.ctx.transport.send_async(torch.tensor([OP_LEAVE, self.me]), peer, TAG_REQUEST,
+                                          what=f"leave message to worker {peer}").wait()
+        self.thread.join()
+        self.closed = True
+        if self.failure is not None:
+            raise self.failure
+
+    def describe(self) -> str:
+        return "pair-averaging"
+
+    def min_bytes_per_host(self, model_bytes: int) -> float:
+        # Each worker receives one model per step; a worker chosen by several peers sends more.
+        return float(model_bytes)

@@ -1,0 +1,229 @@
+"""Monitors, policies and strategy switching (gradsync.adapt), against values known analytically or
+computed here from every worker's gradients."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from multirank import run_ranks
+
+DIM, SIGMA, BATCH = 8, 1.0, 16
+W_STAR = torch.linspace(-1, 1, DIM)
+OFFSET = torch.full((DIM,), 0.5)  # w - w*
+
+
+def analytic_noise_scale() -> float:
+    """B_simple for least squares 0.5 (x.w - y)^2, x ~ N(0, I_D), y = x.w* + N(0, sigma^2), at w = w* + d.
+
+    Per-sample gradient g = x (x.d - eps): G = E[g] = d and, by Isserlis' theorem,
+    E[g g^T] = |d|^2 I + 2 d d^T + sigma^2 I, so tr(Sigma) = (D + 1)|d|^2 + D sigma^2 and
+    B_simple = tr(Sigma) / |G|^2."""
+    d2 = float(OFFSET.pow(2).sum())
+    return ((DIM + 1) * d2 + DIM * SIGMA**2) / d2
+
+
+def monitors_job(steps: int):
+    import gradsync
+    from gradsync.adapt import GradientVariance, NoiseScale, Throughput, monitor
+    from gradsync.errors import ConfigError
+
+    topo = gradsync.topology()
+    model = torch.nn.Linear(DIM, 1, bias=False)
+    with torch.no_grad():
+        model.weight.copy_(W_STAR + OFFSET)
+    opt = gradsync.distribute(model, torch.optim.SGD(model.parameters(), lr=0.0))  # w stays at w* + d
+    ns = NoiseScale(BATCH, alpha=0.99)
+    mons = monitor(opt, ns, Throughput(BATCH))
+    gen = torch.Generator().manual_seed(100 + topo.rank)
+    for _ in range(steps):
+        x = torch.randn(BATCH, DIM, generator=gen)
+        y = x @ W_STAR + SIGMA * torch.randn(BATCH, generator=gen)
+        (0.5 * (model(x).squeeze(1) - y).pow(2).mean()).backward()
+        opt.step()
+        opt.zero_grad()
+    noise = mons.values()
+    opt.close()
+
+    # Variance: a model with many coordinates, one step; each rank returns its local gradient too.
+    torch.manual_seed(0)
+    big = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Tanh(), torch.nn.Linear(128, 16))
+    opt = gradsync.distribute(big, torch.optim.SGD(big.parameters(), lr=0.1))
+    exact, whole, sampled = GradientVariance(), GradientVariance(sample=1.0), GradientVariance(sample=2000, seed=3)
+    monitor(opt, exact, whole, sampled)
+    torch.manual_seed(10 + topo.rank)
+    loss = big(torch.randn(32, 64)).pow(2).mean()
+    local = [g.clone() for g in torch.autograd.grad(loss, list(big.parameters()), retain_graph=True)]
+    loss.backward()
+    opt.step()
+    variance = {**exact.values(), **{k + "_whole": v for k, v in whole.values().items()}, **sampled.values()}
+    opt.close()
+
+    refused = ""
+    model = torch.nn.Linear(4, 4)
+    opt = gradsync.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1), strategy="p3")
+    try:
+        monitor(opt, NoiseScale(4))
+    except ConfigError as exc:
+        refused = str(exc)
+    opt.close()
+    return noise, variance, local, refused
+
+
+@pytest.fixture(scope="module")
+def monitored():
+    return run_ranks(monitors_job, 2, 600, timeout=120)
+
+
+def test_noise_scale_matches_the_analytic_value_and_is_the_same_on_every_rank(monitored):
+    (first, *_), (second, *_) = monitored
+    expected = analytic_noise_scale()  # 13.0
+    # 600 steps of two workers at batch 16: the EMA (alpha 0.99) averages ~100 steps of estimates
+    # whose relative spread is ~1 each, so ~10 % is the expected error; 25 % is a failure.
+    assert first["noise_scale"] == pytest.approx(expected, rel=0.25)
+    assert first["grad_sq_norm"] == pytest.approx(float(OFFSET.pow(2).sum()), rel=0.5)
+    assert first["noise_scale"] == second["noise_scale"]
+    assert first["samples_per_s"] > 0 and first["step_s"] > 0
+
+
+def test_gradient_variance_exact_sampled_and_whole_sample(monitored):
+    (_, v0, local0, _), (_, v1, local1, _) = monitored
+    assert v0 == v1  # one global value
+    g0, g1 = (torch.cat([g.reshape(-1) for g in grads]).double() for grads in (local0, local1))
+    mean = (g0 + g1) / 2
+    var = ((g0 * g0 + g1 * g1) / 2 - mean * mean).clamp_min(0)
+    assert v0["grad_variance"] == pytest.approx(float(var.sum()), rel=1e-4)
+    assert v0["grad_variance_norm"] == pytest.approx(float(var.norm()), rel=1e-4)
+    assert v0["grad_variance_sampled_whole"] == pytest.approx(v0["grad_variance"], rel=1e-5)
+    # 2000 of 10 384 coordinates: a scaled sum of 2000 draws; heavy-tailed, so 30 %.
+    assert v0["grad_variance_sampled"] == pytest.approx(v0["grad_variance"], rel=0.3)
+
+
+def test_monitor_refuses_a_strategy_without_synchronized_gradients(monitored):
+    refused = monitored[0][3]
+    assert "NoiseScale" in refused and "'p3'" in refused
+
+
+def test_ema_takes_the_first_sample_as_is():
+    from gradsync.adapt import EMA
+
+    ema = EMA(0.5)
+    assert ema.update(4.0) == 4.0 and ema.update(0.0) == 2.0
+
+
+def test_global_batches_cover_each_epoch_once_whatever_the_sizes():
+    from gradsync.adapt import GlobalBatches
+
+    data = GlobalBatches(103, seed=1)
+    seen, schedule = [], [(4, 1), (4, 3), (8, 2), (5, 4), (16, 2), (7, 3)]
+    k = 0
+    while not data.epoch_done:
+        per_worker, workers = schedule[k % len(schedule)]
+        parts = [data.share(per_worker * workers, r, workers) for r in range(workers)]
+        assert max(p.numel() for p in parts) - min(p.numel() for p in parts) <= 1
+        seen += torch.cat(parts).tolist()
+        data.advance(per_worker * workers)
+        k += 1
+    assert sorted(seen) == list(range(103))
+    data.next_epoch(1)
+    assert data.global_batch(103).tolist() != seen  # a new order each epoch
+
+
+def switching_job(work, plan):
+    import gradsync
+    from gradsync.adapt import Controller, Policy
+    from gradsync.bench.workload import train_step
+
+    topo = gradsync.topology()
+    model, opt = work.build()
+    opt = gradsync.distribute(model, opt, plan[0][0], **plan[0][1])
+    spec, step, log = work.spec(), 0, []
+
+    policies = []
+    for name in ("a", "b"):  # each records its hook calls, to check the order
+        p = Policy()
+        for hook in ("before_train", "after_train", "before_epoch", "after_epoch", "before_step", "after_step"):
+            setattr(p, hook, (lambda h, n: (lambda ctl: log.append((h, n, ctl.step))))(hook, name))
+        policies.append(p)
+    ctl = Controller(opt, policies, batch_size=work.batch_size)
+    with ctl.train():
+        for _ in ctl.epochs(1):
+            for k, (strategy, options, steps) in enumerate(plan):
+                if k:
+                    ctl.switch_strategy(strategy, **options)
+                for _ in ctl.steps(steps):
+                    inputs, target = work.batch(spec, step, topo.rank, topo.num_workers)
+                    train_step(model, opt, spec, inputs, target)
+                    step += 1
+    opt.flush()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, log, opt.strategy.name
+
+
+def test_switching_strategies_keeps_parameters_and_optimizer_state_exact():
+    from gradsync.bench.workload import Workload, compare, reference
+
+    work = Workload(model="toy", batch_size=4, optimizer="adam", lr=0.01)
+    plan = [("allreduce", {}, 2), ("p3", {}, 2), ("ps", {}, 2), ("casync-ring", {"compression": "none"}, 1),
+            ("allreduce", {}, 2)]
+    results = run_ranks(switching_job, 2, work, plan, timeout=120)
+    ref = reference(work, 2, sum(s for *_, s in plan))
+    for params, log, last in results:
+        assert last == "allreduce"
+        assert compare(params, ref, work.tolerance)["correct"], compare(params, ref, work.tolerance)
+    log = results[0][1]
+    assert log[:4] == [("before_train", "a", 0), ("before_train", "b", 0), ("before_epoch", "a", 0),
+                       ("before_epoch", "b", 0)]
+    assert log[4:8] == [("before_step", "a", 0), ("before_step", "b", 0), ("after_step", "b", 1),
+                        ("after_step", "a", 1)]
+    assert log[-4:] == [("after_epoch", "b", 9), ("after_epoch", "a", 9), ("after_train", "b", 9),
+                        ("after_train", "a", 9)]
+
+
+def averaging_job(strategy, options, steps, extra_per_rank=0, lr=0.05):
+    """Train a least-squares toy with plain SGD; record every step's parameters before it and the
+    local gradient (computed here, before the strategy touches anything)."""
+    import gradsync
+
+    topo = gradsync.topology()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(DIM, 1)
+    opt = gradsync.distribute(model, torch.optim.SGD(model.parameters(), lr=lr), strategy, **options)
+    gen = torch.Generator().manual_seed(topo.rank)
+    before, grads, losses = [], [], []
+    for step in range(steps + extra_per_rank * topo.rank):
+        x = torch.randn(BATCH, DIM, generator=gen)
+        y = x @ W_STAR + 0.1 * torch.randn(BATCH, generator=gen)
+        flat = lambda ts: torch.cat([t.detach().reshape(-1) for t in ts]).clone()
+        before.append(flat(model.parameters()))
+        loss = 0.5 * (model(x).squeeze(1) - y).pow(2).mean()
+        grads.append(flat(torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)))
+        losses.append(float(loss.detach()))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return before, grads, losses
+
+
+def test_sma_blends_towards_the_average_of_the_parameters_then_applies_the_local_gradient():
+    alpha, lr, steps = 0.3, 0.05, 4
+    results = run_ranks(averaging_job, 3, "sma", {"alpha": alpha}, steps, timeout=60)
+    for t in range(steps - 1):
+        mean = sum(r[0][t] for r in results) / 3
+        for before, grads, _ in results:
+            expected = (1 - alpha) * before[t] + alpha * mean - lr * grads[t]
+            assert torch.allclose(before[t + 1], expected, atol=1e-6), (t, before[t + 1] - expected)
+
+
+def test_pair_averaging_trains_without_a_barrier_and_ends_cleanly():
+    # Worker r runs 40 + 5r steps: without a barrier nobody waits for the others, and each keeps
+    # answering pulls until every worker has left.
+    results = run_ranks(averaging_job, 3, "pair-averaging", {}, 40, 5, 0.2, timeout=60)
+    for before, grads, losses in results:
+        assert sum(losses[-5:]) < 0.1 * sum(losses[:5])  # it learns
+        # Each step averages with one peer's model (all equal at step 0, then no longer): the
+        # parameters do not go where the local gradient alone would take them.
+        assert not any(torch.allclose(before[t + 1], before[t] - 0.2 * grads[t]) for t in range(1, 10))
+    finals = [r[0][-1] for r in results]
+    spread = max(float((a - b).abs().max()) for a in finals for b in finals)
+    assert spread < 0.5 * float((finals[0] - results[0][0][0]).abs().max())  # the models agree more than they moved
