@@ -48,6 +48,9 @@ def add_parser(subparsers) -> None:
                    help="compressors (docs/compression.md), e.g. onebit or 'onebit;topk:ratio=0.01': every "
                         "strategy that takes one runs once per compressor, as STRATEGY+SPEC (casync-ring, casync-ps, "
                         "compressed-allgather; allreduce and ddp where the payloads add up); the others run plain")
+    p.add_argument("--monitors", metavar="NAME[,NAME...]",
+                   help="also run every strategy with each monitor attached, as STRATEGY@NAME, to measure its cost: "
+                        "noise-scale, variance (exact) or variance-sampled (gradsync.adapt)")
     p.add_argument("--set", action="append", default=[], metavar="STRATEGY.KEY=VALUE",
                    help="a strategy option, e.g. ps.fuse_kb=0 or allreduce.bucket_mb=4 (repeatable)")
     p.add_argument("--json", metavar="FILE", help="write one record per strategy to FILE")
@@ -143,6 +146,8 @@ def _validate(args, parser_error) -> list[str]:
         parser_error(str(exc))
     if args.compression:
         names = _with_compression(names, args.compression, parser_error)
+    if args.monitors:
+        names = _with_monitors(names, args.monitors, parser_error)
     if args.servers == 0 and "ps-async" in names:
         names.remove("ps-async")
         print("note: skipping ps-async, which needs dedicated servers (--servers 1 or more)", flush=True)
@@ -173,6 +178,25 @@ def _with_compression(names: list[str], specs: str, parser_error) -> list[str]:
         out += labels + ([name] if plain and name not in out else [])
     if not out:
         parser_error(f"none of --strategies {','.join(names)} takes --compression {specs!r}")
+    return out
+
+
+def _with_monitors(names: list[str], monitors: str, parser_error) -> list[str]:
+    """Each label as it is, then once per monitor as ``LABEL@MONITOR`` (strategies that can carry it)."""
+    from gradsync.bench.worker import MONITORS, strategy_of
+    from gradsync.strategies import STRATEGIES
+
+    wanted = [m.strip() for m in monitors.split(",") if m.strip()]
+    unknown = [m for m in wanted if m not in MONITORS]
+    if unknown or not wanted:
+        parser_error(f"unknown monitor {', '.join(unknown) or '(none)'}; valid: {', '.join(MONITORS)}")
+    out = []
+    for name in names:
+        out.append(name)
+        if not getattr(STRATEGIES[strategy_of(name)], "mean_grads_at_apply", False):
+            print(f"note: {name} runs without monitors: they read synchronized gradients, which it does not produce")
+            continue
+        out += [f"{name}@{m}" for m in wanted]
     return out
 
 
@@ -215,19 +239,20 @@ def _config(args, strategies: list[str], overrides: dict[str, dict], np: int, ra
 
 def _options(label: str, hints: dict, overrides: dict) -> dict:
     """A bench label's strategy options: the model's hints, ``--set``, and the ``+SPEC`` compressor."""
-    name, plus, spec = label.partition("+")
+    name, plus, spec = label.partition("@")[0].partition("+")
     options = {**hints.get(name, {}), **overrides.get(name, {}), **overrides.get(label, {})}
     return {**options, "compression": spec} if plus else options
 
 
 def _check_options(config: dict, parser_error) -> None:
     """Build each strategy once here, so a bad option is an argument error, not a crash in the ranks."""
+    from gradsync.bench.worker import strategy_of
     from gradsync.errors import ConfigError
     from gradsync.strategies import resolve
 
     for name, options in config["options"].items():
         try:
-            resolve(name.partition("+")[0], **options)
+            resolve(strategy_of(name), **options)
         except ConfigError as exc:
             parser_error(str(exc))
 
@@ -319,7 +344,9 @@ def main(args) -> int:
 
     parser_error = _argparse.ArgumentParser(prog="gradsync bench").error
     strategies = _validate(args, parser_error)
-    overrides = _overrides(args.set, list(dict.fromkeys(s.partition("+")[0] for s in strategies)), parser_error)
+    from gradsync.bench.worker import strategy_of
+
+    overrides = _overrides(args.set, list(dict.fromkeys(strategy_of(s) for s in strategies)), parser_error)
     records = []
     for np in args.np_list:
         for rate in args.rates:

@@ -152,8 +152,26 @@ def workers_agree(model, chunk: int = 1 << 22) -> float:
 
 
 def strategy_of(label: str) -> str:
-    """The strategy a bench label runs: ``casync-ring+onebit`` (``--compression``) runs ``casync-ring``."""
-    return label.partition("+")[0]
+    """The strategy a bench label runs: ``casync-ring+onebit`` (``--compression``) and
+    ``allreduce@noise-scale`` (``--monitors``) run ``casync-ring`` and ``allreduce``."""
+    return label.partition("@")[0].partition("+")[0]
+
+
+MONITORS = {
+    "noise-scale": lambda work: __import__("gradsync.adapt", fromlist=["NoiseScale"]).NoiseScale(work.batch_size),
+    "variance": lambda work: __import__("gradsync.adapt", fromlist=["GradientVariance"]).GradientVariance(),
+    "variance-sampled": lambda work: __import__("gradsync.adapt", fromlist=["GradientVariance"]).GradientVariance(
+        sample=65_536),
+}
+"""``--monitors`` names: the monitor a ``STRATEGY@NAME`` label attaches (gradsync.adapt)."""
+
+
+def attach_monitor(label: str, optimizer, work: Workload) -> None:
+    name = label.partition("@")[2]
+    if name:
+        from gradsync.adapt import monitor
+
+        monitor(optimizer, MONITORS[name](work))
 
 
 def run_strategy(name: str, options: dict, work: Workload, total: int, run_dir: str) -> dict | None:
@@ -165,6 +183,7 @@ def run_strategy(name: str, options: dict, work: Workload, total: int, run_dir: 
         optimizer = gradsync.distribute(model, optimizer, strategy_of(name), exit_servers=False, **options)
         if topo.is_server:
             return None
+        attach_monitor(name, optimizer, work)
         hooks = trace.instrument(model) if trace.current() is not None and work.compute == "real" else []
         sent_before = transport.bytes_sent
         cpu = [] if topo.rank == 0 and host_cpu() is not None else None  # one machine: rank 0's view
