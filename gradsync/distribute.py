@@ -11,6 +11,7 @@ both roles.
 from __future__ import annotations
 
 import contextlib
+import copy
 import sys
 from typing import Any
 
@@ -184,20 +185,10 @@ def _wrap_optimizer(optimizer: torch.optim.Optimizer, sync: _Sync) -> torch.opti
                 m.needs_mean_grads for m in sync.observer):
             raise ConfigError(f"{rank_and_strategy()}: the attached monitors read synchronized gradients, which "
                               f"strategy {new.name!r} does not produce")
-        old.flush()
-        if old.state_location in ("here", "workers"):
-            old.gather_state()
-        old.close()
-        sync.remove_hooks()
-        wrapped, self.__class__ = self.__class__, base  # strategies take the user's class at attach
-        try:
-            new.attach(SyncContext(sync.model, self, sync.params, sync.names, runtime.current().transport, topo))
-        finally:
-            self.__class__ = wrapped
-        sync.strategy = new
-        _install_hooks(sync.model, sync.params, sync)
-        new.load_state()
-        sync.consolidated = sync.steps
+        template = copy.deepcopy(new)
+        detach(self)
+        reattach(self, new)
+        sync.template = template
         return new
 
     def rank_and_strategy() -> str:
@@ -246,6 +237,42 @@ def _wrap_optimizer(optimizer: torch.optim.Optimizer, sync: _Sync) -> torch.opti
     return optimizer
 
 
+def detach(optimizer, *, failed: bool = False) -> None:
+    """Take the strategy off (finishing what is in flight and gathering spread optimizer state into
+    the user's optimizer, unless ``failed``: after a peer died, only local clean-up is possible)."""
+    sync = optimizer._gradsync
+    old = sync.strategy
+    if not failed:
+        old.flush()
+        if old.state_location in ("here", "workers"):
+            old.gather_state()
+    try:
+        old.close()
+    except Exception:
+        if not failed:
+            raise
+    sync.remove_hooks()
+    runtime.forget(sync.close)
+
+
+def reattach(optimizer, strategy: Strategy) -> None:
+    """Attach ``strategy`` (fresh, not attached before) to a distributed optimizer whose strategy was
+    taken off by :func:`detach`, on the current process group; hand it the optimizer state."""
+    sync = optimizer._gradsync
+    base = type(optimizer).__mro__[1]
+    wrapped, optimizer.__class__ = optimizer.__class__, base  # strategies take the user's class at attach
+    try:
+        strategy.attach(SyncContext(sync.model, optimizer, sync.params, sync.names, runtime.current().transport,
+                                    runtime.current().topology))
+    finally:
+        optimizer.__class__ = wrapped
+    sync.strategy = strategy
+    _install_hooks(sync.model, sync.params, sync)
+    strategy.load_state()
+    sync.consolidated = sync.steps
+    runtime.on_shutdown(sync.close)
+
+
 def distribute(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str | Strategy = "allreduce",
                *, exit_servers: bool = True, **options: Any) -> torch.optim.Optimizer:
     """Make ``optimizer.step()`` a synchronized data-parallel step. Returns the same optimizer.
@@ -277,6 +304,7 @@ def distribute(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str
     broadcast_model(model, rt.transport, world=world)
     sync = _Sync(strategy, params, names)
     sync.model = model
+    sync.template = copy.deepcopy(strategy)  # an elastic job re-creates the strategy for each new group
     strategy.attach(SyncContext(model, optimizer, params, names, rt.transport, topology))
     runtime.on_shutdown(sync.close)
     if topology.is_server:

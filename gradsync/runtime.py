@@ -46,10 +46,12 @@ def _env_int(name: str, default: int) -> int:
 class Heartbeat:
     """Bumps ``gradsync/hb/<rank>`` in the store every second, on its own store connection."""
 
-    def __init__(self, addr: str, port: int, topology: Topology):
+    def __init__(self, addr: str, port: int, topology: Topology, prefix: str = ""):
         self.topology = topology
         self.store = dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=5),
                                    wait_for_workers=False)
+        if prefix:  # an elastic job's generation: ranks are renumbered in each
+            self.store = dist.PrefixStore(prefix, self.store)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="gradsync-heartbeat", daemon=True)
         self._thread.start()
@@ -88,6 +90,8 @@ class Runtime:
     heartbeat: Heartbeat | None = None
     owns_group: bool = True
     closers: list = field(default_factory=list)
+    elastic: object = None
+    """In an elastic job (``gradsync run --elastic``): its :class:`gradsync.adapt.elastic.Membership`."""
 
     def explain(self, what: str, exc: BaseException) -> PeerFailureError:
         """Turn a failed communication into an error naming the rank(s) at fault."""
@@ -107,6 +111,7 @@ class Runtime:
 
 
 _RUNTIME: Runtime | None = None
+_AT_EXIT = False
 
 
 def _within(seconds: float, make):
@@ -179,18 +184,17 @@ def init(*, backend: str | None = None, timeout_s: float | None = None,
         raise ConfigError(f"GRADSYNC_TIMEOUT={raw_timeout!r} is not a number of seconds") from None
     servers = _env_int("GRADSYNC_NUM_SERVERS", 0) if servers is None else servers
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if os.environ.get("GRADSYNC_ELASTIC") == "1" and not dist.is_initialized():
+        from gradsync.adapt import elastic
+
+        return elastic.join(backend, timeout_s).topology
     owns_group = not dist.is_initialized()
     if owns_group:
         topology = Topology(_env_int("WORLD_SIZE", 1), _env_int("RANK", 0), servers,
                             _env_int("LOCAL_RANK", 0))
     else:  # the user already created the default process group: adopt it
         topology = Topology(dist.get_world_size(), dist.get_rank(), servers, _env_int("LOCAL_RANK", 0))
-    device = torch.device("cpu")
-    if backend == "nccl":
-        # LOCAL_RANK counts servers too (workers first), so wrap onto the GPUs this host has.
-        device = torch.device("cuda", topology.local_rank % torch.cuda.device_count())
-        torch.cuda.set_device(device)
-    heartbeat = None
+    store = addr = port = None
     if owns_group:
         addr = os.environ.get("MASTER_ADDR")
         if topology.world_size == 1 and addr is None:
@@ -199,18 +203,50 @@ def init(*, backend: str | None = None, timeout_s: float | None = None,
             addr = addr or "127.0.0.1"
             port = _env_int("MASTER_PORT", 29500)
             store = _make_store(addr, port, topology, timeout_s)
+    return start(topology, store, backend=backend, timeout_s=timeout_s, heartbeat_at=(addr, port)).topology
+
+
+def start(topology: Topology, store, *, backend: str, timeout_s: float, heartbeat_at=(None, None),
+          heartbeat_prefix: str = "") -> Runtime:
+    """Create the process group on ``store`` (None: adopt the user's) and make it the runtime."""
+    global _RUNTIME
+    device = torch.device("cpu")
+    if backend == "nccl":
+        # LOCAL_RANK counts servers too (workers first), so wrap onto the GPUs this host has.
+        device = torch.device("cuda", topology.local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    heartbeat = None
+    owns_group = store is not None
+    if owns_group:
         dist.init_process_group(backend, store=store, rank=topology.rank,
                                 world_size=topology.world_size, timeout=timedelta(seconds=timeout_s))
-        if topology.world_size > 1:
-            heartbeat = Heartbeat(addr, port, topology)
+        if topology.world_size > 1 and heartbeat_at[0] is not None:
+            heartbeat = Heartbeat(*heartbeat_at, topology, heartbeat_prefix)
     worker_group = dist.group.WORLD
     if topology.num_servers:
         worker_group = dist.new_group(topology.worker_ranks)
     runtime = Runtime(topology, None, timeout_s, heartbeat, owns_group)
     runtime.transport = Transport(topology, worker_group, device, runtime.explain)
     _RUNTIME = runtime
-    atexit.register(shutdown)
-    return topology
+    global _AT_EXIT
+    if not _AT_EXIT:
+        atexit.register(shutdown)
+        _AT_EXIT = True
+    return runtime
+
+
+def leave() -> Runtime | None:
+    """Leave the process group without closing anything registered (an elastic job regrouping:
+    the strategies were closed by their owner). Returns the runtime that was left."""
+    global _RUNTIME
+    runtime, _RUNTIME = _RUNTIME, None
+    if runtime is None:
+        return None
+    if runtime.heartbeat:
+        runtime.heartbeat.stop()
+    if runtime.owns_group and dist.is_initialized():
+        dist.destroy_process_group()
+    return runtime
 
 
 def current() -> Runtime:

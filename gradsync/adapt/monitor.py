@@ -15,8 +15,9 @@ Built-ins:
 - :class:`NoiseScale`: the gradient noise scale ``B_simple = tr(Sigma) / |G|^2`` of McCandlish et al.
   ("An Empirical Model of Large-Batch Training", 2018, appendix A.1), from each worker's local
   gradient norm (batch ``b``) and the synchronized gradient's norm (batch ``N b``), smoothed by
-  separate EMAs of numerator and denominator as KungFu does. Cost: one pass over the gradients and
-  one all-reduce of two scalars.
+  separate EMAs of numerator and denominator as KungFu does. Cost: one pass over the local
+  gradients, a pass over ``1/N`` of the synchronized ones (each worker squares its share) and one
+  all-reduce of two scalars.
 - :class:`GradientVariance`: the variance over workers of each gradient coordinate, summed and as
   a norm. Exact: an extra all-reduce of the squared gradients (KungFu's
   ``MonitorGradientVarianceOptimizer``; one more model-sized all-reduce per step). Sampled: the
@@ -29,8 +30,6 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Iterable
-
 import torch
 
 from gradsync import runtime
@@ -66,12 +65,6 @@ class Monitor:
     def values(self) -> dict[str, float]:
         return {}
 
-    def _reduce_mean(self, values: list[torch.Tensor | float]) -> list[float]:
-        """Mean over workers of a few scalars, in one float64 all-reduce."""
-        t = torch.stack([torch.as_tensor(v, dtype=torch.float64) for v in values]).to(self.transport.device)
-        self.transport.allreduce(t, what=f"{type(self).__name__} scalars")
-        return (t / self.num_workers).tolist()
-
 
 class EMA:
     """``value = alpha * value + (1 - alpha) * x``; the first sample is taken as is (KungFu's ``ema.hpp``)."""
@@ -86,10 +79,12 @@ class EMA:
         return self.value
 
 
-def _sq_norm(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
-    """Sum of squares of every element, accumulated in float64 across tensors."""
-    norms = [torch.linalg.vector_norm(t, dtype=torch.float32).double() for t in tensors]
-    return torch.stack(norms).pow(2).sum() if norms else torch.zeros((), dtype=torch.float64)
+def _sq(t: torch.Tensor) -> torch.Tensor:
+    """Sum of squares of a tensor's elements, as a float64 scalar (one pass, no temporary)."""
+    if t.dtype == torch.float32 and t.is_contiguous():
+        flat = t.view(-1)
+        return torch.dot(flat, flat).double()
+    return torch.linalg.vector_norm(t, dtype=torch.float32).double().square()
 
 
 class NoiseScale(Monitor):
@@ -117,17 +112,32 @@ class NoiseScale(Monitor):
         self._local: list[torch.Tensor] = []
         self.readings: dict[str, float] = {}
 
+    def attach(self, params, names, every) -> None:
+        super().attach(params, names, every)
+        # The synchronized gradient is the same on every worker: each squares its share of the
+        # parameters (balanced by size) and the all-reduce adds the shares up.
+        load = [0] * self.num_workers
+        self.share = [False] * len(params)
+        me = runtime.current().topology.rank
+        for i in sorted(range(len(params)), key=lambda i: -params[i].numel()):
+            w = load.index(min(load))
+            load[w] += params[i].numel()
+            self.share[i] = w == me
+
     def on_local_grad(self, index: int, grad: torch.Tensor) -> None:
         if self.active:
-            self._local.append(torch.linalg.vector_norm(grad, dtype=torch.float32).double())
+            self._local.append(_sq(grad))
 
     def on_synced(self) -> None:
         if not self.active:
             return
-        local = torch.stack(self._local).pow(2).sum() if self._local else 0.0
+        local = torch.stack(self._local).sum() if self._local else torch.zeros((), dtype=torch.float64)
         self._local = []
-        big = _sq_norm(p.grad for p in self.params if p.grad is not None)
-        small_sq, big_sq = self._reduce_mean([local, big])
+        mine = [_sq(p.grad) for p, own in zip(self.params, self.share) if own and p.grad is not None]
+        big = torch.stack(mine).sum() if mine else torch.zeros((), dtype=torch.float64)
+        t = torch.stack([local, big]).to(self.transport.device)
+        self.transport.allreduce(t, what="noise scale norms")
+        small_sq, big_sq = float(t[0]) / self.num_workers, float(t[1])
         b, B = self.batch_size, self.batch_size * self.num_workers
         if B == b:
             self.readings = {"noise_scale": math.nan, "grad_sq_norm": big_sq}

@@ -20,6 +20,7 @@ Built-ins: :class:`AdaptiveBatchSize`, :class:`StrategySwitch`, :class:`Schedule
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import statistics
 import time
@@ -28,9 +29,11 @@ from typing import Any, Iterator
 import torch
 
 from gradsync import runtime
+from gradsync.adapt import elastic
 from gradsync.adapt.data import GlobalBatches
 from gradsync.adapt.monitor import Monitors, NoiseScale, Throughput
-from gradsync.errors import ConfigError
+from gradsync.consistency import broadcast_model, check_models_match
+from gradsync.errors import ConfigError, PeerFailureError
 
 
 class Policy:
@@ -54,7 +57,7 @@ class Controller:
     """
 
     def __init__(self, optimizer, policies: list[Policy] = (), *, monitors: Monitors | None = None,
-                 batch_size: int, dataset_size: int | None = None, seed: int = 0):
+                 batch_size: int, dataset_size: int | None = None, seed: int = 0, commit_every: int = 1):
         if getattr(optimizer, "_gradsync", None) is None:
             raise ConfigError("Controller needs an optimizer returned by gradsync.distribute")
         for p in policies:
@@ -70,6 +73,21 @@ class Controller:
         self.step = 0
         self.epoch = 0
         self.stop_requested = False
+        self.detached = False
+        self.commit_every = commit_every
+        self._commit: dict | None = None
+        self._member = None
+        self._regrouped_at = -1
+        self.resizes: list[dict] = []
+        """Elastic: one record per change of generation (sizes, cause, seconds it took)."""
+        member = elastic.current()
+        if member is not None:
+            strategy = optimizer.strategy
+            if strategy.state_location != "optimizer":
+                raise ConfigError(f"elastic training needs a strategy whose optimizer state stays in your optimizer "
+                                  f"(allreduce, ddp, casync-*, compressed-allgather, sma); {strategy.name!r} spreads it")
+            if member.gen > 0 and self.rank in [member.members.index(j) for j in member.joiners]:
+                self._hand_over(joining=True)  # the survivors do the same in _regroup
 
     # -- who we are ------------------------------------------------------------------------------
     @property
@@ -122,6 +140,8 @@ class Controller:
             self.step += 1
             done += 1
             self._call("after_step")
+            if elastic.current() is not None:
+                self._between_steps()
 
     def batch_indices(self) -> torch.Tensor:
         """This worker's sample indices for the current step (its slice of the global batch)."""
@@ -149,10 +169,134 @@ class Controller:
     def switch_strategy(self, strategy, **options):
         return self.optimizer.switch_strategy(strategy, **options)
 
-    def resize(self, num_workers: int) -> None:
-        from gradsync.adapt import elastic
+    def resize(self, num_workers: int) -> bool:
+        """Resize the elastic job to ``num_workers`` now (collective: every worker calls it after the
+        same step, as a policy does). Growing waits for the new workers to start. Returns whether the
+        job changed (False: the launcher refused, e.g. outside ``--min-np``..``--max-np``)."""
+        start = time.perf_counter()
+        gen = elastic.request_resize(num_workers)
+        member = elastic.current()
+        if gen <= member.gen:
+            return False
+        self._regroup(gen, cause=f"resize to {num_workers}", start=start)
+        return True
 
-        elastic.request_resize(num_workers)
+    # -- elastic ---------------------------------------------------------------------------------
+    def run(self, train) -> None:
+        """Run ``train(ctl)``; in an elastic job, when a worker dies, restore the last commit, regroup
+        without it and run ``train`` again (it continues from ``ctl.epoch``, ``ctl.step`` and the data
+        position, as the ``epochs``/``steps`` iterators do). Returns when ``train`` returns, or when this
+        worker was removed from the job (``ctl.detached``)."""
+        member = elastic.current()
+        if member is None:
+            return train(self)
+        if self._commit is None:
+            self.commit()
+        while True:
+            try:
+                train(self)
+                return
+            except PeerFailureError as exc:
+                self._recover(exc)
+                if self.detached:
+                    return
+
+    def commit(self) -> None:
+        """Remember parameters, buffers, optimizer state and counters (restored if a worker dies)."""
+        model = self.optimizer._gradsync.model
+        self._commit = {
+            "params": [p.detach().clone() for p in model.parameters()],
+            "buffers": [b.detach().clone() for b in model.buffers()],
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+            "counters": self._counters(),
+        }
+
+    def _counters(self) -> dict:
+        data = self.data.state() if self.data is not None else None
+        return {"step": self.step, "epoch": self.epoch, "data": data, "batch_size": self.batch_size,
+                "stop": self.stop_requested}
+
+    def _restore(self) -> None:
+        c = self._commit
+        model = self.optimizer._gradsync.model
+        with torch.no_grad():
+            for p, v in zip(model.parameters(), c["params"]):
+                p.copy_(v)
+                p.grad = None  # the failed step's gradients must not add to its redo
+            for b, v in zip(model.buffers(), c["buffers"]):
+                b.copy_(v)
+        type(self.optimizer).__mro__[1].load_state_dict(self.optimizer, copy.deepcopy(c["optimizer"]))
+        self._load_counters(c["counters"])
+
+    def _load_counters(self, c: dict) -> None:
+        self.step, self.epoch, self.stop_requested = c["step"], c["epoch"], c["stop"]
+        self.set_batch_size(c["batch_size"])
+        if self.data is not None and c["data"] is not None:
+            self.data.load(*c["data"])
+
+    def _between_steps(self) -> None:
+        member = elastic.current()
+        if self.step % self.commit_every == 0:
+            self.commit()
+        if self._regrouped_at == self.step:
+            return  # a policy resized after this step: a worker that just joined does not ask again
+        gen = member.agree()
+        if gen > member.gen:
+            self._regroup(gen, cause="resize")
+
+    def _recover(self, exc: Exception) -> None:
+        member = elastic.current() or self._member
+        start = time.perf_counter()
+        self._restore()
+        gen = member.wait_for(member.gen, runtime.current().timeout_s if runtime.is_initialized() else 60.0)
+        self._regroup(gen, cause=f"failure: {exc}".splitlines()[0][:200], failed=True, start=start)
+
+    def _regroup(self, gen: int, *, cause: str, failed: bool = False, start: float | None = None) -> None:
+        from gradsync.distribute import detach, reattach
+
+        start = time.perf_counter() if start is None else start
+        member = self._member = elastic.current() or self._member
+        before = len(member.members)
+        detach(self.optimizer, failed=failed)
+        try:
+            runtime.leave()
+        except Exception:
+            if not failed:
+                raise
+        if not member.enter(gen):
+            self.detached = self.stop_requested = True
+            return
+        sync = self.optimizer._gradsync
+        # What a starting worker does in distribute(), in the same order: it is doing it now.
+        check_models_match(sync.model, runtime.current().transport, world=False)
+        broadcast_model(sync.model, runtime.current().transport, world=False)
+        reattach(self.optimizer, copy.deepcopy(sync.template))
+        if sync.observer is not None:
+            for m in sync.observer:
+                m.attach(sync.params, sync.names, m.every)
+        if member.joiners or failed:
+            self._hand_over(joining=False)
+        self.commit()
+        self._regrouped_at = self.step
+        self.resizes.append({"generation": gen, "from": before, "to": len(member.members), "cause": cause,
+                             "step": self.step, "seconds": time.perf_counter() - start})
+
+    def _hand_over(self, *, joining: bool) -> None:
+        """Collective in a new generation: the worker with the newest state sends it to all (parameters,
+        buffers, optimizer state, counters). Joiners have none; after a failure, survivors may differ by a step."""
+        transport = runtime.current().transport
+        newest = -1 if joining else self.step
+        t = torch.tensor([newest], dtype=torch.int64)
+        transport.allreduce(t, op="max", what="elastic: newest state")
+        best = int(t)
+        t = torch.tensor([self.rank if newest == best else 1 << 40], dtype=torch.int64)
+        transport.allreduce(t, op="min", what="elastic: state source")
+        src = int(t)
+        sync = self.optimizer._gradsync
+        with torch.no_grad():
+            for tensor in [*sync.model.parameters(), *sync.model.buffers()]:
+                transport.broadcast(tensor.data, src, what="elastic: model")
+        self._load_counters(elastic.share_state(self.optimizer, {"counters": self._counters()}, src)["counters"])
 
 
 class AdaptiveBatchSize(Policy):

@@ -39,8 +39,32 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--delay", type=float, default=0.0, metavar="MS", help="with --net: one-way host-to-host delay")
     parser.add_argument("--ranks-per-host", type=_int_in(1), default=1, help="ranks per emulated host with --net (default 1)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the command every rank runs, after --")
+    elastic = parser.add_argument_group("elastic jobs (one machine)")
+    elastic.add_argument("--elastic", action="store_true",
+                         help="workers may join, leave or die while the job runs (gradsync resize N; see docs/adaptive.md)")
+    elastic.add_argument("--min-np", type=_int_in(1), help="with --elastic: fewest workers (default -np)")
+    elastic.add_argument("--max-np", type=_int_in(1), help="with --elastic: most workers (default -np)")
     parser.set_defaults(handler=main, run_parser=parser)
+    resize = subparsers.add_parser("resize", help="ask a running elastic job (gradsync run --elastic) for N workers",
+                                   description="Ask a running elastic job for N workers; it regroups after its next step.")
+    resize.add_argument("size", type=_int_in(1), help="the number of workers wanted")
+    resize.add_argument("--port", type=_int_in(1, 65535), required=True,
+                        help="the job's store port (gradsync run --elastic prints it)")
+    resize.add_argument("--addr", default="127.0.0.1", help="the launcher's address (default 127.0.0.1)")
+    resize.set_defaults(handler=_resize)
     return parser
+
+
+def _resize(args) -> int:
+    from gradsync.launch.elastic import resize
+
+    try:
+        resize(args.size, args.port, args.addr)
+    except Exception as exc:  # noqa: BLE001 - the store's errors are plain RuntimeErrors
+        print(f"gradsync resize: no elastic job answered at {args.addr}:{args.port}: {exc}", file=sys.stderr)
+        return 1
+    print(f"gradsync resize: asked for {args.size} workers")
+    return 0
 
 
 def _hosts_and_node_rank(args, parser) -> tuple[list[tuple[str, int]] | None, int]:
@@ -67,11 +91,27 @@ def main(args: argparse.Namespace) -> int:
     if not command:
         parser.error("missing the command to run, e.g. gradsync run -np 2 -- python train.py")
     hosts, node_rank = _hosts_and_node_rank(args, parser)
+    if args.elastic:
+        return _run_elastic(args, command, parser)
+    if args.min_np is not None or args.max_np is not None:
+        parser.error("--min-np and --max-np need --elastic")
     if args.net is not None:
         return _run_emulated(args, command, parser)
     result = launch_local(command, np=args.np, servers=args.servers, port=args.port,
                           logdir=args.logdir, grace_s=args.grace, hosts=hosts,
                           node_rank=node_rank, master_addr=args.master_addr)
+    if result.message:
+        print(result.message, file=sys.stderr, flush=True)
+    return result.returncode
+
+
+def _run_elastic(args, command: list[str], parser) -> int:
+    if args.hosts or args.hostfile or args.net or args.servers:
+        parser.error("--elastic runs workers on this machine only: no -H, --hostfile, --net or --servers yet")
+    from gradsync.launch.elastic import launch_elastic
+
+    result = launch_elastic(command, np=args.np, min_np=args.min_np or args.np, max_np=args.max_np or args.np,
+                            port=args.port, logdir=args.logdir, grace_s=args.grace)
     if result.message:
         print(result.message, file=sys.stderr, flush=True)
     return result.returncode

@@ -1,0 +1,96 @@
+"""Elastic training: the job grows and shrinks while it trains, and survives a worker's death.
+
+    gradsync run --elastic -np 1 --min-np 1 --max-np 4 -- python examples/elastic.py --schedule 3:2,6:4,10:2
+    gradsync resize 3 --port PORT        # from another shell: PORT is printed at start
+
+A least-squares model on a fixed dataset. Every step takes the next global batch (``--batch`` per
+worker times the current number of workers) of one order per epoch (gradsync.adapt.GlobalBatches),
+so the run is reproducible whatever happens to the job. Worker 0 writes ``--out``: the final
+parameters, the global batch of every step and the record of every resize.
+
+``--die STEP:ID`` kills worker ID (SIGKILL, no clean-up) in the middle of step STEP's backward:
+the survivors restore their last commit and continue without it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import time
+
+import torch
+
+import gradsync
+from gradsync.adapt import Controller, ScheduledResize
+
+DIM, DATA = 8, 1024
+
+
+def dataset():
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(DATA, DIM, generator=gen)
+    y = x @ torch.linspace(-1, 1, DIM) + 0.1 * torch.randn(DATA, generator=gen)
+    return x, y
+
+
+def build():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(DIM, 1)
+    return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def loss_of(model, x, y):
+    return 0.5 * (model(x).squeeze(1) - y).pow(2).mean()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=14)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--schedule", default="", help="STEP:SIZE,... resizes (ScheduledResize)")
+    parser.add_argument("--die", default="", help="STEP:ID: worker ID dies during step STEP")
+    parser.add_argument("--sleep", type=float, default=0.0, help="seconds of 'compute' per step")
+    parser.add_argument("--strategy", default="allreduce")
+    parser.add_argument("--out", default="")
+    args = parser.parse_args()
+
+    gradsync.init()
+    me = int(os.environ.get("GRADSYNC_ELASTIC_ID", "0"))
+    x, y = dataset()
+    model, opt = build()
+    opt = gradsync.distribute(model, opt, args.strategy)
+    schedule = {int(a): int(b) for a, b in (item.split(":") for item in args.schedule.split(",") if item)}
+    die_step, die_id = (int(v) for v in args.die.split(":")) if args.die else (-1, -1)
+    if me == die_id:
+        model.weight.register_hook(lambda g: os.kill(os.getpid(), signal.SIGKILL) if ctl.step == die_step else g)
+    ctl = Controller(opt, [ScheduledResize(schedule)], batch_size=args.batch, dataset_size=DATA)
+    batches: dict[int, list[int]] = {}
+    sizes: dict[int, int] = {}
+
+    def train(ctl):
+        for _ in ctl.epochs(1_000_000):  # resumes at ctl.epoch, ctl.step after a failure
+            for step in ctl.steps():
+                if step >= args.steps:
+                    ctl.stop()
+                    break
+                batches[step] = ctl.data.global_batch(ctl.global_batch_size).tolist()
+                sizes[step] = ctl.num_workers
+                idx = ctl.batch_indices()
+                time.sleep(args.sleep)
+                loss_of(model, x[idx], y[idx]).backward()
+                opt.step()
+                opt.zero_grad()
+
+    ctl.run(train)
+    if ctl.detached:
+        print(f"worker {me}: left the job after step {ctl.step}", flush=True)
+    elif gradsync.topology().rank == 0 and args.out:
+        with open(args.out, "w") as f:
+            json.dump({"params": [p.detach().reshape(-1).tolist() for p in model.parameters()],
+                       "batches": batches, "sizes": sizes, "resizes": ctl.resizes, "id": me}, f)
+    gradsync.shutdown()
+
+
+if __name__ == "__main__":
+    main()

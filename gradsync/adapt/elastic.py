@@ -1,0 +1,238 @@
+"""Elastic training, the worker's side: membership, regrouping, state hand-over (KungFu, Horovod elastic).
+
+``gradsync run --elastic`` (:mod:`gradsync.launch.elastic`) hosts a key-value store and decides
+who is in the job; workers follow. The job moves through *generations*; generation ``g`` is a list
+of worker ids (``elastic/members/g``), and worker ``members[i]`` is rank ``i`` of that generation's
+process group (created on the store under the prefix ``elastic/g/``, so generations never mix).
+
+- A worker started by the launcher announces itself (``elastic/ready/<id>``) and waits until a
+  generation lists it (:func:`join`, from ``gradsync.init()``).
+- Between steps, the :class:`~gradsync.adapt.Controller` asks (:meth:`Membership.agree`) whether a
+  newer generation exists: one all-reduce (max) of one integer, so all workers switch after the
+  same step. Then every worker closes its strategy, leaves the old group, and the members of the
+  new one form it; a worker not listed leaves training (``ctl.detached``).
+- In the new group the survivors repeat what a starting worker does in ``distribute`` (model
+  check, parameter broadcast, strategy attach), then the source rank broadcasts the optimizer
+  state, step, epoch, data position, batch size and learning rates (:func:`share_state`; a JSON
+  header as ``uint8`` and raw tensors: no pickle).
+- When a worker dies, a collective fails on the survivors; each restores its last *commit* (taken
+  after every step), waits for the launcher's next generation, and the survivor with the newest
+  commit becomes the source: no committed step is lost.
+
+Store keys (all strings): ``elastic/gen``, ``elastic/members/<g>``, ``elastic/ready/<id>``,
+``elastic/request`` (a size asked for) with ``elastic/request_seq`` (a counter),
+``elastic/failed`` (why the launcher gave up).
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from gradsync import runtime
+from gradsync.errors import ConfigError, GradsyncError
+from gradsync.topology import Topology
+
+POLL_S = 0.02
+
+
+def _client(addr: str, port: int, timeout_s: float):
+    return dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+def request_size(store, size: int) -> int:
+    """Ask the launcher for ``size`` workers (what ``gradsync resize`` and ``ctl.resize`` do). Returns
+    the request's number; the launcher answers under ``elastic/answer/<number>``: the generation that
+    has the new size, or ``refused: why``."""
+    store.set("elastic/request", str(size))
+    return store.add("elastic/request_seq", 1)
+
+
+def answer(store, seq: int, timeout_s: float) -> int | str:
+    """The launcher's answer to request ``seq``: a generation, or the reason it refused."""
+    try:
+        store.wait([f"elastic/answer/{seq}"], timedelta(seconds=timeout_s))
+    except Exception as exc:  # noqa: BLE001 - TCPStore raises plain RuntimeErrors
+        raise GradsyncError(f"the elastic launcher did not answer resize request {seq} within {timeout_s:g} s") from exc
+    text = store.get(f"elastic/answer/{seq}").decode()
+    return int(text) if text.lstrip("-").isdigit() else text
+
+
+class Membership:
+    """This worker's view of the elastic job: its id, its generation and that generation's members."""
+
+    def __init__(self, store, addr: str, port: int, wid: int, backend: str, timeout_s: float):
+        self.store, self.addr, self.port, self.id = store, addr, port, wid
+        self.backend, self.timeout_s = backend, timeout_s
+        self.gen, self.members, self.previous = -1, [], []
+        self.first_gen = None
+
+    def latest(self) -> int:
+        return int(self.store.get("elastic/gen")) if self.store.check(["elastic/gen"]) else -1
+
+    def members_of(self, gen: int) -> list[int]:
+        return [int(x) for x in self.store.get(f"elastic/members/{gen}").decode().split(",") if x]
+
+    def _failed(self) -> str | None:
+        return self.store.get("elastic/failed").decode() if self.store.check(["elastic/failed"]) else None
+
+    def wait_for(self, newer_than: int, timeout_s: float) -> int:
+        """The first generation after ``newer_than``, waiting for the launcher at most ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            gen = self.latest()
+            if gen > newer_than:
+                return gen
+            failed = self._failed()
+            if failed:
+                raise GradsyncError(f"elastic worker {self.id}: the launcher ended the job: {failed}")
+            if time.monotonic() > deadline:
+                raise GradsyncError(f"elastic worker {self.id}: no new generation from the launcher within "
+                                    f"{timeout_s:g} s after generation {newer_than}")
+            time.sleep(POLL_S)
+
+    def enter(self, gen: int) -> bool:
+        """Form generation ``gen``'s process group; False when this worker is not in it (detached)."""
+        members = self.members_of(gen)
+        self.previous = self.members if self.gen >= 0 else (self.members_of(gen - 1) if gen > 0 else [])
+        self.gen, self.members = gen, members
+        if self.id not in members:
+            return False
+        topo = Topology(len(members), members.index(self.id), 0, members.index(self.id))
+        prefix = f"elastic/{gen}/"
+        store = dist.PrefixStore(prefix, _client(self.addr, self.port, self.timeout_s))
+        rt = runtime.start(topo, store, backend=self.backend, timeout_s=self.timeout_s,
+                           heartbeat_at=(self.addr, self.port), heartbeat_prefix=prefix)
+        rt.elastic = self
+        if self.first_gen is None:
+            self.first_gen = gen
+        return True
+
+    @property
+    def joiners(self) -> list[int]:
+        """Workers new in this generation (they need the state)."""
+        return [m for m in self.members if m not in self.previous]
+
+    def agree(self) -> int:
+        """The newest generation any worker has seen: collective, the same answer everywhere."""
+        t = torch.tensor([self.latest()], dtype=torch.int64)
+        runtime.current().transport.allreduce(t, op="max", what="elastic generation check")
+        return int(t)
+
+
+def join(backend: str, timeout_s: float):
+    """``gradsync.init()`` in an elastic job: announce this worker, wait to be listed, form the group."""
+    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port = runtime._env_int("MASTER_PORT", 29500)
+    wid = runtime._env_int("GRADSYNC_ELASTIC_ID", -1)
+    if wid < 0:
+        raise ConfigError("GRADSYNC_ELASTIC=1 needs GRADSYNC_ELASTIC_ID: start elastic jobs with gradsync run --elastic")
+    store = _client(addr, port, max(timeout_s, runtime.RENDEZVOUS_MIN_S))
+    member = Membership(store, addr, port, wid, backend, timeout_s)
+    store.set(f"elastic/ready/{wid}", "1")
+    deadline = time.monotonic() + max(timeout_s, runtime.RENDEZVOUS_MIN_S)
+    gen = -1
+    while True:
+        gen = member.wait_for(gen, max(1.0, deadline - time.monotonic()))
+        if wid in member.members_of(gen):
+            break
+    if not member.enter(gen):
+        raise GradsyncError(f"elastic worker {wid} was listed in generation {gen} and then not")
+    return runtime.current()
+
+
+def current() -> Membership | None:
+    return runtime.current().elastic if runtime.is_initialized() else None
+
+
+def request_resize(size: int, timeout_s: float = 120.0) -> int:
+    """Ask for ``size`` workers and wait for the launcher's answer. Collective: every worker calls it
+    after the same step (rank 0 asks, then tells the others). Returns the generation to enter, or
+    -1 when the launcher refused (it says why on its output, and so does this worker)."""
+    member = current()
+    if member is None:
+        raise ConfigError("resizing needs an elastic job: gradsync run --elastic --min-np A --max-np B")
+    t = torch.tensor([-1], dtype=torch.int64)
+    if runtime.current().topology.rank == 0:
+        reply = answer(member.store, request_size(member.store, size), timeout_s)
+        if isinstance(reply, str):
+            print(f"gradsync: resize to {size} workers {reply}", flush=True)
+        else:
+            t[0] = reply
+    runtime.current().transport.broadcast(t, 0, what="elastic resize answer")
+    return int(t)
+
+
+# -- state hand-over ---------------------------------------------------------------------------------
+
+def _encode_state(optimizer, extra: dict) -> tuple[dict, list[torch.Tensor]]:
+    """The optimizer's ``state_dict`` as a JSON-able skeleton plus its tensors, in order."""
+    sd = optimizer.state_dict()
+    tensors: list[torch.Tensor] = []
+
+    def walk(value):
+        if isinstance(value, torch.Tensor):
+            tensors.append(value.detach())
+            return {"__tensor__": len(tensors) - 1, "dtype": str(value.dtype).removeprefix("torch."),
+                    "shape": list(value.shape)}
+        if isinstance(value, dict):
+            return {"__dict__": [[k, walk(v)] for k, v in value.items()]}
+        if isinstance(value, (list, tuple)):
+            return [walk(v) for v in value]
+        return value
+
+    return {"optimizer": walk(sd), **extra}, tensors
+
+
+def _decode_state(skeleton, tensors: list[torch.Tensor]):
+    def walk(value):
+        if isinstance(value, dict) and "__tensor__" in value:
+            return tensors[value["__tensor__"]]
+        if isinstance(value, dict) and "__dict__" in value:
+            return {k: walk(v) for k, v in value["__dict__"]}
+        if isinstance(value, list):
+            return [walk(v) for v in value]
+        return value
+
+    return walk(skeleton)
+
+
+def share_state(optimizer, extra: dict, src: int) -> dict:
+    """Broadcast ``optimizer``'s state and ``extra`` (JSON) from rank ``src``; load them everywhere.
+    Returns ``extra`` as ``src`` had it. Collective over the workers."""
+    transport = runtime.current().transport
+    me = runtime.current().topology.rank
+    if me == src:
+        skeleton, tensors = _encode_state(optimizer, extra)
+        blob = torch.frombuffer(bytearray(json.dumps(skeleton).encode()), dtype=torch.uint8)
+        length = torch.tensor([blob.numel()], dtype=torch.int64)
+    else:
+        length = torch.zeros(1, dtype=torch.int64)
+    transport.broadcast(length, src, what="elastic state header")
+    if me != src:
+        blob = torch.empty(int(length), dtype=torch.uint8)
+    transport.broadcast(blob, src, what="elastic state header")
+    skeleton = json.loads(bytes(blob.tolist()).decode()) if me != src else skeleton
+    if me != src:
+        tensors = []
+
+        def allocate(value):
+            if isinstance(value, dict) and "__tensor__" in value:
+                tensors.append(torch.empty(value["shape"], dtype=getattr(torch, value["dtype"])))
+            elif isinstance(value, dict) and "__dict__" in value:
+                for _, v in value["__dict__"]:
+                    allocate(v)
+            elif isinstance(value, list):
+                for v in value:
+                    allocate(v)
+
+        allocate(skeleton["optimizer"])
+    for t in tensors:
+        transport.broadcast(t, src, what="elastic optimizer state")
+    if me != src:
+        optimizer.load_state_dict(_decode_state(skeleton["optimizer"], tensors))
+    return {k: v for k, v in skeleton.items() if k != "optimizer"}

@@ -1,0 +1,171 @@
+"""``gradsync run --elastic``: the agent that decides who is in a job while it runs (one machine).
+
+It hosts the job's key-value store (a ``torch.distributed.TCPStore`` on ``--port``), starts the
+workers with stable ids (``GRADSYNC_ELASTIC_ID``; their output is prefixed ``[worker ID]``) and
+publishes *generations*: lists of worker ids (keys in :mod:`gradsync.adapt.elastic`). It acts on:
+
+- a size request (``gradsync resize N``, or a policy calling ``ctl.resize(N)``), clamped to
+  ``--min-np``..``--max-np``: to grow, it starts the new workers and publishes the next generation
+  (old members first, in order, then the new ones) once every new one has announced itself; to
+  shrink, it publishes the first N members at once, and the others leave training and exit;
+- a worker that dies (exits non-zero or by a signal): the next generation leaves it out, and the
+  survivors restore their last commit and go on; below ``--min-np`` the job fails.
+
+The job ends when every member has exited successfully; its exit code is then 0.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from datetime import timedelta
+
+from gradsync.launch.hosts import RankSpec, find_free_port
+from gradsync.launch.processes import JobResult, _exit_code, _Output, _spawn, _start_pumps, _stop, _trap_signals
+
+POLL_S = 0.02
+
+
+class Agent:
+    def __init__(self, command: list[str], np: int, min_np: int, max_np: int, port: int | None,
+                 logdir: str | None, grace_s: float):
+        import torch.distributed as dist  # only elastic jobs pay for torch in the launcher
+
+        self.command, self.min_np, self.max_np, self.grace_s, self.logdir = command, min_np, max_np, grace_s, logdir
+        self.port = port or find_free_port()
+        self.store = dist.TCPStore("127.0.0.1", self.port, is_master=True, timeout=timedelta(seconds=30),
+                                   wait_for_workers=False)
+        self.out = _Output(prefix=True)
+        self.procs: dict[int, object] = {}  # id -> _Rank
+        self.members: list[int] = []
+        self.pending: list[int] = []  # started, not yet in a generation
+        self.gen = -1
+        self.next_id = 0
+        self.seq = 0
+        self.unanswered: list[int] = []  # requests answered when the new workers have joined
+        self.requested_at: float | None = None
+        if logdir is not None:
+            os.makedirs(logdir, exist_ok=True)
+        for _ in range(np):
+            self._start_worker()
+        self.members, self.pending = list(self.pending), []
+        self._publish("start")
+
+    def _start_worker(self) -> None:
+        wid = self.next_id
+        self.next_id += 1
+        env = {**os.environ, "GRADSYNC_ELASTIC": "1", "GRADSYNC_ELASTIC_ID": str(wid), "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(self.port), "GRADSYNC_MIN_NP": str(self.min_np), "GRADSYNC_MAX_NP": str(self.max_np),
+               "PYTHONUNBUFFERED": "1"}
+        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "GRADSYNC_NUM_SERVERS"):
+            env.pop(key, None)
+        rank = _spawn(list(self.command), RankSpec(wid, "worker", wid, wid), env, self.logdir)
+        _start_pumps(rank, self.out)
+        self.procs[wid] = rank
+        self.pending.append(wid)
+
+    def _publish(self, why: str) -> None:
+        self.gen += 1
+        self.store.set(f"elastic/members/{self.gen}", ",".join(map(str, self.members)))
+        self.store.set("elastic/gen", str(self.gen))
+        self._say(f"generation {self.gen}: {len(self.members)} workers {self.members} ({why})")
+
+    def _say(self, text: str) -> None:
+        print(f"gradsync run --elastic: {text}", file=sys.stderr, flush=True)
+
+    def _fail(self, message: str, code: int) -> JobResult:
+        self.store.set("elastic/failed", message)
+        _stop(list(self.procs.values()), self.grace_s)
+        return JobResult(code, None, f"gradsync run --elastic: {message}")
+
+    def _answer(self, seq: int, text: str) -> None:
+        self.store.set(f"elastic/answer/{seq}", text)
+
+    def _handle_request(self) -> None:
+        seq = self.store.add("elastic/request_seq", 0)
+        if seq == self.seq:
+            return
+        self.seq = seq  # several requests since the last look: the latest wins, all are answered
+        raw = self.store.get("elastic/request").decode()
+        try:
+            size = int(raw)
+        except ValueError:
+            size = -1
+        if not self.min_np <= size <= self.max_np:
+            why = f"refused: {raw!r} is outside --min-np {self.min_np} .. --max-np {self.max_np}"
+            self._say(f"resize request {seq} {why}")
+            self._answer(seq, why)
+            return
+        have = len(self.members) + len(self.pending)
+        if size > have:
+            for _ in range(size - have):
+                self._start_worker()
+            self._say(f"starting {size - have} workers for a resize to {size}")
+        elif size < len(self.members):
+            leaving = self.members[size:]
+            self.members = self.members[:size]
+            self._publish(f"resize to {size}; workers {leaving} leave")
+        if self.pending:
+            self.unanswered.append(seq)
+        else:
+            self._answer(seq, str(self.gen))
+
+    def _check_pending(self) -> None:
+        if self.pending and all(self.store.check([f"elastic/ready/{w}"]) for w in self.pending):
+            joined, self.pending = self.pending, []
+            self.members += joined
+            self._publish(f"workers {joined} joined")
+            for seq in self.unanswered:
+                self._answer(seq, str(self.gen))
+            self.unanswered = []
+
+    def run(self) -> JobResult:
+        with _trap_signals() as caught:
+            while not caught:
+                self._handle_request()
+                self._check_pending()
+                for wid, rank in list(self.procs.items()):
+                    code = rank.proc.poll()
+                    if code is None:
+                        continue
+                    del self.procs[wid]
+                    if code == 0:
+                        if wid in self.members and not self.procs:
+                            return JobResult(0, None, "")
+                        continue  # a worker that left, or one finishing before the others
+                    if wid in self.pending:
+                        self.pending.remove(wid)
+                        self._say(f"worker {wid} failed while starting (exit code {_exit_code(code)}); not added")
+                        continue
+                    if wid not in self.members:
+                        continue
+                    self.members.remove(wid)
+                    if len(self.members) < self.min_np:
+                        return self._fail(f"worker {wid} failed (exit code {_exit_code(code)}) and "
+                                          f"{len(self.members)} workers are left, fewer than --min-np {self.min_np}",
+                                          _exit_code(code))
+                    self._publish(f"worker {wid} failed with exit code {_exit_code(code)}; continuing without it")
+                if not self.procs:
+                    return JobResult(0, None, "")
+                time.sleep(POLL_S)
+        return self._fail("interrupted", 130 if caught and caught[0] == 2 else 143)
+
+
+def launch_elastic(command: list[str], *, np: int, min_np: int, max_np: int, port: int | None = None,
+                   logdir: str | None = None, grace_s: float = 3.0) -> JobResult:
+    if not 1 <= min_np <= np <= max_np:
+        return JobResult(2, None, f"gradsync run --elastic: need 1 <= --min-np ({min_np}) <= -np ({np}) "
+                                  f"<= --max-np ({max_np})")
+    agent = Agent(command, np, min_np, max_np, port, logdir, grace_s)
+    agent._say(f"store on 127.0.0.1:{agent.port}; resize with: gradsync resize N --port {agent.port}")
+    return agent.run()
+
+
+def resize(size: int, port: int, addr: str = "127.0.0.1") -> None:
+    """``gradsync resize N``: ask a running elastic job for N workers."""
+    import torch.distributed as dist
+
+    from gradsync.adapt.elastic import request_size
+
+    store = dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=10), wait_for_workers=False)
+    request_size(store, size)

@@ -1,0 +1,107 @@
+"""Elastic jobs (gradsync run --elastic): resizing while training, a worker killed mid-step, and the
+data order, each checked against a single process that applies the same per-step global batches."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE = os.path.join(ROOT, "examples", "elastic.py")
+GRADSYNC = [sys.executable, "-m", "gradsync.cli"]
+
+
+def run_job(tmp_path, launcher_args, example_args, timeout=120):
+    out = tmp_path / "result.json"
+    proc = subprocess.run([*GRADSYNC, "run", "--elastic", *launcher_args, "--", sys.executable, EXAMPLE,
+                           "--out", str(out), *example_args], capture_output=True, text=True, timeout=timeout,
+                          cwd=ROOT, env={**os.environ, "GRADSYNC_TIMEOUT": "20"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return json.loads(out.read_text()), proc.stderr
+
+
+def replay(result) -> list[torch.Tensor]:
+    """One process, one model: each step's gradient over that step's whole global batch. Every worker
+    had an equal share of it, so the mean of the workers' means is this mean."""
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    try:
+        import elastic as example
+    finally:
+        sys.path.pop(0)
+    x, y = example.dataset()
+    model, opt = example.build()
+    for step in sorted(result["batches"], key=int):
+        idx = torch.tensor(result["batches"][step])
+        example.loss_of(model, x[idx], y[idx]).backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().reshape(-1) for p in model.parameters()]
+
+
+def assert_matches_reference(result):
+    for got, want in zip(result["params"], replay(result)):
+        assert torch.allclose(torch.tensor(got), want, atol=1e-5), (got, want)
+
+
+def test_grow_and_shrink_1_2_4_2_while_training_matches_the_reference(tmp_path):
+    result, log = run_job(tmp_path, ["-np", "1", "--min-np", "1", "--max-np", "4"],
+                          ["--schedule", "3:2,6:4,10:2,12:9", "--steps", "14"])
+    sizes = [result["sizes"][str(s)] for s in range(14)]
+    assert sizes == [1] * 3 + [2] * 3 + [4] * 4 + [2] * 4
+    assert [(r["from"], r["to"]) for r in result["resizes"]] == [(1, 2), (2, 4), (4, 2)]
+    assert "refused" in log and "'9' is outside --min-np 1 .. --max-np 4" in log  # 12:9, and training went on
+    # One global order per epoch: the 14 global batches are disjoint stretches of it.
+    seen = [i for s in range(14) for i in result["batches"][str(s)]]
+    assert len(seen) == len(set(seen)) == sum(4 * n for n in sizes)
+    assert_matches_reference(result)
+
+
+def test_a_worker_killed_mid_step_is_dropped_and_no_committed_step_is_lost(tmp_path):
+    result, log = run_job(tmp_path, ["-np", "3", "--min-np", "2", "--max-np", "3"],
+                          ["--die", "5:1", "--steps", "10"])
+    assert re.search(r"worker 1 failed with exit code 137; continuing without it", log), log[-2000:]
+    sizes = [result["sizes"][str(s)] for s in range(10)]
+    assert sizes == [3] * 5 + [2] * 5  # step 5 was redone by the two survivors
+    (failure,) = result["resizes"]
+    assert failure["cause"].startswith("failure") and failure["step"] == 5 and failure["to"] == 2
+    assert_matches_reference(result)
+
+
+def test_below_min_np_the_job_fails_with_a_clear_message(tmp_path):
+    proc = subprocess.run([*GRADSYNC, "run", "--elastic", "-np", "2", "--min-np", "2", "--", sys.executable, EXAMPLE,
+                           "--die", "2:1", "--steps", "6"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 137
+    assert "worker 1 failed (exit code 137) and 1 workers are left, fewer than --min-np 2" in proc.stderr
+
+
+def test_gradsync_resize_from_another_shell(tmp_path):
+    out = tmp_path / "result.json"
+    job = subprocess.Popen([*GRADSYNC, "run", "--elastic", "-np", "1", "--max-np", "2", "--", sys.executable, EXAMPLE,
+                            "--steps", "60", "--sleep", "0.05", "--out", str(out)],
+                           stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, cwd=ROOT)
+    try:
+        port = None
+        for line in job.stderr:
+            found = re.search(r"gradsync resize N --port (\d+)", line)
+            if found:
+                port = found.group(1)
+                break
+        assert port is not None
+        time.sleep(0.5)
+        asked = subprocess.run([*GRADSYNC, "resize", "2", "--port", port], capture_output=True, text=True, timeout=30)
+        assert asked.returncode == 0, asked.stderr
+        rest = job.stderr.read()
+        assert job.wait(timeout=90) == 0, rest[-3000:]
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    result = json.loads(out.read_text())
+    sizes = [result["sizes"][str(s)] for s in range(60)]
+    assert sizes[0] == 1 and sizes[-1] == 2 and sorted(sizes) == sizes
+    assert_matches_reference(result)
