@@ -52,6 +52,8 @@ def main() -> None:
     parser.add_argument("--die", default="", help="STEP:ID: worker ID dies during step STEP")
     parser.add_argument("--sleep", type=float, default=0.0, help="seconds of 'compute' per step")
     parser.add_argument("--strategy", default="allreduce")
+    parser.add_argument("--model", default="", help="a gradsync model (e.g. resnet50) on synthetic data instead "
+                        "of least squares: for resize latencies with a model's real size")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
 
@@ -59,6 +61,13 @@ def main() -> None:
     me = int(os.environ.get("GRADSYNC_ELASTIC_ID", "0"))
     x, y = dataset()
     model, opt = build()
+    if args.model:
+        from gradsync.models import get_model
+
+        spec = get_model(args.model)
+        torch.manual_seed(0)
+        model = spec.build()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     opt = gradsync.distribute(model, opt, args.strategy)
     schedule = {int(a): int(b) for a, b in (item.split(":") for item in args.schedule.split(",") if item)}
     die_step, die_id = (int(v) for v in args.die.split(":")) if args.die else (-1, -1)
@@ -78,7 +87,11 @@ def main() -> None:
                 sizes[step] = ctl.num_workers
                 idx = ctl.batch_indices()
                 time.sleep(args.sleep)
-                loss_of(model, x[idx], y[idx]).backward()
+                if args.model:
+                    inputs, target = spec.batch(len(idx), step * 1000 + gradsync.topology().rank)
+                    spec.loss(model(*inputs), target).backward()
+                else:
+                    loss_of(model, x[idx], y[idx]).backward()
                 opt.step()
                 opt.zero_grad()
 

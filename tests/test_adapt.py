@@ -26,7 +26,7 @@ def analytic_noise_scale() -> float:
 
 def monitors_job(steps: int):
     import gradsync
-    from gradsync.adapt import GradientVariance, NoiseScale, Throughput, monitor
+    from gradsync.adapt import GradientVariance, NoiseScale, Throughput, links, monitor
     from gradsync.errors import ConfigError
 
     topo = gradsync.topology()
@@ -60,6 +60,20 @@ def monitors_job(steps: int):
     variance = {**exact.values(), **{k + "_whole": v for k, v in whole.values().items()}, **sampled.values()}
     opt.close()
 
+    rates = links(1 << 16, repeats=2)
+
+    board = str(__import__("tempfile").mkdtemp()) if topo.rank == 0 else None
+    small = torch.nn.Linear(2, 2)
+    opt2 = gradsync.distribute(small, torch.optim.SGD(small.parameters(), lr=0.1))
+    try:
+        mons2 = monitor(opt2, Throughput(1), tensorboard=board)
+        mons2.after_step(), mons2.after_step()
+        mons2.close()
+        tensorboard = "files: " + ",".join(__import__("os").listdir(board)) if board else "not rank 0"
+    except ConfigError as exc:
+        tensorboard = str(exc)
+    opt2.close()
+
     refused = ""
     model = torch.nn.Linear(4, 4)
     opt = gradsync.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1), strategy="p3")
@@ -68,7 +82,7 @@ def monitors_job(steps: int):
     except ConfigError as exc:
         refused = str(exc)
     opt.close()
-    return noise, variance, local, refused
+    return noise, variance, local, refused, rates, tensorboard
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +102,7 @@ def test_noise_scale_matches_the_analytic_value_and_is_the_same_on_every_rank(mo
 
 
 def test_gradient_variance_exact_sampled_and_whole_sample(monitored):
-    (_, v0, local0, _), (_, v1, local1, _) = monitored
+    (_, v0, local0, *_), (_, v1, local1, *_) = monitored
     assert v0 == v1  # one global value
     g0, g1 = (torch.cat([g.reshape(-1) for g in grads]).double() for grads in (local0, local1))
     mean = (g0 + g1) / 2
@@ -103,6 +117,19 @@ def test_gradient_variance_exact_sampled_and_whole_sample(monitored):
 def test_monitor_refuses_a_strategy_without_synchronized_gradients(monitored):
     refused = monitored[0][3]
     assert "NoiseScale" in refused and "'p3'" in refused
+
+
+def test_link_probe_and_tensorboard(monitored):
+    for rank, result in enumerate(monitored):
+        rates, board = result[4], result[5]
+        assert list(rates) == [1 - rank] and rates[1 - rank] > 0.01  # Gbit/s over loopback
+    board = monitored[0][5]
+    try:
+        import torch.utils.tensorboard  # noqa: F401
+    except ImportError:
+        assert "pip install tensorboard" in board
+    else:
+        assert board.startswith("files: events.out.tfevents")
 
 
 def test_ema_takes_the_first_sample_as_is():
@@ -227,3 +254,86 @@ def test_pair_averaging_trains_without_a_barrier_and_ends_cleanly():
     finals = [r[0][-1] for r in results]
     spread = max(float((a - b).abs().max()) for a in finals for b in finals)
     assert spread < 0.5 * float((finals[0] - results[0][0][0]).abs().max())  # the models agree more than they moved
+
+
+def switch_policy_job(work, steps):
+    import time as _time
+
+    import gradsync
+    from gradsync.adapt import Controller, StrategySwitch
+    from gradsync.bench.workload import train_step
+    from gradsync.strategies import AllReduce
+
+    class Slow(AllReduce):  # the same all-reduce, 30 ms slower per step
+        name = "slow-allreduce"
+
+        def step(self, apply):
+            _time.sleep(0.03)
+            return super().step(apply)
+
+    gradsync.register("slow-allreduce", Slow)
+    topo = gradsync.topology()
+    model, opt = work.build()
+    opt = gradsync.distribute(model, opt, "slow-allreduce")
+    policy = StrategySwitch(["slow-allreduce", "allreduce", ("slow-allreduce", {"bucket_mb": 1})], probe_steps=3)
+    ctl = Controller(opt, [policy], batch_size=work.batch_size)
+    spec = work.spec()
+    with ctl.train():
+        for step in ctl.steps(steps):
+            inputs, target = work.batch(spec, step, topo.rank, topo.num_workers)
+            train_step(model, opt, spec, inputs, target)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, policy.history, opt.strategy.name
+
+
+def test_strategy_switch_probes_every_candidate_keeps_the_fastest_and_stays_exact():
+    from gradsync.bench.workload import Workload, compare, reference
+
+    work = Workload(model="toy", batch_size=4, optimizer="sgd", lr=0.01)
+    results = run_ranks(switch_policy_job, 2, work, 14, timeout=120)
+    ref = reference(work, 2, 14)
+    for params, history, last in results:
+        assert compare(params, ref, work.tolerance)["correct"]
+        assert last == "allreduce"
+    history = results[0][1]
+    assert [event for _, event, _ in history] == ["probe", "measured", "measured", "measured", "chose"]
+    measured = {label: t for _, event, (label, t) in (h for h in history if h[1] == "measured")}
+    assert measured["allreduce"] + 0.02 < min(measured["slow-allreduce"], measured["slow-allreduce(bucket_mb=1)"])
+    assert history == results[1][1]  # every worker decided alike, on the same (all-reduced) times
+    assert history[-1][2] == "allreduce"
+
+
+class FakeController:
+    """What AdaptiveBatchSize touches: the step, the batch and the learning rate."""
+
+    def __init__(self, batch, workers, lr):
+        self.step, self.batch_size, self.num_workers, self.lr = 0, batch, workers, lr
+
+    @property
+    def global_batch_size(self):
+        return self.batch_size * self.num_workers
+
+    def set_batch_size(self, b):
+        self.batch_size = b
+
+    def scale_lr(self, f):
+        self.lr *= f
+
+
+@pytest.mark.parametrize("scaling, lr_after", [("linear", 0.4), ("sqrt", 0.2), (None, 0.1)])
+def test_adaptive_batch_size_doubles_while_the_noise_scale_exceeds_twice_the_global_batch(scaling, lr_after):
+    from gradsync.adapt import AdaptiveBatchSize
+
+    class Noise:
+        value = math.nan
+
+    noise = Noise()
+    policy = AdaptiveBatchSize(noise, max_batch_size=64, every=5, lr_scaling=scaling)
+    ctl = FakeController(16, 2, 0.1)
+    readings = {5: math.nan, 10: 60.0, 15: 70.0, 20: 300.0, 25: 1e6, 30: 1e6}
+    for step in range(1, 31):
+        ctl.step = step
+        noise.value = readings.get(step, 1e9)  # off-schedule steps are never looked at
+        policy.after_step(ctl)
+    # 60 < 2*32: no; 70 > 64: 16 -> 32; 300 > 128: 32 -> 64; then capped at 64.
+    assert [(s, b) for s, _, b in policy.history] == [(15, 32), (20, 64)]
+    assert ctl.batch_size == 64 and ctl.lr == pytest.approx(lr_after)
