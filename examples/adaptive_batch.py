@@ -57,7 +57,7 @@ def main() -> None:
     policies = []
     if args.mode == "adaptive":
         noise = NoiseScale(batch, alpha=0.95)
-        monitor(opt, noise)
+        monitor(opt, noise, every=5)  # the policy looks every --eval-every steps; the EMA needs a few readings
         policies = [AdaptiveBatchSize(noise, args.max_batch, every=args.eval_every)]
     ctl = Controller(opt, policies, batch_size=batch, dataset_size=TRAIN)
     loss_fn = torch.nn.CrossEntropyLoss()

@@ -178,7 +178,7 @@ class Controller:
         member = elastic.current()
         if gen <= member.gen:
             return False
-        self._regroup(gen, cause=f"resize to {num_workers}", start=start)
+        self._regroup(gen, cause=f"resize to {num_workers}", start=start, asked=time.perf_counter() - start)
         return True
 
     # -- elastic ---------------------------------------------------------------------------------
@@ -236,10 +236,10 @@ class Controller:
 
     def _between_steps(self) -> None:
         member = elastic.current()
+        if self._regrouped_at == self.step:
+            return  # a policy resized after this step (and committed): a worker that just joined does not ask again
         if self.step % self.commit_every == 0:
             self.commit()
-        if self._regrouped_at == self.step:
-            return  # a policy resized after this step: a worker that just joined does not ask again
         gen = member.agree()
         if gen > member.gen:
             self._regroup(gen, cause="resize")
@@ -251,10 +251,22 @@ class Controller:
         gen = member.wait_for(member.gen, runtime.current().timeout_s if runtime.is_initialized() else 60.0)
         self._regroup(gen, cause=f"failure: {exc}".splitlines()[0][:200], failed=True, start=start)
 
-    def _regroup(self, gen: int, *, cause: str, failed: bool = False, start: float | None = None) -> None:
+    def _regroup(self, gen: int, *, cause: str, failed: bool = False, start: float | None = None,
+                 asked: float | None = None) -> None:
         from gradsync.distribute import detach, reattach
 
         start = time.perf_counter() if start is None else start
+        phases, mark = {}, [time.perf_counter()]
+        if asked is not None:
+            phases["request (new workers start)"] = asked
+        elif failed:
+            phases["restore and wait for the launcher"] = mark[0] - start
+
+        def done(phase: str) -> None:
+            now = time.perf_counter()
+            phases[phase] = now - mark[0]
+            mark[0] = now
+
         member = self._member = elastic.current() or self._member
         before = len(member.members)
         detach(self.optimizer, failed=failed)
@@ -263,23 +275,28 @@ class Controller:
         except Exception:
             if not failed:
                 raise
+        done("leave")
         if not member.enter(gen):
             self.detached = self.stop_requested = True
             return
+        done("new group")
         sync = self.optimizer._gradsync
-        # What a starting worker does in distribute(), in the same order: it is doing it now.
-        check_models_match(sync.model, runtime.current().transport, world=False)
-        broadcast_model(sync.model, runtime.current().transport, world=False)
+        if member.joiners:  # what they are doing in distribute(), in the same order
+            check_models_match(sync.model, runtime.current().transport, world=False)
+            broadcast_model(sync.model, runtime.current().transport, world=False)
+            done("model check and broadcast")
         reattach(self.optimizer, copy.deepcopy(sync.template))
         if sync.observer is not None:
             for m in sync.observer:
                 m.attach(sync.params, sync.names, m.every)
-        if member.joiners or failed:
+        done("strategy")
+        if member.joiners or failed:  # after a shrink every survivor already holds the same state
             self._hand_over(joining=False)
-        self.commit()
+            done("state hand-over")
         self._regrouped_at = self.step
         self.resizes.append({"generation": gen, "from": before, "to": len(member.members), "cause": cause,
-                             "step": self.step, "seconds": time.perf_counter() - start})
+                             "step": self.step, "seconds": time.perf_counter() - start, "phases": phases})
+        self.commit()  # the state to come back to (the step's own commit, which this replaces, is not timed either)
 
     def _hand_over(self, *, joining: bool) -> None:
         """Collective in a new generation: the worker with the newest state sends it to all (parameters,
@@ -293,9 +310,11 @@ class Controller:
         transport.allreduce(t, op="min", what="elastic: state source")
         src = int(t)
         sync = self.optimizer._gradsync
-        with torch.no_grad():
-            for tensor in [*sync.model.parameters(), *sync.model.buffers()]:
-                transport.broadcast(tensor.data, src, what="elastic: model")
+        member = elastic.current()
+        if src != 0 or not member.joiners:  # with joiners, distribute() just broadcast rank 0's model
+            with torch.no_grad():
+                for tensor in [*sync.model.parameters(), *sync.model.buffers()]:
+                    transport.broadcast(tensor.data, src, what="elastic: model")
         self._load_counters(elastic.share_state(self.optimizer, {"counters": self._counters()}, src)["counters"])
 
 
