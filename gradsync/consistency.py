@@ -127,11 +127,13 @@ def all_hold_rank0s(tensors: list[torch.Tensor], transport: Transport, world: bo
 
 
 @torch.no_grad()
-def broadcast_model(model: nn.Module, transport: Transport, *, world: bool) -> None:
+def broadcast_model(model: nn.Module, transport: Transport, *, world: bool, compare_first: bool = True) -> None:
     """Copy rank 0's parameters and buffers to every rank, in flat chunks of one dtype (skipped, on
-    CPU, when every rank's SHA-256 digest of its values equals rank 0's)."""
+    CPU, when every rank's SHA-256 digest of its values equals rank 0's; ``compare_first=False``
+    when some rank certainly differs, as a worker joining an elastic job does). Every rank must
+    pass the same ``compare_first``."""
     tensors = [t for _, _, t in _tensors(model)]
-    if transport.device.type == "cpu" and all_hold_rank0s(tensors, transport, world):
+    if compare_first and transport.device.type == "cpu" and all_hold_rank0s(tensors, transport, world):
         return
     chunk: list[torch.Tensor] = []
     for t in tensors + [None]:

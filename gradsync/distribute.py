@@ -301,7 +301,9 @@ def distribute(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str
     _check_optimizer(optimizer, params, model)
     world = strategy.uses_servers
     check_models_match(model, rt.transport, world=world)
-    broadcast_model(model, rt.transport, world=world)
+    # A worker joining a running elastic job holds a fresh model: comparing digests would be wasted.
+    joining = rt.elastic is not None and rt.elastic.gen > 0 and rt.elastic.id in rt.elastic.joiners
+    broadcast_model(model, rt.transport, world=world, compare_first=not joining)
     sync = _Sync(strategy, params, names)
     sync.model = model
     sync.template = copy.deepcopy(strategy)  # an elastic job re-creates the strategy for each new group

@@ -38,6 +38,21 @@ def test_every_strategy_with_a_dedicated_server(tmp_path):
     assert "samples/s" in proc.stdout
 
 
+def test_monitored_variants_and_the_loss_of_strategies_that_are_not_exact(tmp_path):
+    out = tmp_path / "records.json"
+    proc = bench("--model", "toy", "--np", "2", "--batch-size", "4", "--steps", "3", "--warmup", "1",
+                 "--check-steps", "2", "--strategies", "allreduce,sma,p3", "--monitors", "noise-scale",
+                 "--json", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    records = {r["strategy"]: r for r in json.loads(out.read_text())}
+    assert list(records) == ["allreduce", "allreduce@noise-scale", "sma", "p3"]
+    assert "note: sma runs without monitors" in proc.stdout and "note: p3 runs without monitors" in proc.stdout
+    assert records["allreduce@noise-scale"]["correct"] is True  # a monitor only reads
+    assert records["sma"]["correct"] is None and records["sma"]["eval_loss"] > 0
+    assert records["sma"]["ref_eval_loss"] == records["sma"]["ref_eval_loss"] > 0
+    assert "sma: not exact; held-out loss" in proc.stdout
+
+
 def test_the_check_catches_a_wrong_model():
     """The comparison flags a model that missed one averaged step: it can fail."""
     work = Workload(model="toy", batch_size=4, dtype="float64")
@@ -53,7 +68,7 @@ def test_the_check_catches_a_wrong_model():
     (["--np", "0"], "--np must be >= 1"),
     (["--batch-size", "0"], "--batch-size must be >= 1"),
     (["--servers", "-1"], "--servers must be >= 0"),
-    (["--strategies", "allreduce,nope"], "valid strategies: allreduce, allreduce-priority, casync-ps, casync-ring, compressed-allgather, ddp, p3, ps, ps-async, ps-sliced"),
+    (["--strategies", "allreduce,nope"], "valid strategies: allreduce, allreduce-priority, casync-ps, casync-ring, compressed-allgather, ddp, p3, pair-averaging, ps, ps-async, ps-sliced, sma"),
     (["--model", "nope"], "valid models:"),
     (["--model", "resnet50:huge"], "valid sizes: full, tiny"),
     (["--set", "ps.fuse_kb=-1"], "fuse_kb must be >= 0"),

@@ -283,7 +283,7 @@ class Controller:
         sync = self.optimizer._gradsync
         if member.joiners:  # what they are doing in distribute(), in the same order
             check_models_match(sync.model, runtime.current().transport, world=False)
-            broadcast_model(sync.model, runtime.current().transport, world=False)
+            broadcast_model(sync.model, runtime.current().transport, world=False, compare_first=False)
             done("model check and broadcast")
         reattach(self.optimizer, copy.deepcopy(sync.template))
         if sync.observer is not None:
