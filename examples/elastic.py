@@ -22,7 +22,7 @@ import time
 import torch
 
 import gradsync
-from gradsync.adapt import Controller, ScheduledResize
+from gradsync.adapt import Controller, NoiseScale, ScheduledResize, StrategySwitch, monitor
 
 DIM, DATA = 8, 1024
 
@@ -52,6 +52,9 @@ def main() -> None:
     parser.add_argument("--die", default="", help="STEP:ID: worker ID dies during step STEP")
     parser.add_argument("--sleep", type=float, default=0.0, help="seconds of 'compute' per step")
     parser.add_argument("--strategy", default="allreduce")
+    parser.add_argument("--adapt", action="store_true",
+                        help="also monitor the noise scale and let StrategySwitch choose between allreduce and "
+                             "casync-ring (identity codec): policies and monitors across resizes")
     parser.add_argument("--model", default="", help="a gradsync model (e.g. resnet50) on synthetic data instead "
                         "of least squares: for resize latencies with a model's real size")
     parser.add_argument("--out", default="")
@@ -73,7 +76,14 @@ def main() -> None:
     die_step, die_id = (int(v) for v in args.die.split(":")) if args.die else (-1, -1)
     if me == die_id:
         model.weight.register_hook(lambda g: os.kill(os.getpid(), signal.SIGKILL) if ctl.step == die_step else g)
-    ctl = Controller(opt, [ScheduledResize(schedule)], batch_size=args.batch, dataset_size=DATA)
+    policies = [ScheduledResize(schedule)]
+    noise = None
+    if args.adapt:
+        noise = NoiseScale(args.batch)
+        monitor(opt, noise)
+        policies.append(StrategySwitch(["allreduce", ("casync-ring", {"compression": "none"})], probe_steps=2,
+                                       check_every=4, tolerance=0.5))
+    ctl = Controller(opt, policies, batch_size=args.batch, dataset_size=DATA)
     batches: dict[int, list[int]] = {}
     sizes: dict[int, int] = {}
 
@@ -96,6 +106,10 @@ def main() -> None:
                 opt.zero_grad()
 
     ctl.run(train)
+    if args.out and not ctl.detached:  # every worker: what it ended with, to compare across workers
+        with open(f"{args.out}.{me}", "w") as f:
+            json.dump({"strategy": opt.strategy.name, "noise_scale": noise.value if noise else None,
+                       "params": [p.detach().reshape(-1).tolist() for p in model.parameters()]}, f)
     if ctl.detached:
         print(f"worker {me}: left the job after step {ctl.step}", flush=True)
     elif gradsync.topology().rank == 0 and args.out:

@@ -302,11 +302,12 @@ def distribute(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str
     world = strategy.uses_servers
     check_models_match(model, rt.transport, world=world)
     # A worker joining a running elastic job holds a fresh model: comparing digests would be wasted.
-    joining = rt.elastic is not None and rt.elastic.gen > 0 and rt.elastic.id in rt.elastic.joiners
+    joining = rt.elastic is not None and rt.elastic.gen > 0 and rt.elastic.any_new
     broadcast_model(model, rt.transport, world=world, compare_first=not joining)
     sync = _Sync(strategy, params, names)
     sync.model = model
     sync.template = copy.deepcopy(strategy)  # an elastic job re-creates the strategy for each new group
+    sync.original = sync.template  # the script's own, which workers joining an elastic job attach first
     strategy.attach(SyncContext(model, optimizer, params, names, rt.transport, topology))
     runtime.on_shutdown(sync.close)
     if topology.is_server:

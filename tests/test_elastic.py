@@ -61,6 +61,20 @@ def test_grow_and_shrink_1_2_4_2_while_training_matches_the_reference(tmp_path):
     assert_matches_reference(result)
 
 
+def test_workers_that_join_take_over_the_policies_monitors_and_chosen_strategy(tmp_path):
+    # StrategySwitch probes allreduce and casync-ring (identity) on 1 worker, then chooses; workers
+    # joining at steps 7 and 9 attach the script's strategy and must end up on the chosen one, with
+    # the noise scale's averages: any difference would also break the collectives' order.
+    result, log = run_job(tmp_path, ["-np", "1", "--min-np", "1", "--max-np", "3"],
+                          ["--schedule", "7:2,9:3", "--steps", "16", "--adapt"])
+    assert [(r["from"], r["to"]) for r in result["resizes"]] == [(1, 2), (2, 3)]
+    ends = [json.loads((tmp_path / f"result.json.{w}").read_text()) for w in range(3)]
+    assert len({e["strategy"] for e in ends}) == 1 and len({e["noise_scale"] for e in ends}) == 1
+    assert ends[0]["noise_scale"] == ends[0]["noise_scale"]  # a number: 2-3 workers have run since step 7
+    assert all(e["params"] == ends[0]["params"] for e in ends)
+    assert_matches_reference(result)
+
+
 def test_a_worker_killed_mid_step_is_dropped_and_no_committed_step_is_lost(tmp_path):
     result, log = run_job(tmp_path, ["-np", "3", "--min-np", "2", "--max-np", "3"],
                           ["--die", "5:1", "--steps", "10"])

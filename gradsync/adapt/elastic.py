@@ -68,8 +68,9 @@ class Membership:
     def __init__(self, store, addr: str, port: int, wid: int, backend: str, timeout_s: float):
         self.store, self.addr, self.port, self.id = store, addr, port, wid
         self.backend, self.timeout_s = backend, timeout_s
-        self.gen, self.members, self.previous = -1, [], []
-        self.first_gen = None
+        self.gen, self.members = -1, []
+        self.fresh = True  # this process has not trained in any generation yet
+        self.any_new = self.needs_state = False
 
     def latest(self) -> int:
         return int(self.store.get("elastic/gen")) if self.store.check(["elastic/gen"]) else -1
@@ -95,27 +96,39 @@ class Membership:
                                     f"{timeout_s:g} s after generation {newer_than}")
             time.sleep(POLL_S)
 
-    def enter(self, gen: int) -> bool:
-        """Form generation ``gen``'s process group; False when this worker is not in it (detached)."""
-        members = self.members_of(gen)
-        self.previous = self.members if self.gen >= 0 else (self.members_of(gen - 1) if gen > 0 else [])
-        self.gen, self.members = gen, members
-        if self.id not in members:
-            return False
-        topo = Topology(len(members), members.index(self.id), 0, members.index(self.id))
-        prefix = f"elastic/{gen}/"
-        store = dist.PrefixStore(prefix, _client(self.addr, self.port, self.timeout_s))
-        rt = runtime.start(topo, store, backend=self.backend, timeout_s=self.timeout_s,
-                           heartbeat_at=(self.addr, self.port), heartbeat_prefix=prefix)
-        rt.elastic = self
-        if self.first_gen is None:
-            self.first_gen = gen
-        return True
+    def enter(self, gen: int, *, needs_state: bool = False) -> bool:
+        """Form generation ``gen``'s process group; False when this worker is not in it (detached).
 
-    @property
-    def joiners(self) -> list[int]:
-        """Workers new in this generation (they need the state)."""
-        return [m for m in self.members if m not in self.previous]
+        If the group cannot form (a listed worker died meanwhile) and the launcher has published a
+        newer generation, that one is tried instead. Once formed, the members agree in one all-reduce
+        whether anyone is new and whether anyone ``needs_state`` (restored after a failure): every
+        worker then takes the same path through the model broadcast and the state hand-over."""
+        while True:
+            members = self.members_of(gen)
+            if self.id not in members:
+                self.gen, self.members = gen, members
+                return False
+            topo = Topology(len(members), members.index(self.id), 0, self.id)  # local rank: stable per process
+            prefix = f"elastic/{gen}/"
+            try:
+                store = dist.PrefixStore(prefix, _client(self.addr, self.port, self.timeout_s))
+                rt = runtime.start(topo, store, backend=self.backend, timeout_s=self.timeout_s,
+                                   heartbeat_at=(self.addr, self.port), heartbeat_prefix=prefix)
+                flags = torch.tensor([float(self.gen < 0), float(needs_state or self.gen < 0)])
+                rt.transport.allreduce(flags, op="max", what="elastic: who is new")
+            except Exception as exc:  # noqa: BLE001 - Gloo and the store raise plain RuntimeErrors
+                runtime.leave()
+                newer = self.latest()
+                if newer > gen:
+                    gen = newer
+                    continue
+                raise GradsyncError(f"elastic worker {self.id}: generation {gen} ({members}) could not form its "
+                                    f"process group and the launcher published no newer one: {exc}") from exc
+            self.fresh = self.gen < 0
+            self.gen, self.members = gen, members
+            self.any_new, self.needs_state = bool(flags[0]), bool(flags[1])
+            rt.elastic = self
+            return True
 
     def agree(self) -> int:
         """The newest generation any worker has seen: collective, the same answer everywhere."""
@@ -131,6 +144,9 @@ def join(backend: str, timeout_s: float):
     wid = runtime._env_int("GRADSYNC_ELASTIC_ID", -1)
     if wid < 0:
         raise ConfigError("GRADSYNC_ELASTIC=1 needs GRADSYNC_ELASTIC_ID: start elastic jobs with gradsync run --elastic")
+    if backend != "gloo":
+        raise ConfigError(f"elastic jobs run on Gloo for now (got backend {backend!r}): NCCL aborts the process when "
+                          "a peer dies, so survivors could not regroup")
     store = _client(addr, port, max(timeout_s, runtime.RENDEZVOUS_MIN_S))
     member = Membership(store, addr, port, wid, backend, timeout_s)
     store.set(f"elastic/ready/{wid}", "1")
@@ -145,26 +161,34 @@ def join(backend: str, timeout_s: float):
     return runtime.current()
 
 
+def joining() -> bool:
+    """Whether this worker has just joined a job that was already training (it must receive the state)."""
+    member = current()
+    return member is not None and member.gen > 0 and member.fresh
+
+
 def current() -> Membership | None:
     return runtime.current().elastic if runtime.is_initialized() else None
 
 
 def request_resize(size: int, timeout_s: float = 120.0) -> int:
     """Ask for ``size`` workers and wait for the launcher's answer. Collective: every worker calls it
-    after the same step (rank 0 asks, then tells the others). Returns the generation to enter, or
-    -1 when the launcher refused (it says why on its output, and so does this worker)."""
+    after the same step; rank 0 asks and tells the others the request's number, then every worker
+    reads the answer from the store (none waits in a collective meanwhile). Returns the generation to
+    enter, or -1 when the launcher refused (it says why, and so does worker 0)."""
     member = current()
     if member is None:
         raise ConfigError("resizing needs an elastic job: gradsync run --elastic --min-np A --max-np B")
-    t = torch.tensor([-1], dtype=torch.int64)
+    seq = torch.tensor([0], dtype=torch.int64)
     if runtime.current().topology.rank == 0:
-        reply = answer(member.store, request_size(member.store, size), timeout_s)
-        if isinstance(reply, str):
+        seq[0] = request_size(member.store, size)
+    runtime.current().transport.broadcast(seq, 0, what="elastic resize request")
+    reply = answer(member.store, int(seq), timeout_s)
+    if isinstance(reply, str):
+        if runtime.current().topology.rank == 0:
             print(f"gradsync: resize to {size} workers {reply}", flush=True)
-        else:
-            t[0] = reply
-    runtime.current().transport.broadcast(t, 0, what="elastic resize answer")
-    return int(t)
+        return -1
+    return reply
 
 
 # -- state hand-over ---------------------------------------------------------------------------------

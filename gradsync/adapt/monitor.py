@@ -65,6 +65,13 @@ class Monitor:
     def values(self) -> dict[str, float]:
         return {}
 
+    def state(self) -> dict:
+        """What a worker joining an elastic job needs to report as the others do (JSON values)."""
+        return {}
+
+    def load_state(self, state: dict) -> None:
+        pass
+
 
 class EMA:
     """``value = alpha * value + (1 - alpha) * x``; the first sample is taken as is (KungFu's ``ema.hpp``)."""
@@ -114,6 +121,7 @@ class NoiseScale(Monitor):
 
     def attach(self, params, names, every) -> None:
         super().attach(params, names, every)
+        self._local = []  # readings of a step that failed midway (elastic recovery) must not count
         # The synchronized gradient is the same on every worker: each squares its share of the
         # parameters (balanced by size) and the all-reduce adds the shares up.
         load = [0] * self.num_workers
@@ -131,11 +139,13 @@ class NoiseScale(Monitor):
     def on_synced(self) -> None:
         if not self.active:
             return
-        local = torch.stack(self._local).sum() if self._local else torch.zeros((), dtype=torch.float64)
+        device = self.transport.device
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        local = torch.stack(self._local).sum().to(device) if self._local else zero
         self._local = []
         mine = [_sq(p.grad) for p, own in zip(self.params, self.share) if own and p.grad is not None]
-        big = torch.stack(mine).sum() if mine else torch.zeros((), dtype=torch.float64)
-        t = torch.stack([local, big]).to(self.transport.device)
+        big = torch.stack(mine).sum().to(device) if mine else zero
+        t = torch.stack([local, big])
         self.transport.allreduce(t, what="noise scale norms")
         small_sq, big_sq = float(t[0]) / self.num_workers, float(t[1])
         b, B = self.batch_size, self.batch_size * self.num_workers
@@ -153,6 +163,12 @@ class NoiseScale(Monitor):
     @property
     def value(self) -> float:
         return self.readings.get("noise_scale", math.nan)
+
+    def state(self) -> dict:
+        return {"s": self._s.value, "g": self._g.value, "readings": self.readings}
+
+    def load_state(self, state: dict) -> None:
+        self._s.value, self._g.value, self.readings = state["s"], state["g"], dict(state["readings"])
 
     def values(self) -> dict[str, float]:
         return dict(self.readings)
@@ -274,7 +290,8 @@ class Throughput(Monitor):
             self.readings = {
                 "samples_per_s": self._rate.update(self.batch_size * self.num_workers / dt),
                 "step_s": self._step.update(dt),
-                "egress_gbit_s": (sent - self._last[1]) * 8 / dt / 1e9,
+                # a regrouped elastic job has a new transport, counting from zero
+                "egress_gbit_s": (sent - self._last[1] if sent >= self._last[1] else sent) * 8 / dt / 1e9,
             }
         self._last = (now, sent)
 
@@ -293,7 +310,7 @@ def links(nbytes: int = 1 << 20, repeats: int = 3) -> dict[int, float]:
     transport, topo = rt.transport, rt.topology
     n, me = topo.num_workers, topo.rank
     out: dict[int, float] = {}
-    payload = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
+    payload = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=transport.device)
     inbox = torch.empty_like(payload)
     for k in range(1, n):
         to, frm = (me + k) % n, (me - k) % n
@@ -323,7 +340,6 @@ class Monitors:
         self.print_every = print_every
         self.step = 0
         self.writer = None
-        self.leader = runtime.current().topology.rank == 0
         if tensorboard and self.leader:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -331,6 +347,11 @@ class Monitors:
                 raise ConfigError("tensorboard=... needs the tensorboard package: pip install tensorboard "
                                   "(or gradsync[tensorboard])") from exc
             self.writer = SummaryWriter(tensorboard)
+
+    @property
+    def leader(self) -> bool:
+        """Worker 0 now (an elastic job renumbers its workers; TensorBoard stays where it was opened)."""
+        return runtime.is_initialized() and runtime.current().topology.rank == 0
 
     def values(self) -> dict[str, float]:
         out: dict[str, float] = {}
@@ -360,10 +381,10 @@ class Monitors:
         for m in self.monitors:
             m.after_step()
         self.step += 1
-        if not self.leader or not (self.print_every or self.writer):
+        if not (self.print_every or self.writer) or not (self.leader or self.writer):
             return
         values = self.values()
-        if self.print_every and self.step % self.print_every == 0:
+        if self.print_every and self.step % self.print_every == 0 and self.leader:
             print(f"gradsync step {self.step}: " + "  ".join(f"{k}={v:.4g}" for k, v in values.items()), flush=True)
         if self.writer is not None:
             for k, v in values.items():

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import math
 import statistics
 import time
@@ -45,6 +46,13 @@ class Policy:
     def after_epoch(self, ctl: "Controller") -> None: ...
     def before_step(self, ctl: "Controller") -> None: ...
     def after_step(self, ctl: "Controller") -> None: ...
+
+    def state(self) -> dict:
+        """What a worker joining an elastic job needs to decide as the others do (JSON values)."""
+        return {}
+
+    def load_state(self, state: dict) -> None:
+        pass
 
 
 class Controller:
@@ -80,22 +88,33 @@ class Controller:
         self._regrouped_at = -1
         self.resizes: list[dict] = []
         """Elastic: one record per change of generation (sizes, cause, seconds it took)."""
+        self.strategy_spec: list | None = None  # [name, options] after ctl.switch_strategy; None: the script's
+        self._resumed = False
+        self._where = (0, 1)  # (rank, workers) when this worker last left a generation
         member = elastic.current()
         if member is not None:
-            strategy = optimizer.strategy
-            if strategy.state_location != "optimizer":
-                raise ConfigError(f"elastic training needs a strategy whose optimizer state stays in your optimizer "
-                                  f"(allreduce, ddp, casync-*, compressed-allgather, sma); {strategy.name!r} spreads it")
-            if member.gen > 0 and self.rank in [member.members.index(j) for j in member.joiners]:
+            self._check_elastic(optimizer.strategy)
+            if elastic.joining():
                 self._hand_over(joining=True)  # the survivors do the same in _regroup
+                self._resumed = True  # the job is mid-training: no before_train / before_epoch here
+
+    @staticmethod
+    def _check_elastic(strategy) -> None:
+        if strategy.state_location != "optimizer":
+            raise ConfigError(f"elastic training needs a strategy whose optimizer state stays in your optimizer "
+                              f"(allreduce, ddp, casync-*, compressed-allgather, sma); {strategy.name!r} spreads it")
 
     # -- who we are ------------------------------------------------------------------------------
     @property
     def num_workers(self) -> int:
+        if self.detached:  # this worker left the job: what it was last
+            return self._where[1]
         return runtime.current().topology.num_workers
 
     @property
     def rank(self) -> int:
+        if self.detached:
+            return self._where[0]
         return runtime.current().topology.rank
 
     @property
@@ -113,13 +132,17 @@ class Controller:
 
     @contextlib.contextmanager
     def train(self):
-        self._call("before_train")
+        if not self._resumed:
+            self._call("before_train")
         yield self
         self._call("after_train")
 
     def epochs(self, count: int) -> Iterator[int]:
         while self.epoch < count and not self.stop_requested:
-            self._call("before_epoch")
+            if self._resumed:
+                self._resumed = False  # a worker that joined mid-epoch: the others began it already
+            else:
+                self._call("before_epoch")
             yield self.epoch
             self._call("after_epoch")
             self.epoch += 1
@@ -166,8 +189,20 @@ class Controller:
         for group in self.optimizer.param_groups:
             group["lr"] = group["lr"] * factor
 
-    def switch_strategy(self, strategy, **options):
-        return self.optimizer.switch_strategy(strategy, **options)
+    def switch_strategy(self, strategy: str, **options):
+        """``optimizer.switch_strategy``, remembered by name so that workers joining an elastic job
+        switch too (options must then be JSON values)."""
+        if elastic.current() is not None:
+            from gradsync.strategies import resolve
+
+            self._check_elastic(resolve(strategy, **options))
+            try:
+                json.dumps(options)
+            except TypeError as exc:
+                raise ConfigError(f"in an elastic job, switch_strategy takes a name and JSON options: {exc}") from None
+        new = self.optimizer.switch_strategy(strategy, **options)
+        self.strategy_spec = [strategy, options]
+        return new
 
     def resize(self, num_workers: int) -> bool:
         """Resize the elastic job to ``num_workers`` now (collective: every worker calls it after the
@@ -269,6 +304,8 @@ class Controller:
 
         member = self._member = elastic.current() or self._member
         before = len(member.members)
+        if runtime.is_initialized():
+            self._where = (runtime.current().topology.rank, before)
         detach(self.optimizer, failed=failed)
         try:
             runtime.leave()
@@ -276,21 +313,23 @@ class Controller:
             if not failed:
                 raise
         done("leave")
-        if not member.enter(gen):
+        if not member.enter(gen, needs_state=failed):
             self.detached = self.stop_requested = True
             return
         done("new group")
         sync = self.optimizer._gradsync
-        if member.joiners:  # what they are doing in distribute(), in the same order
+        if member.any_new:  # what the new workers are doing in distribute(), in the same order
             check_models_match(sync.model, runtime.current().transport, world=False)
             broadcast_model(sync.model, runtime.current().transport, world=False, compare_first=False)
             done("model check and broadcast")
-        reattach(self.optimizer, copy.deepcopy(sync.template))
+            reattach(self.optimizer, copy.deepcopy(sync.original))  # theirs; the hand-over switches all alike
+        else:
+            reattach(self.optimizer, copy.deepcopy(sync.template))
         if sync.observer is not None:
             for m in sync.observer:
                 m.attach(sync.params, sync.names, m.every)
         done("strategy")
-        if member.joiners or failed:  # after a shrink every survivor already holds the same state
+        if member.needs_state:  # a new worker, or restored commits that may differ; not after a shrink
             self._hand_over(joining=False)
             done("state hand-over")
         self._regrouped_at = self.step
@@ -311,11 +350,22 @@ class Controller:
         src = int(t)
         sync = self.optimizer._gradsync
         member = elastic.current()
-        if src != 0 or not member.joiners:  # with joiners, distribute() just broadcast rank 0's model
+        if src != 0 or not member.any_new:  # with new workers, distribute() just broadcast rank 0's model
             with torch.no_grad():
                 for tensor in [*sync.model.parameters(), *sync.model.buffers()]:
                     transport.broadcast(tensor.data, src, what="elastic: model")
-        self._load_counters(elastic.share_state(self.optimizer, {"counters": self._counters()}, src)["counters"])
+        extra = {"counters": self._counters(), "strategy": self.strategy_spec,
+                 "policies": [p.state() for p in self.policies],
+                 "monitors": [m.state() for m in (sync.observer or [])]}
+        got = elastic.share_state(self.optimizer, extra, src)
+        self._load_counters(got["counters"])
+        for policy, state in zip(self.policies, got["policies"]):
+            policy.load_state(state)
+        for m, state in zip(sync.observer or [], got["monitors"]):
+            m.load_state(state)
+        self.strategy_spec = got["strategy"]
+        if member.any_new and self.strategy_spec is not None:  # everyone attached the script's strategy
+            self.optimizer.switch_strategy(self.strategy_spec[0], **self.strategy_spec[1])
 
 
 class AdaptiveBatchSize(Policy):
@@ -356,6 +406,12 @@ class AdaptiveBatchSize(Policy):
             ctl.scale_lr(math.sqrt(factor))
         self.history.append((ctl.step, gns, new))
 
+    def state(self) -> dict:
+        return {"history": self.history}
+
+    def load_state(self, state: dict) -> None:
+        self.history = [tuple(h) for h in state["history"]]
+
 
 class StrategySwitch(Policy):
     """Use whichever candidate strategy is fastest now, and look again when things change.
@@ -383,6 +439,17 @@ class StrategySwitch(Policy):
         self.measured: dict[int, float] = {}
         self.chosen_time = math.inf
         self.current: int | None = None
+        self._last = None
+
+    def state(self) -> dict:
+        return {"history": self.history, "times": self.times, "probing": self.probing,
+                "measured": list(self.measured.items()), "chosen_time": self.chosen_time, "current": self.current}
+
+    def load_state(self, state: dict) -> None:
+        self.history = [tuple(h) for h in state["history"]]
+        self.times, self.probing, self.current = state["times"], state["probing"], state["current"]
+        self.measured = {int(k): v for k, v in state["measured"]}
+        self.chosen_time = state["chosen_time"]
         self._last = None
 
     def label(self, k: int) -> str:

@@ -136,6 +136,11 @@ class Agent:
                     if wid in self.pending:
                         self.pending.remove(wid)
                         self._say(f"worker {wid} failed while starting (exit code {_exit_code(code)}); not added")
+                        if not self.pending:  # nobody left to wait for: answer now
+                            for seq in self.unanswered:
+                                self._answer(seq, f"refused: the new workers failed to start (worker {wid}: exit "
+                                                  f"code {_exit_code(code)})")
+                            self.unanswered = []
                         continue
                     if wid not in self.members:
                         continue

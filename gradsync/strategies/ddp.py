@@ -47,6 +47,7 @@ class DDP(Strategy):
     """``torch.nn.parallel.DistributedDataParallel`` with its usual options."""
 
     name = "ddp"
+    mean_grads_at_apply = True  # DDP's reducer leaves the averaged gradients in p.grad before step
 
     def __init__(self, bucket_mb: float = 25.0, find_unused_parameters: bool = False,
                  broadcast_buffers: bool = True, gradient_as_bucket_view: bool = False,

@@ -22,6 +22,8 @@ from typing import Any, Callable
 
 import torch
 
+from gradsync import runtime
+from gradsync.errors import GradsyncError
 from gradsync.strategies.base import Strategy, SyncContext
 
 TAG_REQUEST, TAG_REPLY = 910_001, 910_002
@@ -50,16 +52,17 @@ class PairAveraging(Strategy):
         self.lock = threading.Lock()
         self.failure: BaseException | None = None
         self.closed = False
+        self.left: set[int] = set()
         self.thread = None
         if self.peers:
             self.thread = threading.Thread(target=self._serve, name="gradsync-pair-averaging", daemon=True)
             self.thread.start()
 
     def _serve(self) -> None:
-        transport, left = self.ctx.transport, 0
+        transport = self.ctx.transport
         request = torch.empty(2, dtype=torch.int64)
         try:
-            while left < len(self.peers):
+            while len(self.left) < len(self.peers):
                 try:
                     transport.recv_async(request, None, TAG_REQUEST, what="pair-averaging request",
                                          traced=False).wait(background=True)
@@ -69,7 +72,7 @@ class PairAveraging(Strategy):
                     continue  # no pull within the timeout: keep serving
                 op, peer = request.tolist()
                 if op == OP_LEAVE:
-                    left += 1
+                    self.left.add(peer)
                     continue
                 with self.lock:
                     for s in self.snapshot:
@@ -105,10 +108,16 @@ class PairAveraging(Strategy):
         for peer in self.peers:
             self.ctx.transport.send_async(torch.tensor([OP_LEAVE, self.me]), peer, TAG_REQUEST,
                                           what=f"leave message to worker {peer}").wait()
-        self.thread.join()
+        timeout = runtime.current().timeout_s
+        self.thread.join(timeout)
         self.closed = True
         if self.failure is not None:
             raise self.failure
+        if self.thread.is_alive():
+            missing = sorted(set(self.peers) - self.left)
+            raise GradsyncError(f"pair-averaging on worker {self.me}: workers {missing} did not say they were "
+                                f"leaving within {timeout:g} s (GRADSYNC_TIMEOUT); one may have died. This worker's "
+                                "model is complete; it stops answering pulls now")
 
     def describe(self) -> str:
         return "pair-averaging"
