@@ -21,6 +21,7 @@ import time
 import torch
 
 import gradsync
+import gradsync.runtime
 from gradsync.adapt import AdaptiveBatchSize, Controller, NoiseScale, monitor
 
 DIM, CLASSES, TRAIN, TEST = 32, 10, 1 << 17, 4096
@@ -73,7 +74,9 @@ def main() -> None:
                 if (step + 1) % args.eval_every == 0:
                     with torch.no_grad():
                         held_out = float(loss_fn(model(xt), yt))  # the same on every worker
-                    if held_out <= args.target or time.perf_counter() - start > args.max_seconds:
+                    out_of_time = torch.tensor([float(time.perf_counter() - start > args.max_seconds)])
+                    gradsync.runtime.current().transport.allreduce(out_of_time, op="max")  # every worker alike
+                    if held_out <= args.target or bool(out_of_time):
                         reached = held_out
                         ctl.stop()
                         break

@@ -95,12 +95,12 @@ def main() -> None:
                     break
                 batches[step] = ctl.data.global_batch(ctl.global_batch_size).tolist()
                 sizes[step] = ctl.num_workers
-                idx = ctl.batch_indices()
+                idx = ctl.batch_indices()  # may be empty in an epoch's last step: then no gradient
                 time.sleep(args.sleep)
                 if args.model:
                     inputs, target = spec.batch(len(idx), step * 1000 + gradsync.topology().rank)
                     spec.loss(model(*inputs), target).backward()
-                else:
+                elif len(idx):
                     loss_of(model, x[idx], y[idx]).backward()
                 opt.step()
                 opt.zero_grad()

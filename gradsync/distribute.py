@@ -187,7 +187,11 @@ def _wrap_optimizer(optimizer: torch.optim.Optimizer, sync: _Sync) -> torch.opti
                               f"strategy {new.name!r} does not produce")
         template = copy.deepcopy(new)
         detach(self)
-        reattach(self, new)
+        try:
+            reattach(self, new)
+        except BaseException:
+            reattach(self, copy.deepcopy(sync.template))  # train on with the old strategy, not unsynchronized
+            raise
         sync.template = template
         return new
 

@@ -140,7 +140,13 @@ def eval_loss(work: Workload, params: dict[str, torch.Tensor], batches: int = 4)
     (``sma``, ``pair-averaging``, lossy compression), how much worse their model is than the reference's."""
     spec = work.spec()
     model, _ = work.build()
-    model.load_state_dict(params, strict=False)
+    missing, unexpected = model.load_state_dict(params, strict=False)  # parameters only, no buffers
+    # Neither buffers nor the second name of a tied parameter were saved.
+    aliases = {n for n, _ in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()}
+    lacking = set(missing) - aliases - {name for name, _ in model.named_buffers()}
+    if unexpected or lacking:
+        raise ValueError(f"eval_loss: parameters do not match the model: missing {sorted(lacking)}, "
+                         f"unexpected {sorted(unexpected)}")
     losses = [float(spec.loss(model(*inputs), target))
               for inputs, target in (work.batch(spec, EVAL_STEP + k, 0, 1) for k in range(batches))]
     return sum(losses) / len(losses)

@@ -43,6 +43,7 @@ class Agent:
         self.next_id = 0
         self.seq = 0
         self.unanswered: list[int] = []  # requests answered when the new workers have joined
+        self.failed: list[str] = []
         self.requested_at: float | None = None
         if logdir is not None:
             os.makedirs(logdir, exist_ok=True)
@@ -130,9 +131,8 @@ class Agent:
                         continue
                     del self.procs[wid]
                     if code == 0:
-                        if wid in self.members and not self.procs:
-                            return JobResult(0, None, "")
                         continue  # a worker that left, or one finishing before the others
+                    self.failed.append(f"worker {wid} (exit code {_exit_code(code)})")
                     if wid in self.pending:
                         self.pending.remove(wid)
                         self._say(f"worker {wid} failed while starting (exit code {_exit_code(code)}); not added")
@@ -151,6 +151,9 @@ class Agent:
                                           _exit_code(code))
                     self._publish(f"worker {wid} failed with exit code {_exit_code(code)}; continuing without it")
                 if not self.procs:
+                    if self.failed:
+                        self._say(f"done; failed during the job, and the others went on without them: "
+                                  f"{', '.join(self.failed)}")
                     return JobResult(0, None, "")
                 time.sleep(POLL_S)
         return self._fail("interrupted", 130 if caught and caught[0] == 2 else 143)

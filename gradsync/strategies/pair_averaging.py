@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch
 
 from gradsync import runtime
-from gradsync.errors import GradsyncError
+from gradsync.errors import ConfigError, GradsyncError
 from gradsync.strategies.base import Strategy, SyncContext
 
 TAG_REQUEST, TAG_REPLY = 910_001, 910_002
@@ -39,6 +39,8 @@ class PairAveraging(Strategy):
 
     def attach(self, ctx: SyncContext) -> None:
         super().attach(ctx)
+        if ctx.transport.device.type != "cpu":
+            raise ConfigError("pair-averaging needs Gloo (receives from any source); NCCL has none")
         topo = ctx.topology
         self.me, self.peers = topo.rank, [r for r in topo.worker_ranks if r != topo.rank]
         self.rng = random.Random(self.seed * 7919 + topo.rank)
@@ -66,10 +68,12 @@ class PairAveraging(Strategy):
                 try:
                     transport.recv_async(request, None, TAG_REQUEST, what="pair-averaging request",
                                          traced=False).wait(background=True)
-                except Exception:
+                except Exception as exc:  # noqa: BLE001 - Gloo raises plain RuntimeErrors
                     if self.closed:
                         return
-                    continue  # no pull within the timeout: keep serving
+                    if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
+                        continue  # no pull within the timeout: keep serving
+                    raise
                 op, peer = request.tolist()
                 if op == OP_LEAVE:
                     self.left.add(peer)
@@ -109,8 +113,10 @@ class PairAveraging(Strategy):
             self.ctx.transport.send_async(torch.tensor([OP_LEAVE, self.me]), peer, TAG_REQUEST,
                                           what=f"leave message to worker {peer}").wait()
         timeout = runtime.current().timeout_s
-        self.thread.join(timeout)
-        self.closed = True
+        try:
+            self.thread.join(timeout)
+        finally:
+            self.closed = True
         if self.failure is not None:
             raise self.failure
         if self.thread.is_alive():
