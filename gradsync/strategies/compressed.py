@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from gradsync.compress import CompressionError, Compressor, NonFiniteGradientError, build, parse_spec
+from gradsync.compress import CompressionError, Compressor, NonFiniteGradientError, PowerSGD, build, parse_spec
 from gradsync.compress.base import Payload, all_finite, from_bytes, to_bytes
 from gradsync.errors import ConfigError, GradsyncError
 from gradsync.strategies import costmodel
@@ -67,10 +67,25 @@ class Fault:
         return (self.code, self.rank, self.param)
 
 
+@dataclass
+class _Summed:
+    """A bucket whose payloads add up in one all-reduce, in flight from the training thread: the
+    payload's all-reduces and the tail's (used flags, then faulty-worker count, code, rank, parameter)."""
+
+    handles: list
+    codec: Compressor
+    payload: Payload
+    ctx: Any
+    tail: torch.Tensor
+
+
 class CompressedSync(BucketedSync):
     """Base of the compressed strategies: override :meth:`exchange` (and ``algorithm`` for the cost model)."""
 
     algorithm = "ring"
+    sums_in_one_round = False
+    """Whether buckets whose codec sums in one all-reduce (fp16, bf16, random-k, identity) skip the
+    communication thread: compressed and all-reduced from backward like ``allreduce``'s buckets."""
 
     def __init__(self, compression: str = "onebit", error_feedback: bool = False, selective: bool = False,
                  bucket_mb: float = 25.0, first_bucket_mb: float = 1.0, **compressor_options: Any):
@@ -83,6 +98,7 @@ class CompressedSync(BucketedSync):
         self.error_feedback = error_feedback
         self.selective = selective
         self.summable = probe.summable
+        self.one_round = probe.summable and not isinstance(probe, PowerSGD)
         self.exact = probe.lossless
         self.bucket_mb, self.first_bucket_mb = bucket_mb, first_bucket_mb
         self.check_codec(probe)
@@ -108,12 +124,14 @@ class CompressedSync(BucketedSync):
                            int(self.first_bucket_mb * MB), extra=lambda group: len(group) + 3)
         self.flags = torch.zeros(len(params), dtype=torch.float32)
         self.direct, self.threaded = [False] * len(self.buckets), len(self.buckets)
+        self.summed = [False] * len(self.buckets)
         if topo.is_worker:
             self.decisions = self._decide()
             self.compressed = [d.compress for d in self.decisions]
             self.parts = [d.parts for d in self.decisions]
             self.direct = [self.selective and not d.compress for d in self.decisions]
-            self.threaded = self.direct.count(False)
+            self.summed = [self.sums_in_one_round and self.one_round and not plain for plain in self.direct]
+            self.threaded = sum(1 for plain, summed in zip(self.direct, self.summed) if not (plain or summed))
         self.queue: deque[int] = deque()
         self.done = 0
         self.cv = threading.Condition()
@@ -151,20 +169,29 @@ class CompressedSync(BucketedSync):
             self.buckets[k].fill_missing(self.ctx.params)
             self._launch(k)
         plain = [k for k, direct in enumerate(self.direct) if direct]
+        summed = [k for k, yes in enumerate(self.summed) if yes]
         for k in plain:
             self.buckets[k].handle.wait()
+        for k in summed:
+            for handle in self.buckets[k].handle.handles:
+                handle.wait()
         with self.cv:
             while self.done < self.threaded and self.error is None:
                 self.cv.wait()
-        error = self.error or next((e for e in map(self._plain_fault, plain) if e is not None), None)
+        faults = (*map(self._plain_fault, plain), *map(self._summed_finish, summed))
+        error = self.error or next((e for e in faults if e is not None), None)
         if error is None and self.threaded:
             for k, bucket in enumerate(self.buckets):
                 for slot, i in enumerate(bucket.indices):
-                    self.flags[i] = 0.0 if self.direct[k] else bucket.used[slot]
+                    self.flags[i] = 0.0 if self.direct[k] or self.summed[k] else bucket.used[slot]
             self.ctx.transport.allreduce(self.flags, what="all-reduce of the used flags")
         counts = self.flags.tolist()
         for k, bucket in enumerate(self.buckets):
-            used = bucket.buffer[bucket.numel:bucket.numel + len(bucket.indices)].tolist() if self.direct[k] else None
+            used = None
+            if self.direct[k]:
+                used = bucket.buffer[bucket.numel:bucket.numel + len(bucket.indices)].tolist()
+            elif self.summed[k]:
+                used = bucket.handle.tail[:len(bucket.indices)].tolist()
             for slot, i in enumerate(bucket.indices):
                 count = used[slot] if used is not None else counts[i]
                 self.ctx.params[i].grad = bucket.views[slot] if count else None
@@ -180,6 +207,9 @@ class CompressedSync(BucketedSync):
         if self.direct[k]:
             bucket.handle = self._launch_plain(k, bucket)
             return
+        if self.summed[k]:
+            bucket.handle = self._launch_summed(k, bucket)
+            return
         bucket.handle = True  # handed to the thread: no more gradients into it this step
         with self.cv:
             self.queue.append(k)
@@ -192,6 +222,48 @@ class CompressedSync(BucketedSync):
         bucket.buffer[bucket.numel:].copy_(torch.tensor(bucket.used + report))
         return self.ctx.transport.allreduce_async(
             bucket.buffer, what=f"all-reduce of plain bucket {k} ({self.ctx.names[bucket.indices[0]]!r}..)")
+
+    def _launch_summed(self, k: int, bucket: Bucket) -> _Summed:
+        """Compress bucket ``k`` (averaged first, so a half-precision sum cannot overflow where the
+        mean would not) and all-reduce its payload and tail, from backward. A worker with a fault
+        sends zeros and says so in the tail, so every worker learns who and raises the same error."""
+        flat = bucket.buffer[:bucket.numel]
+        flat.div_(self.n)
+        fault = self._check(bucket)
+        codec = self.site(k, "all")
+        payload = ctx = None
+        if fault is None:
+            try:
+                payload, ctx = codec.compress(flat)
+            except CompressionError:
+                fault = Fault(FAULT_COMPRESSION, self.ctx.topology.rank, bucket.indices[0])
+        if payload is None:
+            payload, ctx = codec.compress(torch.zeros_like(flat))
+        report = [1.0, float(fault.code), float(fault.rank), float(fault.param)] if fault else [0.0] * 4
+        tail = torch.tensor(bucket.used + report, dtype=torch.float64)
+        t, what = self.ctx.transport, f"all-reduce of compressed bucket {k} ({self.ctx.names[bucket.indices[0]]!r}..)"
+        handles = [t.allreduce_async(part, what=what) for part in payload]
+        handles.append(t.allreduce_async(tail, what=what))
+        return _Summed(handles, codec, payload, ctx, tail)
+
+    def _summed_finish(self, k: int) -> GradsyncError | None:
+        """Decompress summed bucket ``k`` into its gradients; the error every worker raises, if any."""
+        bucket = self.buckets[k]
+        sent: _Summed = bucket.handle
+        faulty, code, rank, param = sent.tail[-4:].tolist()
+        if faulty == 1:
+            return self._fault_error(Fault(int(code), int(rank), int(param)), k)
+        if faulty:
+            return NonFiniteGradientError(
+                f"gradients in bucket {k} ({self.ctx.names[bucket.indices[0]]!r}..) were non-finite or beyond "
+                f"{self.codec_name}'s range on {int(faulty)} workers; nothing was applied (every worker raises "
+                "this). Lower the learning rate, clip gradients, or skip the step.")
+        total = sent.codec.decompress(sent.payload, sent.ctx)
+        if not all_finite(total):  # the same sum on every worker: all raise this
+            return CompressionError(f"the sum over workers of bucket {k} ({self.ctx.names[bucket.indices[0]]!r}..) "
+                                    f"overflowed {self.codec_name}'s range; use bf16, or scale the loss down")
+        bucket.buffer[:bucket.numel].copy_(total)
+        return None
 
     def _plain_fault(self, k: int) -> GradsyncError | None:
         """Average plain bucket ``k`` after its sum; the error every worker raises if one had a fault."""
