@@ -401,8 +401,9 @@ def _report(records: list[dict], args) -> int:
     print(table(records))
     for r in records:
         if "eval_loss" in r:
+            change = f" ({r['eval_loss'] / r['ref_eval_loss'] - 1:+.1%})" if r["ref_eval_loss"] else ""
             print(f"{r['strategy']}: not exact; held-out loss of rank 0's model {r['eval_loss']:.4g} against the "
-                  f"reference's {r['ref_eval_loss']:.4g} ({r['eval_loss'] / r['ref_eval_loss'] - 1:+.1%})")
+                  f"reference's {r['ref_eval_loss']:.4g}{change}")
     note = cpu_bound_note(records)
     if note:
         print(note)

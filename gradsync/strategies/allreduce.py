@@ -263,7 +263,14 @@ class AllReduce(BucketedSync):
             self._build(order)
 
     def min_bytes_per_host(self, model_bytes: int) -> float:
-        return ring_bytes(model_bytes, self.ctx.topology.num_workers)
+        ratio = 1.0
+        if self.compression is not None:  # the payload's size on the wire, per byte of gradient
+            from gradsync.compress.base import to_bytes
+
+            sample = torch.randn(1 << 16, generator=torch.Generator().manual_seed(0))
+            payload, _ = build(self.codec_name, **self.codec_options).compress(sample)
+            ratio = to_bytes(payload).numel() / (sample.numel() * sample.element_size())
+        return ring_bytes(model_bytes * ratio, self.ctx.topology.num_workers)
 
     def describe(self) -> str:
         codec = "" if self.compression is None else f", compression={self.compression}" + (
