@@ -320,7 +320,8 @@ def _records(config: dict, run_dir: str) -> list[dict]:
         if check_ref is not None:
             result = compare(torch.load(os.path.join(run_dir, f"{name}.check.pt")), check_ref, check.tolerance)
         records.append(summarize(raw, results["compute"], config, result, fp32["max_abs_diff"]))
-        if not raw["exact"]:  # its model is not the reference's: how good is it?
+        if not raw["exact"] and work.compute == "real":  # not the reference's model: how good is it?
+            # (an emulated model's loss is a stand-in, not a measure of its parameters)
             records[-1].update(eval_loss=eval_loss(work, final), ref_eval_loss=ref_loss)
         tuning = results.get("tuning", {}).get(name)
         if tuning is not None:
