@@ -340,3 +340,24 @@ def test_adaptive_batch_size_doubles_while_the_noise_scale_exceeds_twice_the_glo
     # 60 < 2*32: no; 70 > 64: 16 -> 32; 300 > 128: 32 -> 64; then capped at 64.
     assert [(s, b) for s, _, b in policy.history] == [(15, 32), (20, 64)]
     assert ctl.batch_size == 64 and ctl.lr == pytest.approx(lr_after)
+
+
+def test_bad_adaptation_inputs_are_clear_errors():
+    from gradsync.adapt import AdaptiveBatchSize, GradientVariance, NoiseScale, ScheduledResize, StrategySwitch, Throughput
+    from gradsync.errors import ConfigError
+    from gradsync.launch.elastic import launch_elastic
+
+    cases = [(lambda: NoiseScale(0), "batch_size must be >= 1"),
+             (lambda: Throughput(-1), "batch_size must be >= 1"),
+             (lambda: NoiseScale(8, alpha=1.0), "alpha must be in [0, 1)"),
+             (lambda: GradientVariance(sample=0), "a count >= 1 or a fraction in (0, 1]"),
+             (lambda: GradientVariance(sample=1.5), "a count >= 1 or a fraction in (0, 1]"),
+             (lambda: StrategySwitch(["allreduce"]), "at least two candidate strategies"),
+             (lambda: StrategySwitch(["allreduce", "ps"], probe_steps=1), "probe_steps must be >= 2"),
+             (lambda: AdaptiveBatchSize(NoiseScale(8), 64, lr_scaling="cubic"), "lr_scaling must be"),
+             (lambda: ScheduledResize({10: 0}), "step 10 -> 0 workers is not a valid entry")]
+    for make, message in cases:
+        with pytest.raises(ConfigError, match=__import__("re").escape(message)):
+            make()
+    result = launch_elastic(["true"], np=3, min_np=1, max_np=2)  # before anything starts
+    assert result.returncode == 2 and "--min-np (1) <= -np (3) <= --max-np (2)" in result.message
