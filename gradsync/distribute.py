@@ -28,9 +28,12 @@ class _Sync:
     """Per-optimizer state: the strategy, whether gradient hooks are live, the hook handles, and
     the observer (:class:`gradsync.adapt.Monitors`) that sees local and synchronized gradients."""
 
-    def __init__(self, strategy: Strategy, params: list[nn.Parameter], names: list[str]):
+    def __init__(self, strategy: Strategy, model: nn.Module, params: list[nn.Parameter], names: list[str]):
         self.strategy = strategy
-        self.params, self.names = params, names
+        self.model, self.params, self.names = model, params, names
+        # Unattached copies: the current strategy's, from which an elastic job re-creates it for each
+        # new group, and the script's own, which workers joining an elastic job attach first.
+        self.template = self.original = copy.deepcopy(strategy)
         self.enabled = True
         self.handles: list = []
         self.closed = False
@@ -190,6 +193,7 @@ def _wrap_optimizer(optimizer: torch.optim.Optimizer, sync: _Sync) -> torch.opti
         try:
             reattach(self, new)
         except BaseException:
+            sync.remove_hooks()  # whatever the failed attach installed
             reattach(self, copy.deepcopy(sync.template))  # train on with the old strategy, not unsynchronized
             raise
         sync.template = template
@@ -308,10 +312,7 @@ def distribute(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str
     # A worker joining a running elastic job holds a fresh model: comparing digests would be wasted.
     joining = rt.elastic is not None and rt.elastic.gen > 0 and rt.elastic.any_new
     broadcast_model(model, rt.transport, world=world, compare_first=not joining)
-    sync = _Sync(strategy, params, names)
-    sync.model = model
-    sync.template = copy.deepcopy(strategy)  # an elastic job re-creates the strategy for each new group
-    sync.original = sync.template  # the script's own, which workers joining an elastic job attach first
+    sync = _Sync(strategy, model, params, names)
     strategy.attach(SyncContext(model, optimizer, params, names, rt.transport, topology))
     runtime.on_shutdown(sync.close)
     if topology.is_server:

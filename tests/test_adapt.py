@@ -361,3 +361,41 @@ def test_bad_adaptation_inputs_are_clear_errors():
             make()
     result = launch_elastic(["true"], np=3, min_np=1, max_np=2)  # before anything starts
     assert result.returncode == 2 and "--min-np (1) <= -np (3) <= --max-np (2)" in result.message
+
+
+def failed_switch_job(work, steps):
+    import gradsync
+    from gradsync.bench.workload import train_step
+    from gradsync.errors import ConfigError
+    from gradsync.strategies import AllReduce
+
+    class Broken(AllReduce):
+        name = "broken"
+
+        def attach(self, ctx):
+            raise ConfigError("broken strategy: attach refused")
+
+    gradsync.register("broken", Broken)
+    topo = gradsync.topology()
+    model, opt = work.build()
+    opt = gradsync.distribute(model, opt, "allreduce")
+    spec, message = work.spec(), ""
+    for step in range(steps):
+        if step == 2:
+            try:
+                opt.switch_strategy("broken")
+            except ConfigError as exc:
+                message = str(exc)
+        inputs, target = work.batch(spec, step, topo.rank, topo.num_workers)
+        train_step(model, opt, spec, inputs, target)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, message, opt.strategy.name
+
+
+def test_a_switch_that_fails_keeps_training_on_the_old_strategy():
+    from gradsync.bench.workload import Workload, compare, reference
+
+    work = Workload(model="toy", batch_size=4)
+    ref = reference(work, 2, 5)
+    for params, message, name in run_ranks(failed_switch_job, 2, work, 5, timeout=60):
+        assert "attach refused" in message and name == "allreduce"
+        assert compare(params, ref, work.tolerance)["correct"]  # no step ran unsynchronized or twice-hooked

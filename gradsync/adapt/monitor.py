@@ -157,9 +157,6 @@ class NoiseScale(Monitor):
         s, g = self._s.update(trace), self._g.update(g2)
         self.readings = {"noise_scale": s / g if g else math.inf, "grad_sq_norm": g, "grad_trace_cov": s}
 
-    def after_step(self) -> None:
-        self.step += 1
-
     @property
     def value(self) -> float:
         return self.readings.get("noise_scale", math.nan)
@@ -262,9 +259,6 @@ class GradientVariance(Monitor):
                          "grad_variance_norm": math.sqrt(float(var64.pow(2).sum()) * scale)}
         self.buffer.zero_()
 
-    def after_step(self) -> None:
-        self.step += 1
-
     def values(self) -> dict[str, float]:
         suffix = "" if self.picks is None else "_sampled"
         return {k + suffix: v for k, v in self.readings.items()}
@@ -283,7 +277,6 @@ class Throughput(Monitor):
         self.readings: dict[str, float] = {}
 
     def after_step(self) -> None:
-        self.step += 1
         now, sent = time.perf_counter(), self.transport.bytes_sent
         if self._last is not None:
             dt = now - self._last[0]
@@ -365,9 +358,6 @@ class Monitors:
     def __iter__(self):
         return iter(self.monitors)
 
-    def of_type(self, kind: type) -> Monitor | None:
-        return next((m for m in self.monitors if isinstance(m, kind)), None)
-
     # the hook points, fanned out
     def on_local_grad(self, index: int, grad: torch.Tensor) -> None:
         for m in self.monitors:
@@ -380,11 +370,13 @@ class Monitors:
     def after_step(self) -> None:
         for m in self.monitors:
             m.after_step()
+            m.step += 1  # what ``Monitor.active`` counts
         self.step += 1
-        if not (self.print_every or self.writer) or not (self.leader or self.writer):
+        printing = bool(self.print_every) and self.step % self.print_every == 0 and self.leader
+        if not printing and self.writer is None:
             return
         values = self.values()
-        if self.print_every and self.step % self.print_every == 0 and self.leader:
+        if printing:
             print(f"gradsync step {self.step}: " + "  ".join(f"{k}={v:.4g}" for k, v in values.items()), flush=True)
         if self.writer is not None:
             for k, v in values.items():
