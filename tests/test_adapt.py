@@ -399,3 +399,27 @@ def test_a_switch_that_fails_keeps_training_on_the_old_strategy():
     for params, message, name in run_ranks(failed_switch_job, 2, work, 5, timeout=60):
         assert "attach refused" in message and name == "allreduce"
         assert compare(params, ref, work.tolerance)["correct"]  # no step ran unsynchronized or twice-hooked
+
+
+def pair_averaging_peer_dies(steps):
+    import os
+
+    import gradsync
+
+    topo = gradsync.topology()
+    model = torch.nn.Linear(4, 1)
+    opt = gradsync.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1), "pair-averaging")
+    for step in range(steps):
+        if topo.rank == 1 and step == 3:
+            os._exit(17)  # no goodbye: its peer must not wait forever
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def test_pair_averaging_names_a_peer_that_died_instead_of_hanging():
+    from multirank import run_ranks_expect_failure
+
+    failures = run_ranks_expect_failure(pair_averaging_peer_dies, 2, 10, timeout=60, env={"GRADSYNC_TIMEOUT": "5"})
+    assert "exited with code 17" in failures[1]
+    assert "PeerFailureError" in failures[0] and "worker 1 (rank 1) stopped responding" in failures[0], failures[0][-800:]
