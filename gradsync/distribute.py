@@ -118,6 +118,13 @@ def _install_hooks(model: nn.Module, params: list[nn.Parameter], sync: _Sync) ->
             if owned:
                 sync.handles.append(module.register_forward_pre_hook(
                     lambda _module, _args, owned=owned: strategy.on_params_needed(owned)))
+    if type(strategy).on_lookup is not Strategy.on_lookup:
+        index = {id(p): i for i, p in enumerate(params)}
+        for module in model.modules():
+            if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and id(module.weight) in index:
+                sync.handles.append(module.register_forward_pre_hook(
+                    lambda _module, args, kwargs, i=index[id(module.weight)]:
+                        strategy.on_lookup(i, args[0] if args else kwargs["input"]), with_kwargs=True))
     # A checkpoint must not catch parameters still in flight (p3 finishes them lazily).
     sync.handles.append(model.register_state_dict_pre_hook(lambda *_args: strategy.flush()))
     # Nor may a late arrival overwrite parameters just loaded.

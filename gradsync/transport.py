@@ -54,6 +54,10 @@ class Handle:
         if self._trace is not None and tracer is not None:
             tracer.end_async(self._trace)
 
+    def completed(self) -> bool:
+        """Whether the operation has finished (without waiting; a failure shows at :meth:`wait`)."""
+        return self._done or self._work.is_completed()
+
     def source_rank(self) -> int:
         """For a receive from any source: the rank the message came from."""
         return self._work._source_rank()
@@ -135,9 +139,13 @@ class Transport:
     # -- point to point ------------------------------------------------------------------------
     # Point-to-point messages go straight to the world process group: ``dist.isend``'s argument
     # checks cost more than the send itself for the hundreds of small messages a PS step makes.
-    def send_async(self, tensor: torch.Tensor, dst: int, tag: int, *, what: str = "send") -> Handle:
+    def send_async(self, tensor: torch.Tensor, dst: int, tag: int, *, what: str = "send",
+                   counted: bool = True) -> Handle:
+        """Send ``tensor`` to ``dst`` on ``tag``. ``counted=False``: traffic that is not part of a
+        training step (hybrid's whole-table flush) stays out of ``bytes_sent``."""
         nbytes = tensor.numel() * tensor.element_size()
-        self.bytes_sent += nbytes
+        if counted:
+            self.bytes_sent += nbytes
         tracer = trace.current()
         token = None if tracer is None else tracer.begin_async(what, "comm", bytes=nbytes, op="send", peer=dst)
         return Handle(dist.group.WORLD.send([tensor], dst, tag), self._explain, what, token)

@@ -12,7 +12,7 @@ import torch
 from gradsync.models import get_model, model_names
 from gradsync.models.layers import sinusoidal_positions
 
-ZOO = ["resnet50", "vgg19", "inception_v3", "mobilenet_v2", "transformer-nmt", "bert-base", "lstm-lm", "sockeye-rnn"]
+ZOO = ["resnet50", "vgg19", "inception_v3", "mobilenet_v2", "transformer-nmt", "bert-base", "lstm-lm", "sockeye-rnn", "recsys"]
 
 # torchvision's counts for the vision models; the NLP counts are derived in each module's docstring.
 FULL_PARAMS = {
@@ -24,6 +24,7 @@ FULL_PARAMS = {
     "bert-base": 110_106_428,  # encoder + pooler + masked-LM and next-sentence heads
     "lstm-lm": 822_761_343,
     "sockeye-rnn": 25_634_333,
+    "recsys": 540_677_217,  # 26 Criteo Kaggle tables of width 16 and the two MLPs
 }
 
 pytestmark = pytest.mark.filterwarnings("ignore:LSTM with projections:UserWarning")
@@ -123,7 +124,7 @@ def test_unknown_size_lists_valid_sizes():
 
 
 @pytest.mark.parametrize(
-    "name, valid", [("resnet50", "image_size, num_classes"), ("lstm-lm", "seq_len, sparse")]
+    "name, valid", [("resnet50", "image_size, num_classes"), ("lstm-lm", "num_sampled, seq_len, softmax, sparse")]
 )
 def test_unknown_option_lists_valid_options(name, valid):
     with pytest.raises(ValueError, match=f"unknown option.*depth.*valid options: {valid}"):

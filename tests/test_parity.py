@@ -56,6 +56,9 @@ CASES = [  # (strategy, workers, servers, options)
     ("casync-ps", 2, 0, {"compression": "none", "bucket_mb": 0.001}),
     ("casync-ps", 3, 0, {"compression": "topk:ratio=1", "partition_mb": 0.0001}),
     ("compressed-allgather", 3, 0, {"compression": "topk:ratio=1"}),
+    # hybrid on the toy: its one embedding is tied to the output layer, so it is measured as mixed
+    # and all-reduced (tests/test_hybrid.py has the tables that go to servers); a server rank idles.
+    ("hybrid", 2, 0, {}), ("hybrid", 2, 1, {}),
 ]
 CASES = [c + ("sgd",) for c in CASES] + [  # Adam: per-parameter state, at 2 workers
     ("allreduce", 2, 0, {}, "adam"), ("ps", 2, 0, {}, "adam"), ("ps", 2, 1, {}, "adam"),

@@ -41,7 +41,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--rounds", type=int, default=3,
                    help="rounds that interleave the strategies, so drift hits all alike (default 3)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
-    p.add_argument("--optimizer", default="sgd", help="sgd (momentum 0.9) or adam (default sgd)")
+    p.add_argument("--optimizer", default="sgd", help="sgd (momentum 0.9), adam or adagrad (default sgd)")
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compression", metavar="SPEC[;SPEC...]",
@@ -405,6 +405,15 @@ def _report(records: list[dict], args) -> int:
             change = f" ({r['eval_loss'] / r['ref_eval_loss'] - 1:+.1%})" if r["ref_eval_loss"] else ""
             print(f"{r['strategy']}: not exact; held-out loss of rank 0's model {r['eval_loss']:.4g} against the "
                   f"reference's {r['ref_eval_loss']:.4g}{change}")
+    for r in records:
+        if r.get("servers"):
+            print(f"{r['strategy']}: peak memory of the busiest dedicated server {r['server_peak_mem_mb']:.1f} MB")
+        if r["strategy"].startswith("hybrid"):
+            print(f"{r['strategy']} at {r['net']}: {r['describe']}")
+            stats = r.get("stats") or {}
+            if stats.get("steps"):
+                print(f"  rows per step and worker: pushed {stats['pushed_rows'] / stats['steps']:.0f}, "
+                      f"pulled from other servers {stats['pulled_rows'] / stats['steps']:.0f}")
     note = cpu_bound_note(records)
     if note:
         print(note)

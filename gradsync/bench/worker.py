@@ -174,6 +174,13 @@ def attach_monitor(label: str, optimizer, work: Workload) -> None:
         monitor(optimizer, MONITORS[name](work))
 
 
+def peaks(transport, worker: float = 0.0, server: float = 0.0) -> tuple[float, float]:
+    """The largest peak memory of any worker and of any dedicated server (every rank calls this)."""
+    mem = torch.tensor([worker, server], dtype=torch.float64, device=transport.device)
+    transport.allreduce(mem, op="max", world=True, what="gather of peak memory")
+    return float(mem[0]), float(mem[1])
+
+
 def run_strategy(name: str, options: dict, work: Workload, total: int, run_dir: str) -> dict | None:
     topo = gradsync.topology()
     transport = runtime.current().transport
@@ -181,7 +188,8 @@ def run_strategy(name: str, options: dict, work: Workload, total: int, run_dir: 
     with PeakMemory() as memory:
         model, optimizer = work.build()
         optimizer = gradsync.distribute(model, optimizer, strategy_of(name), exit_servers=False, **options)
-        if topo.is_server:
+        if topo.is_server:  # it served until the workers closed the strategy
+            peaks(transport, server=memory.peak_mb)
             return None
         attach_monitor(name, optimizer, work)
         hooks = trace.instrument(model) if trace.current() is not None and work.compute == "real" else []
@@ -196,12 +204,12 @@ def run_strategy(name: str, options: dict, work: Workload, total: int, run_dir: 
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     times = slowest(times)
     agree = workers_agree(model)
-    mem = torch.tensor([memory.peak_mb], dtype=torch.float64, device=transport.device)
-    transport.allreduce(mem, op="max", what="gather of peak memory")
+    worker_mb, server_mb = peaks(transport, worker=memory.peak_mb)
     if topo.rank == 0:
         torch.save({n: p.detach() for n, p in model.named_parameters()}, os.path.join(run_dir, f"{name}.pt"))
     return {"strategy": name, "describe": optimizer.strategy.describe(), "times": times,
-            "bytes_per_step": sent / total, "peak_mem_mb": float(mem), "workers_max_diff": agree,
+            "bytes_per_step": sent / total, "peak_mem_mb": worker_mb, "server_peak_mem_mb": server_mb,
+            "workers_max_diff": agree, "stats": {k: v for k, v in getattr(optimizer.strategy, "stats", {}).items() if isinstance(v, (int, float))},
             "exact": bool(optimizer.strategy.exact), "model_bytes": model_bytes, "host_cpu": cpu,
             "min_bytes_per_host": optimizer.strategy.min_bytes_per_host(model_bytes)}
 
@@ -216,6 +224,9 @@ def merge(into: dict | None, record: dict, warmup: int) -> dict:
     if cpu is not None:
         into["host_cpu"] += cpu
     into["peak_mem_mb"] = max(into["peak_mem_mb"], record["peak_mem_mb"])
+    into["server_peak_mem_mb"] = max(into["server_peak_mem_mb"], record["server_peak_mem_mb"])
+    into["stats"] = {k: into["stats"].get(k, 0) + v for k, v in record["stats"].items()
+                     if isinstance(v, (int, float))}
     into["workers_max_diff"] = max(into["workers_max_diff"], record["workers_max_diff"])
     return into
 

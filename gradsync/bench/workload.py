@@ -32,6 +32,9 @@ from gradsync.models import ModelSpec, get_model
 OPTIMIZERS = {
     "sgd": (lambda params, lr: torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=1e-4), 1e-5, 1e-4),
     "adam": (lambda params, lr: torch.optim.Adam(params, lr=lr), 1e-4, 1e-4),
+    # Per-row state that rows without gradient keep as they are (hybrid's servers update only the
+    # rows pushed); it divides by a root of squared gradients, as Adam does: Adam's tolerance.
+    "adagrad": (lambda params, lr: torch.optim.Adagrad(params, lr=lr), 1e-4, 1e-4),
 }
 
 
@@ -42,7 +45,7 @@ class Workload:
     batch_size: int = 8
     """Samples per worker per step."""
     optimizer: str = "sgd"
-    """``sgd`` (momentum 0.9, weight decay 1e-4) or ``adam``."""
+    """``sgd`` (momentum 0.9, weight decay 1e-4), ``adam`` or ``adagrad``."""
     lr: float = 0.01
     seed: int = 0
     dtype: str = "float32"

@@ -20,6 +20,9 @@ its single-process reference run it unchanged. What happens inside:
   seed) and the parameter: a fixed pseudo-random pattern, shifted and scaled by the batch. So the
   data-parallel reference is well defined, and workers with different batches send different,
   non-parallel gradients. Making one costs one pass over the parameter's memory.
+- Embedding tables (the model spec's ``lookups`` names them and says which ids each reads) are
+  :class:`EmulatedEmbedding` modules fed the real batch's ids: their gradient has values only on
+  the rows read (dense with zeros elsewhere, or sparse with ``sparse=True``), as the real table's.
 
 Limits: the host-side work of the strategies (copies into buckets, the optimizer's update) runs
 on the CPU for real, where a GPU would do it in microseconds; ``--dilation`` shrinks its share.
@@ -149,17 +152,77 @@ class EmulatedLayer(nn.Module):
         return _LayerFunction.apply(token, batch_value, self, *self.own_params)
 
 
-class EmulatedModel(nn.Module):
-    """The real model's parameters, in the profile's layers; ``forward(x)`` takes one float per sample."""
+class _EmbeddingFunction(torch.autograd.Function):
+    """An embedding table: forward books its time; backward returns a gradient on the rows read."""
 
-    def __init__(self, real: nn.Module, profile: Profile, dilation: float = 1.0):
+    @staticmethod
+    def forward(ctx, token, batch_value, layer, ids, weight):
+        ctx.layer, ctx.value = layer, float(batch_value)
+        ctx.save_for_backward(ids)
+        start, end = layer.clock.forward(layer.forward_ms)
+        layer.record("forward", start, end)
+        return token.clone()
+
+    @staticmethod
+    def backward(ctx, grad_token):
+        layer, (ids,) = ctx.layer, ctx.saved_tensors
+        start, end = layer.clock.backward(layer.backward_ms)
+        weight = layer.weight
+        values = synthetic_grad(torch.empty(ids.numel(), weight.shape[1], dtype=weight.dtype), ctx.value, layer.salt)
+        if layer.sparse:  # as nn.Embedding(sparse=True): uncoalesced, one row per id read
+            grad = torch.sparse_coo_tensor(ids.view(1, -1), values, weight.shape, check_invariants=False)
+        else:
+            grad = torch.zeros_like(weight).index_add_(0, ids, values)
+        layer.clock.sleep_until(end)
+        layer.record("backward", start, end)
+        return grad_token, None, None, None, grad
+
+
+class EmulatedEmbedding(nn.Embedding):
+    """An ``nn.Embedding`` (so strategies that look for tables find it) whose forward is
+    ``(ids, token, batch_value)``: it checks ``ids`` as the real lookup would, books the profiled
+    time, and its gradient touches exactly the rows ``ids`` names (sparse if ``sparse``)."""
+
+    def __init__(self, name: str, real: nn.Embedding, forward_ms: float, backward_ms: float,
+                 clock: AcceleratorClock, salt: int):
+        nn.Module.__init__(self)
+        self.num_embeddings, self.embedding_dim = real.num_embeddings, real.embedding_dim
+        self.padding_idx, self.max_norm, self.norm_type = None, None, 2.0
+        self.scale_grad_by_freq, self.sparse = False, real.sparse
+        self.weight = nn.Parameter(_initial(real.weight), requires_grad=real.weight.requires_grad)
+        self.layer_name, self.forward_ms, self.backward_ms = name, forward_ms, backward_ms
+        self.clock, self.salt = clock, salt
+
+    record = EmulatedLayer.record
+
+    def forward(self, ids: torch.Tensor, token: torch.Tensor, batch_value: torch.Tensor) -> torch.Tensor:
+        ids = ids.reshape(-1)
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
+            raise IndexError(f"index out of range in self: {self.layer_name} has {self.num_embeddings} rows, "
+                             f"ids span {int(ids.min())}..{int(ids.max())}")
+        return _EmbeddingFunction.apply(token, batch_value, self, ids, self.weight)
+
+
+class EmulatedModel(nn.Module):
+    """The real model's parameters, in the profile's layers. ``forward(x)`` takes one float per sample;
+    a model with embedding tables (``lookups``: table name -> the ids it reads, from the inputs)
+    takes the real model's inputs, and its tables are :class:`EmulatedEmbedding` s."""
+
+    def __init__(self, real: nn.Module, profile: Profile, dilation: float = 1.0, lookups: dict | None = None):
         super().__init__()
         self.clock = AcceleratorClock(dilation, busy=profile.on_host)
+        self.lookups = dict(lookups or {})
         check_covers(profile, real)
         owned = layer_modules(real)
         self.order: list[EmulatedLayer] = []
         seen: set[int] = set()
         for salt, layer in enumerate(profile.layers):
+            if layer.name in self.lookups:
+                table = owned[layer.name]
+                seen.add(id(table.weight))
+                self.order.append(self._place(layer.name, EmulatedEmbedding(
+                    layer.name, table, layer.forward_ms, layer.backward_ms, self.clock, salt)))
+                continue
             module = self if layer.name == "" else self._make_path(layer.name, layer, salt)
             for pname, p in owned[layer.name].named_parameters(recurse=False):
                 if id(p) not in seen:  # a tied parameter lives in the first layer that owns it
@@ -172,6 +235,9 @@ class EmulatedModel(nn.Module):
             self.order.insert(0, _RootLayer(self, root.forward_ms, root.backward_ms, profile.layers.index(root)))
 
     def _make_path(self, name: str, layer, salt: int) -> EmulatedLayer:
+        return self._place(name, EmulatedLayer(name, layer.forward_ms, layer.backward_ms, self.clock, salt))
+
+    def _place(self, name: str, module: nn.Module) -> nn.Module:
         parent: nn.Module = self
         *path, leaf = name.split(".")
         for part in path:
@@ -179,7 +245,6 @@ class EmulatedModel(nn.Module):
                 parent.add_module(part, nn.Module())
             parent = getattr(parent, part)
         existing = getattr(parent, leaf, None)
-        module = EmulatedLayer(name, layer.forward_ms, layer.backward_ms, self.clock, salt)
         if existing is not None:  # a placeholder made for a deeper layer's path: keep its children
             for child_name, child in existing.named_children():
                 module.add_module(child_name, child)
@@ -187,11 +252,19 @@ class EmulatedModel(nn.Module):
         parent.add_module(leaf, module)
         return module
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        value = x.double().mean().reshape(())
-        token = torch.zeros((), dtype=x.dtype)
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        if self.lookups:  # the real inputs: one number per batch from all of them, tables read their ids
+            value = torch.frac(sum(x.double().sum() for x in inputs) * 0.6180339887498949).reshape(())
+            token = torch.zeros((), dtype=next(iter(self.parameters())).dtype)
+        else:
+            x, = inputs
+            value = x.double().mean().reshape(())
+            token = torch.zeros((), dtype=x.dtype)
         for layer in self.order:
-            token = layer(token, value)
+            if isinstance(layer, EmulatedEmbedding):
+                token = layer(self.lookups[layer.layer_name](inputs), token, value)
+            else:
+                token = layer(token, value)
         return token
 
 
@@ -221,7 +294,8 @@ def _initial(meta_param: torch.Tensor) -> torch.Tensor:
 def emulated_spec(model: str, batch_size: int, profile_text: str | None = None, dilation: float = 1.0):
     """A :class:`~gradsync.models.ModelSpec` for ``model`` on emulated compute (see the module docstring).
 
-    A batch is one float in [0, 1) per sample, from the batch seed; the loss is the model's output.
+    A batch is one float in [0, 1) per sample, from the batch seed, or for a model with embedding
+    tables the real model's batch; the loss is the model's output.
     """
     from gradsync.models import ModelSpec, get_model
 
@@ -231,9 +305,11 @@ def emulated_spec(model: str, batch_size: int, profile_text: str | None = None, 
     def build() -> nn.Module:
         with torch.device("meta"):
             real = real_spec.build()
-        return EmulatedModel(real, profile, dilation)
+        return EmulatedModel(real, profile, dilation, real_spec.lookups)
 
     def make_batch(n: int, generator: torch.Generator):
+        if real_spec.lookups:  # the tables read the rows a real batch would
+            return real_spec.make_batch(n, generator)[0], torch.zeros(())
         return (torch.rand(n, generator=generator),), torch.zeros(())
 
     return ModelSpec(name=real_spec.name, size=real_spec.size, build=build, make_batch=make_batch,

@@ -42,6 +42,8 @@ class Toy(nn.Module):
 
 def spec(size: str = "full", **options) -> ModelSpec:
     vocab, seq_len = 50, 8
+    if size not in ("full", "tiny"):
+        raise ValueError(f"unknown size {size!r} for model 'toy'; valid sizes: full, tiny (the same model)")
     if options:
         raise ValueError(f"the toy model takes no options, got {sorted(options)}")
 

@@ -17,6 +17,7 @@ from gradsync.strategies.casync_ps import CaSyncPS
 from gradsync.strategies.casync_ring import CaSyncRing
 from gradsync.strategies.compressed_allgather import CompressedAllGather
 from gradsync.strategies.ddp import DDP
+from gradsync.strategies.hybrid import Hybrid
 from gradsync.strategies.p3 import P3
 from gradsync.strategies.pair_averaging import PairAveraging
 from gradsync.strategies.ps import ParameterServer
@@ -35,6 +36,7 @@ STRATEGIES: dict[str, Callable[..., Strategy]] = {
     "compressed-allgather": CompressedAllGather,
     "sma": SMA,
     "pair-averaging": PairAveraging,
+    "hybrid": Hybrid,
 }
 
 
@@ -61,5 +63,5 @@ def resolve(strategy: str | Strategy, **options: Any) -> Strategy:
         raise ConfigError(f"invalid options for strategy {strategy!r}: {exc}") from None
 
 
-__all__ = ["STRATEGIES", "AllReduce", "CaSyncPS", "CaSyncRing", "CompressedAllGather", "DDP", "P3", "PairAveraging", "ParameterServer", "SMA", "PriorityAllReduce", "Strategy", "SyncContext",
+__all__ = ["STRATEGIES", "AllReduce", "CaSyncPS", "CaSyncRing", "CompressedAllGather", "DDP", "Hybrid", "P3", "PairAveraging", "ParameterServer", "SMA", "PriorityAllReduce", "Strategy", "SyncContext",
            "register", "resolve", "strategy_names"]

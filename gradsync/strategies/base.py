@@ -12,6 +12,10 @@ branches on which strategy is running.
   parameters ``indices`` (a forward pre-hook per such module; installed only for strategies that
   override this method). A strategy that lets the next forward start before every parameter has
   arrived (P3's forward overlap) waits here for just these.
+- ``on_lookup(index, ids)``: an ``nn.Embedding`` / ``nn.EmbeddingBag`` whose weight is parameter
+  ``index`` is about to read rows ``ids`` (a forward pre-hook on each such module; installed only
+  for strategies that override this method). A strategy that keeps tables elsewhere (hybrid's
+  parameter servers) brings those rows in here.
 - ``step(apply)``: the user called ``optimizer.step()``. Finish synchronization and call
   ``apply()`` (the wrapped optimizer's own step) where the strategy wants the update to happen,
   or not at all when the update happens on a server.
@@ -77,6 +81,9 @@ class Strategy:
         pass
 
     def on_params_needed(self, indices: tuple[int, ...]) -> None:
+        pass
+
+    def on_lookup(self, index: int, ids: torch.Tensor) -> None:
         pass
 
     def flush(self) -> None:

@@ -1,0 +1,297 @@
+"""The sparse-aware hybrid strategy (Parallax): decisions, exactness, servers, bad input.
+
+Every training test compares rank 0's final parameters with the single-process data-parallel
+reference and every worker's with rank 0's.
+"""
+import re
+
+import pytest
+import torch
+from torch import nn
+
+import gradsync
+from gradsync.bench.workload import Workload, compare, reference, train_step
+from gradsync.errors import ConfigError
+from gradsync.strategies.hybrid import Hybrid, Layout, lazy_update
+from multirank import run_ranks, run_ranks_expect_failure
+
+STEPS = 4
+
+
+def train(work: Workload, steps: int, options: dict):
+    """Train ``work`` with hybrid; workers return (parameters, describe())."""
+    topo = gradsync.topology()
+    spec = work.spec()
+    model, opt = work.build()
+    opt = gradsync.distribute(model, opt, "hybrid", exit_servers=False, **options)
+    if topo.is_server:
+        return None
+    for step in range(steps):
+        inputs, target = work.batch(spec, step, topo.rank, topo.num_workers)
+        train_step(model, opt, spec, inputs, target)
+    described = opt.strategy.describe()
+    opt.close()  # the model is whole after close
+    return {name: p.detach().clone() for name, p in model.named_parameters()}, described
+
+
+def check(work: Workload, workers: int, servers: int = 0, options: dict | None = None) -> str:
+    results = run_ranks(train, workers + servers, work, STEPS, options or {}, servers=servers)
+    first, described = results[0]
+    report = compare(first, reference(work, workers, STEPS), work.tolerance)
+    assert report["correct"], (report, described)
+    for rank in range(1, workers):
+        for name, value in results[rank][0].items():
+            torch.testing.assert_close(value, first[name], rtol=0, atol=0, msg=f"rank {rank} {name}")
+    return described
+
+
+@pytest.mark.parametrize("workers,servers,options", [
+    (2, 0, {}), (4, 0, {}), (2, 1, {}), (3, 2, {"partitions": 3}),
+    (1, 0, {"sparse": ["embedding.weight"]}),  # one worker serving itself, no messages
+])
+def test_language_model_matches_reference(workers, servers, options):
+    described = check(Workload(model="lstm-lm:tiny", batch_size=4), workers, servers, options)
+    assert re.search(r"embedding\.weight: sparse \(\d", described), described
+    assert "softmax.weight" not in described  # a Linear: never a candidate, always all-reduced
+    assert "1 sparse tables" in described
+
+
+def test_one_worker_keeps_everything_dense():
+    """At one worker all-reducing costs nothing: the default threshold (N-1)/N sends nothing to servers."""
+    described = check(Workload(model="lstm-lm:tiny", batch_size=4), 1)
+    assert "0 sparse tables" in described and "embedding.weight: dense" in described
+
+
+def test_recommendation_model_splits_its_tables():
+    """DLRM's 26 tables: the large ones go to the servers, the ones a batch mostly covers stay dense."""
+    described = check(Workload(model="recsys:tiny", batch_size=8), 3)
+    decisions = dict(re.findall(r"(tables\.\d+)\.weight: (sparse|dense)", described))
+    assert decisions["tables.2"] == "sparse" and decisions["tables.8"] == "dense", described  # 1000 rows vs 3
+
+
+def test_adagrad_per_row_state_matches_reference():
+    """Adagrad leaves rows without gradient alone: the servers update only the rows pushed (float64,
+    where the comparison is tight)."""
+    work = Workload(model="lstm-lm:tiny", batch_size=4, optimizer="adagrad", dtype="float64")
+    assert "lazy server updates" in check(work, 2, 1)
+
+
+def test_tied_embedding_is_measured_as_mixed_and_stays_dense():
+    """The toy's embedding is also its output layer: every row gets gradient, so it is all-reduced."""
+    described = check(Workload(model="toy", batch_size=6), 2)
+    assert "embed.weight: dense (used outside its lookup)" in described
+
+
+def _forced_tied():
+    work = Workload(model="toy", batch_size=6)
+    model, opt = work.build()
+    opt = gradsync.distribute(model, opt, "hybrid", sparse=["embed.weight"])
+    inputs, target = work.batch(work.spec(), 0, gradsync.topology().rank, 2)
+    train_step(model, opt, work.spec(), inputs, target)
+
+
+def test_forcing_a_tied_embedding_sparse_is_an_error_on_every_rank():
+    failures = run_ranks_expect_failure(_forced_tied, 2)
+    assert set(failures) == {0, 1}, failures
+    for text in failures.values():
+        assert "'embed.weight' was named sparse" in text and "Leave it dense" in text
+
+
+# -- a table alone: no dense parameters (the ps path), SparseAdam, duplicates, bad ids ---------------
+class Table(nn.Module):
+    def __init__(self, rows=40, width=3, sparse=False):
+        super().__init__()
+        self.table = nn.Embedding(rows, width, sparse=sparse)
+
+    def forward(self, ids):
+        return self.table(ids)
+
+
+def _table_batch(step: int, worker: int, duplicates: bool) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 * step + worker)
+    if duplicates:  # one id many times, and the same id on every worker
+        return torch.full((6,), 7)
+    return torch.randint(0, 40, (6,), generator=g)
+
+
+def _table_loss(out: torch.Tensor, step: int) -> torch.Tensor:
+    target = torch.linspace(-1, 1, out.shape[-1]) * (step + 1)
+    return ((out - target) ** 2).sum(-1).mean()
+
+
+def _train_table(optimizer: str, duplicates: bool, steps: int, reference_only: bool = False, workers: int = 2):
+    torch.manual_seed(0)
+    sparse = optimizer == "sparse_adam"
+    model = Table(sparse=sparse)
+    opt = (torch.optim.SparseAdam(model.parameters(), lr=0.1) if sparse
+           else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    if reference_only:
+        for step in range(steps):
+            opt.zero_grad()
+            total = None
+            for w in range(workers):
+                model.zero_grad()
+                _table_loss(model(_table_batch(step, w, duplicates)), step).backward()
+                g = model.table.weight.grad
+                total = g.clone() if total is None else total + g
+            model.table.weight.grad = total / workers
+            opt.step()
+        return model.table.weight.detach().clone()
+    opt = gradsync.distribute(model, opt, "hybrid", sparse=["table.weight"])
+    rank = gradsync.topology().rank
+    for step in range(steps):
+        opt.zero_grad()
+        _table_loss(model(_table_batch(step, rank, duplicates)), step).backward()
+        opt.step()
+    described = opt.strategy.describe()
+    opt.close()
+    return model.table.weight.detach().clone(), described
+
+
+@pytest.mark.parametrize("optimizer,duplicates", [("sgd", False), ("sparse_adam", False), ("sgd", True)])
+def test_table_only_model_matches_reference(optimizer, duplicates):
+    """No dense parameters: everything through the servers. SparseAdam's reference uses sparse
+    gradients (its lazy semantics); momentum SGD's is dense, so the servers update whole partitions."""
+    results = run_ranks(_train_table, 2, optimizer, duplicates, 5)
+    expected = _train_table(optimizer, duplicates, 5, reference_only=True)
+    for weight, described in results:
+        torch.testing.assert_close(weight, expected, rtol=1e-5, atol=1e-6)
+    assert "no dense parameters" in results[0][1]
+    assert ("lazy" if optimizer == "sparse_adam" else "dense server updates") in results[0][1]
+
+
+def _bad_ids():
+    model = Table()
+    opt = gradsync.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1), "hybrid", sparse=["table.weight"])
+    rank = gradsync.topology().rank
+    for step in range(3):
+        ids = torch.tensor([1, 2, 40 + rank]) if (step == 2 and rank == 1) else torch.tensor([1, 2, 3])
+        model(ids).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def test_ids_out_of_range_name_the_rank_and_the_table():
+    failures = run_ranks_expect_failure(_bad_ids, 2, timeout=60)
+    assert 1 in failures, failures
+    assert "rank 1: embedding 'table.weight' was given row ids 1..41, outside its 40 rows" in failures[1]
+
+
+class TiedLater(Table):
+    """Reads its table outside the lookup from the third step on (as a tied output layer would)."""
+
+    step = 0
+
+    def forward(self, ids):
+        out = self.table(ids)
+        if TiedLater.step >= 2:
+            out = out + self.table.weight.sum()
+        return out
+
+
+def _tied_later():
+    model = TiedLater()
+    opt = gradsync.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1), "hybrid", sparse=["table.weight"])
+    for step in range(4):
+        TiedLater.step = step
+        model(torch.tensor([1, 2, 3])).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def test_a_table_read_outside_its_lookup_later_is_an_error_not_lost_updates():
+    failures = run_ranks_expect_failure(_tied_later, 2, timeout=60)
+    assert failures, "a dense gradient on a server-held table must not pass silently"
+    text = "\n".join(failures.values())
+    assert "'table.weight' is on hybrid's parameter servers but got a dense gradient" in text
+    assert "dense=['table.weight']" in text
+
+
+def _close_without_steps():
+    model = Table()
+    opt = gradsync.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1), "hybrid", exit_servers=False)
+    if gradsync.topology().is_worker:
+        opt.close()
+    return "done"
+
+
+def test_dedicated_servers_leave_when_workers_close_before_any_step():
+    assert run_ranks(_close_without_steps, 3, servers=1, timeout=60) == ["done"] * 3
+
+
+# -- pieces ------------------------------------------------------------------------------------------
+def test_layout_cuts_contiguous_ranges_round_robin():
+    layout = Layout.make([10, 3], 4, [0, 1])
+    assert layout.bounds[0].tolist() == [0, 2, 5, 7, 10]
+    assert layout.owner[0].tolist() == [0, 1, 0, 1]
+    assert layout.owner[1].tolist() == [1, 0, 1]  # fewer rows than partitions; table 1 starts on server 1
+    assert layout.ranges(0, 1) == [(2, 5), (7, 10)]
+    where = layout.split(0, torch.tensor([0, 3, 9]))
+    assert where[0].tolist() == [0] and where[1].tolist() == [1, 2]
+
+
+def test_partition_count_comes_from_parallax_cost_model():
+    b, a, c = 8.0, 0.05, 1.0
+    probes = {n: b / n + a * (n - 1) + c for n in (2, 4, 8, 16, 32)}
+    assert Hybrid._fit(probes) == 13  # argmin of b/n + a(n-1): sqrt(b/a) = 12.6
+    assert Hybrid._fit({2: 1.0, 4: 0.5}) == 4  # fewer than 3 probes: the fastest
+
+
+def test_which_optimizers_update_lazily():
+    assert lazy_update(torch.optim.SparseAdam, {})
+    assert lazy_update(torch.optim.Adagrad, {"weight_decay": 0})
+    assert not lazy_update(torch.optim.Adagrad, {"weight_decay": 1e-4})
+    assert lazy_update(torch.optim.SGD, {"momentum": 0, "weight_decay": 0})
+    assert not lazy_update(torch.optim.SGD, {"momentum": 0.9, "weight_decay": 0})
+    assert not lazy_update(torch.optim.Adam, {})
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"partitions": 0}, "partitions must be 'auto' or an int >= 1"),
+    ({"sparse_threshold": 2}, "sparse_threshold must be in [0, 1]"),
+    ({"sparse": ["a"], "dense": ["a"]}, "named both sparse and dense"),
+])
+def test_bad_options(options, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        Hybrid(**options)
+
+
+def _attach(options):
+    model = nn.Sequential(nn.Embedding(10, 2), nn.Linear(2, 2))
+    gradsync.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1), "hybrid", **options)
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"sparse": ["1.weight"]}, "'1.weight' cannot go to the servers: it is not the weight of an nn.Embedding"),
+    ({"dense": ["nope"]}, "'nope' is not a trainable parameter of the model"),
+])
+def test_bad_table_names(options, message):
+    failures = run_ranks_expect_failure(_attach, 1, options, timeout=60)
+    assert message in failures[0]
+
+
+def test_emulated_tables_get_gradient_on_the_rows_read_only():
+    from gradsync.emulate.model import emulated_spec
+
+    spec = emulated_spec("recsys:tiny", 8, "flops:10tflops", dilation=0.0)
+    model = spec.build()
+    inputs, target = spec.batch(8, 0)
+    spec.loss(model(*inputs), target).backward()
+    for k in range(26):
+        grad = dict(model.named_parameters())[f"tables.{k}.weight"].grad
+        rows = set((grad != 0).any(1).nonzero().view(-1).tolist())
+        assert rows == set(inputs[1][:, k].tolist()), k
+    with pytest.raises(IndexError, match="tables.0 has"):
+        model(inputs[0], inputs[1] + 5000)
+
+
+def test_cpu_sized_language_model_has_lm1b_rows():
+    from gradsync.models import get_model
+
+    spec = get_model("lstm-lm:cpu")
+    with torch.device("meta"):
+        model = spec.build()
+    assert model.embedding.num_embeddings == model.softmax.classes.num_embeddings == 793_471
+    assert sum(p.numel() for p in model.parameters()) == 102_656_767
+    (tokens, targets, negatives), _ = spec.batch(2, 0)
+    assert negatives.numel() == 8192 and negatives.unique().numel() == 8192
