@@ -23,7 +23,7 @@ _LAZY = {
     "distribute": "gradsync.distribute",
     **{name: "gradsync.strategies" for name in ("Strategy", "AllReduce", "ParameterServer", "DDP", "P3",
                                                  "PriorityAllReduce", "CaSyncRing", "CaSyncPS", "CompressedAllGather", "SMA", "PairAveraging",
-                                                 "STRATEGIES", "register", "strategy_names")},
+                                                 "Hybrid", "STRATEGIES", "register", "strategy_names")},
 }
 
 
@@ -62,6 +62,6 @@ sys.modules[__name__].__class__ = _Package
 
 __all__ = ["init", "shutdown", "is_initialized", "distribute", "topology", "Strategy", "AllReduce",
            "ParameterServer", "DDP", "P3", "PriorityAllReduce", "CaSyncRing", "CaSyncPS", "CompressedAllGather", "SMA", "PairAveraging",
-           "STRATEGIES", "register", "strategy_names", "GradsyncError",
+           "Hybrid", "STRATEGIES", "register", "strategy_names", "GradsyncError",
            "ConfigError", "ModelMismatchError", "PeerFailureError"]
 __version__ = "0.1.0"

@@ -120,6 +120,7 @@ def _table_loss(out: torch.Tensor, step: int) -> torch.Tensor:
 
 
 def _train_table(optimizer: str, duplicates: bool, steps: int, reference_only: bool = False, workers: int = 2):
+    """Train :class:`Table`; the learning rate drops tenfold from the third step (a schedule)."""
     torch.manual_seed(0)
     sparse = optimizer == "sparse_adam"
     model = Table(sparse=sparse)
@@ -127,6 +128,7 @@ def _train_table(optimizer: str, duplicates: bool, steps: int, reference_only: b
            else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
     if reference_only:
         for step in range(steps):
+            opt.param_groups[0]["lr"] = 0.1 if step < 2 else 0.01
             opt.zero_grad()
             total = None
             for w in range(workers):
@@ -140,6 +142,7 @@ def _train_table(optimizer: str, duplicates: bool, steps: int, reference_only: b
     opt = gradsync.distribute(model, opt, "hybrid", sparse=["table.weight"])
     rank = gradsync.topology().rank
     for step in range(steps):
+        opt.param_groups[0]["lr"] = 0.1 if step < 2 else 0.01  # the servers follow
         opt.zero_grad()
         _table_loss(model(_table_batch(step, rank, duplicates)), step).backward()
         opt.step()
@@ -235,6 +238,8 @@ def test_partition_count_comes_from_parallax_cost_model():
     probes = {n: b / n + a * (n - 1) + c for n in (2, 4, 8, 16, 32)}
     assert Hybrid._fit(probes) == 13  # argmin of b/n + a(n-1): sqrt(b/a) = 12.6
     assert Hybrid._fit({2: 1.0, 4: 0.5}) == 4  # fewer than 3 probes: the fastest
+    noise = {4: 0.305, 8: 0.363, 16: 0.351, 32: 0.320, 64: 0.313}  # measured once: no trend to fit
+    assert Hybrid._fit(noise) == 4
 
 
 def test_which_optimizers_update_lazily():

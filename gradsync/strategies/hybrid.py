@@ -24,7 +24,8 @@ other workers). Each sparse table is cut into ``partitions`` contiguous row rang
 robin on the servers (table ``t``'s partition ``j`` on server ``(j + t) mod S``). With
 ``partitions="auto"`` the count is measured, Parallax's search without restarts: at the first step
 the workers push and pull their real rows under 1, 2, 4, ... partitions per server, time each,
-fit Parallax's model ``t(n) = b/n + a(n-1) + c`` and take its best ``n`` (``describe`` reports it).
+fit Parallax's model ``t(n) = b/n + a(n-1) + c`` and take its best ``n``, or the fastest count when
+the fit explains less than half the probes' variance or promises no better time than that count's (``describe`` reports the probes and the choice).
 More partitions spread hot rows (Zipf's head sits in the first rows) over servers; each costs a
 little bookkeeping.
 
@@ -335,7 +336,7 @@ class Hybrid(Strategy):
 
     def __init__(self, sparse: list[str] | None = None, dense: list[str] | None = None,
                  sparse_threshold: float | None = None, partitions: int | str = "auto",
-                 probe_rounds: int = 2, bucket_mb: float = 25.0, first_bucket_mb: float = 1.0):
+                 probe_rounds: int = 3, bucket_mb: float = 25.0, first_bucket_mb: float = 1.0):
         if partitions != "auto" and (not isinstance(partitions, int) or partitions < 1):
             raise ConfigError(f"hybrid partitions must be 'auto' or an int >= 1 (per server), got {partitions!r}")
         if sparse_threshold is not None and not 0 <= sparse_threshold <= 1:
@@ -473,29 +474,41 @@ class Hybrid(Strategy):
         per_server = [1, 2, 4, 8, 16]
         candidates = [m * s for m in per_server if m * s <= max(rows)] or [s]
         for p in candidates:
-            elapsed = torch.tensor([self._probe(Layout.make(rows, p, self.servers))], dtype=torch.float64)
+            # Each round's time is the slowest worker's; a count's time, the median of its rounds.
+            elapsed = torch.tensor(self._probe(Layout.make(rows, p, self.servers)), dtype=torch.float64)
             self.ctx.transport.allreduce(elapsed, op="max", world=True, what="hybrid's partition probe")
-            self.probes[p] = float(elapsed) / self.probe_rounds
+            self.probes[p] = float(elapsed.median())
         return Layout.make(rows, self._fit(self.probes), self.servers)
 
     @staticmethod
-    def _fit(probes: dict[int, float]) -> int:
+    def _fit(probes: dict[int, float], min_r2: float = 0.5) -> int:
         """Parallax's cost model ``t(n) = b/n + a(n-1) + c`` fitted to the probes; its best integer ``n``
-        in the probed range (with fewer than 3 probes, the fastest probe)."""
+        in the probed range. With fewer than 3 probes, or a fit that explains less than ``min_r2`` of
+        the probes' variance, or whose best is predicted no faster than the fastest probe measured
+        (differences within noise), the fastest probe."""
         ns = sorted(probes)
+        fastest = min(ns, key=lambda n: (probes[n], n))
         if len(ns) < 3:
-            return min(ns, key=lambda n: probes[n])
+            return fastest
         x = torch.tensor([[1.0 / n, n - 1.0, 1.0] for n in ns], dtype=torch.float64)
         y = torch.tensor([[probes[n]] for n in ns], dtype=torch.float64)
         b, a, c = torch.linalg.lstsq(x, y).solution.view(-1).tolist()
-        return min(range(ns[0], ns[-1] + 1), key=lambda n: (b / n + a * (n - 1) + c, n))
+        predicted = x @ torch.tensor([[b], [a], [c]], dtype=torch.float64)
+        spread = float(((y - y.mean()) ** 2).sum())
+        r2 = 1.0 - float(((y - predicted) ** 2).sum()) / spread if spread > 0 else 0.0
+        model = lambda n: b / n + a * (n - 1) + c  # noqa: E731
+        best = min(range(ns[0], ns[-1] + 1), key=lambda n: (model(n), n))
+        if r2 < min_r2 or model(best) >= probes[fastest]:  # the fit promises nothing a probe did not do
+            return fastest
+        return best
 
-    def _probe(self, layout: Layout) -> float:
-        """Workers: push and pull this step's rows under ``layout`` ``probe_rounds`` times; seconds."""
+    def _probe(self, layout: Layout) -> list[float]:
+        """Workers: push and pull this step's rows under ``layout``, ``probe_rounds`` times; seconds each."""
         if not self.ctx.topology.is_worker:
-            return 0.0
-        start = time.perf_counter()
+            return [0.0] * self.probe_rounds
+        times = []
         for _ in range(self.probe_rounds):
+            start = time.perf_counter()
             handles, answers = [], []
             for t, i in enumerate(self.sparse):
                 ids, values = self._rows_of(i)
@@ -508,7 +521,8 @@ class Hybrid(Strategy):
                     answers.append(self.ctx.transport.recv_async(answer, server, TAG_ANSWER, what="probe rows"))
             wait_all(answers)
             wait_all(handles)
-        return time.perf_counter() - start
+            times.append(time.perf_counter() - start)
+        return times
 
     # -- worker side -------------------------------------------------------------------------------
     def on_lookup(self, index: int, ids: torch.Tensor) -> None:
