@@ -54,10 +54,6 @@ class Handle:
         if self._trace is not None and tracer is not None:
             tracer.end_async(self._trace)
 
-    def completed(self) -> bool:
-        """Whether the operation has finished (without waiting; a failure shows at :meth:`wait`)."""
-        return self._done or self._work.is_completed()
-
     def source_rank(self) -> int:
         """For a receive from any source: the rank the message came from."""
         return self._work._source_rank()

@@ -48,7 +48,8 @@ uses ``sparse=True`` tables). The optimizer state of sparse tables stays on the 
 
 Wire (no pickle): a request header ``int64[8] = (op, step, table, partitions, n, used, lr bits, 0)``
 on ``TAG_REQUEST``, then ``n`` int64 row ids, then (``PUSH``) ``n`` rows of values; answers (the
-rows asked for) on ``TAG_ANSWER``. ``FLUSH`` asks for whole partitions (``flush()``: before
+rows asked for) on ``TAG_ANSWER``. ``FLUSH`` asks for whole partitions, each answered as one
+message straight from the partition into the worker's rows (``flush()``: before
 reading the model outside its lookups, saving it, or comparing it; not a step's traffic, so left out
 of the transport's byte count); ``STOP`` at close.
 
@@ -234,8 +235,6 @@ class RowServer:
             if op == OP_PUSH:
                 self._push(src, step, table, ids, values, used, lr)
             elif op in (OP_PULL, OP_FLUSH):
-                if op == OP_FLUSH:
-                    ids = torch.cat([torch.arange(lo, hi) for lo, hi, _ in self.parts[table]])
                 if step > self.step:
                     self.deferred.append((src, step, table, ids, op))
                 else:
@@ -253,6 +252,10 @@ class RowServer:
             self._apply()
 
     def _apply(self) -> None:
+        # Every worker pushed this step after reading its pulls: the answers sent so far are done.
+        for handle, _ in self.answers:
+            handle.wait(background=True)
+        self.answers = []
         n = len(self.workers)
         for t, parts in enumerate(self.parts):
             if not parts:
@@ -294,13 +297,14 @@ class RowServer:
         return out
 
     def _answer(self, src: int, table: int, ids: torch.Tensor, op: int) -> None:
-        rows = self.rows(table, ids)
-        if op == OP_FLUSH:
-            self.flush_bytes += rows.numel() * rows.element_size()
-        self._send(src, rows, "rows", counted=op != OP_FLUSH)
+        if op == OP_FLUSH:  # each partition as it lies, one message each: no copy of the table
+            for _, _, p in self.parts[table]:
+                self.flush_bytes += p.numel() * p.element_size()
+                self._send(src, p.data, "partition", counted=False)
+            return
+        self._send(src, self.rows(table, ids), "rows")
 
     def _send(self, dst: int, rows: torch.Tensor, what: str, counted: bool = True) -> None:
-        self.answers = [(h, r) for h, r in self.answers if not h.completed()]
         handle = self.h.ctx.transport.send_async(rows, dst, TAG_ANSWER, what=f"{what} to rank {dst}", counted=counted)
         self.answers.append((handle, rows))
 
@@ -664,18 +668,11 @@ class Hybrid(Strategy):
                 if server == rank:
                     self.server.wait_step(self.step_no)
                     continue
-                ranges = self.layout.ranges(t, server)
                 self.sends += self._request(server, OP_FLUSH, t, self.layout.partitions, torch.empty(0, dtype=torch.int64))
-                rows = torch.empty(sum(hi - lo for lo, hi in ranges), p.shape[1], dtype=p.dtype)
-                answers.append((p, ranges, rows, self.ctx.transport.recv_async(
-                    rows, server, TAG_ANSWER, what=f"all rows of {self.ctx.names[index]!r} from rank {server}")))
-        with torch.no_grad():
-            for p, ranges, rows, handle in answers:
-                handle.wait()
-                offset = 0
-                for lo, hi in ranges:
-                    p[lo:hi].copy_(rows[offset:offset + hi - lo])
-                    offset += hi - lo
+                for lo, hi in self.layout.ranges(t, server):  # straight into the rows: no buffer
+                    answers.append(self.ctx.transport.recv_async(
+                        p.data[lo:hi], server, TAG_ANSWER, what=f"rows {lo}..{hi} of {self.ctx.names[index]!r} from rank {server}"))
+        wait_all(answers)
         wait_all(self.sends)
         self.sends = []
 
