@@ -68,7 +68,7 @@ def test_the_check_catches_a_wrong_model():
     (["--np", "0"], "--np must be >= 1"),
     (["--batch-size", "0"], "--batch-size must be >= 1"),
     (["--servers", "-1"], "--servers must be >= 0"),
-    (["--strategies", "allreduce,nope"], "valid strategies: allreduce, allreduce-priority, casync-ps, casync-ring, compressed-allgather, ddp, p3, pair-averaging, ps, ps-async, ps-sliced, sma"),
+    (["--strategies", "allreduce,nope"], "valid strategies: allreduce, allreduce-priority, casync-ps, casync-ring, compressed-allgather, ddp, hybrid, p3, pair-averaging, ps, ps-async, ps-sliced, sma"),
     (["--model", "nope"], "valid models:"),
     (["--model", "resnet50:huge"], "valid sizes: full, tiny"),
     (["--set", "ps.fuse_kb=-1"], "fuse_kb must be >= 0"),

@@ -111,7 +111,7 @@ def misuse() -> dict:
 
 
 MISUSE = {  # case -> parts of the ConfigError's message
-    "unknown strategy": ["unknown strategy 'allreduse'", "valid strategies: allreduce, allreduce-priority, casync-ps, casync-ring, compressed-allgather, ddp, p3, pair-averaging, ps, ps-async, ps-sliced, sma"],
+    "unknown strategy": ["unknown strategy 'allreduse'", "valid strategies: allreduce, allreduce-priority, casync-ps, casync-ring, compressed-allgather, ddp, hybrid, p3, pair-averaging, ps, ps-async, ps-sliced, sma"],
     "bucket_mb=0": ["bucket sizes must be > 0 MB", "bucket_mb=0"],
     "unknown option": ["invalid options for strategy 'allreduce'", "bucket_megabytes"],
     "ps mode": ["ps mode must be 'sync' or 'async'", "'nope'"],
