@@ -29,6 +29,8 @@ from gradsync.transport import Transport
 
 DEFAULT_TIMEOUT_S = 30.0
 HEARTBEAT_S = 1.0
+SILENT_S = 2.5 * HEARTBEAT_S
+"""A rank whose heartbeat did not advance for this long has stopped."""
 RENDEZVOUS_MIN_S = 60.0
 """Least time a rank waits for rank 0's store at start-up: ranks on other hosts may start late."""
 
@@ -64,16 +66,23 @@ class Heartbeat:
             except Exception:  # the store host died; diagnosis will say so
                 return
 
-    def silent_ranks(self, window_s: float = 2.5 * HEARTBEAT_S) -> list[int] | None:
-        """Ranks whose heartbeat did not advance within ``window_s``; None if the store is gone."""
-        ranks = [r for r in range(self.topology.world_size) if r != self.topology.rank]
+    def beats(self) -> dict[int, int] | None:
+        """Every other rank's heartbeat count now, without waiting; None if the store is gone.
+        A rank whose count stays the same over ``SILENT_S`` has stopped."""
         try:
-            before = [self.store.add(f"gradsync/hb/{r}", 0) for r in ranks]
-            time.sleep(window_s)
-            after = [self.store.add(f"gradsync/hb/{r}", 0) for r in ranks]
+            return {r: self.store.add(f"gradsync/hb/{r}", 0)
+                    for r in range(self.topology.world_size) if r != self.topology.rank}
         except Exception:
             return None
-        return [r for r, b, a in zip(ranks, before, after) if a == b]
+
+    def silent_ranks(self, window_s: float = SILENT_S) -> list[int] | None:
+        """Ranks whose heartbeat did not advance within ``window_s``; None if the store is gone."""
+        before = self.beats()
+        time.sleep(window_s)
+        after = self.beats()
+        if before is None or after is None:
+            return None
+        return [r for r in before if after[r] == before[r]]
 
     def stop(self) -> None:
         # Join, so no store call is in flight while the process group and the store are torn down
@@ -275,11 +284,16 @@ def forget(closer) -> None:
 def shutdown() -> None:
     """Close strategies (servers are told to stop), stop the heartbeat, leave the process group."""
     global _RUNTIME
-    runtime, _RUNTIME = _RUNTIME, None
+    runtime = _RUNTIME
     if runtime is None:
         return
-    for closer in reversed(list(runtime.closers)):
-        closer()
+    # The runtime stays current while strategies close: they may still need its timeout and its
+    # heartbeat (to name a peer that died). Closers are taken off the list as they run.
+    try:
+        while runtime.closers:
+            runtime.closers.pop()()
+    finally:
+        _RUNTIME = None
     if runtime.heartbeat:
         runtime.heartbeat.stop()
     if runtime.owns_group and dist.is_initialized():

@@ -159,6 +159,18 @@ class Transport:
             what, "comm", bytes=tensor.numel() * tensor.element_size(), op="receive", peer=src)
         return Handle(work, self._explain, what, token)
 
+    def recv_any(self, tensor: torch.Tensor, tag: int, *, what: str) -> Optional[int]:
+        """A server thread's wait for the next request: receive into ``tensor`` from whichever rank
+        sends first on ``tag``; the sender's rank, or None when nothing came within the process
+        group's timeout (a quiet spell, not a failure: the caller keeps serving)."""
+        handle = self.recv_async(tensor, None, tag, what=what, traced=False)
+        try:
+            handle.wait(background=True)
+        except Exception as exc:  # noqa: BLE001 - Gloo raises plain RuntimeErrors
+            if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
+                return None
+            raise
+        return handle.source_rank()
 
     # -- messages of any length (compressed payloads) -----------------------------------------------
     # A header of ``HEADER_WORDS`` int64 goes first: the body's length in bytes, then three words

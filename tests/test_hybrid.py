@@ -3,7 +3,9 @@
 Every training test compares rank 0's final parameters with the single-process data-parallel
 reference and every worker's with rank 0's.
 """
+import os
 import re
+import time
 
 import pytest
 import torch
@@ -175,9 +177,12 @@ def _bad_ids():
 
 
 def test_ids_out_of_range_name_the_rank_and_the_table():
-    failures = run_ranks_expect_failure(_bad_ids, 2, timeout=60, wait_for=[1])  # rank 0: see docs/hybrid.md, Limits
-    assert 1 in failures, failures
+    """Rank 1 stops at its bad lookup; rank 0, whose server then never gets rank 1's push, names it
+    (from the heartbeat) instead of waiting for the timeout."""
+    failures = run_ranks_expect_failure(_bad_ids, 2, timeout=60)
+    assert set(failures) == {0, 1}, failures
     assert "rank 1: embedding 'table.weight' was given row ids 1..41, outside its 40 rows" in failures[1]
+    assert "whose pushes from worker 1 (rank 1) never came: it stopped responding" in failures[0], failures[0]
 
 
 class TiedLater(Table):
@@ -220,6 +225,35 @@ def _close_without_steps():
 
 def test_dedicated_servers_leave_when_workers_close_before_any_step():
     assert run_ranks(_close_without_steps, 3, servers=1, timeout=60) == ["done"] * 3
+
+
+def _train_slowly(steps: int, die_at: int | None = None):
+    """Workers step every second; worker 1 dies (no report, no goodbye) at step ``die_at``."""
+    model = Table()
+    opt = gradsync.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1), "hybrid",
+                              sparse=["table.weight"], exit_servers=False)
+    topo = gradsync.topology()
+    if topo.is_server:
+        return "done"
+    for step in range(steps):
+        if step == die_at and topo.rank == 1:
+            os._exit(3)
+        model(torch.tensor([1, 2, 3 + topo.rank])).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        time.sleep(1.0)
+    opt.close()
+    return "done"
+
+
+def test_dedicated_servers_serve_for_longer_than_the_timeout():
+    """GRADSYNC_TIMEOUT bounds a wait for a message, not a server's life: training outlasts it."""
+    assert run_ranks(_train_slowly, 3, 4, servers=1, timeout=90, env={"GRADSYNC_TIMEOUT": "2"}) == ["done"] * 3
+
+
+def test_a_dedicated_server_names_the_worker_that_died():
+    failures = run_ranks_expect_failure(_train_slowly, 3, 6, 2, servers=1, timeout=90, wait_for=[2])
+    assert "stop from worker 1 (rank 1) never came: it stopped responding" in failures.get(2, ""), failures
 
 
 # -- pieces ------------------------------------------------------------------------------------------

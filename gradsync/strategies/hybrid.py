@@ -57,7 +57,6 @@ Must match across ranks: the model and the optimizer. Gloo only (servers receive
 """
 from __future__ import annotations
 
-import math
 import struct
 import threading
 import time
@@ -68,7 +67,7 @@ import torch
 from torch import nn
 
 from gradsync import runtime
-from gradsync.errors import ConfigError, GradsyncError
+from gradsync.errors import ConfigError, GradsyncError, PeerFailureError
 from gradsync.strategies.allreduce import AllReduce
 from gradsync.strategies.base import Strategy, SyncContext, ring_bytes
 from gradsync.transport import wait_all
@@ -190,19 +189,19 @@ class RowServer:
         try:
             while self.remote:
                 header = torch.empty(HEADER, dtype=torch.int64)
-                handle = t.recv_async(header, None, TAG_REQUEST, what="hybrid request", traced=False)
                 try:
-                    handle.wait(background=True)
-                except Exception as exc:  # noqa: BLE001 - Gloo raises plain RuntimeErrors
+                    src = t.recv_any(header, TAG_REQUEST, what="hybrid request")
+                except Exception:  # noqa: BLE001 - after close, the group going away ends the loop
                     if self.closed:
                         return
-                    if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
-                        continue  # no request within the timeout: keep serving
                     raise
-                src = handle.source_rank()
+                if src is None:
+                    continue  # no request within the timeout: keep serving
                 op, step, table, partitions, n, used, lr_bits, _ = header.tolist()
                 if op == OP_STOP:
-                    self.remote.discard(src)
+                    with self.cond:
+                        self.remote.discard(src)
+                        self.cond.notify_all()
                     continue
                 ids = torch.empty(n, dtype=torch.int64)
                 if n:
@@ -310,9 +309,13 @@ class RowServer:
 
     # -- the co-located worker's own partitions --------------------------------------------------
     def wait_step(self, step: int) -> None:
-        with self.cond:
-            while self.step < step and self.failure is None:
-                self.cond.wait(1.0)
+        """Wait until this server applied ``step`` updates (the co-located worker's own partitions)."""
+        def missing() -> list[int]:
+            tables = [t for t, parts in enumerate(self.parts) if parts]
+            return [w for w in self.workers if any(w not in self.pushes.get(t, {}) for t in tables)]
+
+        self._await(lambda: self.step >= step or self.failure is not None, missing,
+                    f"waiting for the update of step {step}, whose pushes from", patient=False)
         self.check()
 
     def check(self) -> None:
@@ -320,16 +323,51 @@ class RowServer:
             raise self.failure
 
     def stop(self) -> None:
+        """Wait until every worker said stop (a dedicated server: as long as they train)."""
         if self.thread is not None:
-            timeout = runtime.current().timeout_s
-            self.thread.join(timeout)
+            self._await(lambda: not self.remote or self.failure is not None, lambda: sorted(self.remote),
+                        "waiting for the workers to close; stop from", patient=not self.local)
+            self.thread.join(runtime.current().timeout_s)
             self.closed = True
-            if self.thread.is_alive():
-                raise GradsyncError(f"hybrid server on rank {self.me}: ranks {sorted(self.remote)} did not stop within "
-                                    f"{timeout:g} s (GRADSYNC_TIMEOUT); one may have died")
         for handle, _ in self.answers:
             handle.wait(background=True)
         self.check()
+
+    def _await(self, done, waiting_for, what: str, *, patient: bool) -> None:
+        """Wait until ``done()``, failing as soon as a rank in ``waiting_for()`` stops beating.
+
+        The server thread's any-source receive never notices a dead sender by itself, so the
+        heartbeat decides: a rank whose count stays the same for ``SILENT_S`` is named. Unless
+        ``patient`` (a dedicated server, which waits as long as the workers train), anything is
+        an error after ``GRADSYNC_TIMEOUT``.
+        """
+        rt = runtime.current()
+        deadline = None if patient else time.monotonic() + rt.timeout_s
+        since = None  # (when, heartbeat counts) at the start of the current window
+        while True:
+            with self.cond:
+                if done():
+                    return
+                self.cond.wait(1.0)
+                if done():
+                    return
+                ranks = waiting_for()
+            now = time.monotonic()
+            beats = rt.heartbeat.beats() if rt.heartbeat is not None else None
+            dead = []
+            if beats is not None:
+                if since is None:
+                    since = (now, beats)
+                elif now - since[0] >= runtime.SILENT_S:
+                    dead = [r for r in ranks if r in beats and beats[r] == since[1].get(r)]
+                    since = (now, beats)
+            if dead or (deadline is not None and now > deadline):
+                who = ", ".join(rt.topology.describe(r) for r in (dead or ranks))
+                raise PeerFailureError(
+                    f"hybrid on rank {self.me}: {what} {who} "
+                    + ("never came: it stopped responding" if dead else
+                       f"did not come within {rt.timeout_s:g} s (GRADSYNC_TIMEOUT); workers must run the same "
+                       "number of optimizer steps"))
 
 
 class Hybrid(Strategy):
@@ -392,7 +430,7 @@ class Hybrid(Strategy):
         self.probes: dict[int, float] = {}
         self.restore_sparse: dict[int, bool] = {}
         self.closed = False
-        self.stats = {"pushed_rows": 0, "pulled_rows": 0, "steps": 0}
+        self.stats = {"pushed_rows": 0, "pulled_rows": 0, "row_bytes": 0, "steps": 0}
         self.layout: Layout | None = None
 
     def _group_of(self, param: nn.Parameter) -> dict:
@@ -440,7 +478,8 @@ class Hybrid(Strategy):
             for t, i in enumerate(self.sparse):
                 if ctx.params[i].dim() != 2:
                     raise ConfigError(f"hybrid: table {ctx.names[i]!r} must be 2-D")
-            self.hyper = [{k: v for k, v in self._group_of(p).items() if k != "params"} for p in tables]
+            self.groups = [self._group_of(p) for p in tables]  # the lr is read from here at every push
+            self.hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.groups]
             self.lazy = lazy_update(self.optimizer_class, self.hyper[0])
             self.server = (RowServer(self, tables, topo.worker_ranks, local=topo.is_worker)
                            if topo.rank in self.servers else None)
@@ -561,7 +600,7 @@ class Hybrid(Strategy):
             for wanted, rows, handle in answers:
                 handle.wait()
                 p.index_copy_(0, wanted, rows)
-                self.stats["pulled_rows"] += wanted.numel()
+                self._count("pulled", wanted, rows)
 
     def _request(self, server: int, op: int, t: int, partitions: int, ids: torch.Tensor,
                  values: torch.Tensor | None = None, used: bool = True, lr: float = 0.0) -> list:
@@ -576,6 +615,11 @@ class Hybrid(Strategy):
                 values = values.contiguous()
                 handles.append(tr.send_async(values, server, TAG_REQUEST, what=what))
         return handles
+
+    def _count(self, what: str, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """Rows moved and their bytes on the wire (ids and values), for reports and the bench's bound."""
+        self.stats[f"{what}_rows"] += ids.numel()
+        self.stats["row_bytes"] += ids.numel() * ids.element_size() + rows.numel() * rows.element_size()
 
     def _rows_of(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This worker's gradient of table ``index`` as (unique row ids, rows)."""
@@ -599,10 +643,11 @@ class Hybrid(Strategy):
         p = self.ctx.params[index]
         used = p.grad is not None
         ids, values = self._rows_of(index)
-        lr = self._group_of(p)["lr"]
-        self.stats["pushed_rows"] += ids.numel()
+        lr = self.groups[t]["lr"]
+        self._count("pushed", ids, values)
+        split = self.layout.split(t, ids)
         for server in self.layout.servers_of(t):
-            where = self.layout.split(t, ids).get(server, ids[:0])
+            where = split[server]
             if server == rank:
                 self.server_push(t, ids[where], values[where], used, lr)
             else:
@@ -715,11 +760,7 @@ class Hybrid(Strategy):
         """The dense part's ring all-reduce, plus each worker's rows out (push) and back (pull)."""
         params = self.ctx.params
         sparse_bytes = sum(params[i].numel() * params[i].element_size() for i in self.sparse)
-        steps = max(1, self.stats["steps"])
-        row_bytes = 0.0
-        if self.sparse:
-            width = params[self.sparse[0]].shape[1] * params[self.sparse[0]].element_size() + 8
-            row_bytes = (self.stats["pushed_rows"] + self.stats["pulled_rows"]) / steps * width
+        row_bytes = self.stats["row_bytes"] / max(1, self.stats["steps"])
         return ring_bytes(model_bytes - sparse_bytes, self.ctx.topology.num_workers) + row_bytes
 
     def describe(self) -> str:
