@@ -8,6 +8,7 @@ never left hanging.
 """
 from __future__ import annotations
 
+import copy
 import io
 import multiprocessing as mp
 import os
@@ -34,6 +35,9 @@ def _child(fn, rank, world_size, servers, port, env, args, results):
     import gradsync
 
     torch.set_num_threads(1)
+    # Tensors in ``args`` arrive in shared memory, one storage for the parent and every rank: a
+    # rank's in-place update (an optimizer state loaded from a checkpoint) would reach the others.
+    args = copy.deepcopy(args)
     try:
         gradsync.init()
         value = fn(*args)

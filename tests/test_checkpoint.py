@@ -111,10 +111,23 @@ def test_state_dict_is_the_reference_state_and_resumes_exactly(strategy, workers
     _check_resumed(results, work, workers)
 
 
-@pytest.mark.parametrize("strategy,options", [("p3", {"slice_params": 7}),
-                                              ("allreduce-priority", {"partition_params": 7})])
-def test_loading_into_a_running_strategy_rolls_back(strategy, options):
-    work = Workload(model="toy", batch_size=6, optimizer="adam")
+@pytest.mark.parametrize("optimizer,load", [("adam", "before"), ("adagrad", "after")])
+def test_hybrid_gathers_the_tables_state_from_the_workers_servers(optimizer, load):
+    """The embedding's state lives in the partitions' optimizers on the workers' servers (Adam:
+    whole-partition updates; Adagrad: lazy, per row): consolidated, it is the reference's."""
+    work = Workload(model="lstm-lm:tiny", batch_size=4, optimizer=optimizer)
+    results = run_ranks(save_and_resume, 2, "hybrid", work, {"sparse": ["embedding.weight"]}, load)
+    _, ref_opt = reference(work, 2, BEFORE, with_optimizer=True)
+    for rank in range(2):
+        _check_state(results[rank]["state"]["state"], ref_opt, work.tolerance)
+    _check_resumed(results, work, 2)
+
+
+@pytest.mark.parametrize("strategy,options,model", [
+    ("p3", {"slice_params": 7}, "toy"), ("allreduce-priority", {"partition_params": 7}, "toy"),
+    ("hybrid", {"sparse": ["embedding.weight"]}, "lstm-lm:tiny")])
+def test_loading_into_a_running_strategy_rolls_back(strategy, options, model):
+    work = Workload(model=model, batch_size=6, optimizer="adam")
     results = run_ranks(roll_back, 2, strategy, work, options)
     _check_resumed(results, work, 2)
 
@@ -134,9 +147,9 @@ def resume_from_plain_torch(strategy, work, saved_model, saved_opt):
     return {"params": _params(model)}
 
 
-@pytest.mark.parametrize("strategy", ["ps", "p3"])
-def test_dedicated_servers_resume_from_a_plain_torch_checkpoint(strategy):
-    work = Workload(model="toy", batch_size=6, optimizer="adam")
+@pytest.mark.parametrize("strategy,model", [("ps", "toy"), ("p3", "toy"), ("hybrid", "lstm-lm:tiny")])
+def test_dedicated_servers_resume_from_a_plain_torch_checkpoint(strategy, model):
+    work = Workload(model=model, batch_size=6, optimizer="adam")
     ref_model, ref_opt = reference(work, 2, BEFORE, with_optimizer=True)
     results = run_ranks(resume_from_plain_torch, 3, strategy, work, ref_model.state_dict(), ref_opt.state_dict(),
                         servers=1)

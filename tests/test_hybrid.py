@@ -256,6 +256,33 @@ def test_a_dedicated_server_names_the_worker_that_died():
     assert "stop from worker 1 (rank 1) never came: it stopped responding" in failures.get(2, ""), failures
 
 
+def _switching(work: Workload, plan: list):
+    topo, spec = gradsync.topology(), work.spec()
+    model, opt = work.build()
+    opt = gradsync.distribute(model, opt, plan[0][0])
+    step = 0
+    for k, (strategy, steps) in enumerate(plan):
+        if k:
+            opt.switch_strategy(strategy)
+        for _ in range(steps):
+            inputs, target = work.batch(spec, step, topo.rank, topo.num_workers)
+            train_step(model, opt, spec, inputs, target)
+            step += 1
+    opt.flush()
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def test_switching_to_and_from_hybrid_keeps_the_tables_optimizer_state():
+    """Momentum built under all-reduce goes to the servers' partitions, and back again."""
+    work = Workload(model="lstm-lm:tiny", batch_size=4)
+    plan = [("allreduce", 2), ("hybrid", 2), ("ps", 1), ("hybrid", 2), ("allreduce", 1)]
+    results = run_ranks(_switching, 2, work, plan, timeout=120)
+    ref = reference(work, 2, sum(steps for _, steps in plan))
+    for rank, params in enumerate(results):
+        report = compare(params, ref, work.tolerance)
+        assert report["correct"], (rank, report)
+
+
 # -- pieces ------------------------------------------------------------------------------------------
 def test_layout_cuts_contiguous_ranges_round_robin():
     layout = Layout.make([10, 3], 4, [0, 1])

@@ -70,6 +70,7 @@ from gradsync import runtime
 from gradsync.errors import ConfigError, GradsyncError, PeerFailureError
 from gradsync.strategies.allreduce import AllReduce
 from gradsync.strategies.base import Strategy, SyncContext, ring_bytes
+from gradsync.strategies.optstate import StateLayout, gather
 from gradsync.transport import wait_all
 
 OP_PULL, OP_PUSH, OP_FLUSH, OP_STOP, OP_PROBE_PUSH, OP_PROBE_PULL = 1, 2, 3, 4, 5, 6
@@ -174,9 +175,36 @@ class RowServer:
             self.parts.append(parts)
             hyper = h.hyper[t]
             self.optimizers.append(h.optimizer_class([p for _, _, p in parts], **hyper) if parts else None)
+        self.seed(h.ctx.optimizer)
+        if not self.local:  # a dedicated server's copy of the tables' state is now in its partitions
+            for table in self.tables:
+                h.ctx.optimizer.state.pop(table, None)
         with self.cond:
             self.layout = layout
             self.cond.notify_all()
+
+    def seed(self, optimizer: torch.optim.Optimizer, *, loaded: bool = False) -> None:
+        """Cut the tables' state in the user's ``optimizer`` (a checkpoint loaded, or the state of
+        the strategy switched from) into the partitions' optimizers. A table without state keeps
+        its partitions' fresh state, or, when ``loaded``, has none (as torch's load would leave it)."""
+        for table, parts, opt in zip(self.tables, self.parts, self.optimizers):
+            whole = optimizer.state.get(table)
+            if opt is None:
+                continue
+            for lo, hi, part in parts:
+                if not whole:
+                    if loaded:
+                        opt.state.pop(part, None)
+                    continue
+                opt.state[part] = {key: value[lo:hi].clone() if torch.is_tensor(value) and value.shape == table.shape
+                                   else value.clone() if torch.is_tensor(value) else value
+                                   for key, value in whole.items()}
+
+    def pieces(self) -> list:
+        """This server's optimizer state as ``(table, first element, elements, state)`` pieces."""
+        return [(t, lo * part.shape[1], part.numel(), opt.state[part])
+                for t, (parts, opt) in enumerate(zip(self.parts, self.optimizers)) if opt is not None
+                for lo, _, part in parts if opt.state.get(part)]
 
     def start(self) -> None:
         if self.remote:
@@ -754,7 +782,32 @@ class Hybrid(Strategy):
     # -- reports -----------------------------------------------------------------------------------
     @property
     def state_location(self) -> str:  # type: ignore[override]
-        return "servers" if self.sparse else "optimizer"
+        """The tables' optimizer state lives with their partitions: on the workers' servers
+        (gathered by ``consolidate_state_dict()``) or on dedicated servers (out of reach)."""
+        if not self.candidates or (self.decided and not self.sparse):
+            return "optimizer"
+        return "servers" if self.ctx.topology.num_servers else "workers"
+
+    def gather_state(self) -> None:
+        """Co-located servers: assemble each table's whole state in the user's optimizer (a
+        collective over the workers, each row's state held by exactly one of them)."""
+        if not self.sparse:
+            return
+        self.server.wait_step(self.step_no)  # this step's update applied: the state is current
+        opt, tables = self.ctx.optimizer, [self.ctx.params[i] for i in self.sparse]
+        layout = StateLayout(self.optimizer_class, opt, tables)
+        for t, state in gather(layout, self.server.pieces(), self.ctx.transport).items():
+            opt.state[tables[t]] = state
+
+    def load_state(self) -> None:
+        """The user's optimizer was loaded: its tables' state goes to the partitions (before the
+        first step, the servers take it when they are set up)."""
+        if not self.sparse:
+            return
+        self.groups = [self._group_of(self.ctx.params[i]) for i in self.sparse]  # torch's load makes new groups
+        if self.server is not None:
+            self.server.wait_step(self.step_no)
+            self.server.seed(self.ctx.optimizer, loaded=True)
 
     def min_bytes_per_host(self, model_bytes: int) -> float:
         """The dense part's ring all-reduce, plus each worker's rows out (push) and back (pull)."""

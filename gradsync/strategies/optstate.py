@@ -1,11 +1,13 @@
 """Optimizer state for checkpoints, when the update does not run in the user's optimizer alone.
 
-Three strategies keep optimizer state somewhere other than ``optimizer.state``:
+Four strategies keep optimizer state somewhere other than ``optimizer.state``:
 
 - co-located ``ps`` runs the user's optimizer on each worker for the parameters that worker
   serves: each worker holds the state of its own partition only;
 - ``p3`` updates each slice with its own optimizer instance on the slice's server;
-- ``allreduce-priority`` updates each partition with its own instance, on every worker.
+- ``allreduce-priority`` updates each partition with its own instance, on every worker;
+- ``hybrid`` updates each embedding table's row ranges on their servers, one instance per table
+  and server.
 
 For ``optimizer.state_dict()`` gradsync assembles the state torch itself would have made, whole
 tensors keyed by parameter, in the user's optimizer; for ``load_state_dict()`` it cuts that state
@@ -32,7 +34,8 @@ Piece = tuple[int, int, int, dict]
 
 class StateLayout:
     """Per parameter group: the optimizer's state entries, each ``"tensor"`` (shaped like the
-    parameter), ``"scalar"`` (a 0-d tensor) or ``"none"`` (stored as ``None``)."""
+    parameter), ``"scalar"`` (a 0-d tensor), ``"number"`` (a Python int or float) or ``"none"``
+    (stored as ``None``)."""
 
     def __init__(self, optimizer_class: type, optimizer: torch.optim.Optimizer, params: list[nn.Parameter]):
         self.params = params
@@ -46,9 +49,15 @@ class StateLayout:
     def _probe(optimizer_class: type, group: dict) -> dict[str, tuple[str, torch.dtype | None]]:
         ref = group["params"][0]
         probe = nn.Parameter(torch.zeros(2, dtype=ref.dtype, device=ref.device))
-        opt = optimizer_class([{**{k: v for k, v in group.items() if k != "params"}, "params": [probe]}])
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        opt = optimizer_class([{**hyper, "params": [probe]}])
         probe.grad = torch.ones_like(probe)
-        opt.step()
+        try:
+            opt.step()
+        except RuntimeError:  # an optimizer of sparse gradients only (SparseAdam)
+            opt = optimizer_class([{**hyper, "params": [probe]}])
+            probe.grad = torch.ones_like(probe).to_sparse()
+            opt.step()
         entries = {}
         for key, value in opt.state[probe].items():
             if value is None:
@@ -57,9 +66,11 @@ class StateLayout:
                 entries[key] = ("tensor", value.dtype)
             elif torch.is_tensor(value) and value.dim() == 0:
                 entries[key] = ("scalar", value.dtype)
+            elif isinstance(value, (int, float)) and not isinstance(value, bool):  # SparseAdam's step
+                entries[key] = ("number", type(value))
             else:
                 raise ConfigError(f"{optimizer_class.__name__} keeps state entry {key!r} as {type(value).__name__}; "
-                                  "gradsync can checkpoint only tensor, 0-d tensor and None entries")
+                                  "gradsync can checkpoint only tensor, 0-d tensor, number and None entries")
         return entries
 
     def of(self, i: int) -> dict[str, str]:
@@ -79,7 +90,7 @@ def gather(layout: StateLayout, pieces: Iterable[Piece], transport=None) -> dict
         for key, kind in layout.of(i).items():
             if kind == "tensor":
                 tensors[(i, key)] = torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
-            elif kind == "scalar":
+            elif kind in ("scalar", "number"):
                 scalars[(i, key)] = len(scalars)
     scalar_values = torch.full((len(scalars) + len(params),), -torch.inf, dtype=torch.float64)
     has = scalar_values[len(scalars):]  # 1 where some piece holds the parameter's state
@@ -89,7 +100,7 @@ def gather(layout: StateLayout, pieces: Iterable[Piece], transport=None) -> dict
             value = state.get(key)
             if kind == "tensor" and value is not None:
                 tensors[(i, key)][start:start + length].copy_(value.reshape(-1))
-            elif kind == "scalar" and value is not None:
+            elif kind in ("scalar", "number") and value is not None:
                 scalar_values[scalars[(i, key)]] = max(scalar_values[scalars[(i, key)]].item(), float(value))
     if transport is not None:
         for (i, key), value in tensors.items():
@@ -103,9 +114,10 @@ def gather(layout: StateLayout, pieces: Iterable[Piece], transport=None) -> dict
         for key, kind in layout.of(i).items():
             if kind == "tensor":
                 entry[key] = tensors[(i, key)].view_as(p)
-            elif kind == "scalar":
+            elif kind in ("scalar", "number"):
                 dtype = layout.dtypes[layout.group[i]][key]
-                entry[key] = torch.tensor(scalar_values[scalars[(i, key)]].item(), dtype=dtype)
+                value = scalar_values[scalars[(i, key)]].item()
+                entry[key] = torch.tensor(value, dtype=dtype) if kind == "scalar" else dtype(value)
             else:
                 entry[key] = None
         state[i] = entry
