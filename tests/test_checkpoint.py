@@ -178,3 +178,20 @@ def test_state_spread_over_workers_needs_consolidating_first(strategy):
     for rank, (message, complete) in enumerate(results):
         assert message is not None and f"rank {rank}" in message and "consolidate_state_dict()" in message
         assert complete > 0
+
+
+def test_state_of_sparse_only_optimizers_with_plain_number_entries():
+    """SparseAdam steps only sparse gradients and counts steps in a Python int: both checkpoint."""
+    from gradsync.strategies.optstate import StateLayout, cut, gather
+
+    table = torch.nn.Parameter(torch.zeros(4, 3))
+    opt = torch.optim.SparseAdam([table], lr=0.1)
+    table.grad = torch.ones(4, 3).to_sparse()
+    opt.step()
+    layout = StateLayout(torch.optim.SparseAdam, opt, [table])
+    assert layout.of(0) == {"step": "number", "exp_avg": "tensor", "exp_avg_sq": "tensor"}
+    whole = opt.state[table]
+    pieces = [(0, 0, 6, cut(layout, whole, 0, 0, 6)), (0, 6, 6, cut(layout, whole, 0, 6, 6))]
+    state = gather(layout, pieces)[0]
+    assert state["step"] == 1 and type(state["step"]) is int
+    torch.testing.assert_close(state["exp_avg"], whole["exp_avg"], rtol=0, atol=0)
