@@ -129,6 +129,7 @@ def _install_hooks(model: nn.Module, params: list[nn.Parameter], sync: _Sync) ->
     sync.handles.append(model.register_state_dict_pre_hook(lambda *_args: strategy.flush()))
     # Nor may a late arrival overwrite parameters just loaded.
     sync.handles.append(model.register_load_state_dict_pre_hook(lambda *_args: strategy.flush()))
+    sync.handles.append(model.register_load_state_dict_post_hook(lambda *_args: strategy.after_load()))
     forward = strategy.wrap_forward(model.forward)
     if forward is not None:
         model.forward = forward

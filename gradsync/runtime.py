@@ -59,12 +59,15 @@ class Heartbeat:
         self._thread.start()
 
     def _run(self) -> None:
-        key = f"gradsync/hb/{self.topology.rank}"
+        key, failures = f"gradsync/hb/{self.topology.rank}", 0
         while not self._stop.wait(HEARTBEAT_S):
             try:
                 self.store.add(key, 1)
-            except Exception:  # the store host died; diagnosis will say so
-                return
+                failures = 0
+            except Exception:  # noqa: BLE001 - a busy store: try again; a dead one: diagnosis says so
+                failures += 1
+                if failures * HEARTBEAT_S > SILENT_S:  # peers cannot read the store either by now
+                    return
 
     def beats(self) -> dict[int, int] | None:
         """Every other rank's heartbeat count now, without waiting; None if the store is gone.

@@ -166,8 +166,9 @@ def test_table_only_model_matches_reference(optimizer, duplicates):
 
 
 def _bad_ids():
-    model = Table()
-    opt = gradsync.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1), "hybrid", sparse=["table.weight"])
+    model = Table()  # one partition per server: rows 1..3 live on rank 0, which then waits for rank 1's push
+    opt = gradsync.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1), "hybrid", sparse=["table.weight"],
+                              partitions=1)
     rank = gradsync.topology().rank
     for step in range(3):
         ids = torch.tensor([1, 2, 40 + rank]) if (step == 2 and rank == 1) else torch.tensor([1, 2, 3])
@@ -281,6 +282,35 @@ def test_switching_to_and_from_hybrid_keeps_the_tables_optimizer_state():
     for rank, params in enumerate(results):
         report = compare(params, ref, work.tolerance)
         assert report["correct"], (rank, report)
+
+
+def _load_with_lr_zero():
+    model = Table()
+    opt = gradsync.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), "hybrid",
+                              sparse=["table.weight"])
+    rank = gradsync.topology().rank
+
+    def step():
+        model(torch.tensor([1, 2, 3 + rank])).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    step()
+    opt.consolidate_state_dict()
+    saved = opt.state_dict()
+    saved["param_groups"][0]["lr"] = 0.0
+    opt.load_state_dict(saved)
+    before = model.state_dict()["table.weight"].clone()  # state_dict() brings every row up to date
+    step()
+    opt.flush()
+    return torch.equal(before, model.table.weight.detach())
+
+
+def test_servers_follow_the_lr_of_a_loaded_checkpoint():
+    """torch's load_state_dict makes new parameter groups: the servers must read the lr from them
+    (lr 0 with momentum left in the state: nothing may move)."""
+    assert run_ranks(_load_with_lr_zero, 2) == [True, True]
 
 
 # -- pieces ------------------------------------------------------------------------------------------

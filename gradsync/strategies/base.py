@@ -89,6 +89,9 @@ class Strategy:
     def flush(self) -> None:
         pass
 
+    def after_load(self) -> None:
+        """The model's ``load_state_dict()`` just ended (every worker loads a checkpoint alike)."""
+
     def step(self, apply: Callable[[], Any]) -> Any:
         return apply()
 

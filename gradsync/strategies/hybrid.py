@@ -159,6 +159,7 @@ class RowServer:
         self.flush_bytes = 0
         self.closed = False
         self.thread: threading.Thread | None = None
+        self.last_request = time.monotonic()
 
     # -- set-up --------------------------------------------------------------------------------
     def configure(self, layout: Layout) -> None:
@@ -176,9 +177,8 @@ class RowServer:
             hyper = h.hyper[t]
             self.optimizers.append(h.optimizer_class([p for _, _, p in parts], **hyper) if parts else None)
         self.seed(h.ctx.optimizer)
-        if not self.local:  # a dedicated server's copy of the tables' state is now in its partitions
-            for table in self.tables:
-                h.ctx.optimizer.state.pop(table, None)
+        for table in self.tables:  # now in the partitions; gather_state() assembles it again
+            h.ctx.optimizer.state.pop(table, None)
         with self.cond:
             self.layout = layout
             self.cond.notify_all()
@@ -225,6 +225,7 @@ class RowServer:
                     raise
                 if src is None:
                     continue  # no request within the timeout: keep serving
+                self.last_request = time.monotonic()
                 op, step, table, partitions, n, used, lr_bits, _ = header.tolist()
                 if op == OP_STOP:
                     with self.cond:
@@ -365,12 +366,13 @@ class RowServer:
         """Wait until ``done()``, failing as soon as a rank in ``waiting_for()`` stops beating.
 
         The server thread's any-source receive never notices a dead sender by itself, so the
-        heartbeat decides: a rank whose count stays the same for ``SILENT_S`` is named. Unless
-        ``patient`` (a dedicated server, which waits as long as the workers train), anything is
-        an error after ``GRADSYNC_TIMEOUT``.
+        heartbeat decides: a rank whose count stays the same for ``SILENT_S`` is named. Without a
+        heartbeat (a process group the user made), a ``patient`` wait (a dedicated server, which
+        waits as long as the workers train) fails when no request came for ``GRADSYNC_TIMEOUT``;
+        any other wait fails ``GRADSYNC_TIMEOUT`` after it began.
         """
         rt = runtime.current()
-        deadline = None if patient else time.monotonic() + rt.timeout_s
+        began = time.monotonic()
         since = None  # (when, heartbeat counts) at the start of the current window
         while True:
             with self.cond:
@@ -381,15 +383,22 @@ class RowServer:
                     return
                 ranks = waiting_for()
             now = time.monotonic()
-            beats = rt.heartbeat.beats() if rt.heartbeat is not None else None
             dead = []
-            if beats is not None:
+            if rt.heartbeat is not None:
+                beats = rt.heartbeat.beats()
+                if beats is None:
+                    raise PeerFailureError(f"hybrid on rank {self.me}: {what} {', '.join(map(rt.topology.describe, ranks))}: "
+                                           f"the job's store on {rt.topology.describe(0)} is gone; that rank stopped")
                 if since is None:
                     since = (now, beats)
                 elif now - since[0] >= runtime.SILENT_S:
                     dead = [r for r in ranks if r in beats and beats[r] == since[1].get(r)]
                     since = (now, beats)
-            if dead or (deadline is not None and now > deadline):
+            if patient:
+                late = rt.heartbeat is None and now - max(began, self.last_request) > rt.timeout_s
+            else:
+                late = now - began > rt.timeout_s
+            if dead or late:
                 who = ", ".join(rt.topology.describe(r) for r in (dead or ranks))
                 raise PeerFailureError(
                     f"hybrid on rank {self.me}: {what} {who} "
@@ -644,9 +653,10 @@ class Hybrid(Strategy):
                 handles.append(tr.send_async(values, server, TAG_REQUEST, what=what))
         return handles
 
-    def _count(self, what: str, ids: torch.Tensor, rows: torch.Tensor) -> None:
-        """Rows moved and their bytes on the wire (ids and values), for reports and the bench's bound."""
-        self.stats[f"{what}_rows"] += ids.numel()
+    def _count(self, what: str | None, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """Bytes on the wire (ids and values), for the bench's bound, and rows moved (``what``)."""
+        if what is not None:
+            self.stats[f"{what}_rows"] += ids.numel()
         self.stats["row_bytes"] += ids.numel() * ids.element_size() + rows.numel() * rows.element_size()
 
     def _rows_of(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -672,13 +682,14 @@ class Hybrid(Strategy):
         used = p.grad is not None
         ids, values = self._rows_of(index)
         lr = self.groups[t]["lr"]
-        self._count("pushed", ids, values)
+        self.stats["pushed_rows"] += ids.numel()
         split = self.layout.split(t, ids)
         for server in self.layout.servers_of(t):
             where = split[server]
             if server == rank:
                 self.server_push(t, ids[where], values[where], used, lr)
             else:
+                self._count(None, ids[where], values[where])
                 self.sends += self._request(server, OP_PUSH, t, self.layout.partitions, ids[where], values[where], used, lr)
         p.grad = None  # the update happens on the servers; the user's optimizer must skip it
         self.pushed.add(index)
@@ -793,7 +804,8 @@ class Hybrid(Strategy):
         collective over the workers, each row's state held by exactly one of them)."""
         if not self.sparse:
             return
-        self.server.wait_step(self.step_no)  # this step's update applied: the state is current
+        if any(self.server.parts):
+            self.server.wait_step(self.step_no)  # this step's update applied: the state is current
         opt, tables = self.ctx.optimizer, [self.ctx.params[i] for i in self.sparse]
         layout = StateLayout(self.optimizer_class, opt, tables)
         for t, state in gather(layout, self.server.pieces(), self.ctx.transport).items():
@@ -806,8 +818,15 @@ class Hybrid(Strategy):
             return
         self.groups = [self._group_of(self.ctx.params[i]) for i in self.sparse]  # torch's load makes new groups
         if self.server is not None:
-            self.server.wait_step(self.step_no)
+            if any(self.server.parts):
+                self.server.wait_step(self.step_no)
             self.server.seed(self.ctx.optimizer, loaded=True)
+
+    def after_load(self) -> None:
+        """Co-located servers serve the workers' own rows: no worker may pull rows before every
+        worker has loaded them (a barrier over the workers)."""
+        if self.sparse and self.ctx.topology.num_servers == 0 and self.ctx.topology.num_workers > 1:
+            self.ctx.transport.allreduce(torch.zeros(1), what="hybrid: every worker loaded the model")
 
     def min_bytes_per_host(self, model_bytes: int) -> float:
         """The dense part's ring all-reduce, plus each worker's rows out (push) and back (pull)."""
