@@ -391,3 +391,18 @@ def test_cpu_sized_language_model_has_lm1b_rows():
     assert sum(p.numel() for p in model.parameters()) == 102_656_767
     (tokens, targets, negatives), _ = spec.batch(2, 0)
     assert negatives.numel() == 8192 and negatives.unique().numel() == 8192
+
+
+def _elastic_check():
+    from gradsync.adapt.policy import Controller
+
+    model = Table()
+    opt = gradsync.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1), "hybrid")
+    with pytest.raises(ConfigError, match="elastic training needs a strategy whose optimizer state stays"):
+        Controller._check_elastic(opt.strategy)
+    return "refused"
+
+
+def test_elastic_jobs_refuse_hybrid_with_tables():
+    """A dead worker would take the only current copy of its partitions' rows with it."""
+    assert run_ranks(_elastic_check, 2) == ["refused", "refused"]
