@@ -366,10 +366,10 @@ class RowServer:
         """Wait until ``done()``, failing as soon as a rank in ``waiting_for()`` stops beating.
 
         The server thread's any-source receive never notices a dead sender by itself, so the
-        heartbeat decides: a rank whose count stays the same for ``SILENT_S`` is named. Without a
-        heartbeat (a process group the user made), a ``patient`` wait (a dedicated server, which
-        waits as long as the workers train) fails when no request came for ``GRADSYNC_TIMEOUT``;
-        any other wait fails ``GRADSYNC_TIMEOUT`` after it began.
+        heartbeat decides: a rank whose count stays the same for ``SILENT_S`` is named. Without
+        counters to read, a ``patient`` wait (a dedicated server, which waits as long as the
+        workers train) fails when no request came for ``GRADSYNC_TIMEOUT``; any other wait fails
+        ``GRADSYNC_TIMEOUT`` after it began.
         """
         rt = runtime.current()
         began = time.monotonic()
@@ -384,18 +384,17 @@ class RowServer:
                 ranks = waiting_for()
             now = time.monotonic()
             dead = []
-            if rt.heartbeat is not None:
-                beats = rt.heartbeat.beats()
-                if beats is None:
-                    raise PeerFailureError(f"hybrid on rank {self.me}: {what} {', '.join(map(rt.topology.describe, ranks))}: "
-                                           f"the job's store on {rt.topology.describe(0)} is gone; that rank stopped")
+            # No counters: no heartbeat (the user's process group), or rank 0, which holds the
+            # store, has left (it may simply have finished first): fall back to the timeout.
+            beats = rt.heartbeat.beats() if rt.heartbeat is not None else None
+            if beats is not None:
                 if since is None:
                     since = (now, beats)
                 elif now - since[0] >= runtime.SILENT_S:
                     dead = [r for r in ranks if r in beats and beats[r] == since[1].get(r)]
                     since = (now, beats)
             if patient:
-                late = rt.heartbeat is None and now - max(began, self.last_request) > rt.timeout_s
+                late = beats is None and now - max(began, self.last_request) > rt.timeout_s
             else:
                 late = now - began > rt.timeout_s
             if dead or late:
