@@ -4,6 +4,7 @@ Parity of ``p3``, ``ps-sliced`` and ``allreduce-priority`` with the single-proce
 test_parity.py.
 """
 import threading
+import time
 
 import pytest
 import torch
@@ -71,6 +72,35 @@ def test_a_ready_high_priority_message_overtakes_queued_ones():
     transport.release.set()
     sender.drain()
     assert transport.sent == ["a", "urgent", "b", "c"]
+
+
+class _OneSlowPeer:
+    """Sends to rank 1 complete only once ``release`` is set (its receiver is busy); others at once."""
+
+    def __init__(self):
+        self.sent, self.release, self.done = [], threading.Event(), threading.Event()
+        self.done.set()
+
+    def send_async(self, tensor, dst, tag, what=""):
+        self.sent.append(what)
+        return _Handle(self.release if dst == 1 else self.done)
+
+
+def test_a_busy_receiver_does_not_hold_back_the_credit_of_other_peers():
+    """A Gloo send completes once the receiver posts its receive: credit must come back per peer."""
+    transport = _OneSlowPeer()
+    sender = PrioritySender(transport, credit_bytes=32)  # two 16-byte messages in flight
+    sender.put(0, torch.zeros(4), 1, 0, what="to the busy peer")
+    for k in range(5):
+        sender.put(k + 1, torch.zeros(4), 2, 0, what=f"to rank 2, {k}")
+    deadline = time.monotonic() + 2  # well inside the 5 s a handle waits for its release
+    while len(transport.sent) < 6 and time.monotonic() < deadline:
+        threading.Event().wait(0.01)
+    try:
+        assert transport.sent == ["to the busy peer"] + [f"to rank 2, {k}" for k in range(5)]
+    finally:
+        transport.release.set()
+        sender.close()
 
 
 def test_without_credit_messages_leave_in_the_order_put():

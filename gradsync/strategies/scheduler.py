@@ -12,6 +12,11 @@ Bounding what the sender has handed to the transport is what makes preemption wo
 handed over is in the network stack's queues, where nothing can overtake it. A message larger
 than the credit still goes, alone.
 
+Credit comes back per destination: one waiting thread per peer, each in the order that peer's
+messages were sent. A Gloo send completes only once the receiver has posted a matching receive,
+so with a single waiting thread one busy receiver held back the credit of messages already
+delivered to the others, and every link waited for the slowest peer.
+
 Errors in either thread are kept and re-raised by :meth:`check` (and :meth:`drain`), so the
 training thread reports them with the rank they name instead of hanging.
 
@@ -40,17 +45,17 @@ class PrioritySender:
         self.transport = transport
         self.credit = credit_bytes
         self._idle_s, self._on_idle = idle if idle is not None else (None, None)
+        self.name = name
         self._queue: list = []
-        self._inflight: deque = deque()
+        self._inflight: dict[int, deque] = {}  # destination -> sends not yet completed, oldest first
         self._inflight_bytes = 0
+        self._sending = 0  # messages taken off the queue and not yet completed
         self._order = itertools.count()
         self._cv = threading.Condition()
         self._stopping = False
         self.error: BaseException | None = None
-        self._threads = [threading.Thread(target=self._guard, args=(self._issue,), name=f"{name}-issue", daemon=True),
-                         threading.Thread(target=self._guard, args=(self._reap,), name=f"{name}-reap", daemon=True)]
-        for thread in self._threads:
-            thread.start()
+        self._threads = [threading.Thread(target=self._guard, args=(self._issue,), name=f"{name}-issue", daemon=True)]
+        self._threads[0].start()
 
     def put(self, priority, tensor: torch.Tensor, dst: int, tag: int, what: str,
             on_sent: Callable[[], None] | None = None) -> None:
@@ -64,7 +69,7 @@ class PrioritySender:
     def drain(self) -> None:
         """Block until every queued message has been sent."""
         with self._cv:
-            while (self._queue or self._inflight) and self.error is None:
+            while (self._queue or self._busy()) and self.error is None:
                 self._cv.wait(0.5)
         self.check()
 
@@ -81,9 +86,9 @@ class PrioritySender:
             raise self.error
 
     # -- threads -------------------------------------------------------------------------------
-    def _guard(self, loop: Callable[[], None]) -> None:
+    def _guard(self, loop: Callable[..., None], *args) -> None:
         try:
-            loop()
+            loop(*args)
         except BaseException as exc:  # kept for the training thread, which raises it
             with self._cv:
                 self.error = exc
@@ -92,39 +97,53 @@ class PrioritySender:
     def _may_send(self) -> bool:
         if not self._queue:
             return False
-        return self.credit is None or not self._inflight or self._inflight_bytes + self._queue[0][6] <= self.credit
+        return self.credit is None or not self._inflight_bytes or self._inflight_bytes + self._queue[0][6] <= self.credit
+
+    def _busy(self) -> bool:
+        return self._sending > 0
 
     def _issue(self) -> None:
         while True:
             with self._cv:
                 idle = False
                 while not self._may_send() and not self._stopping and self.error is None and not idle:
-                    idle = not self._cv.wait(self._idle_s) and not self._queue and not self._inflight
+                    idle = not self._cv.wait(self._idle_s) and not self._queue and not self._busy()
                 if self._stopping or self.error is not None:
                     return
                 if not idle:
                     _, _, tensor, dst, tag, what, nbytes, on_sent = heapq.heappop(self._queue)
                     self._inflight_bytes += nbytes
+                    self._sending += 1
             if idle:
                 self._on_idle()
                 continue
             handle = self.transport.send_async(tensor, dst, tag, what=what)
             with self._cv:
-                self._inflight.append((handle, nbytes, on_sent))
+                pending = self._inflight.get(dst)
+                if pending is None:  # first message to this peer: its own waiting thread
+                    pending = self._inflight[dst] = deque()
+                    thread = threading.Thread(target=self._guard, args=(self._reap, dst),
+                                              name=f"{self.name}-reap-{dst}", daemon=True)
+                    self._threads.append(thread)
+                    thread.start()
+                pending.append((handle, nbytes, on_sent))
                 self._cv.notify_all()
 
-    def _reap(self) -> None:
+    def _reap(self, dst: int) -> None:
+        """Wait for the sends to ``dst`` in order, returning each one's credit as it completes."""
+        pending = self._inflight[dst]
         while True:
             with self._cv:
-                while not self._inflight and not self._stopping and self.error is None:
+                while not pending and not self._stopping and self.error is None:
                     self._cv.wait()
-                if not self._inflight:
+                if not pending:
                     return
-                handle, nbytes, on_sent = self._inflight[0]
+                handle, nbytes, on_sent = pending[0]
             handle.wait(background=True)
             if on_sent is not None:
                 on_sent()
             with self._cv:
-                self._inflight.popleft()
+                pending.popleft()
                 self._inflight_bytes -= nbytes
+                self._sending -= 1
                 self._cv.notify_all()
