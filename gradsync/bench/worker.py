@@ -319,8 +319,9 @@ def main(run_dir: str) -> int:
 if __name__ == "__main__":
     code = main(sys.argv[1])
     # Every result is on disk and the runtime is shut down. Leave without the interpreter's
-    # teardown: a C++ thread of torch's TCPStore client, destroyed there while still joinable,
-    # aborted about one bench worker in ten ("terminate called without an active exception").
+    # teardown, where about one bench worker in ten aborted ("terminate called without an active
+    # exception": a daemon thread returning from a torch call during finalization, pytorch#38228;
+    # docs/benchmarks.md, Known issues).
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -187,18 +187,20 @@ class RowServer:
         """Cut the tables' state in the user's ``optimizer`` (a checkpoint loaded, or the state of
         the strategy switched from) into the partitions' optimizers. A table without state keeps
         its partitions' fresh state, or, when ``loaded``, has none (as torch's load would leave it)."""
+        def rows(value, lo: int, hi: int):  # a per-row entry is cut; scalars and numbers are copied
+            if not torch.is_tensor(value):
+                return value
+            return value[lo:hi].clone() if value.shape == table.shape else value.clone()
+
         for table, parts, opt in zip(self.tables, self.parts, self.optimizers):
-            whole = optimizer.state.get(table)
             if opt is None:
                 continue
+            whole = optimizer.state.get(table)
             for lo, hi, part in parts:
-                if not whole:
-                    if loaded:
-                        opt.state.pop(part, None)
-                    continue
-                opt.state[part] = {key: value[lo:hi].clone() if torch.is_tensor(value) and value.shape == table.shape
-                                   else value.clone() if torch.is_tensor(value) else value
-                                   for key, value in whole.items()}
+                if whole:
+                    opt.state[part] = {key: rows(value, lo, hi) for key, value in whole.items()}
+                elif loaded:
+                    opt.state.pop(part, None)
 
     def pieces(self) -> list:
         """This server's optimizer state as ``(table, first element, elements, state)`` pieces."""
@@ -636,7 +638,8 @@ class Hybrid(Strategy):
             for wanted, rows, handle in answers:
                 handle.wait()
                 p.index_copy_(0, wanted, rows)
-                self._count("pulled", wanted, rows)
+                self.stats["pulled_rows"] += wanted.numel()
+                self._wire_bytes(wanted, rows)
 
     def _request(self, server: int, op: int, t: int, partitions: int, ids: torch.Tensor,
                  values: torch.Tensor | None = None, used: bool = True, lr: float = 0.0) -> list:
@@ -652,10 +655,8 @@ class Hybrid(Strategy):
                 handles.append(tr.send_async(values, server, TAG_REQUEST, what=what))
         return handles
 
-    def _count(self, what: str | None, ids: torch.Tensor, rows: torch.Tensor) -> None:
-        """Bytes on the wire (ids and values), for the bench's bound, and rows moved (``what``)."""
-        if what is not None:
-            self.stats[f"{what}_rows"] += ids.numel()
+    def _wire_bytes(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """Count the bytes of rows that went over the wire (ids and values), for the bench's bound."""
         self.stats["row_bytes"] += ids.numel() * ids.element_size() + rows.numel() * rows.element_size()
 
     def _rows_of(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -688,7 +689,7 @@ class Hybrid(Strategy):
             if server == rank:
                 self.server_push(t, ids[where], values[where], used, lr)
             else:
-                self._count(None, ids[where], values[where])
+                self._wire_bytes(ids[where], values[where])
                 self.sends += self._request(server, OP_PUSH, t, self.layout.partitions, ids[where], values[where], used, lr)
         p.grad = None  # the update happens on the servers; the user's optimizer must skip it
         self.pushed.add(index)
