@@ -15,12 +15,12 @@ import sys
 import types
 from importlib import import_module
 
-from gradsync.errors import ConfigError, GradsyncError, ModelMismatchError, PeerFailureError
+from gradsync.errors import ConfigError, GradientEditedError, GradsyncError, ModelMismatchError, PeerFailureError
 
 # Public name -> the module that defines it (each of these imports torch).
 _LAZY = {
     "init": "gradsync.runtime", "shutdown": "gradsync.runtime", "is_initialized": "gradsync.runtime",
-    "distribute": "gradsync.distribute",
+    "distribute": "gradsync.distribute", "sampler": "gradsync.data",
     **{name: "gradsync.strategies" for name in ("Strategy", "AllReduce", "ParameterServer", "DDP", "P3",
                                                  "PriorityAllReduce", "CaSyncRing", "CaSyncPS", "CompressedAllGather", "SMA", "PairAveraging",
                                                  "Hybrid", "STRATEGIES", "register", "strategy_names")},
@@ -32,6 +32,13 @@ def topology():
     from gradsync import runtime
 
     return runtime.current().topology
+
+
+def device():
+    """This rank's device: ``cuda:LOCAL_RANK`` (wrapped onto the host's GPUs) under NCCL, else ``cpu``."""
+    from gradsync import runtime
+
+    return runtime.current().transport.device
 
 
 def __getattr__(name: str):
@@ -60,8 +67,8 @@ class _Package(types.ModuleType):
 
 sys.modules[__name__].__class__ = _Package
 
-__all__ = ["init", "shutdown", "is_initialized", "distribute", "topology", "Strategy", "AllReduce",
+__all__ = ["init", "shutdown", "is_initialized", "distribute", "sampler", "topology", "device", "Strategy", "AllReduce",
            "ParameterServer", "DDP", "P3", "PriorityAllReduce", "CaSyncRing", "CaSyncPS", "CompressedAllGather", "SMA", "PairAveraging",
            "Hybrid", "STRATEGIES", "register", "strategy_names", "GradsyncError",
-           "ConfigError", "ModelMismatchError", "PeerFailureError"]
+           "ConfigError", "GradientEditedError", "ModelMismatchError", "PeerFailureError"]
 __version__ = "0.1.0"

@@ -1,38 +1,56 @@
 """The ``gradsync`` command: a thin layer of argument parsing over the library.
 
 Each subcommand lives next to the code it drives and contributes two functions,
-``add_parser(subparsers)`` and ``main(args) -> int``; this file only wires them together.
+``add_parser(subparsers)`` and ``main(args) -> int``; this file only wires them together. Only the
+module of the subcommand being run is imported (most import torch, which takes seconds), so
+``gradsync --help`` and ``gradsync --version`` answer at once.
 """
 from __future__ import annotations
 
 import argparse
 import sys
+from importlib import import_module
+
+# name -> (module that adds its parser, one line for `gradsync --help`)
+COMMANDS = {
+    "run": ("gradsync.launch.cli", "start the workers and servers of a job"),
+    "resize": ("gradsync.launch.cli", "ask a running elastic job (gradsync run --elastic) for N workers"),
+    "bench": ("gradsync.bench.cli", "measure strategies side by side and check them against a reference"),
+    "strategies": ("gradsync.strategies.cli", "list the strategies: what each does, exact or not, backends"),
+    "codecs": ("gradsync.compress.cli", "measure compressors' encode/decode speed, ratio and error"),
+    "profile": ("gradsync.emulate.cli", "measure or derive a model's per-layer compute profile"),
+    "netcheck": ("gradsync.cluster.cli", "measure the links of an emulated cluster"),
+    "cluster": ("gradsync.cluster.cli", "manage emulated clusters (cleanup)"),
+}
 
 
-def _subcommands():
-    # Imported lazily so `gradsync --help` does not pay for importing torch.
-    from gradsync import launch
-    from gradsync.bench import cli as bench_cli
-    from gradsync.cluster import cli as cluster_cli
-    from gradsync.compress import cli as codecs_cli
-    from gradsync.emulate import cli as profile_cli
+def _version() -> str:
+    from gradsync import __version__
 
-    return {"run": launch, "bench": bench_cli, "netcheck+cluster": cluster_cli, "profile": profile_cli, "codecs": codecs_cli}
+    return f"gradsync {__version__}"
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser with ``command``'s arguments; every other subcommand is only named (and loads
+    when it is the one asked for)."""
     parser = argparse.ArgumentParser(
         prog="gradsync",
         description="Data-parallel training with pluggable synchronization strategies.",
     )
+    parser.add_argument("--version", action="version", version=_version())
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in _subcommands().values():
-        module.add_parser(subparsers)
+    if command in COMMANDS:
+        import_module(COMMANDS[command][0]).add_parser(subparsers)
+    for name, (_, line) in COMMANDS.items():
+        if name not in subparsers.choices:
+            subparsers.add_parser(name, help=line, add_help=False)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    command = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(command)
     args = parser.parse_args(argv)
     return int(args.handler(args) or 0)
 

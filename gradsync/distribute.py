@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import sys
+import warnings
 from typing import Any
 
 import torch
@@ -20,7 +21,7 @@ from torch import nn
 
 from gradsync import runtime
 from gradsync.consistency import broadcast_model, check_models_match
-from gradsync.errors import ConfigError, GradsyncError
+from gradsync.errors import ConfigError, GradientEditedError, GradsyncError
 from gradsync.strategies import Strategy, SyncContext, resolve
 
 
@@ -40,6 +41,42 @@ class _Sync:
         self.observer = None
         self.steps = 0  # optimizer steps taken, and the step at which the state was last consolidated
         self.consolidated = 0
+        self.clip: float | None = None  # distribute(..., clip_grad_norm=)
+        self.backward_queued = False  # the strategy's after_backward is queued on the running backward
+        self.sent: dict[int, tuple] = {}  # grad_edits "refused": index -> (grad, version) when it was sent
+
+    def end_backward(self) -> None:
+        """The autograd engine's callback at the end of a backward pass that produced gradients."""
+        self.backward_queued = False
+        self.strategy.after_backward()
+
+    def check_unedited(self) -> None:
+        """Under a strategy that sent gradients during backward, refuse one changed since then."""
+        sent, self.sent = self.sent, {}
+        for index, (grad, version) in sent.items():
+            now = self.params[index].grad
+            if now is grad and (grad is None or grad._version == version):
+                continue
+            strategy = self.strategy
+            how = "replaced" if now is not grad else "changed in place"
+            fix = (f"pass clip_grad_norm=C to gradsync.distribute (clips by the global norm where {strategy.name} "
+                   "updates), or " if strategy.clips else "")
+            raise GradientEditedError(
+                f"rank {runtime.current().topology.rank}: the gradient of {self.names[index]!r} was {how} between "
+                f"backward() and optimizer.step() (clip_grad_norm_, GradScaler.unscale_ or an edit), but strategy "
+                f"{strategy.name!r} sent it during backward and updates elsewhere, so the change would not reach "
+                f"the update. To clip, {fix}use a strategy that synchronizes at the end of backward (allreduce, "
+                "ddp, casync-ring, casync-ps, compressed-allgather). For mixed precision use bf16 autocast, "
+                "which needs no GradScaler")
+
+    def clipped(self, apply):
+        """``apply`` preceded by clipping the gradients it will use to the global norm ``self.clip``."""
+        params, clip = self.params, self.clip
+
+        def run():
+            torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], clip)
+            return apply()
+        return run
 
     def set_observer(self, observer) -> None:
         if self.observer is not None:
@@ -101,16 +138,31 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, params: list[nn.Parameter
 def _install_hooks(model: nn.Module, params: list[nn.Parameter], sync: _Sync) -> None:
     strategy = sync.strategy
 
+    at_end = type(strategy).after_backward is not Strategy.after_backward
+    watch = strategy.grad_edits == "refused"
+    queue_callback = torch.autograd.Variable._execution_engine.queue_callback
+
     def ready(index):
         def hook(param):
-            if sync.enabled:
-                if sync.observer is not None:
-                    sync.observer.on_local_grad(index, param.grad)
-                strategy.on_grad_ready(index)
+            if not sync.enabled:
+                return
+            if at_end and not sync.backward_queued:  # once per backward pass, as DDP's reducer does
+                sync.backward_queued = True
+                queue_callback(sync.end_backward)
+            if sync.observer is not None:
+                sync.observer.on_local_grad(index, param.grad)
+            strategy.on_grad_ready(index)
+            if watch:
+                grad = param.grad
+                sync.sent[index] = (grad, None if grad is None else grad._version)
         return hook
 
+    def before_forward(_module, _args):
+        sync.backward_queued = False  # a backward that failed never ran its callback
+        strategy.before_forward()
+
     sync.handles = [p.register_post_accumulate_grad_hook(ready(i)) for i, p in enumerate(params)]
-    sync.handles.append(model.register_forward_pre_hook(lambda module, args: strategy.before_forward()))
+    sync.handles.append(model.register_forward_pre_hook(before_forward))
     if type(strategy).on_params_needed is not Strategy.on_params_needed:
         index = {id(p): i for i, p in enumerate(params)}
         for module in model.modules():
@@ -149,6 +201,9 @@ def _wrap_optimizer(optimizer: torch.optim.Optimizer, sync: _Sync) -> torch.opti
             with torch.enable_grad():
                 loss = closure()
         apply = own_step if own_step is not None else lambda: base.step(self)
+        sync.check_unedited()
+        if sync.clip is not None and sync.strategy.grad_edits != "refused":
+            apply = sync.clipped(apply)
         if sync.observer is None:
             sync.strategy.step(apply)
         else:
@@ -196,6 +251,7 @@ def _wrap_optimizer(optimizer: torch.optim.Optimizer, sync: _Sync) -> torch.opti
                 m.needs_mean_grads for m in sync.observer):
             raise ConfigError(f"{rank_and_strategy()}: the attached monitors read synchronized gradients, which "
                               f"strategy {new.name!r} does not produce")
+        _check_clip(sync.clip, new)
         template = copy.deepcopy(new)
         detach(self)
         try:
@@ -279,7 +335,7 @@ def reattach(optimizer, strategy: Strategy) -> None:
     wrapped, optimizer.__class__ = optimizer.__class__, base  # strategies take the user's class at attach
     try:
         strategy.attach(SyncContext(sync.model, optimizer, sync.params, sync.names, runtime.current().transport,
-                                    runtime.current().topology))
+                                    runtime.current().topology, clip_grad_norm=sync.clip))
     finally:
         optimizer.__class__ = wrapped
     sync.strategy = strategy
@@ -289,8 +345,20 @@ def reattach(optimizer, strategy: Strategy) -> None:
     runtime.on_shutdown(sync.close)
 
 
+def _check_clip(clip: float | None, strategy: Strategy) -> None:
+    if clip is None:
+        return
+    if not (isinstance(clip, (int, float)) and 0 < clip < float("inf")):
+        raise ConfigError(f"clip_grad_norm must be a positive finite number, got {clip!r}")
+    if strategy.grad_edits == "refused" and not strategy.clips:
+        raise ConfigError(f"strategy {strategy.name!r} updates each piece of the model as it arrives and cannot "
+                          "clip by the global gradient norm; use allreduce, ddp, casync-ring, casync-ps or "
+                          "compressed-allgather (which also let you call clip_grad_norm_ yourself), or ps")
+
+
 def distribute(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str | Strategy = "allreduce",
-               *, exit_servers: bool = True, **options: Any) -> torch.optim.Optimizer:
+               *, exit_servers: bool = True, clip_grad_norm: float | None = None,
+               **options: Any) -> torch.optim.Optimizer:
     """Make ``optimizer.step()`` a synchronized data-parallel step. Returns the same optimizer.
 
     Args:
@@ -300,19 +368,35 @@ def distribute(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str
             or a strategy object such as ``gradsync.AllReduce(bucket_mb=25)``.
         exit_servers: on a parameter-server rank, leave the process once serving is over
             (the default, so the same script runs on workers and servers).
+        clip_grad_norm: clip the mean gradient to this global L2 norm before every update, where
+            the update happens (on the servers for ``ps``). Under strategies that synchronize at
+            the end of backward (``allreduce``, ``ddp``, ``casync-*``, ``compressed-allgather``)
+            this equals calling ``torch.nn.utils.clip_grad_norm_`` between backward and step;
+            under ``sma`` and ``pair-averaging`` it clips each worker's own gradient.
         **options: passed to the strategy's constructor when ``strategy`` is a name.
 
-    Gradients on workers are the mean over workers (see :mod:`gradsync.strategies.base`).
+    Gradients on workers are the mean over workers (see :mod:`gradsync.strategies.base`); under
+    strategies whose ``grad_edits`` is ``"synced"`` they are in ``p.grad`` when ``backward()``
+    returns. Elsewhere a gradient changed between backward and step raises
+    :class:`~gradsync.errors.GradientEditedError` instead of training a different model.
     Call ``optimizer.step()`` once per backward, or use ``with optimizer.no_sync():`` for all
     but the last backward of an accumulation.
     """
-    rt = runtime.current()
     strategy = resolve(strategy, **options)
+    _check_clip(clip_grad_norm, strategy)
+    rt = runtime.current()
     topology = rt.topology
     if getattr(optimizer, "_gradsync", None) is not None:
         raise ConfigError("this optimizer was already passed to gradsync.distribute")
     if topology.is_server and not strategy.uses_servers:
         return _leave_server(exit_servers, optimizer)
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        # Accelerate's prepare(model) and hand-written DDP setups do this: DDP's reducer would average
+        # every gradient once more, on top of the strategy, and double the traffic.
+        warnings.warn(f"rank {topology.rank}: the model handed to gradsync.distribute is already wrapped in "
+                      "DistributedDataParallel, so its gradients are all-reduced twice. Pass the bare module "
+                      "(model.module), or with Accelerate prepare only the optimizer and data loaders "
+                      "(docs/integrations.md)", stacklevel=2)
     params, names = _trainable(model)
     _check_optimizer(optimizer, params, model)
     world = strategy.uses_servers
@@ -321,7 +405,9 @@ def distribute(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str
     joining = rt.elastic is not None and rt.elastic.gen > 0 and rt.elastic.any_new
     broadcast_model(model, rt.transport, world=world, compare_first=not joining)
     sync = _Sync(strategy, model, params, names)
-    strategy.attach(SyncContext(model, optimizer, params, names, rt.transport, topology))
+    sync.clip = clip_grad_norm
+    strategy.attach(SyncContext(model, optimizer, params, names, rt.transport, topology,
+                                clip_grad_norm=clip_grad_norm))
     runtime.on_shutdown(sync.close)
     if topology.is_server:
         strategy.serve()

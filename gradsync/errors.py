@@ -14,5 +14,10 @@ class PeerFailureError(GradsyncError):
     """A communication operation failed because another rank died, hung or disconnected."""
 
 
+class GradientEditedError(GradsyncError):
+    """A gradient was changed between ``backward()`` and ``optimizer.step()`` under a strategy that had
+    already sent it (the change would not reach the update)."""
+
+
 class ConfigError(GradsyncError, ValueError):
     """An option has an invalid value (unknown name, out-of-range number)."""

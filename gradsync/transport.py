@@ -222,6 +222,11 @@ def allreduce_sum_(tensor: torch.Tensor, group=None) -> torch.Tensor:
     return tensor
 
 
+def allreduce_sum_async(tensor: torch.Tensor, group=None) -> torch.futures.Future:
+    """Start summing ``tensor`` in place over ``group``: a future that completes with the collective."""
+    return dist.all_reduce(tensor, group=group, async_op=True).get_future()
+
+
 def allgather_bytes(message: torch.Tensor, group=None) -> list[torch.Tensor]:
     """Every rank's ``uint8`` message, whatever their lengths (lengths first, then one padded all-gather)."""
     return allgather_with_info(message, (0, 0, 0), group)[0]

@@ -1,5 +1,6 @@
 """``gradsync bench`` end to end, on the toy model so it takes seconds."""
 import json
+import os
 import subprocess
 import sys
 
@@ -10,9 +11,12 @@ from gradsync.bench.report import FIELDS
 from gradsync.bench.workload import Workload, compare, reference
 
 
-def bench(*args, timeout=240):
+def bench(*args, timeout=240, cwd=None):
     return subprocess.run([sys.executable, "-m", "gradsync.cli", "bench", *args],
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=timeout, cwd=cwd)
+
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
 def test_every_strategy_with_a_dedicated_server(tmp_path):
@@ -53,6 +57,16 @@ def test_monitored_variants_and_the_loss_of_strategies_that_are_not_exact(tmp_pa
     assert "sma: not exact; held-out loss" in proc.stdout
 
 
+def test_a_users_own_model_is_measured_and_checked(tmp_path):
+    out = tmp_path / "records.json"
+    proc = bench("--model", "user_models:mlp", "-np", "2", "--strategies", "allreduce,ddp", "--batch-size", "4",
+                 "--steps", "2", "--warmup", "1", "--rounds", "1", "--check-steps", "2", "--json", str(out), cwd=TESTS)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    records = {r["strategy"]: r for r in json.loads(out.read_text())}
+    assert set(records) >= {"allreduce", "ddp"}
+    assert all(r["correct"] is True for name, r in records.items() if name in ("allreduce", "ddp")), records
+
+
 def test_the_check_catches_a_wrong_model():
     """The comparison flags a model that missed one averaged step: it can fail."""
     work = Workload(model="toy", batch_size=4, dtype="float64")
@@ -70,6 +84,13 @@ def test_the_check_catches_a_wrong_model():
     (["--servers", "-1"], "--servers must be >= 0"),
     (["--strategies", "allreduce,nope"], "valid strategies: allreduce, allreduce-priority, casync-ps, casync-ring, compressed-allgather, ddp, hybrid, p3, pair-averaging, ps, ps-async, ps-sliced, sma"),
     (["--model", "nope"], "valid models:"),
+    (["--model", "no_such_module_here:build"], "cannot import module 'no_such_module_here'"),
+    (["--model", "user_models:nope"], "module 'user_models' has no function 'nope'"),
+    (["--model", "user_models:not_a_triple"], "must return (model, make_batch, loss) or a ModelSpec"),
+    (["--model", "user_models:not_a_module"], "the first value returned must be an nn.Module"),
+    (["--model", "user_models:vector_loss"], "loss must return a scalar float tensor"),
+    (["--model", "user_models:broken_batch"], "make_batch(2, generator) failed"),
+    (["-np", "0"], "--np must be >= 1"),
     (["--model", "resnet50:huge"], "valid sizes: full, tiny"),
     (["--set", "ps.fuse_kb=-1"], "fuse_kb must be >= 0"),
     (["--set", "ps.nope=1"], "invalid options for strategy 'ps'"),
@@ -80,7 +101,7 @@ def test_the_check_catches_a_wrong_model():
     (["--strategies", "p3", "--set", "p3.elementwise_optimizer=yes"], "elementwise_optimizer must be True, False"),
 ])
 def test_bad_arguments_are_argument_errors(args, message):
-    proc = bench(*args, timeout=60)
+    proc = bench(*args, timeout=60, cwd=TESTS)
     assert proc.returncode == 2
     assert message in proc.stderr
 

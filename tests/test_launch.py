@@ -256,12 +256,68 @@ def test_port_in_use_exits_2_before_spawning(capsys):
     (["-np", "2", "-H", "a:1,b:1", "--node-rank", "2", "--", "x"], "out of range"),
     (["-np", "1", "--node-rank", "1", "--", "x"], "--node-rank needs -H"),
     (["-np", "1", "--port", "70000", "--", "x"], "1..65535"),
+    (["-np", "2", "--nproc-per-node", "2", "--", "x"], "give the number of workers once"),
+    (["--nnodes", "2", "--", "x"], "--nnodes needs --nproc-per-node"),
+    (["--nproc-per-node", "2", "--nnodes", "2", "--", "x"], "--nnodes > 1 needs --master-addr"),
+    (["--nproc-per-node", "1", "--nnodes", "2", "-H", "a:1,b:1", "--master-addr", "a", "--", "x"],
+     "drop -H/--hostfile"),
+    (["--", "x"], "the number of workers is required"),
 ])
 def test_argument_errors(argv, fragment, capsys):
     with pytest.raises(SystemExit) as exit_info:
         run_cli(argv)
     assert exit_info.value.code == 2
     assert fragment in capsys.readouterr().err
+
+
+def test_torchruns_names_start_the_same_job(capsys, monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    show = "import os; print(os.environ['RANK'], os.environ['WORLD_SIZE'], os.environ['OMP_NUM_THREADS'])"
+    assert run_cli(["--nproc-per-node", "2", "--master-port", str(launch.find_free_port()), "--", *child(show)]) == 0
+    out, err = capsys.readouterr()
+    threads = max(1, (os.cpu_count() or 1) // 2)
+    assert sorted(line.split("] ")[1] for line in out.splitlines()) == [f"0 2 {threads}", f"1 2 {threads}"]
+    assert f"OMP_NUM_THREADS={threads} for each of 2 local ranks" in err
+
+
+def test_second_machine_of_a_torchrun_style_job_runs_its_own_ranks(capsys, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's choice stands, and nothing is said
+    show = "import os; print(os.environ['RANK'], os.environ['WORLD_SIZE'], os.environ['OMP_NUM_THREADS'])"
+    argv = ["--nproc-per-node", "1", "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1",
+            "--master-port", "29999", "--", *child(show)]
+    assert run_cli(argv) == 0
+    out, err = capsys.readouterr()
+    assert out.splitlines() == ["[worker 1] 1 2 3"] and "OMP_NUM_THREADS" not in err
+
+
+def test_version_strategies_and_help_do_not_import_torch():
+    code = ("import sys, contextlib, io\n"
+            "from gradsync import cli\n"
+            "for argv in (['--help'], ['--version'], ['run', '--help']):\n"
+            "    with contextlib.redirect_stdout(io.StringIO()) as out:\n"
+            "        try:\n"
+            "            cli.main(argv)\n"
+            "        except SystemExit:\n"
+            "            pass\n"
+            "    print(out.getvalue().splitlines()[0])\n"
+            "print('torch imported' if 'torch' in sys.modules else 'no torch')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    lines = proc.stdout.splitlines()
+    assert proc.returncode == 0, proc.stderr
+    assert lines[0].startswith("usage: gradsync") and lines[1].startswith("gradsync 0.")
+    assert lines[2].startswith("usage: gradsync run") and lines[-1] == "no torch", proc.stdout
+
+
+def test_strategies_lists_every_strategy_with_exactness_and_backends():
+    proc = subprocess.run([sys.executable, "-m", "gradsync.cli", "strategies"], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    rows = {line.split()[0]: line for line in proc.stdout.splitlines()[1:] if line.strip()}
+    from gradsync.strategies import STRATEGIES
+    for name in STRATEGIES:
+        assert name in rows, name
+    assert "  no " in rows["sma"] and "  yes " in rows["p3"] and "lossless" in rows["casync-ring"]
+    assert "Gloo/NCCL" in rows["allreduce"] and "Gloo " in rows["hybrid"] and "NCCL" not in rows["hybrid"]
 
 
 # --- hosts ------------------------------------------------------------------------------------------

@@ -30,10 +30,12 @@ AUTO_REAL_RATE = 1e9  # bits/s: the fastest real link rate --dilation auto allow
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("bench", help="compare strategies: throughput, overhead, bytes, correctness",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="resnet50:tiny", help="model NAME[:SIZE] (default resnet50:tiny)")
+    p.add_argument("--model", default="resnet50:tiny",
+                   help="model NAME[:SIZE] (default resnet50:tiny), or your own package.module:function "
+                        "returning (model, make_batch, loss): see gradsync.models.user")
     p.add_argument("--strategies", default=",".join(DEFAULT_STRATEGIES),
                    help="comma-separated strategies (default: all that can run)")
-    p.add_argument("--np", default="2", help="number of workers, or a comma-separated list (default 2)")
+    p.add_argument("--np", "-np", default="2", help="number of workers, or a comma-separated list (default 2)")
     p.add_argument("--servers", type=int, default=0, help="dedicated parameter-server ranks (default 0: co-located)")
     p.add_argument("--batch-size", type=int, default=32, help="samples per worker per step (default 32)")
     p.add_argument("--steps", type=int, default=30, help="measured steps per strategy, over all rounds (default 30)")

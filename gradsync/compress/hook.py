@@ -16,9 +16,12 @@ The hook follows PyTorch's ``ddp_comm_hooks`` (a plain function plus an explicit
 - Before compressing, every gradient is checked for NaN/Inf, agreed over ranks: every rank raises
   the same error, naming the parameter and the rank that had it (never one rank raising, the rest hanging).
 
-The hook runs synchronously inside DDP's reducer (the returned future is already complete), so
-communication does not overlap the rest of backward; Agarwal et al. (arXiv 2103.00543) found
-PowerSGD's hook faster without that overlap. Compressor state (residuals, warm starts) is kept per
+Codecs whose payloads sum in one all-reduce (fp16, bf16, random-k, none) return the collective's
+own future: DDP's reducer goes on with backward while the payload and the NaN/Inf flags travel, and
+the future's callback decodes the sum into the bucket (or raises the agreed error). PowerSGD's two
+dependent rounds and the all-gather codecs run inside the hook and return a completed future, so
+their communication does not overlap the rest of backward (Agarwal et al., arXiv 2103.00543, found
+PowerSGD's hook faster that way). Compressor state (residuals, warm starts) is kept per
 bucket, keyed by the bucket's parameters, and starts afresh if DDP rebuilds its buckets.
 """
 # No ``from __future__ import annotations``: DDP checks the hook's annotations as objects.
@@ -75,11 +78,14 @@ def compression_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures
     names = [state.names.get(p, f"parameter {i} of bucket {bucket.index()}")
              for i, p in enumerate(bucket.parameters())]
     grads = bucket.gradients()
+    key = "|".join(names)
+    compressor = state.instance(key)
+    if compressor.summable and not isinstance(_inner(compressor), PowerSGD):
+        return _one_round(state, compressor, bucket.buffer(), grads, names, rank, size)
     if state.check_finite:
         _agree_finite(state, grads, names, size)
     buffer = bucket.buffer()
     buffer.div_(size)
-    key = "|".join(names)
     if isinstance(_inner(state.instance(key)), PowerSGD):
         _reduce_each(state, key, buffer, grads, names, rank)
     else:
@@ -87,6 +93,54 @@ def compression_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures
     future = torch.futures.Future()
     future.set_result(buffer)
     return future
+
+
+def _one_round(state: HookState, compressor: Compressor, buffer: torch.Tensor, grads: list[torch.Tensor],
+               names: list[str], rank: int, size: int) -> torch.futures.Future:
+    """Compress, start the payload's all-reduces and the flags', and return a future of the decoded sum.
+
+    ``flags[r]`` is 1 + the index of rank ``r``'s first non-finite gradient, ``flags[size + r]`` 1 + the
+    index of a gradient its codec could not encode: a rank with either sends a zero payload and still
+    takes part, so every rank's callback sees the same flags and raises the same error."""
+    flags = torch.zeros(2 * size, dtype=torch.int64, device=buffer.device)
+    bad = next((i for i, g in enumerate(grads) if not all_finite(g)), None) if state.check_finite else None
+    if bad is not None:
+        flags[rank] = bad + 1
+    buffer.div_(size)
+    payload = ctx = None
+    if bad is None:
+        try:
+            payload, ctx = compressor.compress(buffer)
+        except CompressionError:
+            flags[size + rank] = 1
+    if payload is None:
+        payload, ctx = compressor.compress(torch.zeros_like(buffer))
+    futures = [transport.allreduce_sum_async(flags, state.process_group)]
+    for part in payload:
+        state.bytes_sent += int(2 * (size - 1) / size * part.numel() * part.element_size())
+        futures.append(transport.allreduce_sum_async(part, state.process_group))
+
+    def finish(_done) -> torch.Tensor:
+        for future in _done.value():
+            future.value()  # re-raise a failed collective
+        nonfinite, out_of_range = flags[:size].tolist(), flags[size:].tolist()
+        for bad_rank, flag in enumerate(nonfinite):
+            if flag:
+                raise NonFiniteGradientError(
+                    f"gradient of {names[flag - 1]!r} on rank {bad_rank} has NaN/Inf elements; nothing was applied "
+                    "(every rank raises this). Lower the learning rate, clip gradients, or skip the step.")
+        for bad_rank, flag in enumerate(out_of_range):
+            if flag:
+                raise CompressionError(f"compressing the bucket of {names[0]!r}.. on rank {bad_rank} with "
+                                       f"{compressor.name} failed (out of its range); use bf16, or scale the loss "
+                                       "down (every rank raises this)")
+        total = compressor.decompress(payload, ctx)
+        if not all_finite(total):
+            raise CompressionError(f"the sum over ranks of the bucket of {names[0]!r}.. overflowed "
+                                   f"{compressor.name}'s range; use bf16 or scale the loss down")
+        return buffer.copy_(total)
+
+    return torch.futures.collect_all(futures).then(finish)
 
 
 def _agree_finite(state: HookState, grads: list[torch.Tensor], names: list[str], size: int) -> None:

@@ -24,17 +24,26 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "run", help="start the workers and servers of a job",
         usage="gradsync run -np N [--servers S] [-H h1:n,h2:n | --hostfile F] [options] -- COMMAND ...",
-        description="Start ranks 0..N-1 as workers and N..N+S-1 as parameter servers, all running COMMAND.")
-    parser.add_argument("-np", "--num-workers", dest="np", type=_int_in(1), required=True)
+        description="Start ranks 0..N-1 as workers and N..N+S-1 as parameter servers, all running COMMAND. "
+                    "torchrun's names work too: --nproc-per-node K [--nnodes M --node-rank R --master-addr A "
+                    "--master-port P] runs K workers on each of M machines.")
+    parser.add_argument("-np", "--np", "--num-workers", dest="np", type=_int_in(1),
+                        help="workers in the whole job")
+    parser.add_argument("--nproc-per-node", "--nproc_per_node", type=_int_in(1),
+                        help="torchrun's name: workers on each machine (the job has this times --nnodes)")
+    parser.add_argument("--nnodes", type=_int_in(1),
+                        help="torchrun's name: machines, each running --nproc-per-node workers (needs --master-addr)")
     parser.add_argument("--servers", type=_int_in(0), default=0, help="parameter servers (default 0)")
     hosts = parser.add_mutually_exclusive_group()
     hosts.add_argument("-H", "--hosts", help="host1:slots,host2:slots (workers fill hosts in order)")
     hosts.add_argument("--hostfile", help="lines of 'host slots=N' or 'host:N'; '#' comments")
-    parser.add_argument("--node-rank", type=_int_in(0), help="this host's index in the host list")
-    parser.add_argument("--master-addr", help="rendezvous address (default: first host, or 127.0.0.1)")
-    parser.add_argument("--port", type=_int_in(1, 65535), help="rendezvous port (default: free port; 29500 on several hosts)")
+    parser.add_argument("--node-rank", "--node_rank", type=_int_in(0), help="this host's index in the host list")
+    parser.add_argument("--master-addr", "--master_addr",
+                        help="rendezvous address (default: first host, or 127.0.0.1)")
+    parser.add_argument("--port", "--master-port", "--master_port", type=_int_in(1, 65535),
+                        help="rendezvous port (default: free port; 29500 on several hosts)")
     parser.add_argument("--logdir", help="also write each rank's unprefixed output to DIR/worker-K.log")
-    parser.add_argument("--grace", type=float, default=3.0, help="seconds between SIGTERM and SIGKILL")
+    parser.add_argument("--grace", type=float, default=3.0, help="seconds between SIGTERM and SIGKILL (default 3)")
     parser.add_argument("--net", metavar="RATE", help="emulated hosts joined by links of RATE (e.g. 1gbit); needs root")
     parser.add_argument("--delay", type=float, default=0.0, metavar="MS", help="with --net: one-way host-to-host delay")
     parser.add_argument("--ranks-per-host", type=_int_in(1), default=1, help="ranks per emulated host with --net (default 1)")
@@ -67,6 +76,27 @@ def _resize(args) -> int:
     return 0
 
 
+def _workers(args, parser) -> None:
+    """``-np``, or torchrun's ``--nproc-per-node`` (times ``--nnodes``): never both."""
+    if args.np is not None and args.nproc_per_node is not None:
+        parser.error("give the number of workers once: -np (the whole job) or --nproc-per-node (each machine), "
+                     "not both")
+    if args.nnodes is not None:
+        if args.nproc_per_node is None:
+            parser.error("--nnodes needs --nproc-per-node (workers on each machine)")
+        if args.hosts is not None or args.hostfile is not None:
+            parser.error("--nnodes describes the machines already: drop -H/--hostfile, or use them instead")
+        if args.nnodes > 1 and args.master_addr is None:
+            parser.error("--nnodes > 1 needs --master-addr: the address of the machine with --node-rank 0")
+        if args.nnodes > 1:  # the machines' names are not needed: each launcher is told its --node-rank
+            args.hosts = ",".join(f"node{i}:{args.nproc_per_node}" for i in range(args.nnodes))
+            args.node_rank = args.node_rank or 0
+    if args.nproc_per_node is not None:
+        args.np = args.nproc_per_node * (args.nnodes or 1)
+    if args.np is None:
+        parser.error("the number of workers is required: -np N (or torchrun's --nproc-per-node K)")
+
+
 def _hosts_and_node_rank(args, parser) -> tuple[list[tuple[str, int]] | None, int]:
     if args.hosts is None and args.hostfile is None:
         if args.node_rank:
@@ -90,6 +120,7 @@ def main(args: argparse.Namespace) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("missing the command to run, e.g. gradsync run -np 2 -- python train.py")
+    _workers(args, parser)
     hosts, node_rank = _hosts_and_node_rank(args, parser)
     if args.elastic:
         return _run_elastic(args, command, parser)
@@ -99,7 +130,7 @@ def main(args: argparse.Namespace) -> int:
         return _run_emulated(args, command, parser)
     result = launch_local(command, np=args.np, servers=args.servers, port=args.port,
                           logdir=args.logdir, grace_s=args.grace, hosts=hosts,
-                          node_rank=node_rank, master_addr=args.master_addr)
+                          node_rank=node_rank, master_addr=args.master_addr, say_threads=True)
     if result.message:
         print(result.message, file=sys.stderr, flush=True)
     return result.returncode

@@ -216,6 +216,15 @@ def _failure_message(rank: _Rank) -> str:
 
 # --- the job ------------------------------------------------------------------------------------
 
+def thread_env(local_ranks: int, env: dict[str, str] | None = None) -> dict[str, str]:
+    """``OMP_NUM_THREADS`` = cores / local ranks, unless the user set it: each rank's torch would
+    otherwise start one thread per core, and ranks sharing a machine oversubscribe it (torchrun
+    sets it too). Empty when already set."""
+    if "OMP_NUM_THREADS" in os.environ or "OMP_NUM_THREADS" in (env or {}):
+        return {}
+    return {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // max(1, local_ranks)))}
+
+
 def _rank_envs(specs: list[RankSpec], *, np: int, servers: int, node_rank: int, master_addr: str,
                port: int, env: dict[str, str] | None) -> list[dict[str, str]]:
     job = {"WORLD_SIZE": np + servers, "LOCAL_WORLD_SIZE": len(specs), "GROUP_RANK": node_rank,
@@ -269,7 +278,8 @@ def launch_local(command: list[str], *, np: int, servers: int = 0, port: int | N
                  logdir: str | None = None, env: dict[str, str] | None = None,
                  grace_s: float = 3.0, prefix_output: bool = True,
                  hosts=None, node_rank: int = 0, master_addr: str | None = None,
-                 placement: Callable[[RankSpec], tuple[list[str], dict[str, str]]] | None = None) -> JobResult:
+                 placement: Callable[[RankSpec], tuple[list[str], dict[str, str]]] | None = None,
+                 say_threads: bool = False) -> JobResult:
     """Run this node's ranks of ``command`` until all finish or one fails (see the module docstring).
 
     Args:
@@ -279,6 +289,7 @@ def launch_local(command: list[str], *, np: int, servers: int = 0, port: int | N
         placement: per rank, a command prefix and extra variables (e.g. ``ip netns exec HOST``
             and ``GLOO_SOCKET_IFNAME`` for an emulated cluster, :mod:`gradsync.cluster`).
         prefix_output: prefix re-emitted lines with ``[worker 3] ``.
+        say_threads: print a line when the launcher sets ``OMP_NUM_THREADS`` (see :func:`thread_env`).
     Returns the job's result; the failure message is not printed (the CLI prints it).
     """
     several = hosts is not None and len(hosts) > 1
@@ -297,6 +308,11 @@ def launch_local(command: list[str], *, np: int, servers: int = 0, port: int | N
         return JobResult(0, None, "")
     if logdir is not None:
         os.makedirs(logdir, exist_ok=True)
+    threads = thread_env(len(specs), env)
+    if threads and say_threads:
+        print(f"gradsync run: OMP_NUM_THREADS={threads['OMP_NUM_THREADS']} for each of {len(specs)} local rank{'s' if len(specs) > 1 else ''} "
+              f"({os.cpu_count()} cores); set OMP_NUM_THREADS to choose", file=sys.stderr, flush=True)
+    env = {**threads, **(env or {})}
     envs = _rank_envs(specs, np=np, servers=servers, node_rank=node_rank,
                       master_addr=master_addr, port=port, env=env)
     commands = [list(command) for _ in specs]

@@ -70,10 +70,18 @@ def model_names() -> list[str]:
 
 
 def get_model(name: str, **options: Any) -> ModelSpec:
-    """Resolve ``NAME`` or ``NAME:SIZE`` (size defaults to ``full``) to a :class:`ModelSpec`."""
+    """Resolve ``NAME`` or ``NAME:SIZE`` (size defaults to ``full``), or your own
+    ``package.module:function`` (:mod:`gradsync.models.user`), to a :class:`ModelSpec`."""
     base, _, size = name.partition(":")
     size = size or "full"
     registry = _registry()
     if base not in registry:
-        raise ValueError(f"unknown model {base!r}; valid models: {', '.join(sorted(registry))}")
+        from gradsync.models import user
+
+        if user.is_user_model(name) and size not in SIZES:
+            if options:
+                raise ValueError(f"model {name!r}: your own models take no options")
+            return user.load(name)
+        raise ValueError(f"unknown model {base!r}; valid models: {', '.join(sorted(registry))}, or "
+                         "package.module:function for your own (see gradsync.models.user)")
     return registry[base](size, **options)  # each model checks its own sizes

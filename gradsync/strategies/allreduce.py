@@ -91,9 +91,23 @@ def plan_buckets(params: list[torch.Tensor], order: list[int], cap_bytes: int,
 class BucketedSync(Strategy):
     """Gradients copied into buckets as backward produces them; each full bucket is launched, strictly
     in index order so every rank issues the same collectives in the same order. Subclasses implement
-    ``_launch(k)`` and ``synchronize()`` (``allreduce``, and the compressed strategies)."""
+    ``_launch(k)`` and ``synchronize()`` (``allreduce``, and the compressed strategies).
+
+    ``synchronize()`` runs at the end of each backward pass (:meth:`after_backward`), as DDP's reducer
+    does: the buckets overlap backward, and when ``backward()`` returns every ``p.grad`` is the mean
+    over workers, so clipping, ``GradScaler.unscale_`` and gradient edits act on what the update uses.
+    A second backward before ``step()`` (outside ``no_sync``) all-reduces the accumulated gradients
+    again, which adds the new mean to the old one, as DDP does. ``step()`` synchronizes only when no
+    hooked backward ran since the last step (every backward inside ``no_sync``)."""
 
     mean_grads_at_apply = True
+    grad_edits = "synced"
+    synced = False
+    """Whether the gradients were synchronized by a backward pass since the last step."""
+    deferred: GradsyncError | None = None
+    """A fault every worker agreed on at the end of backward (a NaN/Inf gradient, a value out of a
+    codec's range): the gradients are then NaN on every worker and ``step()`` raises this. With
+    ``torch.amp.GradScaler`` the step is skipped on every worker instead, as under DDP."""
 
     def _make_buckets(self, order: list[int], cap_bytes: int, first_cap_bytes: int, extra: int) -> None:
         """``self.buckets`` over ``order``; each buffer has ``extra(group)`` elements past the gradients."""
@@ -126,9 +140,30 @@ class BucketedSync(Strategy):
         while self.next_launch < len(self.buckets) and self.buckets[self.next_launch].pending == 0:
             self._launch(self.next_launch)
 
-    def step(self, apply: Callable[[], Any]) -> Any:
+    def after_backward(self) -> None:
         self.synchronize()
+        self.synced = True
+
+    def step(self, apply: Callable[[], Any]) -> Any:
+        if not self.synced:
+            self.synchronize()
+        self.synced = False
+        if self.deferred is not None:
+            error, self.deferred = self.deferred, None
+            raise error
         return apply()
+
+    def _defer(self, error: GradsyncError) -> None:
+        """Make every gradient of this step NaN and keep ``error`` for ``step()`` (see ``deferred``)."""
+        for bucket in self.buckets:
+            bucket.buffer[:bucket.numel].fill_(float("nan"))
+            for slot, i in enumerate(bucket.indices):
+                self.ctx.params[i].grad = bucket.views[slot]
+        self.deferred = error
+
+    def synchronize(self) -> None:
+        """Launch what backward did not, wait for every bucket, set ``p.grad`` to the mean."""
+        raise NotImplementedError
 
     def _launch(self, k: int) -> None:
         raise NotImplementedError
@@ -152,6 +187,7 @@ class AllReduce(BucketedSync):
     """Overlapped bucketed all-reduce of gradients among workers, then a local optimizer step."""
 
     name = "allreduce"
+    summary = "bucketed ring all-reduce overlapped with backward (Horovod, DDP)"
 
     def __init__(self, bucket_mb: float = 25.0, first_bucket_mb: float = 1.0, rebuild_buckets: bool = True,
                  compression: str | None = None, error_feedback: bool = False):
@@ -192,13 +228,19 @@ class AllReduce(BucketedSync):
             self.buckets[k].fill_missing(self.ctx.params)
             self._launch(k)
         workers = self.ctx.topology.num_workers
+        self.deferred = error = None
         for k, bucket in enumerate(self.buckets):
             bucket.handle.wait()
             if self.compression is not None:
-                self._decompress(k, bucket)
+                try:
+                    self._decompress(k, bucket)
+                except CompressionError as exc:  # the same sum on every worker: every worker has it
+                    error = error or exc
                 workers = 1  # divided before compressing
             self._unpack(bucket, workers)
             bucket.reset()
+        if error is not None:
+            self._defer(error)
         self.next_launch = 0
         if self.steps == 0 and self.rebuild and len(self.buckets) > 1:
             self._rebuild_from_arrival()

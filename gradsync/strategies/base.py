@@ -16,6 +16,12 @@ branches on which strategy is running.
   ``index`` is about to read rows ``ids`` (a forward pre-hook on each such module; installed only
   for strategies that override this method). A strategy that keeps tables elsewhere (hybrid's
   parameter servers) brings those rows in here.
+- ``after_backward()``: the backward pass that produced gradients just ended (an autograd-engine
+  callback queued at the first ``on_grad_ready`` of that pass, as PyTorch DDP does; installed only
+  for strategies that override it). A strategy that keeps the synchronized gradient on the workers
+  waits for its collectives here, so that when ``loss.backward()`` returns ``p.grad`` already holds
+  the mean over workers: gradient clipping, ``GradScaler.unscale_`` and logging see what the update
+  will use.
 - ``step(apply)``: the user called ``optimizer.step()``. Finish synchronization and call
   ``apply()`` (the wrapped optimizer's own step) where the strategy wants the update to happen,
   or not at all when the update happens on a server.
@@ -51,6 +57,8 @@ class SyncContext:
     transport: Transport
     topology: Topology
     stats: dict = field(default_factory=dict)
+    clip_grad_norm: float | None = None
+    """Clip the mean gradient to this global L2 norm before each update (strategies with ``clips``)."""
 
 
 class Strategy:
@@ -64,6 +72,27 @@ class Strategy:
     mean_grads_at_apply: ClassVar[bool] = False
     """Whether ``apply()`` runs on every worker with every parameter's ``grad`` holding the mean over
     workers (what gradient monitors such as :class:`gradsync.adapt.NoiseScale` read)."""
+
+    summary: ClassVar[str] = "each rank trains alone"
+    """One line for ``gradsync strategies``: what moves when, and the design it follows."""
+    backends: ClassVar[tuple[str, ...]] = ("gloo", "nccl")
+    """The torch.distributed backends it runs on."""
+    grad_edits: ClassVar[str] = "refused"
+    """What a change to ``p.grad`` between ``backward()`` and ``optimizer.step()`` does (gradient
+    clipping, ``GradScaler.unscale_``, a custom edit):
+
+    - ``"synced"``: ``p.grad`` holds the synchronized mean when backward returns, and the update
+      uses it: edits act exactly as in a single process (``allreduce``, ``ddp``, ``casync-*``).
+    - ``"local"``: the update uses this worker's own gradient (model averaging: ``sma``,
+      ``pair-averaging``), so edits act on it, as each worker's local step would.
+    - ``"refused"``: gradients leave the worker during backward and the update happens elsewhere
+      (a server, a slice's own optimizer). An edit would not reach it, so ``distribute`` compares
+      each gradient's version counter at ``step()`` and raises :class:`GradientEditedError`;
+      clipping is then ``distribute(..., clip_grad_norm=C)`` where :attr:`clips` is true.
+    """
+    clips: ClassVar[bool] = False
+    """For ``"refused"`` strategies: whether the strategy clips by the global norm of the mean
+    gradient itself, where the update happens (``SyncContext.clip_grad_norm``)."""
 
     ctx: SyncContext
 
@@ -91,6 +120,9 @@ class Strategy:
 
     def after_load(self) -> None:
         """The model's ``load_state_dict()`` just ended (every worker loads a checkpoint alike)."""
+
+    def after_backward(self) -> None:
+        pass
 
     def step(self, apply: Callable[[], Any]) -> Any:
         return apply()

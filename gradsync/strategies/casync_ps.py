@@ -36,6 +36,7 @@ class CaSyncPS(CompressedSync):
     """Partitions aggregated by co-located workers: push compressed, decode-merge-encode, pull compressed."""
 
     name = "casync-ps"
+    summary = "HiPress CaSync-PS: compressed partitions aggregated by co-located workers"
     algorithm = "ps"
 
     def __init__(self, compression: str = "onebit", partition_mb: float = 4.0, **options):

@@ -37,6 +37,7 @@ class CaSyncRing(CompressedSync):
     """Ring all-reduce of compressed buckets: payloads summed directly, or decode-merge-encode per hop."""
 
     name = "casync-ring"
+    summary = "HiPress CaSync: compressed ring, summable payloads all-reduced, else decode-merge-encode"
     sums_in_one_round = True  # fp16, bf16, random-k, identity: all-reduced from backward, no thread
 
     def exchange(self, k: int, flat: torch.Tensor) -> None:

@@ -115,7 +115,8 @@ class CompressedSync(BucketedSync):
         self.n = topo.num_workers
         self.me = topo.worker_ranks.index(topo.rank) if topo.is_worker else -1
         self.sites: dict[str, Compressor] = {}
-        self.error: BaseException | None = None
+        self.error: BaseException | None = None  # the thread's failure: it has stopped
+        self.step_fault: GradsyncError | None = None  # a fault every worker agreed on: the thread goes on
         self.closed = False
         self.ratio = 1.0
         params = ctx.params
@@ -179,7 +180,8 @@ class CompressedSync(BucketedSync):
             while self.done < self.threaded and self.error is None:
                 self.cv.wait()
         faults = (*map(self._plain_fault, plain), *map(self._summed_finish, summed))
-        error = self.error or next((e for e in faults if e is not None), None)
+        error = self.error or self.step_fault or next((e for e in faults if e is not None), None)
+        self.deferred = self.step_fault = None
         if error is None and self.threaded:
             for k, bucket in enumerate(self.buckets):
                 for slot, i in enumerate(bucket.indices):
@@ -198,7 +200,9 @@ class CompressedSync(BucketedSync):
             bucket.reset()
         self.done = 0
         self.next_launch = 0
-        if error is not None:
+        if isinstance(error, (NonFiniteGradientError, CompressionError)):
+            self._defer(error)  # agreed by every worker through the fault headers
+        elif error is not None:
             raise error
 
     def _launch(self, k: int) -> None:
@@ -289,7 +293,10 @@ class CompressedSync(BucketedSync):
                     if not self.queue:
                         return
                     k = self.queue.popleft()
-                self._sync(k)
+                try:
+                    self._sync(k)
+                except (NonFiniteGradientError, CompressionError) as exc:  # the pattern was completed
+                    self.step_fault = self.step_fault or exc
                 with self.cv:
                     self.done += 1
                     self.cv.notify_all()
@@ -321,7 +328,8 @@ class CompressedSync(BucketedSync):
         if fault.code == FAULT_NONFINITE:
             return NonFiniteGradientError(
                 f"{what} on rank {fault.rank} has NaN/Inf elements; nothing was applied (every worker raises "
-                "this). Lower the learning rate, clip gradients, or skip the step.")
+                "this). Lower the learning rate or clip gradients; with torch.amp.GradScaler the step is "
+                "skipped instead (every gradient is NaN).")
         return CompressionError(f"compressing {what} on rank {fault.rank} with {self.codec_name} failed (out of "
                                 "its range, e.g. fp16 overflow); use bf16, or scale the loss down. Every worker "
                                 "raises this.")

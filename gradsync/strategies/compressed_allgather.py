@@ -22,6 +22,7 @@ class CompressedAllGather(CompressedSync):
     """Compress, all-gather every payload, decode and sum locally."""
 
     name = "compressed-allgather"
+    summary = "the compression baseline: all-gather payloads, decode and sum (GRACE, DGC)"
 
     def check_codec(self, probe: Compressor) -> None:
         if isinstance(getattr(probe, "inner", probe), PowerSGD):

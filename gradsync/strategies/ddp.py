@@ -47,6 +47,8 @@ class DDP(Strategy):
     """``torch.nn.parallel.DistributedDataParallel`` with its usual options."""
 
     name = "ddp"
+    summary = "PyTorch's DistributedDataParallel, wrapped: the reference peer"
+    grad_edits = "synced"  # DDP's reducer waits for its buckets at the end of backward
     mean_grads_at_apply = True  # DDP's reducer leaves the averaged gradients in p.grad before step
 
     def __init__(self, bucket_mb: float = 25.0, find_unused_parameters: bool = False,

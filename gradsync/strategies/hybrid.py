@@ -412,6 +412,8 @@ class Hybrid(Strategy):
     """Sparse embedding tables through parameter servers as rows, the rest through all-reduce."""
 
     name = "hybrid"
+    summary = "Parallax: sparse embedding tables to row servers, the rest all-reduced"
+    backends = ("gloo",)  # any-source receives
     uses_servers = True
 
     def __init__(self, sparse: list[str] | None = None, dense: list[str] | None = None,

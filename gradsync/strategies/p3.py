@@ -99,6 +99,7 @@ class P3(Strategy):
     """Sliced, prioritized parameter server with forward overlap (see the module docstring)."""
 
     name = "p3"
+    summary = "P3: slices pushed in forward-pass priority under a credit, next forward starts per layer"
     uses_servers = True
     tune_space = {"credit_mb": [1.0, 4.0, 16.0], "slice_params": [12_500, 50_000, 200_000],
                   "overlap": [True, False]}
@@ -120,6 +121,7 @@ class P3(Strategy):
                               f"(parameter name, forward position) -> number, got {priority!r}")
         if priority is False and not overlap:
             self.name = "ps-sliced"
+            self.summary = "P3's slicing alone (FIFO, pull at step): the ablation of p3"
         self.slice_params, self.credit_mb = slice_params, credit_mb
         self.priority, self.overlap = priority, overlap
         self.elementwise = elementwise_optimizer

@@ -32,6 +32,9 @@ OP_PULL, OP_LEAVE = 1, 2
 
 class PairAveraging(Strategy):
     name = "pair-averaging"
+    summary = "AD-PSGD: each step averages with one random peer's model, no barrier"
+    backends = ("gloo",)  # any-source receives
+    grad_edits = "local"  # each worker steps with its own gradient; models are averaged in pairs
     exact = False
 
     def __init__(self, seed: int = 0):

@@ -25,6 +25,13 @@ consecutive in backward order with the same server, up to ``fuse_kb`` (default 2
 saves the per-message latency of the many small tensors, biases and norms, a model has);
 ``fuse_kb=0`` sends one message per tensor.
 
+Clipping (``distribute(..., clip_grad_norm=C)``, sync mode): after averaging, each server adds up
+the squared norm of its partition's mean gradient, one all-reduce of that number (over the workers
+when co-located; over every rank, workers adding zero, when there are several dedicated servers)
+gives the global norm, and each server scales its partition as ``torch.nn.utils.clip_grad_norm_``
+would before it updates. A gradient changed in place between backward and step cannot reach the
+servers: ``distribute`` refuses it (``grad_edits``).
+
 Must match across ranks: the model and the optimizer's hyperparameters (servers build their own
 from the same script). Optimizer state lives on the servers, one partition each.
 """
@@ -75,6 +82,7 @@ class ParameterServer(Strategy):
     """Push gradients to parameter servers during backward; pull updated parameters at step."""
 
     name = "ps"
+    summary = "parameter server: whole tensors pushed in backward, updated on servers, pulled at step (TF-PS, KVStore)"
     uses_servers = True
 
     def __init__(self, mode: str = "sync", fuse_kb: float = 256.0):
@@ -85,6 +93,9 @@ class ParameterServer(Strategy):
         self.mode = mode
         self.fuse_bytes = int(fuse_kb * 1024)
         self.exact = mode == "sync"
+        self.clips = mode == "sync"
+        if mode == "async":
+            self.summary = "asynchronous parameter server: each push applied alone, no barrier (TF-PS async)"  # a synchronous server holds its share of the step's mean gradient
 
     def attach(self, ctx: SyncContext) -> None:
         super().attach(ctx)
@@ -203,8 +214,11 @@ class ParameterServer(Strategy):
         if not self.dedicated:
             wait_all(self.recvs)
             self._aggregate(self.ctx.topology.worker_ranks, own=True)
+            self._clip()
             result = apply()
             self.sends += self._answer(self.ctx.topology.worker_ranks)
+        elif len(self.servers) > 1:
+            self._clip()  # this worker's share of the norm is zero
         self._pull()
         wait_all(self.sends)
         self.sends, self.open = [], False
@@ -253,6 +267,24 @@ class ParameterServer(Strategy):
                     total.add_(m.parts[slot])
                     used += f[slot]
                 p.grad = mean_of_used(total, used, divisor)
+
+    def _clip(self) -> None:
+        """Scale the owned mean gradients so the whole model's gradient norm is at most the clip
+        (``clip_grad_norm_``'s rule); collective over the workers, or over every rank with several
+        dedicated servers."""
+        clip = self.ctx.clip_grad_norm
+        if clip is None:
+            return
+        t, params, me = self.ctx.transport, self.ctx.params, self.ctx.topology.rank
+        grads = [params[i].grad for i in self.owned if params[i].grad is not None] if me in self.servers else []
+        total = torch.zeros(1, dtype=torch.float64, device=t.device)
+        for grad in grads:
+            total += grad.detach().double().square().sum()
+        if len(self.servers) > 1:
+            t.allreduce(total, world=self.dedicated, what="all-reduce of the squared gradient norm (clip_grad_norm)")
+        coef = min(clip / (float(total.sqrt()) + 1e-6), 1.0)
+        if coef < 1.0 and grads:
+            torch._foreach_mul_(grads, coef)
 
     def _answer(self, workers: list[int]) -> list:
         """Send each owned group's updated parameters to ``workers`` (one fused message per group)."""
@@ -303,6 +335,7 @@ class ParameterServer(Strategy):
             wait_all(self._post_pushes(workers))
             wait_all(answers)  # the previous pull must be on the wire before parameters change
             self._aggregate(workers)
+            self._clip()
             optimizer.step()
             answers = self._answer(workers)
         wait_all(answers)

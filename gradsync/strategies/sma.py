@@ -23,6 +23,8 @@ from gradsync.strategies.base import Strategy, SyncContext, ring_bytes
 
 class SMA(Strategy):
     name = "sma"
+    summary = "synchronous model averaging (CrossBow, KungFu): parameters averaged behind the step"
+    grad_edits = "local"  # each worker steps with its own gradient; parameters are averaged
     exact = False
 
     def __init__(self, alpha: float = 0.1):

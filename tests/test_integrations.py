@@ -1,0 +1,163 @@
+"""Frameworks: Lightning's Trainer with GradsyncStrategy, and a model that is already DDP.
+
+Lightning runs in each rank of the multi-rank helper (LOCAL_RANK in the environment makes it use
+the processes it finds instead of launching its own). The reference is one process that averages
+the two workers' gradients of the batches Lightning's DistributedSampler gives them.
+"""
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import gradsync
+from multirank import run_ranks, run_ranks_expect_failure
+
+pl = pytest.importorskip("pytorch_lightning")
+
+WORKERS, BATCH, LR, SAMPLES = 2, 4, 0.1, 32
+
+
+def data():
+    g = torch.Generator().manual_seed(5)
+    return torch.utils.data.TensorDataset(torch.randn(SAMPLES, 5, generator=g), torch.randn(SAMPLES, 2, generator=g))
+
+
+def net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+class Module(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = net()
+
+    def training_step(self, batch, _index):
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=LR, momentum=0.9)
+
+
+def fit(strategy: str, options: dict, clip: float | None):
+    from gradsync.integrations.lightning import GradsyncStrategy
+
+    module = Module()
+    trainer = pl.Trainer(accelerator="cpu", devices=WORKERS, strategy=GradsyncStrategy(strategy, options=options),
+                         max_epochs=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, gradient_clip_val=clip, use_distributed_sampler=False)
+    loader = torch.utils.data.DataLoader(data(), batch_size=BATCH, sampler=gradsync.sampler(data(), shuffle=False))
+    trainer.fit(module, loader)
+    return {n: p.detach().clone() for n, p in module.net.named_parameters()}
+
+
+def reference(clip: float | None):
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    dataset = data()
+    shards = [list(range(w, SAMPLES, WORKERS)) for w in range(WORKERS)]  # gradsync.sampler, no shuffle
+    for _epoch in range(2):
+        for step in range(len(shards[0]) // BATCH):
+            total = [torch.zeros_like(p) for p in model.parameters()]
+            for shard in shards:
+                x, y = dataset[shard[step * BATCH:(step + 1) * BATCH]]
+                opt.zero_grad()
+                nn.functional.mse_loss(model(x), y).backward()
+                for t, p in zip(total, model.parameters()):
+                    t.add_(p.grad)
+            for t, p in zip(total, model.parameters()):
+                p.grad = t / WORKERS
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            opt.step()
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("strategy,options,clip", [("allreduce", {}, None), ("p3", {"slice_params": 30}, None),
+                                                   ("allreduce", {}, 0.05)])
+def test_lightning_trains_the_reference_model(strategy, options, clip):
+    results = run_ranks(fit, WORKERS, strategy, options, clip, timeout=240)
+    ref = reference(clip)
+    for rank in range(WORKERS):
+        for name, value in ref.items():
+            # fp32 sums in another order, SGD with momentum: the workload's tolerance (see
+            # gradsync.bench.workload.OPTIMIZERS); a missed or unaveraged gradient moves ~lr.
+            torch.testing.assert_close(results[rank][name], value, atol=1e-5, rtol=1e-4, msg=f"rank {rank} {name}")
+
+
+def test_lightning_clipping_under_p3_is_a_clear_error():
+    errors = run_ranks_expect_failure(fit, WORKERS, "p3", {}, 0.05, timeout=240)
+    assert sorted(errors) == [0, 1], errors
+    assert all("GradientEditedError" in text and "clip_grad_norm" in text for text in errors.values()), errors
+
+
+def test_an_unknown_strategy_fails_at_construction():
+    from gradsync.integrations.lightning import GradsyncStrategy
+
+    with pytest.raises(gradsync.ConfigError, match="unknown strategy 'nope'"):
+        GradsyncStrategy("nope")
+
+
+# -- a model already wrapped in DDP ---------------------------------------------------------------------
+def distribute_ddp_model():
+    model = nn.parallel.DistributedDataParallel(net())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gradsync.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1), "allreduce")
+    return [str(w.message) for w in caught]
+
+
+def test_a_model_already_in_ddp_gets_a_warning():
+    for messages in run_ranks(distribute_ddp_model, 2, timeout=60):
+        assert any("already wrapped in DistributedDataParallel" in m for m in messages), messages
+
+
+# -- Accelerate: it starts the processes and shards the data; gradsync synchronizes -------------------
+def accelerate_recipe(strategy: str):
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)  # adopts (or starts) the process group from the environment
+    gradsync.init()
+    model = net().to(accelerator.device)
+    opt = gradsync.distribute(model, torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9), strategy)
+    loader = accelerator.prepare(torch.utils.data.DataLoader(data(), batch_size=BATCH))  # not the model
+    for _epoch in range(2):
+        for x, y in loader:
+            accelerator.backward(nn.functional.mse_loss(model(x), y))
+            opt.step()
+            opt.zero_grad()
+    opt.flush()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def accelerate_reference():
+    """Accelerate hands worker ``w`` the loader's batches ``w, w + n, ...``."""
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    dataset = data()
+    batches = [list(range(b * BATCH, (b + 1) * BATCH)) for b in range(SAMPLES // BATCH)]
+    for _epoch in range(2):
+        for step in range(len(batches) // WORKERS):
+            total = [torch.zeros_like(p) for p in model.parameters()]
+            for w in range(WORKERS):
+                x, y = dataset[batches[step * WORKERS + w]]
+                opt.zero_grad()
+                nn.functional.mse_loss(model(x), y).backward()
+                for t, p in zip(total, model.parameters()):
+                    t.add_(p.grad)
+            for t, p in zip(total, model.parameters()):
+                p.grad = t / WORKERS
+            opt.step()
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("strategy", ["allreduce", "p3"])
+def test_the_accelerate_recipe_trains_the_reference_model(strategy):
+    pytest.importorskip("accelerate")
+    results = run_ranks(accelerate_recipe, WORKERS, strategy, timeout=240)
+    ref = accelerate_reference()
+    for rank in range(WORKERS):
+        for name, value in ref.items():
+            torch.testing.assert_close(results[rank][name], value, atol=1e-5, rtol=1e-4, msg=f"rank {rank} {name}")
