@@ -29,6 +29,9 @@ from gradsync.transport import Transport
 
 DEFAULT_TIMEOUT_S = 30.0
 HEARTBEAT_S = 1.0
+HEARTBEAT_STORE_S = 2.0
+"""Longest a heartbeat's store call may block (a store host that vanished): shorter than the wait
+in :meth:`Heartbeat.stop`, so the thread is always gone before the process group is torn down."""
 SILENT_S = 2.5 * HEARTBEAT_S
 """A rank whose heartbeat did not advance for this long has stopped."""
 RENDEZVOUS_MIN_S = 60.0
@@ -50,7 +53,7 @@ class Heartbeat:
 
     def __init__(self, addr: str, port: int, topology: Topology, prefix: str = ""):
         self.topology = topology
-        self.store = dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=5),
+        self.store = dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=HEARTBEAT_STORE_S),
                                    wait_for_workers=False)
         if prefix:  # an elastic job's generation: ranks are renumbered in each
             self.store = dist.PrefixStore(prefix, self.store)
@@ -85,10 +88,12 @@ class Heartbeat:
         return [r for r in before if after[r] == before[r]]
 
     def stop(self) -> None:
-        # Join, so no store call is in flight while the process group and the store are torn down
-        # (a C++ thread inside TCPStore at exit aborts the process).
+        """Stop the thread and wait for it: a Python thread that returns from a torch call while the
+        interpreter finalizes aborts the process (pytorch/pytorch#38228), so none may outlive
+        :func:`shutdown`. Its one store call is bounded by ``HEARTBEAT_STORE_S``."""
         self._stop.set()
-        self._thread.join(timeout=5 * HEARTBEAT_S)
+        self._thread.join(timeout=HEARTBEAT_S + 2 * HEARTBEAT_STORE_S)
+        self.store = None  # the client connection closes here, not during finalization
 
 
 @dataclass
@@ -255,6 +260,19 @@ def leave() -> Runtime | None:
         runtime.heartbeat.stop()
     if runtime.owns_group and dist.is_initialized():
         dist.destroy_process_group()
+    _warn_live_threads()
+
+
+def _warn_live_threads() -> None:
+    """Say which gradsync thread is still running after shutdown: one blocked in a torch call when
+    the interpreter finalizes would abort the process at exit, so this is a bug worth reporting."""
+    alive = [t.name for t in threading.enumerate()
+             if t.name.startswith("gradsync") and t.is_alive() and t is not threading.current_thread()]
+    if alive:
+        import warnings
+
+        warnings.warn(f"gradsync threads still running after shutdown: {', '.join(alive)}; the process may "
+                      "abort at exit. Please report this with the strategy used", RuntimeWarning, stacklevel=3)
     return runtime
 
 

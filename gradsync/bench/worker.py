@@ -317,11 +317,4 @@ def main(run_dir: str) -> int:
 
 
 if __name__ == "__main__":
-    code = main(sys.argv[1])
-    # Every result is on disk and the runtime is shut down. Leave without the interpreter's
-    # teardown, where about one bench worker in ten aborted ("terminate called without an active
-    # exception": a daemon thread returning from a torch call during finalization, pytorch#38228;
-    # docs/benchmarks.md, Known issues).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    sys.exit(main(sys.argv[1]))
