@@ -64,10 +64,13 @@ class Heartbeat:
     def _run(self) -> None:
         key = f"gradsync/hb/{self.topology.rank}"
         while not self._stop.wait(HEARTBEAT_S):
+            store = self.store
+            if store is None:
+                return
             try:
-                self.store.add(key, 1)
-            except Exception:  # noqa: BLE001 - the store host died (diagnosis says so). No retry:
-                return  # a call blocked on a dead store at exit aborts the process
+                store.add(key, 1)
+            except Exception:  # noqa: BLE001 - a slow or vanished store host (diagnosis says which):
+                continue  # try again next beat; each call is bounded by HEARTBEAT_STORE_S
 
     def beats(self) -> dict[int, int] | None:
         """Every other rank's heartbeat count now, without waiting; None if the store is gone.
@@ -260,7 +263,7 @@ def leave() -> Runtime | None:
         runtime.heartbeat.stop()
     if runtime.owns_group and dist.is_initialized():
         dist.destroy_process_group()
-    _warn_live_threads()
+    return runtime
 
 
 def _warn_live_threads() -> None:
@@ -273,7 +276,6 @@ def _warn_live_threads() -> None:
 
         warnings.warn(f"gradsync threads still running after shutdown: {', '.join(alive)}; the process may "
                       "abort at exit. Please report this with the strategy used", RuntimeWarning, stacklevel=3)
-    return runtime
 
 
 def current() -> Runtime:
@@ -316,3 +318,4 @@ def shutdown() -> None:
         runtime.heartbeat.stop()
     if runtime.owns_group and dist.is_initialized():
         dist.destroy_process_group()
+    _warn_live_threads()

@@ -45,12 +45,14 @@ def fit(strategy: str, options: dict, clip: float | None):
     from gradsync.integrations.lightning import GradsyncStrategy
 
     module = Module()
+    calls = []  # the module's own forward pre-hooks (gradsync's among them) run for each training_step
+    module.register_forward_pre_hook(lambda *_: calls.append(1))
     trainer = pl.Trainer(accelerator="cpu", devices=WORKERS, strategy=GradsyncStrategy(strategy, options=options),
                          max_epochs=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, gradient_clip_val=clip, use_distributed_sampler=False)
     loader = torch.utils.data.DataLoader(data(), batch_size=BATCH, sampler=gradsync.sampler(data(), shuffle=False))
     trainer.fit(module, loader)
-    return {n: p.detach().clone() for n, p in module.net.named_parameters()}
+    return {"forward calls": len(calls), **{n: p.detach().clone() for n, p in module.net.named_parameters()}}
 
 
 def reference(clip: float | None):
@@ -80,6 +82,8 @@ def reference(clip: float | None):
 def test_lightning_trains_the_reference_model(strategy, options, clip):
     results = run_ranks(fit, WORKERS, strategy, options, clip, timeout=240)
     ref = reference(clip)
+    steps = 2 * SAMPLES // (WORKERS * BATCH)
+    assert [r["forward calls"] for r in results] == [steps] * WORKERS, "training_step bypassed the module's hooks"
     for rank in range(WORKERS):
         for name, value in ref.items():
             # fp32 sums in another order, SGD with momentum: the workload's tolerance (see
@@ -98,6 +102,13 @@ def test_an_unknown_strategy_fails_at_construction():
 
     with pytest.raises(gradsync.ConfigError, match="unknown strategy 'nope'"):
         GradsyncStrategy("nope")
+
+
+def test_ddp_inside_lightning_is_refused():
+    from gradsync.integrations.lightning import GradsyncStrategy
+
+    with pytest.raises(gradsync.ConfigError, match="Lightning's own"):
+        GradsyncStrategy("ddp")
 
 
 # -- a model already wrapped in DDP ---------------------------------------------------------------------

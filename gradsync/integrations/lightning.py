@@ -16,6 +16,9 @@ state through ``consolidate_state_dict``.
   raises :class:`gradsync.GradientEditedError` (pass ``clip_grad_norm=`` here instead, for ``ps``).
 - One optimizer per module; every process is a worker (no dedicated servers: co-located ``ps``
   and ``p3`` work).
+- ``training_step`` runs through the module's ``__call__`` (Lightning's forward redirection, as
+  under ``DDPStrategy``), so gradsync's forward hooks run: P3 waits for a layer's parameters there.
+- Not ``"ddp"``: that is Lightning's own ``DDPStrategy``.
 
 Install with ``pip install gradsync[lightning]``.
 """
@@ -27,6 +30,7 @@ from typing import Any
 
 try:
     from pytorch_lightning.strategies import DDPStrategy
+    from pytorch_lightning.strategies.strategy import _ForwardRedirection
 except ImportError as exc:  # pragma: no cover - the extra is not installed
     raise ImportError("gradsync.integrations.lightning needs PyTorch Lightning: pip install 'gradsync[lightning]' "
                       "(or pytorch-lightning>=2.4)") from exc
@@ -52,6 +56,9 @@ class GradsyncStrategy(DDPStrategy):
     def __init__(self, strategy: str | Strategy = "allreduce", *, clip_grad_norm: float | None = None,
                  options: dict[str, Any] | None = None, **kwargs: Any):
         self._sync = resolve(strategy, **(options or {}))  # a bad name or option fails here
+        if self._sync.name == "ddp":
+            raise ConfigError("GradsyncStrategy('ddp') would wrap DistributedDataParallel inside Lightning's "
+                              "strategy; use Lightning's own Trainer(strategy='ddp')")
         self._clip_grad_norm = clip_grad_norm
         super().__init__(**kwargs)
 
@@ -72,6 +79,12 @@ class GradsyncStrategy(DDPStrategy):
         fresh = copy.deepcopy(self._sync)  # a strategy object attaches once; each fit gets its own
         self.optimizers = [gradsync.distribute(self.lightning_module, self.optimizers[0], fresh,
                                                clip_grad_norm=self._clip_grad_norm)]
+
+    def training_step(self, *args: Any, **kwargs: Any):
+        """Through the module's ``__call__``, so its forward pre-hooks (gradsync's) run first."""
+        module = self.lightning_module
+        with self.precision_plugin.train_step_context():
+            return _ForwardRedirection()(module, module, "training_step", *args, **kwargs)
 
     @contextmanager
     def block_backward_sync(self):

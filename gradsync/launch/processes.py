@@ -216,13 +216,21 @@ def _failure_message(rank: _Rank) -> str:
 
 # --- the job ------------------------------------------------------------------------------------
 
+def usable_cores() -> int:
+    """Cores this process may run on (its CPU affinity, which containers and taskset narrow)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
 def thread_env(local_ranks: int, env: dict[str, str] | None = None) -> dict[str, str]:
     """``OMP_NUM_THREADS`` = cores / local ranks, unless the user set it: each rank's torch would
     otherwise start one thread per core, and ranks sharing a machine oversubscribe it (torchrun
     sets it too). Empty when already set."""
     if "OMP_NUM_THREADS" in os.environ or "OMP_NUM_THREADS" in (env or {}):
         return {}
-    return {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // max(1, local_ranks)))}
+    return {"OMP_NUM_THREADS": str(max(1, usable_cores() // max(1, local_ranks)))}
 
 
 def _rank_envs(specs: list[RankSpec], *, np: int, servers: int, node_rank: int, master_addr: str,
@@ -311,7 +319,7 @@ def launch_local(command: list[str], *, np: int, servers: int = 0, port: int | N
     threads = thread_env(len(specs), env)
     if threads and say_threads:
         print(f"gradsync run: OMP_NUM_THREADS={threads['OMP_NUM_THREADS']} for each of {len(specs)} local rank{'s' if len(specs) > 1 else ''} "
-              f"({os.cpu_count()} cores); set OMP_NUM_THREADS to choose", file=sys.stderr, flush=True)
+              f"({usable_cores()} cores); set OMP_NUM_THREADS to choose", file=sys.stderr, flush=True)
     env = {**threads, **(env or {})}
     envs = _rank_envs(specs, np=np, servers=servers, node_rank=node_rank,
                       master_addr=master_addr, port=port, env=env)
