@@ -348,7 +348,7 @@ def reattach(optimizer, strategy: Strategy) -> None:
 def _check_clip(clip: float | None, strategy: Strategy) -> None:
     if clip is None:
         return
-    if not (isinstance(clip, (int, float)) and 0 < clip < float("inf")):
+    if isinstance(clip, bool) or not (isinstance(clip, (int, float)) and 0 < clip < float("inf")):
         raise ConfigError(f"clip_grad_norm must be a positive finite number, got {clip!r}")
     if strategy.grad_edits == "refused" and not strategy.clips:
         raise ConfigError(f"strategy {strategy.name!r} updates each piece of the model as it arrives and cannot "

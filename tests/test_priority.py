@@ -71,6 +71,7 @@ def test_a_ready_high_priority_message_overtakes_queued_ones():
         sender.put(priority, torch.zeros(4), 1, 0, what=name)
     transport.release.set()
     sender.drain()
+    sender.close()
     assert transport.sent == ["a", "urgent", "b", "c"]
 
 
@@ -110,6 +111,7 @@ def test_without_credit_messages_leave_in_the_order_put():
     for name in "xyz":
         sender.put(0.0, torch.zeros(1), 1, 0, what=name)
     sender.drain()
+    sender.close()
     assert transport.sent == ["x", "y", "z"]
 
 
@@ -129,6 +131,7 @@ def test_p3_sends_an_older_steps_messages_before_a_newer_steps():
         sender.put(p3._send_priority(k, step), torch.zeros(4), 1, 0, what=name)
     transport.release.set()
     sender.drain()
+    sender.close()
     assert transport.sent == ["in flight", "this step, middle layer", "this step, last layer", "next step, first layer"]
 
 

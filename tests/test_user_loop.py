@@ -251,6 +251,41 @@ def test_ps_with_several_dedicated_servers_clips_by_the_global_norm():
     assert_matches(results[0]["clip-option"]["params"], "clip-option", FP32_TOL)
 
 
+# -- activation checkpointing ---------------------------------------------------------------------
+class _Recomputed(nn.Module):
+    """The first layer outside ``torch.utils.checkpoint``, the rest recomputed in backward: the first
+    layer's gradient arrives after the recomputed block's (after a nested backward, if reentrant)."""
+
+    def __init__(self, seq: nn.Sequential, reentrant: bool):
+        super().__init__()
+        self.seq, self.reentrant = seq, reentrant
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.seq[1:], self.seq[0](x), use_reentrant=self.reentrant)
+
+
+def train_recomputed(strategy: str, reentrant: bool):
+    seq, opt = build()
+    model = _Recomputed(seq, reentrant)
+    opt = gradsync.distribute(model, opt, strategy)
+    for step in range(STEPS):
+        x, y = batch(step, gradsync.topology().rank)
+        nn.functional.mse_loss(model(x.requires_grad_(reentrant)), y).backward()
+        opt.step()
+        opt.zero_grad()
+    opt.flush()
+    params = {n: p.detach().clone() for n, p in seq.named_parameters()}
+    gradsync.shutdown()
+    return params
+
+
+@pytest.mark.parametrize("strategy", ["allreduce", "p3"])
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_matches_the_reference(strategy, reentrant):
+    got = run_ranks(train_recomputed, WORKERS, strategy, reentrant, timeout=60)[0]
+    assert_matches(got, "plain", FP32_TOL)
+
+
 def test_clipping_is_active_in_these_tests():
     """Otherwise the clip phases would pass without clipping anything."""
     clipped, _ = reference("clip")
@@ -260,7 +295,7 @@ def test_clipping_is_active_in_these_tests():
 
 def test_bad_clip_values_are_refused():
     model, opt = build()
-    for bad in (0, -1.0, float("nan"), float("inf"), "1"):
+    for bad in (0, -1.0, float("nan"), float("inf"), "1", True):
         with pytest.raises(ConfigError, match="clip_grad_norm must be a positive finite number"):
             gradsync.distribute(model, opt, "allreduce", clip_grad_norm=bad)
 

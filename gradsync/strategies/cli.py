@@ -9,13 +9,11 @@ def add_parser(subparsers) -> None:
     p.set_defaults(handler=main)
 
 
-def exactness(name: str) -> str:
+def exactness(name: str, exact: bool) -> str:
     """``yes``, ``no``, or, for strategies that take ``compression=``, what it depends on."""
-    from gradsync.strategies import resolve
-
     if name in ("casync-ring", "casync-ps", "compressed-allgather"):
         return "with a lossless codec"
-    return "yes" if resolve(name).exact else "no"
+    return "yes" if exact else "no"
 
 
 def rows() -> list[tuple[str, str, str, str]]:
@@ -24,7 +22,7 @@ def rows() -> list[tuple[str, str, str, str]]:
     out = []
     for name in STRATEGIES:
         strategy = resolve(name)
-        out.append((name, strategy.summary, exactness(name), "/".join(b.capitalize() if b == "gloo" else b.upper()
+        out.append((name, strategy.summary, exactness(name, strategy.exact), "/".join(b.capitalize() if b == "gloo" else b.upper()
                                                                    for b in strategy.backends)))
     return out
 

@@ -93,9 +93,9 @@ class ParameterServer(Strategy):
         self.mode = mode
         self.fuse_bytes = int(fuse_kb * 1024)
         self.exact = mode == "sync"
-        self.clips = mode == "sync"
+        self.clips = mode == "sync"  # a synchronous server holds its share of the step's mean gradient
         if mode == "async":
-            self.summary = "asynchronous parameter server: each push applied alone, no barrier (TF-PS async)"  # a synchronous server holds its share of the step's mean gradient
+            self.summary = "asynchronous parameter server: each push applied alone, no barrier (TF-PS async)"
 
     def attach(self, ctx: SyncContext) -> None:
         super().attach(ctx)
