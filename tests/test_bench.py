@@ -239,3 +239,15 @@ def test_a_cpu_bound_run_is_named():
     note = cpu_bound_note([cool, hot])
     assert "p3 at 10 Gbit/s (95%)" in note and "ps at" not in note and "--dilation" in note
     assert cpu_bound_note([{**hot, "compute": "real", "net": "loopback"}]) is None  # the model runs on the CPU
+
+
+def test_rounds_rotate_the_order_of_the_strategies():
+    """Each strategy takes every place in the order once over as many rounds as strategies."""
+    from gradsync.bench.worker import rotated
+
+    names = ["ddp", "allreduce", "ps"]
+    orders = [rotated(names, r) for r in range(3)]
+    assert orders[0] == names and orders[1] == ["allreduce", "ps", "ddp"]
+    assert all(sorted(o) == sorted(names) for o in orders)
+    assert all(len({o[place] for o in orders}) == 3 for place in range(3))
+    assert rotated(names, 3) == names and rotated([], 2) == []

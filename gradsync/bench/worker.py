@@ -273,6 +273,12 @@ def tune_strategies(config: dict, work: Workload, run_dir: str) -> dict:
     return out
 
 
+def rotated(names: list[str], r: int) -> list[str]:
+    """Round ``r``'s order: the strategies rotated by ``r`` places."""
+    k = r % len(names) if names else 0
+    return names[k:] + names[:k]
+
+
 def main(run_dir: str) -> int:
     with open(os.path.join(run_dir, "config.json")) as f:
         config = json.load(f)
@@ -281,8 +287,9 @@ def main(run_dir: str) -> int:
     total = config["warmup"] + config["per_round"]
     topo = gradsync.init()
     say = print if topo.rank == 0 else (lambda *a, **k: None)
-    # Rounds interleave the strategies (compute-only, a, b, c, compute-only, a, ...), so drift on a
-    # shared machine falls on every strategy alike instead of on whichever ran last.
+    # Rounds interleave the strategies (compute-only, a, b, c; compute-only, b, c, a; ...), so drift
+    # on a shared machine falls on every strategy alike instead of on whichever ran last, and each
+    # takes every place in the order (following compute-only, following another strategy) in turn.
     warmup, records, compute = config["warmup"], {}, []
     tuning = tune_strategies(config, work, run_dir) if config.get("tune") else {}
     for r in range(config["rounds"]):
@@ -292,7 +299,7 @@ def main(run_dir: str) -> int:
             model, optimizer = work.build()
             compute += slowest(timed_steps(model, optimizer, work, total))[warmup:]
             del model, optimizer  # not alive beside the strategies' models (VGG-19: 1.7 GB a worker)
-        for name in config["strategies"]:
+        for name in rotated(config["strategies"], r):
             start = time.perf_counter()
             record = run_strategy(name, config["options"].get(name, {}), work, total, run_dir)
             if record is not None:
