@@ -23,6 +23,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from gradsync import store as stores
 from gradsync.errors import ConfigError, GradsyncError, PeerFailureError
 from gradsync.topology import Topology
 from gradsync.transport import Transport
@@ -157,10 +158,15 @@ def _make_store(addr: str, port: int, topology: Topology, timeout_s: float):
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     is_master = topology.rank == 0 and not agent
     wait_s = max(timeout_s, RENDEZVOUS_MIN_S)
+    if is_master:  # listening on MASTER_ADDR only, not on every interface (see gradsync.store)
+        try:
+            return stores.serve(stores.bind_address(addr), port, topology.world_size, wait_s)
+        except ConfigError as exc:
+            raise ConfigError(f"rank 0 {exc}") from None
     try:
         # A client connected to a port that another program holds waits for the store's answer
         # forever, whatever its timeout: bound the whole construction ourselves.
-        return _within(wait_s, lambda: dist.TCPStore(addr, port, topology.world_size, is_master=is_master,
+        return _within(wait_s, lambda: dist.TCPStore(addr, port, topology.world_size, is_master=False,
                                                      timeout=timedelta(seconds=wait_s),
                                                      wait_for_workers=False))
     except TimeoutError as exc:
@@ -171,12 +177,6 @@ def _make_store(addr: str, port: int, topology: Topology, timeout_s: float):
             "MASTER_PORT point elsewhere"
         ) from exc
     except Exception as exc:
-        text = str(exc).lower()
-        if is_master and ("in use" in text or "eaddrinuse" in text):
-            raise ConfigError(
-                f"rank 0 cannot listen on {addr}:{port}: the port is in use. Choose another "
-                "port (gradsync run --port P, or MASTER_PORT) or stop the process that holds it"
-            ) from exc
         raise GradsyncError(
             f"{topology.describe(topology.rank)} could not reach the rendezvous store at "
             f"{addr}:{port}: {exc}. Check that rank 0 is running and MASTER_ADDR/MASTER_PORT are "
@@ -194,11 +194,14 @@ def init(*, backend: str | None = None, timeout_s: float | None = None,
     global _RUNTIME
     if _RUNTIME is not None:
         return _RUNTIME.topology
-    raw_timeout = timeout_s or os.environ.get("GRADSYNC_TIMEOUT") or DEFAULT_TIMEOUT_S
+    source = "timeout_s" if timeout_s is not None else "GRADSYNC_TIMEOUT"
+    raw_timeout = timeout_s if timeout_s is not None else (os.environ.get("GRADSYNC_TIMEOUT") or DEFAULT_TIMEOUT_S)
     try:
         timeout_s = float(raw_timeout)
-    except ValueError:
-        raise ConfigError(f"GRADSYNC_TIMEOUT={raw_timeout!r} is not a number of seconds") from None
+    except (TypeError, ValueError):
+        raise ConfigError(f"{source}={raw_timeout!r} is not a number of seconds") from None
+    if not 0 < timeout_s < float("inf"):
+        raise ConfigError(f"{source}={raw_timeout!r}: the timeout must be a positive, finite number of seconds")
     servers = _env_int("GRADSYNC_NUM_SERVERS", 0) if servers is None else servers
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if os.environ.get("GRADSYNC_ELASTIC") == "1" and not dist.is_initialized():

@@ -393,6 +393,22 @@ def test_codecs_command_measures_each_compressor(tmp_path, capsys):
     assert "topk ratio must be in (0, 1], got 5" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["--size", "-1"], "--size must be > 0"),
+    (["--size", "0"], "--size must be > 0"),
+    (["--shape", "rows=0"], "--shape must be rows=N with N >= 1"),
+    (["--shape", "columns=4"], "--shape must be rows=N with N >= 1"),
+    (["--size", "0.0001"], "fewer than one row of 1024"),
+    (["--repeats", "0"], "--repeats must be >= 1"),
+    (["--threads", "0"], "--threads must be >= 1"),
+])
+def test_codecs_command_refuses_sizes_and_counts_it_cannot_measure(argv, message, capsys):
+    from gradsync.cli import main
+
+    assert main(["codecs", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
 def test_convergence_benchmark_lossless_equals_exact_and_lossy_still_trains():
     from gradsync.compress import convergence
 

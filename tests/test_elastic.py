@@ -107,15 +107,32 @@ def test_gradsync_resize_from_another_shell(tmp_path):
                 break
         assert port is not None
         time.sleep(0.5)
-        asked = subprocess.run([*GRADSYNC, "resize", "2", "--port", port], capture_output=True, text=True, timeout=30)
+        too_many = subprocess.run([*GRADSYNC, "resize", "99", "--port", port], capture_output=True, text=True, timeout=60)
+        assert too_many.returncode == 1 and "refused" in too_many.stderr and "--max-np 2" in too_many.stderr, too_many
+        # A hostile write over the request counter is ignored and repaired; the job goes on.
+        hostile = torch.distributed.TCPStore("127.0.0.1", int(port), is_master=False, wait_for_workers=False)
+        hostile.set("elastic/request_seq", "not-a-number")
+        time.sleep(0.5)  # the agent polls every 20 ms
+        asked = subprocess.run([*GRADSYNC, "resize", "2", "--port", port], capture_output=True, text=True, timeout=120)
         assert asked.returncode == 0, asked.stderr
+        assert "the job has 2 workers from generation" in asked.stdout, asked.stdout
         rest = job.stderr.read()
         assert job.wait(timeout=90) == 0, rest[-3000:]
     finally:
         if job.poll() is None:
             job.kill()
             job.wait()
+    assert "ignored a malformed resize request" in rest, rest[-3000:]
     result = json.loads(out.read_text())
     sizes = [result["sizes"][str(s)] for s in range(60)]
     assert sizes[0] == 1 and sizes[-1] == 2 and sorted(sizes) == sizes
     assert_matches_reference(result)
+
+
+def test_gradsync_resize_of_a_store_that_is_no_elastic_job_fails():
+    from gradsync import store as stores
+
+    server = stores.serve("127.0.0.1", 0, None, 10)
+    asked = subprocess.run([*GRADSYNC, "resize", "2", "--port", str(server.port)], capture_output=True, text=True,
+                           timeout=60)
+    assert asked.returncode == 1 and "is no elastic job's" in asked.stderr, asked

@@ -379,3 +379,24 @@ def test_second_node_runs_its_own_ranks(capsys):
     assert lines == [f"[server 1] 4 2 3 1 127.0.0.1 {port}",
                      f"[worker 1] 1 0 3 1 127.0.0.1 {port}",
                      f"[worker 2] 2 1 3 1 127.0.0.1 {port}"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--delay", "5", "-np", "1", "--", "true"], "--delay needs --net"),
+    (["--grace", "-5", "-np", "1", "--", "true"], "argument --grace: must be >= 0"),
+    (["--delay", "nan", "--net", "1gbit", "-np", "1", "--", "true"], "argument --delay: must be >= 0 and finite"),
+])
+def test_run_refuses_meaningless_numbers(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        run_cli(argv)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("timeout", [-1, 0, float("inf"), "soon"])
+def test_init_refuses_a_timeout_that_is_not_a_positive_number(timeout):
+    import gradsync
+    from gradsync.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="timeout"):
+        gradsync.init(timeout_s=timeout)
+    assert not gradsync.runtime.is_initialized()

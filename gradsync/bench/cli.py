@@ -316,11 +316,11 @@ def _records(config: dict, run_dir: str) -> list[dict]:
     records = []
     for name in config["strategies"]:
         raw = results["records"][name]
-        final = torch.load(os.path.join(run_dir, f"{name}.pt"))
+        final = torch.load(os.path.join(run_dir, f"{name}.pt"), weights_only=True)
         fp32 = compare(final, fp32_ref, work.tolerance)
         result = None
         if check_ref is not None:
-            result = compare(torch.load(os.path.join(run_dir, f"{name}.check.pt")), check_ref, check.tolerance)
+            result = compare(torch.load(os.path.join(run_dir, f"{name}.check.pt"), weights_only=True), check_ref, check.tolerance)
         records.append(summarize(raw, results["compute"], config, result, fp32["max_abs_diff"]))
         if not raw["exact"] and work.compute == "real":  # not the reference's model: how good is it?
             # (an emulated model's loss is a stand-in, not a measure of its parameters)

@@ -114,12 +114,33 @@ def convergence(args, specs) -> int:
     return 0
 
 
+def _check_numbers(args) -> str | None:
+    """What is wrong with the sizes and counts given, or None."""
+    if not 0 < args.size < float("inf"):
+        return f"--size must be > 0 (millions of elements), got {args.size:g}"
+    kind, _, rows = args.shape.partition("=")
+    if kind != "rows" or not rows.isdigit() or int(rows) < 1:
+        return f"--shape must be rows=N with N >= 1, got {args.shape!r}"
+    if int(args.size * 1e6) < int(rows):
+        return f"--size {args.size:g} M elements is fewer than one row of {rows} ({args.shape})"
+    for name in ("repeats", "threads", "steps", "workers"):
+        if getattr(args, name) < 1:
+            return f"--{name} must be >= 1, got {getattr(args, name)}"
+    if not 0 < args.lr < float("inf"):
+        return f"--lr must be > 0, got {args.lr:g}"
+    return None
+
+
 def main(args) -> int:
     import torch
 
     from gradsync.compress import build
     from gradsync.errors import ConfigError
 
+    problem = _check_numbers(args)
+    if problem:
+        print(f"gradsync codecs: error: {problem}", file=sys.stderr)
+        return 2
     torch.set_num_threads(args.threads)
     try:
         specs = _specs(args.compressors)

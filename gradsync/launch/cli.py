@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from gradsync.launch.hosts import detect_node_rank, parse_hosts, plan_ranks, read_hostfile
@@ -16,6 +17,18 @@ def _int_in(low: int, high: int | None = None):
         if value < low or (high is not None and value > high):
             raise argparse.ArgumentTypeError(f"must be in {low}..{high}, got {value}" if high
                                              else f"must be >= {low}, got {value}")
+        return value
+    return parse
+
+
+def _float_at_least(low: float, *, strict: bool = False):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not (value > low if strict else value >= low) or value != value or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"must be {'>' if strict else '>='} {low:g} and finite, got {text}")
         return value
     return parse
 
@@ -42,10 +55,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help="rendezvous address (default: first host, or 127.0.0.1)")
     parser.add_argument("--port", "--master-port", "--master_port", type=_int_in(1, 65535),
                         help="rendezvous port (default: free port; 29500 on several hosts)")
+    parser.add_argument("--bind", metavar="ADDR",
+                        help="address rank 0's store listens on (default: the rendezvous address, so loopback "
+                             "for one machine; 0.0.0.0: every interface, trusted networks only)")
     parser.add_argument("--logdir", help="also write each rank's unprefixed output to DIR/worker-K.log")
-    parser.add_argument("--grace", type=float, default=3.0, help="seconds between SIGTERM and SIGKILL (default 3)")
+    parser.add_argument("--grace", type=_float_at_least(0), default=3.0, help="seconds between SIGTERM and SIGKILL (default 3)")
     parser.add_argument("--net", metavar="RATE", help="emulated hosts joined by links of RATE (e.g. 1gbit); needs root")
-    parser.add_argument("--delay", type=float, default=0.0, metavar="MS", help="with --net: one-way host-to-host delay")
+    parser.add_argument("--delay", type=_float_at_least(0), default=0.0, metavar="MS", help="with --net: one-way host-to-host delay")
     parser.add_argument("--ranks-per-host", type=_int_in(1), default=1, help="ranks per emulated host with --net (default 1)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the command every rank runs, after --")
     elastic = parser.add_argument_group("elastic jobs (one machine)")
@@ -60,6 +76,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     resize.add_argument("--port", type=_int_in(1, 65535), required=True,
                         help="the job's store port (gradsync run --elastic prints it)")
     resize.add_argument("--addr", default="127.0.0.1", help="the launcher's address (default 127.0.0.1)")
+    resize.add_argument("--timeout", type=float, default=120.0,
+                        help="seconds to wait for the job's answer (new workers must start and join; default 120)")
     resize.set_defaults(handler=_resize)
     return parser
 
@@ -67,12 +85,20 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def _resize(args) -> int:
     from gradsync.launch.elastic import resize
 
+    from gradsync.errors import GradsyncError
+
+    if not args.timeout > 0:
+        print(f"gradsync resize: --timeout must be > 0 seconds, got {args.timeout:g}", file=sys.stderr)
+        return 2
     try:
-        resize(args.size, args.port, args.addr)
+        gen = resize(args.size, args.port, args.addr, args.timeout)
+    except GradsyncError as exc:
+        print(f"gradsync resize: {exc}", file=sys.stderr)
+        return 1
     except Exception as exc:  # noqa: BLE001 - the store's errors are plain RuntimeErrors
         print(f"gradsync resize: no elastic job answered at {args.addr}:{args.port}: {exc}", file=sys.stderr)
         return 1
-    print(f"gradsync resize: asked for {args.size} workers")
+    print(f"gradsync resize: the job has {args.size} workers from generation {gen}")
     return 0
 
 
@@ -121,6 +147,10 @@ def main(args: argparse.Namespace) -> int:
     if not command:
         parser.error("missing the command to run, e.g. gradsync run -np 2 -- python train.py")
     _workers(args, parser)
+    if args.delay and args.net is None:
+        parser.error("--delay needs --net: it is the delay of the emulated links")
+    if args.bind is not None:
+        os.environ["GRADSYNC_BIND_ADDR"] = args.bind  # the ranks inherit it; rank 0's store reads it
     hosts, node_rank = _hosts_and_node_rank(args, parser)
     if args.elastic:
         return _run_elastic(args, command, parser)

@@ -20,7 +20,9 @@ import sys
 import time
 from datetime import timedelta
 
-from gradsync.launch.hosts import RankSpec, find_free_port
+from gradsync import store as stores
+from gradsync.errors import GradsyncError
+from gradsync.launch.hosts import RankSpec
 from gradsync.launch.processes import JobResult, _exit_code, _Output, _spawn, _start_pumps, _stop, _trap_signals
 
 POLL_S = 0.02
@@ -29,12 +31,12 @@ POLL_S = 0.02
 class Agent:
     def __init__(self, command: list[str], np: int, min_np: int, max_np: int, port: int | None,
                  logdir: str | None, grace_s: float):
-        import torch.distributed as dist  # only elastic jobs pay for torch in the launcher
 
         self.command, self.min_np, self.max_np, self.grace_s, self.logdir = command, min_np, max_np, grace_s, logdir
-        self.port = port or find_free_port()
-        self.store = dist.TCPStore("127.0.0.1", self.port, is_master=True, timeout=timedelta(seconds=30),
-                                   wait_for_workers=False)
+        # On loopback only: the store takes requests from anyone who can reach it (gradsync.store).
+        self._server = stores.serve("127.0.0.1", port or 0, None, 30)
+        self.port = self._server.port
+        self.store = self._connect()
         self.out = _Output(prefix=True)
         self.procs: dict[int, object] = {}  # id -> _Rank
         self.members: list[int] = []
@@ -51,6 +53,14 @@ class Agent:
             self._start_worker()
         self.members, self.pending = list(self.pending), []
         self._publish("start")
+
+    def _connect(self):
+        """The agent's own client of its store: the store closes a connection that sent a request it
+        could not parse (an ``add`` to a key holding text), so the agent can open another."""
+        import torch.distributed as dist
+
+        return dist.TCPStore("127.0.0.1", self.port, is_master=False, timeout=timedelta(seconds=30),
+                             wait_for_workers=False)
 
     def _start_worker(self) -> None:
         wid = self.next_id
@@ -83,11 +93,17 @@ class Agent:
         self.store.set(f"elastic/answer/{seq}", text)
 
     def _handle_request(self) -> None:
-        seq = self.store.add("elastic/request_seq", 0)
+        try:
+            seq = self.store.add("elastic/request_seq", 0)
+        except Exception:  # noqa: BLE001 - a value written over the counter: not a request
+            self._say(f"ignored a malformed resize request (elastic/request_seq is not a counter); reset to {self.seq}")
+            self.store = self._connect()
+            self.store.set("elastic/request_seq", str(self.seq))
+            return
         if seq == self.seq:
             return
         self.seq = seq  # several requests since the last look: the latest wins, all are answered
-        raw = self.store.get("elastic/request").decode()
+        raw = self.store.get("elastic/request").decode(errors="replace") if self.store.check(["elastic/request"]) else ""
         try:
             size = int(raw)
         except ValueError:
@@ -169,11 +185,19 @@ def launch_elastic(command: list[str], *, np: int, min_np: int, max_np: int, por
     return agent.run()
 
 
-def resize(size: int, port: int, addr: str = "127.0.0.1") -> None:
-    """``gradsync resize N``: ask a running elastic job for N workers."""
+def resize(size: int, port: int, addr: str = "127.0.0.1", timeout_s: float = 120.0) -> int:
+    """``gradsync resize N``: ask a running elastic job for N workers and wait for its answer.
+    Returns the generation that has N workers; raises :class:`GradsyncError` when the job refuses
+    (the reason), does not answer within ``timeout_s``, or the store is no elastic job's."""
     import torch.distributed as dist
 
-    from gradsync.adapt.elastic import request_size
+    from gradsync.adapt.elastic import answer, request_size
 
     store = dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=10), wait_for_workers=False)
-    request_size(store, size)
+    if not store.check(["elastic/gen"]):
+        raise GradsyncError(f"the store at {addr}:{port} is no elastic job's (it has no generation); "
+                            "is this the port `gradsync run --elastic` printed?")
+    reply = answer(store, request_size(store, size), timeout_s)
+    if isinstance(reply, str):
+        raise GradsyncError(f"the job refused: {reply.removeprefix('refused: ')}")
+    return reply
