@@ -55,26 +55,32 @@ def fit(strategy: str, options: dict, clip: float | None):
     return {"forward calls": len(calls), **{n: p.detach().clone() for n, p in module.net.named_parameters()}}
 
 
-def reference(clip: float | None):
+def train_on_means(steps, clip: float | None = None):
+    """One process: for each step's list of worker batches, the mean gradient, then the update."""
     model = net()
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-    dataset = data()
-    shards = [list(range(w, SAMPLES, WORKERS)) for w in range(WORKERS)]  # gradsync.sampler, no shuffle
-    for _epoch in range(2):
-        for step in range(len(shards[0]) // BATCH):
-            total = [torch.zeros_like(p) for p in model.parameters()]
-            for shard in shards:
-                x, y = dataset[shard[step * BATCH:(step + 1) * BATCH]]
-                opt.zero_grad()
-                nn.functional.mse_loss(model(x), y).backward()
-                for t, p in zip(total, model.parameters()):
-                    t.add_(p.grad)
+    for worker_batches in steps:
+        total = [torch.zeros_like(p) for p in model.parameters()]
+        for x, y in worker_batches:
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
             for t, p in zip(total, model.parameters()):
-                p.grad = t / WORKERS
-            if clip is not None:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-            opt.step()
+                t.add_(p.grad)
+        for t, p in zip(total, model.parameters()):
+            p.grad = t / WORKERS
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
     return {n: p.detach() for n, p in model.named_parameters()}
+
+
+def reference(clip: float | None):
+    """gradsync.sampler without shuffling: worker ``w`` reads samples ``w, w + n, ...``."""
+    dataset = data()
+    shards = [list(range(w, SAMPLES, WORKERS)) for w in range(WORKERS)]
+    per_epoch = [[dataset[shard[step * BATCH:(step + 1) * BATCH]] for shard in shards]
+                 for step in range(len(shards[0]) // BATCH)]
+    return train_on_means(per_epoch * 2, clip)
 
 
 @pytest.mark.parametrize("strategy,options,clip", [("allreduce", {}, None), ("p3", {"slice_params": 30}, None),
@@ -145,23 +151,11 @@ def accelerate_recipe(strategy: str):
 
 def accelerate_reference():
     """Accelerate hands worker ``w`` the loader's batches ``w, w + n, ...``."""
-    model = net()
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     dataset = data()
     batches = [list(range(b * BATCH, (b + 1) * BATCH)) for b in range(SAMPLES // BATCH)]
-    for _epoch in range(2):
-        for step in range(len(batches) // WORKERS):
-            total = [torch.zeros_like(p) for p in model.parameters()]
-            for w in range(WORKERS):
-                x, y = dataset[batches[step * WORKERS + w]]
-                opt.zero_grad()
-                nn.functional.mse_loss(model(x), y).backward()
-                for t, p in zip(total, model.parameters()):
-                    t.add_(p.grad)
-            for t, p in zip(total, model.parameters()):
-                p.grad = t / WORKERS
-            opt.step()
-    return {n: p.detach() for n, p in model.named_parameters()}
+    per_epoch = [[dataset[batches[step * WORKERS + w]] for w in range(WORKERS)]
+                 for step in range(len(batches) // WORKERS)]
+    return train_on_means(per_epoch * 2)
 
 
 @pytest.mark.parametrize("strategy", ["allreduce", "p3"])

@@ -21,14 +21,14 @@ def _int_in(low: int, high: int | None = None):
     return parse
 
 
-def _float_at_least(low: float, *, strict: bool = False):
+def _float_at_least(low: float):
     def parse(text: str) -> float:
         try:
             value = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-        if not (value > low if strict else value >= low) or value != value or value == float("inf"):
-            raise argparse.ArgumentTypeError(f"must be {'>' if strict else '>='} {low:g} and finite, got {text}")
+        if not low <= value < float("inf"):  # NaN fails this too
+            raise argparse.ArgumentTypeError(f"must be >= {low:g} and finite, got {text}")
         return value
     return parse
 
