@@ -400,3 +400,14 @@ def test_init_refuses_a_timeout_that_is_not_a_positive_number(timeout):
     with pytest.raises(ConfigError, match="timeout"):
         gradsync.init(timeout_s=timeout)
     assert not gradsync.runtime.is_initialized()
+
+
+def test_elastic_job_on_a_port_in_use_is_a_clear_error(capsys):
+    from gradsync import store as stores
+
+    held = stores.listen("127.0.0.1", 0)
+    try:
+        code = run_cli(["--elastic", "-np", "1", "--port", str(held.getsockname()[1]), "--", "true"])
+    finally:
+        held.close()
+    assert code == 2 and "the port is in use" in capsys.readouterr().err

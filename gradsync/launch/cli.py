@@ -169,10 +169,15 @@ def main(args: argparse.Namespace) -> int:
 def _run_elastic(args, command: list[str], parser) -> int:
     if args.hosts or args.hostfile or args.net or args.servers:
         parser.error("--elastic runs workers on this machine only: no -H, --hostfile, --net or --servers yet")
+    from gradsync.errors import ConfigError
     from gradsync.launch.elastic import launch_elastic
 
-    result = launch_elastic(command, np=args.np, min_np=args.min_np or args.np, max_np=args.max_np or args.np,
-                            port=args.port, logdir=args.logdir, grace_s=args.grace)
+    try:
+        result = launch_elastic(command, np=args.np, min_np=args.min_np or args.np, max_np=args.max_np or args.np,
+                                port=args.port, logdir=args.logdir, grace_s=args.grace)
+    except ConfigError as exc:  # its store cannot listen (a port in use): nothing was started
+        print(f"gradsync run --elastic: {exc}", file=sys.stderr, flush=True)
+        return 2
     if result.message:
         print(result.message, file=sys.stderr, flush=True)
     return result.returncode
