@@ -108,6 +108,9 @@ class Runtime:
     heartbeat: Heartbeat | None = None
     owns_group: bool = True
     closers: list = field(default_factory=list)
+    store: object = None
+    """The store the process group was made on: kept here, because torch holds only the C++ half
+    of a store written in Python (:class:`gradsync.store.SignedStore`)."""
     elastic: object = None
     """In an elastic job (``gradsync run --elastic``): its :class:`gradsync.adapt.elastic.Membership`."""
 
@@ -160,15 +163,17 @@ def _make_store(addr: str, port: int, topology: Topology, timeout_s: float):
     wait_s = max(timeout_s, RENDEZVOUS_MIN_S)
     if is_master:  # listening on MASTER_ADDR only, not on every interface (see gradsync.store)
         try:
-            return stores.serve(stores.bind_address(addr), port, topology.world_size, wait_s)
+            return stores.signed(stores.serve(stores.bind_address(addr), port, topology.world_size, wait_s),
+                                 stores.job_secret())
         except ConfigError as exc:
             raise ConfigError(f"rank 0 {exc}") from None
     try:
         # A client connected to a port that another program holds waits for the store's answer
         # forever, whatever its timeout: bound the whole construction ourselves.
-        return _within(wait_s, lambda: dist.TCPStore(addr, port, topology.world_size, is_master=False,
-                                                     timeout=timedelta(seconds=wait_s),
-                                                     wait_for_workers=False))
+        return stores.signed(_within(wait_s, lambda: dist.TCPStore(addr, port, topology.world_size, is_master=False,
+                                                                   timeout=timedelta(seconds=wait_s),
+                                                                   wait_for_workers=False)),
+                             stores.job_secret())
     except TimeoutError as exc:
         raise GradsyncError(
             f"{topology.describe(topology.rank)} got no answer from the rendezvous store at "
@@ -245,7 +250,7 @@ def start(topology: Topology, store, *, backend: str, timeout_s: float, heartbea
     worker_group = dist.group.WORLD
     if topology.num_servers:
         worker_group = dist.new_group(topology.worker_ranks)
-    runtime = Runtime(topology, None, timeout_s, heartbeat, owns_group)
+    runtime = Runtime(topology, None, timeout_s, heartbeat, owns_group, store=store)
     runtime.transport = Transport(topology, worker_group, device, runtime.explain)
     _RUNTIME = runtime
     global _AT_EXIT

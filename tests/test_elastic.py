@@ -93,11 +93,13 @@ def test_below_min_np_the_job_fails_with_a_clear_message(tmp_path):
     assert "worker 1 failed (exit code 137) and 1 workers are left, fewer than --min-np 2" in proc.stderr
 
 
-def test_gradsync_resize_from_another_shell(tmp_path):
+def test_gradsync_resize_from_another_shell_and_hostile_writes_to_the_store(tmp_path):
     out = tmp_path / "result.json"
+    env = {**os.environ, "GRADSYNC_STATE_DIR": str(tmp_path / "state")}
+    env.pop("GRADSYNC_JOB_SECRET", None)
     job = subprocess.Popen([*GRADSYNC, "run", "--elastic", "-np", "1", "--max-np", "2", "--", sys.executable, EXAMPLE,
                             "--steps", "60", "--sleep", "0.05", "--out", str(out)],
-                           stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, cwd=ROOT)
+                           stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, cwd=ROOT, env=env)
     try:
         port = None
         for line in job.stderr:
@@ -106,16 +108,29 @@ def test_gradsync_resize_from_another_shell(tmp_path):
                 port = found.group(1)
                 break
         assert port is not None
+        secret = tmp_path / "state" / "jobs" / f"elastic-{port}.key"
+        assert secret.exists() and (secret.stat().st_mode & 0o777) == 0o600
         time.sleep(0.5)
-        too_many = subprocess.run([*GRADSYNC, "resize", "99", "--port", port], capture_output=True, text=True, timeout=60)
+        too_many = subprocess.run([*GRADSYNC, "resize", "99", "--port", port], capture_output=True, text=True,
+                                  timeout=60, env=env)
         assert too_many.returncode == 1 and "refused" in too_many.stderr and "--max-np 2" in too_many.stderr, too_many
-        # A hostile write over the request counter is ignored and repaired; the job goes on.
+        # Hostile writes without the job's secret: a request (refused), generation keys (restored),
+        # the request counter (reset). The job goes on and still ends at the reference model.
         hostile = torch.distributed.TCPStore("127.0.0.1", int(port), is_master=False, wait_for_workers=False)
+        seq = hostile.add("elastic/request_seq", 1)
+        hostile.set(f"elastic/request/{seq}", "2")
+        hostile.set("elastic/gen", "7")
+        hostile.set("elastic/members/0", "5,6")
+        time.sleep(0.3)  # the agent polls every 20 ms
         hostile.set("elastic/request_seq", "not-a-number")
-        time.sleep(0.5)  # the agent polls every 20 ms
-        asked = subprocess.run([*GRADSYNC, "resize", "2", "--port", port], capture_output=True, text=True, timeout=120)
+        time.sleep(0.3)
+        asked = subprocess.run([*GRADSYNC, "resize", "2", "--port", port], capture_output=True, text=True, timeout=120,
+                               env=env)
         assert asked.returncode == 0, asked.stderr
         assert "the job has 2 workers from generation" in asked.stdout, asked.stdout
+        no_secret = subprocess.run([*GRADSYNC, "resize", "2", "--port", port, "--secret-file", str(tmp_path / "none")],
+                                   capture_output=True, text=True, timeout=60, env=env)
+        assert no_secret.returncode == 1 and "cannot read the job's secret" in no_secret.stderr, no_secret
         rest = job.stderr.read()
         assert job.wait(timeout=90) == 0, rest[-3000:]
     finally:
@@ -123,6 +138,9 @@ def test_gradsync_resize_from_another_shell(tmp_path):
             job.kill()
             job.wait()
     assert "ignored a malformed resize request" in rest, rest[-3000:]
+    assert f"resize request {seq} refused: not signed with the job's secret" in rest, rest[-3000:]
+    assert "elastic/gen was overwritten from outside the job" in rest and "elastic/members/0 was overwritten" in rest
+    assert not secret.exists()  # removed when the job ends
     result = json.loads(out.read_text())
     sizes = [result["sizes"][str(s)] for s in range(60)]
     assert sizes[0] == 1 and sizes[-1] == 2 and sorted(sizes) == sizes
@@ -134,5 +152,5 @@ def test_gradsync_resize_of_a_store_that_is_no_elastic_job_fails():
 
     server = stores.serve("127.0.0.1", 0, None, 10)
     asked = subprocess.run([*GRADSYNC, "resize", "2", "--port", str(server.port)], capture_output=True, text=True,
-                           timeout=60)
+                           timeout=60, env={**os.environ, "GRADSYNC_JOB_SECRET": "s" * 64})
     assert asked.returncode == 1 and "is no elastic job's" in asked.stderr, asked

@@ -53,3 +53,66 @@ def test_a_port_in_use_is_a_clear_error():
             stores.listen("127.0.0.1", held.getsockname()[1])
     finally:
         held.close()
+
+
+def _client(port: int):
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=5))
+
+
+def test_signed_values_round_trip_and_an_outsiders_write_is_refused_naming_the_key():
+    server = stores.serve("127.0.0.1", 0, None, 5)
+    job = stores.signed(_client(server.port), "a" * 64, prefix="job/")
+    outsider = _client(server.port)
+    job.set("gen", "3")
+    assert job.get("gen") == b"3" and job.check(["gen"]) and not job.check(["other"])
+    assert outsider.get("job/gen").endswith(b"3") and outsider.get("job/gen") != b"3"  # stored with its signature
+    outsider.set("job/gen", "7")
+    with pytest.raises(stores.UnsignedValueError, match="'job/gen' that is not signed with the job's secret"):
+        job.get("gen")
+    other_job = stores.signed(_client(server.port), "b" * 64, prefix="job/")  # another secret, same key
+    other_job.set("gen", "9")
+    with pytest.raises(stores.UnsignedValueError):
+        job.get("gen")
+    job.set("gen", "4")
+    outsider.set("job/copy", outsider.get("job/gen"))  # a signed value replayed under another key
+    with pytest.raises(stores.UnsignedValueError, match="job/copy"):
+        job.get("copy")
+    assert job.add("count", 2) == 2 and job.get("gen") == b"4"
+
+
+def test_a_process_group_forms_on_a_signed_store_and_its_keys_are_signed():
+    import torch
+    import torch.distributed as dist
+
+    server = stores.serve("127.0.0.1", 0, None, 5)
+    store = stores.signed(_client(server.port), "c" * 64)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        t = torch.ones(2)
+        dist.all_reduce(t)
+        assert t.tolist() == [1.0, 1.0]
+    finally:
+        dist.destroy_process_group()
+    outsider = _client(server.port)
+    keys = outsider.list_keys()
+    written = [k for k in keys if outsider.get(k) not in (b"", b"0", b"1")]
+    assert written, keys  # the rendezvous wrote values (addresses), each with a 32-byte signature
+    for key in written:
+        with pytest.raises(stores.UnsignedValueError):
+            stores.signed(_client(server.port), "d" * 64).get(key)
+        assert len(stores.signed(_client(server.port), "c" * 64).get(key)) == len(outsider.get(key)) - 32
+
+
+def test_the_secret_file_is_private_and_a_missing_one_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("GRADSYNC_STATE_DIR", str(tmp_path))
+    path = stores.secret_file(1234)
+    stores.write_secret(path, "s3cret")
+    assert os.stat(path).st_mode & 0o777 == 0o600 and stores.read_secret(path) == "s3cret"
+    stores.write_secret(path, "again")  # a stale file of a job that died on that port is replaced
+    assert stores.read_secret(path) == "again"
+    with pytest.raises(ConfigError, match="cannot read the job's secret"):
+        stores.read_secret(str(tmp_path / "missing"))

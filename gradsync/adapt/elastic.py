@@ -20,8 +20,10 @@ process group (created on the store under the prefix ``elastic/g/``, so generati
   commit becomes the source: no committed step is lost.
 
 Store keys (all strings): ``elastic/gen``, ``elastic/members/<g>``, ``elastic/ready/<id>``,
-``elastic/request`` (a size asked for) with ``elastic/request_seq`` (a counter),
-``elastic/failed`` (why the launcher gave up).
+``elastic/request/<n>`` (a size asked for; ``n`` from the counter ``elastic/request_seq``),
+``elastic/answer/<n>``, ``elastic/failed`` (why the launcher gave up). Values are signed with the
+job's secret (:mod:`gradsync.store`); a worker ignores a generation whose signature is wrong (the
+launcher restores it), so a hostile write cannot steer or stop the job.
 """
 from __future__ import annotations
 
@@ -34,22 +36,27 @@ import torch
 import torch.distributed as dist
 
 from gradsync import runtime
+from gradsync import store as stores
 from gradsync.errors import ConfigError, GradsyncError
 from gradsync.topology import Topology
 
 POLL_S = 0.02
 
 
-def _client(addr: str, port: int, timeout_s: float):
-    return dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+def _client(addr: str, port: int, timeout_s: float, prefix: str = ""):
+    """A connection to the launcher's store; its values are signed with the job's secret."""
+    return stores.signed(dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=timeout_s),
+                                       wait_for_workers=False), stores.job_secret(), prefix)
 
 
 def request_size(store, size: int) -> int:
     """Ask the launcher for ``size`` workers (what ``gradsync resize`` and ``ctl.resize`` do). Returns
     the request's number; the launcher answers under ``elastic/answer/<number>``: the generation that
-    has the new size, or ``refused: why``."""
-    store.set("elastic/request", str(size))
-    return store.add("elastic/request_seq", 1)
+    has the new size, or ``refused: why``. ``store`` signs the request with the job's secret; the
+    launcher refuses one that is not signed."""
+    seq = store.add("elastic/request_seq", 1)
+    store.set(f"elastic/request/{seq}", str(size))
+    return seq
 
 
 def answer(store, seq: int, timeout_s: float) -> int | str:
@@ -71,15 +78,34 @@ class Membership:
         self.gen, self.members = -1, []
         self.fresh = True  # this process has not trained in any generation yet
         self.any_new = self.needs_state = False
+        self._warned: set[str] = set()
+
+    def _read(self, key: str) -> str | None:
+        """A value the launcher wrote, or None when absent or not signed by it (a hostile write,
+        which the launcher repairs: callers poll again)."""
+        try:
+            return self.store.get(key).decode() if self.store.check([key]) else None
+        except stores.UnsignedValueError as exc:
+            if key not in self._warned:
+                self._warned.add(key)
+                print(f"gradsync: elastic worker {self.id}: {exc}", flush=True)
+            return None
 
     def latest(self) -> int:
-        return int(self.store.get("elastic/gen")) if self.store.check(["elastic/gen"]) else -1
+        raw = self._read("elastic/gen")
+        return int(raw) if raw is not None and raw.isdigit() else -1
 
     def members_of(self, gen: int) -> list[int]:
-        return [int(x) for x in self.store.get(f"elastic/members/{gen}").decode().split(",") if x]
+        deadline = time.monotonic() + self.timeout_s
+        while (raw := self._read(f"elastic/members/{gen}")) is None:
+            if time.monotonic() > deadline:
+                raise GradsyncError(f"elastic worker {self.id}: generation {gen}'s member list is missing or not "
+                                    f"signed by the launcher after {self.timeout_s:g} s")
+            time.sleep(POLL_S)
+        return [int(x) for x in raw.split(",") if x]
 
     def _failed(self) -> str | None:
-        return self.store.get("elastic/failed").decode() if self.store.check(["elastic/failed"]) else None
+        return self._read("elastic/failed")
 
     def wait_for(self, newer_than: int, timeout_s: float) -> int:
         """The first generation after ``newer_than``, waiting for the launcher at most ``timeout_s``."""
@@ -111,7 +137,7 @@ class Membership:
             topo = Topology(len(members), members.index(self.id), 0, self.id)  # local rank: stable per process
             prefix = f"elastic/{gen}/"
             try:
-                store = dist.PrefixStore(prefix, _client(self.addr, self.port, self.timeout_s))
+                store = _client(self.addr, self.port, self.timeout_s, prefix)
                 rt = runtime.start(topo, store, backend=self.backend, timeout_s=self.timeout_s,
                                    heartbeat_at=(self.addr, self.port), heartbeat_prefix=prefix)
                 flags = torch.tensor([float(self.gen < 0), float(needs_state or self.gen < 0)])

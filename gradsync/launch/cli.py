@@ -76,6 +76,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     resize.add_argument("--port", type=_int_in(1, 65535), required=True,
                         help="the job's store port (gradsync run --elastic prints it)")
     resize.add_argument("--addr", default="127.0.0.1", help="the launcher's address (default 127.0.0.1)")
+    resize.add_argument("--secret-file", metavar="FILE",
+                        help="the job's secret (default: the file gradsync run --elastic wrote for --port, "
+                             "~/.gradsync/jobs/elastic-PORT.key, or GRADSYNC_JOB_SECRET)")
     resize.add_argument("--timeout", type=float, default=120.0,
                         help="seconds to wait for the job's answer (new workers must start and join; default 120)")
     resize.set_defaults(handler=_resize)
@@ -91,7 +94,7 @@ def _resize(args) -> int:
         print(f"gradsync resize: --timeout must be > 0 seconds, got {args.timeout:g}", file=sys.stderr)
         return 2
     try:
-        gen = resize(args.size, args.port, args.addr, args.timeout)
+        gen = resize(args.size, args.port, args.addr, args.timeout, args.secret_file)
     except GradsyncError as exc:
         print(f"gradsync resize: {exc}", file=sys.stderr)
         return 1

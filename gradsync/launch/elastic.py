@@ -12,9 +12,15 @@ publishes *generations*: lists of worker ids (keys in :mod:`gradsync.adapt.elast
   survivors restore their last commit and go on; below ``--min-np`` the job fails.
 
 The job ends when every member has exited successfully; its exit code is then 0.
+
+The store listens on loopback only, and every value in it is signed with the job's secret
+(:mod:`gradsync.store`), which the agent draws at start, passes to its workers and keeps in a 0600
+file (``~/.gradsync/jobs/elastic-PORT.key``) for ``gradsync resize``. A resize request without a
+valid signature is refused and logged; a generation overwritten from outside is written back.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -26,6 +32,8 @@ from gradsync.launch.hosts import RankSpec
 from gradsync.launch.processes import JobResult, _exit_code, _Output, _spawn, _start_pumps, _stop, _trap_signals
 
 POLL_S = 0.02
+REQUEST_BODY_S = 5.0
+"""How long a request number may go without its size before it is refused."""
 
 
 class Agent:
@@ -36,7 +44,12 @@ class Agent:
         # On loopback only: the store takes requests from anyone who can reach it (gradsync.store).
         self._server = stores.serve("127.0.0.1", port or 0, None, 30)
         self.port = self._server.port
+        self.secret = stores.job_secret() or stores.new_secret()
+        self.secret_path = stores.secret_file(self.port)
+        stores.write_secret(self.secret_path, self.secret)
         self.store = self._connect()
+        self.published: dict[str, str] = {}  # what the agent wrote and keeps true
+        self.bodyless: dict[int, float] = {}  # request number -> when first seen without its size
         self.out = _Output(prefix=True)
         self.procs: dict[int, object] = {}  # id -> _Rank
         self.members: list[int] = []
@@ -59,14 +72,14 @@ class Agent:
         could not parse (an ``add`` to a key holding text), so the agent can open another."""
         import torch.distributed as dist
 
-        return dist.TCPStore("127.0.0.1", self.port, is_master=False, timeout=timedelta(seconds=30),
-                             wait_for_workers=False)
+        return stores.signed(dist.TCPStore("127.0.0.1", self.port, is_master=False, timeout=timedelta(seconds=30),
+                                           wait_for_workers=False), self.secret)
 
     def _start_worker(self) -> None:
         wid = self.next_id
         self.next_id += 1
         env = {**os.environ, "GRADSYNC_ELASTIC": "1", "GRADSYNC_ELASTIC_ID": str(wid), "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(self.port), "GRADSYNC_MIN_NP": str(self.min_np), "GRADSYNC_MAX_NP": str(self.max_np),
+               "MASTER_PORT": str(self.port), stores.SECRET_ENV: self.secret, "GRADSYNC_MIN_NP": str(self.min_np), "GRADSYNC_MAX_NP": str(self.max_np),
                "PYTHONUNBUFFERED": "1"}
         for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "GRADSYNC_NUM_SERVERS"):
             env.pop(key, None)
@@ -77,9 +90,29 @@ class Agent:
 
     def _publish(self, why: str) -> None:
         self.gen += 1
-        self.store.set(f"elastic/members/{self.gen}", ",".join(map(str, self.members)))
-        self.store.set("elastic/gen", str(self.gen))
+        self._keep(f"elastic/members/{self.gen}", ",".join(map(str, self.members)))
+        self._keep("elastic/gen", str(self.gen))
         self._say(f"generation {self.gen}: {len(self.members)} workers {self.members} ({why})")
+
+    def _keep(self, key: str, value: str) -> None:
+        self.store.set(key, value)
+        self.published = {k: v for k, v in self.published.items() if not k.startswith("elastic/members/")
+                          or k == f"elastic/members/{self.gen}"}
+        self.published[key] = value
+
+    def _signed(self, key: str) -> str | None:
+        """``key``'s value if present and signed with the job's secret; None otherwise."""
+        try:
+            return self.store.get(key).decode() if self.store.check([key]) else None
+        except stores.UnsignedValueError:
+            return None
+
+    def _repair(self) -> None:
+        """Write back any published key that a process outside the job overwrote."""
+        for key, value in self.published.items():
+            if self._signed(key) != value:
+                self._say(f"{key} was overwritten from outside the job (not signed with its secret); restored")
+                self.store.set(key, value)
 
     def _say(self, text: str) -> None:
         print(f"gradsync run --elastic: {text}", file=sys.stderr, flush=True)
@@ -92,18 +125,35 @@ class Agent:
     def _answer(self, seq: int, text: str) -> None:
         self.store.set(f"elastic/answer/{seq}", text)
 
-    def _handle_request(self) -> None:
+    def _handle_requests(self) -> None:
         try:
-            seq = self.store.add("elastic/request_seq", 0)
+            last = self.store.add("elastic/request_seq", 0)
         except Exception:  # noqa: BLE001 - a value written over the counter: not a request
             self._say(f"ignored a malformed resize request (elastic/request_seq is not a counter); reset to {self.seq}")
             self.store = self._connect()
-            self.store.set("elastic/request_seq", str(self.seq))
+            self.store.inner.set("elastic/request_seq", str(self.seq))  # a counter holds plain digits
             return
-        if seq == self.seq:
-            return
-        self.seq = seq  # several requests since the last look: the latest wins, all are answered
-        raw = self.store.get("elastic/request").decode(errors="replace") if self.store.check(["elastic/request"]) else ""
+        self.bodyless.update({seq: time.monotonic() for seq in range(self.seq + 1, last + 1)})
+        self.seq = max(self.seq, last)
+        for seq, since in sorted(self.bodyless.items()):  # in order: the latest valid request wins
+            key = f"elastic/request/{seq}"
+            if not self.store.check([key]):
+                if time.monotonic() - since > REQUEST_BODY_S:
+                    del self.bodyless[seq]
+                    self._say(f"resize request {seq} refused: no size arrived within {REQUEST_BODY_S:g} s")
+                    self._answer(seq, "refused: the request carried no size")
+                continue
+            del self.bodyless[seq]
+            try:
+                raw = self.store.get(key).decode(errors="replace")
+            except stores.UnsignedValueError:
+                self._say(f"resize request {seq} refused: not signed with the job's secret (from outside the job)")
+                self._answer(seq, "refused: the request is not signed with the job's secret "
+                                  f"(gradsync resize reads it from {self.secret_path})")
+                continue
+            self._resize(seq, raw)
+
+    def _resize(self, seq: int, raw: str) -> None:
         try:
             size = int(raw)
         except ValueError:
@@ -128,7 +178,7 @@ class Agent:
             self._answer(seq, str(self.gen))
 
     def _check_pending(self) -> None:
-        if self.pending and all(self.store.check([f"elastic/ready/{w}"]) for w in self.pending):
+        if self.pending and all(self._signed(f"elastic/ready/{w}") is not None for w in self.pending):
             joined, self.pending = self.pending, []
             self.members += joined
             self._publish(f"workers {joined} joined")
@@ -137,9 +187,17 @@ class Agent:
             self.unanswered = []
 
     def run(self) -> JobResult:
+        try:
+            return self._loop()
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(self.secret_path)
+
+    def _loop(self) -> JobResult:
         with _trap_signals() as caught:
             while not caught:
-                self._handle_request()
+                self._handle_requests()
+                self._repair()
                 self._check_pending()
                 for wid, rank in list(self.procs.items()):
                     code = rank.proc.poll()
@@ -185,19 +243,28 @@ def launch_elastic(command: list[str], *, np: int, min_np: int, max_np: int, por
     return agent.run()
 
 
-def resize(size: int, port: int, addr: str = "127.0.0.1", timeout_s: float = 120.0) -> int:
+def resize(size: int, port: int, addr: str = "127.0.0.1", timeout_s: float = 120.0,
+           secret_file: str | None = None) -> int:
     """``gradsync resize N``: ask a running elastic job for N workers and wait for its answer.
     Returns the generation that has N workers; raises :class:`GradsyncError` when the job refuses
-    (the reason), does not answer within ``timeout_s``, or the store is no elastic job's."""
+    (the reason), does not answer within ``timeout_s``, or the store is no elastic job's. The
+    request is signed with the job's secret: ``GRADSYNC_JOB_SECRET``, else ``secret_file``, else the
+    file the job on ``port`` wrote (:func:`gradsync.store.secret_file`)."""
     import torch.distributed as dist
 
     from gradsync.adapt.elastic import answer, request_size
 
-    store = dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=10), wait_for_workers=False)
+    secret = stores.job_secret() or stores.read_secret(secret_file or stores.secret_file(port))
+    store = stores.signed(dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=10),
+                                        wait_for_workers=False), secret)
     if not store.check(["elastic/gen"]):
         raise GradsyncError(f"the store at {addr}:{port} is no elastic job's (it has no generation); "
                             "is this the port `gradsync run --elastic` printed?")
-    reply = answer(store, request_size(store, size), timeout_s)
+    try:
+        reply = answer(store, request_size(store, size), timeout_s)
+    except stores.UnsignedValueError:
+        raise GradsyncError(f"the job at {addr}:{port} answered with another secret than ours: the secret "
+                            "file is not this job's (is the port right?)") from None
     if isinstance(reply, str):
         raise GradsyncError(f"the job refused: {reply.removeprefix('refused: ')}")
     return reply

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from gradsync import store as stores
 from gradsync.launch.hosts import (DEFAULT_MULTI_HOST_PORT, RankSpec, _port_taken_message, find_free_port,
                                    plan_ranks)
 
@@ -321,6 +322,12 @@ def launch_local(command: list[str], *, np: int, servers: int = 0, port: int | N
         print(f"gradsync run: OMP_NUM_THREADS={threads['OMP_NUM_THREADS']} for each of {len(specs)} local rank{'s' if len(specs) > 1 else ''} "
               f"({usable_cores()} cores); set OMP_NUM_THREADS to choose", file=sys.stderr, flush=True)
     env = {**threads, **(env or {})}
+    if not (env.get(stores.SECRET_ENV) or stores.job_secret()):
+        if several:  # each node's launcher would draw another: the user gives every node the same one
+            print(f"gradsync run: the job's store is unauthenticated; set {stores.SECRET_ENV} to the same random "
+                  "value on every node to sign its keys", file=sys.stderr, flush=True)
+        else:
+            env[stores.SECRET_ENV] = stores.new_secret()
     envs = _rank_envs(specs, np=np, servers=servers, node_rank=node_rank,
                       master_addr=master_addr, port=port, env=env)
     commands = [list(command) for _ in specs]
