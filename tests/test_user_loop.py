@@ -357,3 +357,39 @@ def test_a_dataloader_with_gradsync_sampler_shards_by_workers_only(strategy, ser
         torch.testing.assert_close(results[0][name], value.detach(), atol=FP32_TOL[0], rtol=FP32_TOL[1])
     if servers:
         assert results[WORKERS] == 0  # a server's sampler is empty
+
+
+# -- module buffers (BatchNorm statistics) ------------------------------------------------------------
+def train_with_batchnorm(strategy: str, options: dict, evaluate: bool = True):
+    """Three steps of a BatchNorm model on each worker's own data, with an evaluation forward on
+    worker 0 alone in between (``evaluate``; it must not wait for the others); every buffer afterwards."""
+    rank = gradsync.topology().rank
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 3))
+    opt = gradsync.distribute(model, torch.optim.SGD(model.parameters(), lr=LR), strategy, **options)
+    for step in range(STEPS):
+        x, y = batch(step, rank)
+        nn.functional.mse_loss(model(x * (1 + rank)), y).backward()
+        opt.step()
+        opt.zero_grad()
+        if evaluate and rank == 0:  # under DDP it would wait for a broadcast the others never join
+            model.eval()
+            with torch.no_grad():
+                model(x)
+            model.train()
+    return {n: b.clone() for n, b in model.named_buffers()}
+
+
+@pytest.mark.parametrize("strategy", ["allreduce", "casync-ring"])
+def test_buffers_follow_worker_0_before_each_training_forward_as_under_ddp(strategy):
+    options = STRATEGIES[strategy][0]
+    ddp = run_ranks(train_with_batchnorm, WORKERS, "ddp", {}, False, timeout=120)
+    ours = run_ranks(train_with_batchnorm, WORKERS, strategy, options, timeout=120)
+    local = run_ranks(train_with_batchnorm, WORKERS, strategy, {**options, "broadcast_buffers": False}, timeout=120)
+    for rank in range(WORKERS):
+        for name, value in ddp[rank].items():
+            torch.testing.assert_close(ours[rank][name], value, atol=FP32_TOL[0], rtol=FP32_TOL[1],
+                                       msg=f"rank {rank} {name}")
+    # Without the broadcast each worker keeps statistics of its own data only.
+    assert not torch.allclose(local[0]["1.running_mean"], local[1]["1.running_mean"])
+    assert not torch.allclose(local[1]["1.running_mean"], ours[1]["1.running_mean"])

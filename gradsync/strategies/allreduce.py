@@ -3,9 +3,10 @@ Li et al., VLDB 2020).
 
 Gradients are fused into buckets of about ``bucket_mb`` megabytes (the first one ``first_bucket_mb``,
 so the first all-reduce starts early) in the order backward produces them. A bucket is all-reduced
-as soon as all its gradients are ready, while backward continues; buckets are launched strictly in
-index order, which keeps every rank issuing the same collectives in the same order. ``step()``
-waits for the buckets, averages, and runs the local optimizer.
+as soon as all its gradients are ready, while backward continues: divided by the number of workers
+as it is packed (as DDP does), then summed. Buckets are launched strictly in index order, which
+keeps every rank issuing the same collectives in the same order. The end of backward waits for
+them and points each ``p.grad`` at its place in the bucket; ``step()`` runs the local optimizer.
 
 Wire: per bucket, one all-reduce of ``numel + n_params`` elements in the gradients' dtype. The last
 ``n_params`` elements are "used" flags, so the sum tells how many workers produced each gradient:
@@ -32,6 +33,7 @@ from gradsync.compress import CompressionError, PowerSGD, build, parse_spec
 from gradsync.compress.base import all_finite
 from gradsync.errors import ConfigError, GradsyncError
 from gradsync.strategies.base import Strategy, SyncContext, fill_slot, ring_bytes
+from gradsync.strategies.buffers import BufferBroadcast
 
 MB = 1024 * 1024
 
@@ -54,19 +56,23 @@ class Bucket:
         self.used = [0.0] * len(self.indices)
         self.handle = None
 
-    def fill(self, slot: int, grad: torch.Tensor | None) -> None:
-        """Copy a gradient (or zeros, "unused", for ``None``) into its slot; count the slot once."""
-        self.used[slot] = fill_slot(self.views[slot], grad)
+    def mark(self, slot: int) -> None:
+        """Backward produced the gradient of ``slot``'s parameter; count each slot once."""
         if not self.ready[slot]:
             self.ready[slot] = True
             self.pending -= 1
 
-    def fill_missing(self, params: list[torch.Tensor]) -> None:
-        """At step: the slots backward never filled (parameters unused this step)."""
-        for slot, ready in enumerate(self.ready):
-            if not ready:
-                self.fill(slot, params[self.indices[slot]].grad)
-
+    def pack(self, params: list[torch.Tensor]) -> None:
+        """Copy every slot's current ``grad`` into the buffer, zeros for ``None`` ("unused"), in one
+        call when all are present (the common case: one dispatch per bucket, not per gradient).
+        Parameters backward did not reach this pass still count when an earlier pass (inside
+        ``no_sync``) left them a gradient."""
+        grads = [params[i].grad for i in self.indices]
+        if all(g is not None for g in grads):
+            torch._foreach_copy_(self.views, grads)
+            self.used = [1.0] * len(grads)
+        else:
+            self.used = [fill_slot(view, grad) for view, grad in zip(self.views, grads)]
 
 def plan_buckets(params: list[torch.Tensor], order: list[int], cap_bytes: int,
                  first_cap_bytes: int) -> list[list[int]]:
@@ -89,8 +95,9 @@ def plan_buckets(params: list[torch.Tensor], order: list[int], cap_bytes: int,
 
 
 class BucketedSync(Strategy):
-    """Gradients copied into buckets as backward produces them; each full bucket is launched, strictly
-    in index order so every rank issues the same collectives in the same order. Subclasses implement
+    """Buckets launched as backward produces their gradients: once every gradient of a bucket exists,
+    the bucket is packed (one copy call) and launched, strictly in index order so every rank issues
+    the same collectives in the same order. The per-gradient hook only counts. Subclasses implement
     ``_launch(k)`` and ``synchronize()`` (``allreduce``, and the compressed strategies).
 
     ``synchronize()`` runs at the end of each backward pass (:meth:`after_backward`), as DDP's reducer
@@ -108,6 +115,18 @@ class BucketedSync(Strategy):
     """A fault every worker agreed on at the end of backward (a NaN/Inf gradient, a value out of a
     codec's range): the gradients are then NaN on every worker and ``step()`` raises this. With
     ``torch.amp.GradScaler`` the step is skipped on every worker instead, as under DDP."""
+
+    broadcast_buffers = True
+    """Before each training-mode forward, give every worker worker 0's buffers (BatchNorm
+    statistics), as DDP does by default (:mod:`gradsync.strategies.buffers`)."""
+
+    def attach(self, ctx: SyncContext) -> None:
+        super().attach(ctx)
+        self.buffer_sync = BufferBroadcast(ctx.model, ctx.transport) if self.broadcast_buffers else None
+
+    def before_forward(self) -> None:
+        if self.buffer_sync:
+            self.buffer_sync()
 
     def _make_buckets(self, order: list[int], cap_bytes: int, first_cap_bytes: int, extra: int) -> None:
         """``self.buckets`` over ``order``; each buffer has ``extra(group)`` elements past the gradients."""
@@ -136,9 +155,14 @@ class BucketedSync(Strategy):
                 f"parameter {self.ctx.names[index]!r} received a second gradient after its bucket was "
                 "sent. For gradient accumulation, run all but the last backward inside "
                 "`with optimizer.no_sync():`")
-        bucket.fill(slot, self.ctx.params[index].grad)
+        bucket.mark(slot)
         while self.next_launch < len(self.buckets) and self.buckets[self.next_launch].pending == 0:
-            self._launch(self.next_launch)
+            self._send(self.next_launch)
+
+    def _send(self, k: int) -> None:
+        """Pack bucket ``k`` from the gradients as they are now and launch it."""
+        self.buckets[k].pack(self.ctx.params)
+        self._launch(k)
 
     def after_backward(self) -> None:
         self.synchronize()
@@ -190,10 +214,11 @@ class AllReduce(BucketedSync):
     summary = "bucketed ring all-reduce overlapped with backward (Horovod, DDP)"
 
     def __init__(self, bucket_mb: float = 25.0, first_bucket_mb: float = 1.0, rebuild_buckets: bool = True,
-                 compression: str | None = None, error_feedback: bool = False):
+                 compression: str | None = None, error_feedback: bool = False, broadcast_buffers: bool = True):
         if bucket_mb <= 0 or first_bucket_mb <= 0:
             raise ConfigError(f"bucket sizes must be > 0 MB, got bucket_mb={bucket_mb}, first_bucket_mb={first_bucket_mb}")
         self.compression, self.error_feedback = compression, error_feedback
+        self.broadcast_buffers = broadcast_buffers
         if compression is not None:
             name, self.codec_options = parse_spec(compression)
             probe = build(name, **self.codec_options)
@@ -225,9 +250,7 @@ class AllReduce(BucketedSync):
     def synchronize(self) -> None:
         """Send what backward did not (unused parameters), wait, and write averaged gradients."""
         for k in range(self.next_launch, len(self.buckets)):
-            self.buckets[k].fill_missing(self.ctx.params)
-            self._launch(k)
-        workers = self.ctx.topology.num_workers
+            self._send(k)
         self.deferred = error = None
         for k, bucket in enumerate(self.buckets):
             bucket.handle.wait()
@@ -236,8 +259,7 @@ class AllReduce(BucketedSync):
                     self._decompress(k, bucket)
                 except CompressionError as exc:  # the same sum on every worker: every worker has it
                     error = error or exc
-                workers = 1  # divided before compressing
-            self._unpack(bucket, workers)
+            self._unpack(bucket)
             bucket.reset()
         if error is not None:
             self._defer(error)
@@ -249,6 +271,9 @@ class AllReduce(BucketedSync):
     # -- internals -----------------------------------------------------------------------------
     def _launch(self, k: int) -> None:
         bucket = self.buckets[k]
+        # Averaged before the sum, as DDP does: the division overlaps backward instead of following
+        # the last all-reduce, and a half-precision sum cannot overflow where the mean would not.
+        bucket.buffer[:bucket.numel].div_(self.ctx.topology.num_workers)
         bucket.buffer[bucket.numel:].copy_(torch.tensor(bucket.used, dtype=bucket.buffer.dtype))
         what = f"all-reduce of bucket {k} (parameters {self.ctx.names[bucket.indices[0]]!r}..)"
         if self.compression is not None:
@@ -259,7 +284,6 @@ class AllReduce(BucketedSync):
 
     def _launch_compressed(self, k: int, bucket: Bucket, what: str) -> "_Compressed":
         grads = bucket.buffer[:bucket.numel]
-        grads.div_(self.ctx.topology.num_workers)
         codec = self.codecs.get(k)
         if codec is None:
             rank = self.ctx.topology.rank
@@ -286,9 +310,7 @@ class AllReduce(BucketedSync):
                 "learning rate, clip gradients, or use bf16")
         bucket.buffer[:bucket.numel].copy_(total)
 
-    def _unpack(self, bucket: Bucket, workers: int) -> None:
-        if workers != 1:
-            bucket.buffer[:bucket.numel].div_(workers)
+    def _unpack(self, bucket: Bucket) -> None:
         counts = bucket.buffer[bucket.numel:].tolist()
         for slot, i in enumerate(bucket.indices):
             # The gradient becomes a view of the bucket: no copy back, no second gradient buffer.

@@ -88,7 +88,8 @@ class CompressedSync(BucketedSync):
     communication thread: compressed and all-reduced from backward like ``allreduce``'s buckets."""
 
     def __init__(self, compression: str = "onebit", error_feedback: bool = False, selective: bool = False,
-                 bucket_mb: float = 25.0, first_bucket_mb: float = 1.0, **compressor_options: Any):
+                 bucket_mb: float = 25.0, first_bucket_mb: float = 1.0, broadcast_buffers: bool = True,
+                 **compressor_options: Any):
         name, options = parse_spec(compression)
         options.update(compressor_options)
         probe = build(name, **options)  # a bad name or option fails here, not in backward
@@ -96,6 +97,7 @@ class CompressedSync(BucketedSync):
             raise ConfigError(f"bucket sizes must be > 0 MB, got bucket_mb={bucket_mb}, first_bucket_mb={first_bucket_mb}")
         self.codec_name, self.codec_options = name, options
         self.error_feedback = error_feedback
+        self.broadcast_buffers = broadcast_buffers
         self.selective = selective
         self.summable = probe.summable
         self.one_round = probe.summable and not isinstance(probe, PowerSGD)
@@ -167,8 +169,7 @@ class CompressedSync(BucketedSync):
     def synchronize(self) -> None:
         """Send what backward did not (unused parameters), wait for every bucket, set averaged gradients."""
         for k in range(self.next_launch, len(self.buckets)):
-            self.buckets[k].fill_missing(self.ctx.params)
-            self._launch(k)
+            self._send(k)
         plain = [k for k, direct in enumerate(self.direct) if direct]
         summed = [k for k, yes in enumerate(self.summed) if yes]
         for k in plain:
