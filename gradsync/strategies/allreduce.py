@@ -36,6 +36,9 @@ from gradsync.strategies.base import Strategy, SyncContext, fill_slot, ring_byte
 from gradsync.strategies.buffers import BufferBroadcast
 
 MB = 1024 * 1024
+PACK_BYTES = 256 * 1024
+"""Gradients that arrived are copied into their bucket once this many bytes of them wait: one
+call for many small gradients, and at most this much copying left when a bucket's last one comes."""
 
 
 @dataclass
@@ -49,30 +52,57 @@ class Bucket:
     ready: list[bool] = field(default_factory=list)
     used: list[float] = field(default_factory=list)
     handle: Any = None
+    arrived: list[int] = field(default_factory=list)
+    """Slots whose gradient backward produced since they were last packed."""
+    arrived_bytes: int = 0
+    packed: list[bool] = field(default_factory=list)
 
     def reset(self) -> None:
         self.pending = len(self.indices)
         self.ready = [False] * len(self.indices)
         self.used = [0.0] * len(self.indices)
+        self.packed = [False] * len(self.indices)
+        self.arrived, self.arrived_bytes = [], 0
         self.handle = None
 
     def mark(self, slot: int) -> None:
-        """Backward produced the gradient of ``slot``'s parameter; count each slot once."""
+        """Backward produced (or added to) the gradient of ``slot``'s parameter; count each slot once."""
+        self.arrived.append(slot)
+        self.arrived_bytes += self.views[slot].numel() * self.views[slot].element_size()
         if not self.ready[slot]:
             self.ready[slot] = True
             self.pending -= 1
 
-    def pack(self, params: list[torch.Tensor]) -> None:
-        """Copy every slot's current ``grad`` into the buffer, zeros for ``None`` ("unused"), in one
-        call when all are present (the common case: one dispatch per bucket, not per gradient).
-        Parameters backward did not reach this pass still count when an earlier pass (inside
-        ``no_sync``) left them a gradient."""
-        grads = [params[i].grad for i in self.indices]
+    def pack(self, params: list[torch.Tensor], slots: list[int], divisor: int) -> None:
+        """Copy the current ``grad`` of ``slots`` into the buffer divided by ``divisor`` (zeros and
+        "unused" for ``None``): one copy and one division call for all of them when every gradient
+        is there, the common case."""
+        if not slots:
+            return
+        grads = [params[self.indices[s]].grad for s in slots]
+        views = [self.views[s] for s in slots]
         if all(g is not None for g in grads):
-            torch._foreach_copy_(self.views, grads)
-            self.used = [1.0] * len(grads)
-        else:
-            self.used = [fill_slot(view, grad) for view, grad in zip(self.views, grads)]
+            torch._foreach_copy_(views, grads)
+            if divisor != 1:
+                torch._foreach_div_(views, divisor)
+            for s in slots:
+                self.used[s], self.packed[s] = 1.0, True
+            return
+        for s, view, grad in zip(slots, views, grads):
+            self.used[s], self.packed[s] = fill_slot(view, grad), True
+            if divisor != 1:
+                view.div_(divisor)
+
+    def pack_arrived(self, params: list[torch.Tensor], divisor: int) -> None:
+        slots, self.arrived, self.arrived_bytes = self.arrived, [], 0
+        self.pack(params, slots, divisor)
+
+    def pack_rest(self, params: list[torch.Tensor], divisor: int) -> None:
+        """Before launch: what arrived since the last pack, then every slot never packed this pass
+        (parameters backward did not reach; an earlier pass inside ``no_sync`` may have left them a
+        gradient, which counts)."""
+        self.pack_arrived(params, divisor)
+        self.pack(params, [s for s, done in enumerate(self.packed) if not done], divisor)
 
 def plan_buckets(params: list[torch.Tensor], order: list[int], cap_bytes: int,
                  first_cap_bytes: int) -> list[list[int]]:
@@ -95,9 +125,10 @@ def plan_buckets(params: list[torch.Tensor], order: list[int], cap_bytes: int,
 
 
 class BucketedSync(Strategy):
-    """Buckets launched as backward produces their gradients: once every gradient of a bucket exists,
-    the bucket is packed (one copy call) and launched, strictly in index order so every rank issues
-    the same collectives in the same order. The per-gradient hook only counts. Subclasses implement
+    """Buckets launched as backward produces their gradients. The per-gradient hook counts; arrived
+    gradients are copied into their bucket (and divided by ``divisor``) one call per
+    :data:`PACK_BYTES` of them, and once every gradient of a bucket exists the rest is packed and the
+    bucket launched, strictly in index order so every rank issues the same collectives in the same order. Subclasses implement
     ``_launch(k)`` and ``synchronize()`` (``allreduce``, and the compressed strategies).
 
     ``synchronize()`` runs at the end of each backward pass (:meth:`after_backward`), as DDP's reducer
@@ -116,6 +147,9 @@ class BucketedSync(Strategy):
     codec's range): the gradients are then NaN on every worker and ``step()`` raises this. With
     ``torch.amp.GradScaler`` the step is skipped on every worker instead, as under DDP."""
 
+    divisor = 1
+    """What gradients are divided by as they are packed (``allreduce``: the number of workers, so
+    the sum is the mean; the compressed strategies divide where their codec needs it)."""
     broadcast_buffers = True
     """Before each training-mode forward, give every worker worker 0's buffers (BatchNorm
     statistics), as DDP does by default (:mod:`gradsync.strategies.buffers`)."""
@@ -156,12 +190,14 @@ class BucketedSync(Strategy):
                 "sent. For gradient accumulation, run all but the last backward inside "
                 "`with optimizer.no_sync():`")
         bucket.mark(slot)
+        if bucket.arrived_bytes >= PACK_BYTES:
+            bucket.pack_arrived(self.ctx.params, self.divisor)
         while self.next_launch < len(self.buckets) and self.buckets[self.next_launch].pending == 0:
             self._send(self.next_launch)
 
     def _send(self, k: int) -> None:
-        """Pack bucket ``k`` from the gradients as they are now and launch it."""
-        self.buckets[k].pack(self.ctx.params)
+        """Pack what is left of bucket ``k`` from the gradients as they are now and launch it."""
+        self.buckets[k].pack_rest(self.ctx.params, self.divisor)
         self._launch(k)
 
     def after_backward(self) -> None:
@@ -233,6 +269,9 @@ class AllReduce(BucketedSync):
 
     def attach(self, ctx: SyncContext) -> None:
         super().attach(ctx)
+        # Averaged as packed, before the sum, as DDP does: the division overlaps backward instead of
+        # following the last all-reduce, and a half-precision sum cannot overflow where the mean would not.
+        self.divisor = ctx.topology.num_workers
         self.steps = 0
         self.arrival: list[int] = []
         self._build(list(reversed(range(len(ctx.params)))))
@@ -271,9 +310,6 @@ class AllReduce(BucketedSync):
     # -- internals -----------------------------------------------------------------------------
     def _launch(self, k: int) -> None:
         bucket = self.buckets[k]
-        # Averaged before the sum, as DDP does: the division overlaps backward instead of following
-        # the last all-reduce, and a half-precision sum cannot overflow where the mean would not.
-        bucket.buffer[:bucket.numel].div_(self.ctx.topology.num_workers)
         bucket.buffer[bucket.numel:].copy_(torch.tensor(bucket.used, dtype=bucket.buffer.dtype))
         what = f"all-reduce of bucket {k} (parameters {self.ctx.names[bucket.indices[0]]!r}..)"
         if self.compression is not None:
@@ -289,9 +325,13 @@ class AllReduce(BucketedSync):
             rank = self.ctx.topology.rank
             codec = self.codecs[k] = build(self.codec_name, key=f"allreduce/{k}", worker=rank,
                                            error_feedback=self.error_feedback, **self.codec_options)
-        try:
-            payload, ctx = codec.compress(grads)
-        except CompressionError:  # out of range here: send NaN so every worker sees it (never a lone raise)
+        payload = None
+        if all_finite(grads):  # checked here: a NaN that a sparse codec does not sample would vanish
+            try:
+                payload, ctx = codec.compress(grads)
+            except CompressionError:
+                payload = None
+        if payload is None:  # non-finite or out of range here: send NaN so every worker sees it (never a lone raise)
             payload, ctx = codec.compress(torch.zeros_like(grads))
             for part in payload:
                 part.fill_(float("nan"))
