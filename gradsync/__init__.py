@@ -15,7 +15,8 @@ import sys
 import types
 from importlib import import_module
 
-from gradsync.errors import ConfigError, GradientEditedError, GradsyncError, ModelMismatchError, PeerFailureError
+from gradsync.errors import (ConfigError, GradientEditedError, GradsyncError, ModelMismatchError, PeerFailureError,
+                             PeerProtocolError)
 
 # Public name -> the module that defines it (each of these imports torch).
 _LAZY = {
@@ -70,5 +71,5 @@ sys.modules[__name__].__class__ = _Package
 __all__ = ["init", "shutdown", "is_initialized", "distribute", "sampler", "topology", "device", "Strategy", "AllReduce",
            "ParameterServer", "DDP", "P3", "PriorityAllReduce", "CaSyncRing", "CaSyncPS", "CompressedAllGather", "SMA", "PairAveraging",
            "Hybrid", "STRATEGIES", "register", "strategy_names", "GradsyncError",
-           "ConfigError", "GradientEditedError", "ModelMismatchError", "PeerFailureError"]
+           "ConfigError", "GradientEditedError", "ModelMismatchError", "PeerFailureError", "PeerProtocolError"]
 __version__ = "0.1.0"

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradsync import runtime
+from gradsync import flight, runtime
 from gradsync.consistency import broadcast_model, check_models_match
 from gradsync.errors import ConfigError, GradientEditedError, GradsyncError
 from gradsync.strategies import Strategy, SyncContext, resolve
@@ -210,6 +210,9 @@ def _wrap_optimizer(optimizer: torch.optim.Optimizer, sync: _Sync) -> torch.opti
             sync.strategy.step(sync.observed(apply))
             sync.observer.after_step()
         sync.steps += 1
+        recorder = flight.current()
+        if recorder is not None:
+            recorder.step += 1
         return loss
 
     step.__dict__.update(getattr(own_step, "__dict__", {}))

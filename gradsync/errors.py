@@ -14,6 +14,11 @@ class PeerFailureError(GradsyncError):
     """A communication operation failed because another rank died, hung or disconnected."""
 
 
+class PeerProtocolError(GradsyncError):
+    """A peer sent a message outside what it may send (a length, an index, an operation out of
+    range): refused before anything is allocated or indexed for it, naming the peer."""
+
+
 class GradientEditedError(GradsyncError):
     """A gradient was changed between ``backward()`` and ``optimizer.step()`` under a strategy that had
     already sent it (the change would not reach the update)."""

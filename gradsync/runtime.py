@@ -23,6 +23,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from gradsync import flight
 from gradsync import store as stores
 from gradsync.errors import ConfigError, GradsyncError, PeerFailureError
 from gradsync.topology import Topology
@@ -65,6 +66,9 @@ class Heartbeat:
     def _run(self) -> None:
         key = f"gradsync/hb/{self.topology.rank}"
         while not self._stop.wait(HEARTBEAT_S):
+            recorder = flight.current()
+            if recorder is not None:  # the launcher may ask where this rank is, even while it is blocked
+                recorder.answer_request()
             store = self.store
             if store is None:
                 return
@@ -128,7 +132,11 @@ class Runtime:
                      "Either ranks issued different operations (different models, step counts or "
                      "strategies) or a step takes longer than the timeout (raise it with "
                      "gradsync.init(timeout_s=...) or GRADSYNC_TIMEOUT)")
-        return PeerFailureError(f"{what} failed on {me}: {cause}. Original error: {exc}")
+        error = PeerFailureError(f"{what} failed on {me}: {cause}. Original error: {exc}")
+        recorder = flight.current()
+        if recorder is not None:  # for the launcher's cross-rank summary (gradsync.flight)
+            recorder.dump(str(error))
+        return error
 
 
 _RUNTIME: Runtime | None = None
@@ -250,6 +258,7 @@ def start(topology: Topology, store, *, backend: str, timeout_s: float, heartbea
     worker_group = dist.group.WORLD
     if topology.num_servers:
         worker_group = dist.new_group(topology.worker_ranks)
+    flight.install(flight.FlightRecorder(topology.rank, topology.describe(topology.rank)))
     runtime = Runtime(topology, None, timeout_s, heartbeat, owns_group, store=store)
     runtime.transport = Transport(topology, worker_group, device, runtime.explain)
     _RUNTIME = runtime

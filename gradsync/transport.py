@@ -13,35 +13,61 @@ over ``p`` ranks sends ``2 (p-1)/p * n`` bytes per rank, a point-to-point send s
 """
 from __future__ import annotations
 
+import threading
+import time
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-from gradsync import trace
+from gradsync import flight, trace
+from gradsync.errors import PeerProtocolError
 from gradsync.topology import Topology
 
 HEADER_WORDS = 4
+_MAIN_THREAD = threading.main_thread().ident
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
+
+
+def check_peer(ok: bool, peer: int, what: str, detail: str) -> None:
+    """Refuse a message from ``peer`` unless ``ok``: every header field a peer supplies (a length,
+    an index, an operation) is checked against what that peer may send before it sizes an
+    allocation or indexes a table. ``detail`` says what was received and what was allowed."""
+    if not ok:
+        raise PeerProtocolError(
+            f"rank {peer} sent {what} with {detail}. Nothing was allocated for it and the job stops here: "
+            "every rank must run the same gradsync version, strategy and model (or the message was corrupted)")
+
+
+def payload_limit(numel: int) -> int:
+    """The most bytes a compressed message for ``numel`` gradient elements may hold: 16 per element
+    (a value and an int64 index, the largest any codec sends) plus 4 KiB of codec metadata."""
+    return 16 * numel + 4096
 
 
 class Handle:
     """An operation in flight. ``wait()`` raises a :class:`PeerFailureError` that names the peer."""
 
-    __slots__ = ("_work", "_explain", "_what", "_done", "_trace")
+    __slots__ = ("_work", "_explain", "_what", "_done", "_trace", "_record")
 
-    def __init__(self, work, explain: Callable[[str, BaseException], Exception], what: str, trace_token=None):
+    def __init__(self, work, explain: Callable[[str, BaseException], Exception], what: str, trace_token=None,
+                 record: flight.Record | None = None):
         self._work = work
         self._explain = explain
         self._what = what
         self._done = False
         self._trace = trace_token  # a point-to-point operation's trace event, ended by wait()
+        self._record = record  # its entry in this rank's flight record
 
     def wait(self, *, background: bool = False) -> None:
-        """Block until done. ``background``: a communication thread waits, not training (no wait span)."""
+        """Block until done. ``background``: a communication thread waits, not training (no wait
+        span, and the flight record does not show the rank blocked in it)."""
         if self._done:
             return
         tracer = trace.current()
+        recorder = flight.current() if not background and threading.get_ident() == _MAIN_THREAD else None
+        if recorder is not None:
+            recorder.waiting = self._record
         try:
             if tracer is None or background:
                 self._work.wait()
@@ -50,7 +76,12 @@ class Handle:
                     self._work.wait()
         except RuntimeError as exc:
             raise self._explain(self._what, exc) from exc
+        finally:
+            if recorder is not None:
+                recorder.waiting = None
         self._done = True
+        if self._record is not None:
+            self._record.done = time.time()
         if self._trace is not None and tracer is not None:
             tracer.end_async(self._trace)
 
@@ -77,6 +108,18 @@ class Transport:
     def _group_size(self, world: bool) -> int:
         return self.topology.world_size if world else self.topology.num_workers
 
+    def _record(self, what: str, op: str, nbytes: int, *, group=None, world: bool = False,
+                peer: int | None = None) -> flight.Record | None:
+        """This operation's entry in the rank's flight record (:mod:`gradsync.flight`). Collectives
+        are numbered on their group: "world", "workers", or a private group's name."""
+        recorder = flight.current()
+        if recorder is None:
+            return None
+        label = None
+        if peer is None:
+            label = ("world" if world else "workers") if group is None else getattr(group, "group_name", "private")
+        return recorder.issue(what, op, nbytes, group=label, peer=peer)
+
     def new_worker_group(self):
         """A private process group of the workers, for a strategy that issues collectives from its
         own threads: Gloo and NCCL match collectives by their order on a group, so those must never
@@ -95,13 +138,14 @@ class Transport:
         p = self._group_size(world)
         nbytes = tensor.numel() * tensor.element_size()
         self.bytes_sent += int(2 * (p - 1) / p * nbytes)
+        record = self._record(what, "all-reduce", nbytes, group=group, world=world)
         group = self._group(world) if group is None else group
         work = dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=group, async_op=True)
         tracer = trace.current()
         if tracer is not None:
             token = tracer.begin_async(what, "comm", bytes=nbytes, op="all-reduce")
             work.get_future().add_done_callback(lambda _future: tracer.end_async(token))
-        return Handle(work, self._explain, what)
+        return Handle(work, self._explain, what, record=record)
 
     def allreduce(self, tensor: torch.Tensor, *, op: str = "sum", world: bool = False,
                   what: str = "all-reduce", group=None) -> torch.Tensor:
@@ -118,8 +162,9 @@ class Transport:
         if self.topology.rank == src:
             self.bytes_sent += tensor.numel() * tensor.element_size()
         staged = tensor.to(self.device)  # NCCL moves device tensors only; a no-op on Gloo/CPU
+        record = self._record(what, "broadcast", tensor.numel() * tensor.element_size(), world=world)
         work = dist.broadcast(staged, src=src, group=self._group(world), async_op=True)
-        Handle(work, self._explain, what).wait()
+        Handle(work, self._explain, what, record=record).wait()
         if staged is not tensor:
             tensor.copy_(staged)
         return tensor
@@ -144,7 +189,8 @@ class Transport:
             self.bytes_sent += nbytes
         tracer = trace.current()
         token = None if tracer is None else tracer.begin_async(what, "comm", bytes=nbytes, op="send", peer=dst)
-        return Handle(dist.group.WORLD.send([tensor], dst, tag), self._explain, what, token)
+        record = self._record(what, "send", nbytes, peer=dst)
+        return Handle(dist.group.WORLD.send([tensor], dst, tag), self._explain, what, token, record)
 
     def recv_async(self, tensor: torch.Tensor, src: Optional[int], tag: int, *,
                    what: str = "receive", traced: bool = True) -> Handle:
@@ -155,9 +201,10 @@ class Transport:
         world = dist.group.WORLD
         work = world.recv_anysource([tensor], tag) if src is None else world.recv([tensor], src, tag)
         tracer = trace.current() if traced else None
-        token = None if tracer is None else tracer.begin_async(
-            what, "comm", bytes=tensor.numel() * tensor.element_size(), op="receive", peer=src)
-        return Handle(work, self._explain, what, token)
+        nbytes = tensor.numel() * tensor.element_size()
+        token = None if tracer is None else tracer.begin_async(what, "comm", bytes=nbytes, op="receive", peer=src)
+        record = self._record(what, "receive", nbytes, peer=-1 if src is None else src)
+        return Handle(work, self._explain, what, token, record)
 
     def recv_any(self, tensor: torch.Tensor, tag: int, *, what: str) -> Optional[int]:
         """A server thread's wait for the next request: receive into ``tensor`` from whichever rank
@@ -185,25 +232,43 @@ class Transport:
             handles.append(self.send_async(message, dst, tag, what=what))
         return handles
 
-    def recv_bytes(self, src: int, tag: int, *, what: str = "receive") -> tuple[torch.Tensor, tuple[int, int, int]]:
-        """Receive one :meth:`send_bytes` message from ``src``: ``(message, info)``. Blocks (a
-        communication thread calls it)."""
+    def recv_bytes(self, src: int, tag: int, *, limit: int,
+                   what: str = "receive") -> tuple[torch.Tensor, tuple[int, int, int]]:
+        """Receive one :meth:`send_bytes` message of at most ``limit`` bytes from ``src``:
+        ``(message, info)``. A header announcing more is refused (:func:`check_peer`) before the
+        body is allocated. Blocks (a communication thread calls it)."""
         header = torch.empty(HEADER_WORDS, dtype=torch.int64)
         self.recv_async(header, src, tag, what=what).wait(background=True)
         length, *info = header.tolist()
+        check_peer(0 <= length <= limit, src, what, f"a length of {length} bytes (at most {limit} expected)")
         message = torch.empty(length, dtype=torch.uint8)
         if length:
             self.recv_async(message, src, tag, what=what).wait(background=True)
         return message, tuple(info)
 
-    def allgather_bytes(self, message: torch.Tensor, *, info: tuple[int, int, int] = (0, -1, -1), group=None,
-                        what: str = "all-gather") -> tuple[list[torch.Tensor], list[tuple[int, int, int]]]:
-        """Every worker's ``uint8`` message and ``info``, in rank order (see :func:`allgather_with_info`)."""
+    def allgather_bytes(self, message: torch.Tensor, *, limit: int, info: tuple[int, int, int] = (0, -1, -1),
+                        group=None, what: str = "all-gather"
+                        ) -> tuple[list[torch.Tensor], list[tuple[int, int, int]]]:
+        """Every worker's ``uint8`` message (at most ``limit`` bytes each) and ``info``, in rank
+        order (see :func:`allgather_with_info`)."""
         self.bytes_sent += (self.topology.num_workers - 1) * message.numel()
+        record = self._record(what, "all-gather", message.numel(), group=group)
+        recorder = flight.current() if threading.get_ident() == _MAIN_THREAD else None
+        if recorder is not None:
+            recorder.waiting = record
         try:
-            return allgather_with_info(message, info, self.worker_group if group is None else group)
+            gathered = allgather_with_info(message, info, self.worker_group if group is None else group, limit=limit,
+                                           what=what)
+        except PeerProtocolError:
+            raise
         except RuntimeError as exc:
             raise self._explain(what, exc) from exc
+        finally:
+            if recorder is not None and recorder.waiting is record:
+                recorder.waiting = None
+        if record is not None:
+            record.done = time.time()
+        return gathered
 
 
 def wait_all(handles) -> None:
@@ -214,6 +279,11 @@ def wait_all(handles) -> None:
 # -- collectives on a plain process group (for code that runs inside PyTorch's DDP, no Transport) --
 def group_rank_and_size(group=None) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
+
+
+def global_rank(group, rank: int) -> int:
+    """The job-wide rank of ``group``'s rank ``rank`` (``group`` None: the whole job)."""
+    return rank if group is None else dist.get_global_rank(group, rank)
 
 
 def allreduce_sum_(tensor: torch.Tensor, group=None) -> torch.Tensor:
@@ -227,19 +297,24 @@ def allreduce_sum_async(tensor: torch.Tensor, group=None) -> torch.futures.Futur
     return dist.all_reduce(tensor, group=group, async_op=True).get_future()
 
 
-def allgather_bytes(message: torch.Tensor, group=None) -> list[torch.Tensor]:
-    """Every rank's ``uint8`` message, whatever their lengths (lengths first, then one padded all-gather)."""
-    return allgather_with_info(message, (0, 0, 0), group)[0]
+def allgather_bytes(message: torch.Tensor, group=None, *, limit: int,
+                    what: str = "all-gather") -> list[torch.Tensor]:
+    """Every rank's ``uint8`` message, each at most ``limit`` bytes (lengths first, checked, then one
+    padded all-gather)."""
+    return allgather_with_info(message, (0, 0, 0), group, limit=limit, what=what)[0]
 
 
-def allgather_with_info(message: torch.Tensor, info: tuple[int, int, int], group=None
-                        ) -> tuple[list[torch.Tensor], list[tuple[int, int, int]]]:
+def allgather_with_info(message: torch.Tensor, info: tuple[int, int, int], group=None, *, limit: int,
+                        what: str = "all-gather") -> tuple[list[torch.Tensor], list[tuple[int, int, int]]]:
     """:func:`allgather_bytes`, and three words of ``info`` from every rank (as in :meth:`Transport.send_bytes`)."""
     size = dist.get_world_size(group)
     header = torch.tensor([message.numel(), *info], dtype=torch.int64, device=message.device)
     headers = [torch.empty_like(header) for _ in range(size)]
     dist.all_gather(headers, header, group=group)
     rows = [h.tolist() for h in headers]
+    for r, row in enumerate(rows):
+        check_peer(0 <= row[0] <= limit, global_rank(group, r), what,
+                   f"a length of {row[0]} bytes (at most {limit} expected)")
     longest = max(1, max(row[0] for row in rows))
     padded = torch.zeros(longest, dtype=torch.uint8, device=message.device)
     padded[: message.numel()] = message

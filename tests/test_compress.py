@@ -418,3 +418,11 @@ def test_convergence_benchmark_lossless_equals_exact_and_lossy_still_trains():
     assert lossless["loss"] == exact["loss"] and lossless["curve"] == exact["curve"]  # same floats, same order
     onebit = convergence.train("onebit", error_feedback=True, task=task, steps=40)
     assert onebit["loss"] < exact["curve"][0][1] and onebit["loss"] != exact["loss"]
+
+
+@pytest.mark.parametrize("name", sorted(COMPRESSORS))
+def test_every_compressor_refuses_a_tensor_that_is_not_floating_point(name):
+    for codec in (build(name), build(name, error_feedback=True)):
+        with pytest.raises(CompressionError, match=r"compresses floating-point gradients; got a torch.int64 tensor "
+                                                   r"of shape \[4, 5\]"):
+            codec.compress(torch.arange(20).view(4, 5))

@@ -401,7 +401,7 @@ def _elastic_check():
 
     model = Table()
     opt = gradsync.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1), "hybrid")
-    with pytest.raises(ConfigError, match="elastic training needs a strategy whose optimizer state stays"):
+    with pytest.raises(ConfigError, match="elastic training and checkpoints need a strategy whose optimizer state stays"):
         Controller._check_elastic(opt.strategy)
     return "refused"
 

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 import gradsync
+from gradsync.compress import CompressionError
 from gradsync.errors import ConfigError, GradientEditedError
 from multirank import run_ranks, run_ranks_expect_failure
 
@@ -393,3 +394,26 @@ def test_buffers_follow_worker_0_before_each_training_forward_as_under_ddp(strat
     # Without the broadcast each worker keeps statistics of its own data only.
     assert not torch.allclose(local[0]["1.running_mean"], local[1]["1.running_mean"])
     assert not torch.allclose(local[1]["1.running_mean"], ours[1]["1.running_mean"])
+
+
+# -- a NaN that a sparse codec does not sample --------------------------------------------------------
+def nan_outside_the_sample() -> str:
+    """allreduce with random-k keeping 1 of 400 elements; worker 1's gradient has one NaN."""
+    rank = gradsync.topology().rank
+    torch.manual_seed(0)
+    model = nn.Linear(400, 1, bias=False)
+    opt = gradsync.distribute(model, torch.optim.SGD(model.parameters(), lr=LR), "allreduce",
+                              compression="randomk:ratio=0.0025")
+    if rank == 1:
+        model.weight.register_hook(lambda g: g.index_fill(1, torch.tensor([7]), float("nan")))
+    model(torch.randn(2, 400)).sum().backward()
+    try:
+        opt.step()
+    except CompressionError as exc:
+        return str(exc)
+    return "stepped"
+
+
+def test_a_nan_outside_a_sparse_codecs_sample_reaches_every_worker():
+    for message in run_ranks(nan_outside_the_sample, WORKERS, timeout=60):
+        assert "randomk all-reduce of bucket 0 ('weight'..) holds NaN/Inf" in message, message

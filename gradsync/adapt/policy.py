@@ -23,6 +23,7 @@ import contextlib
 import copy
 import json
 import math
+import os
 import statistics
 import time
 from typing import Any, Iterator
@@ -30,7 +31,7 @@ from typing import Any, Iterator
 import torch
 
 from gradsync import runtime
-from gradsync.adapt import elastic
+from gradsync.adapt import durable, elastic
 from gradsync.adapt.data import GlobalBatches
 from gradsync.adapt.monitor import Monitors, NoiseScale, Throughput
 from gradsync.consistency import broadcast_model, check_models_match
@@ -62,10 +63,18 @@ class Controller:
     :meth:`batch_indices` hands out each worker's share of one global order per epoch, so that no
     sample is skipped or seen twice within an epoch, whatever the batch size or the number of
     workers does meanwhile; :meth:`steps` then ends with the epoch.
+
+    ``checkpoint_dir`` (default ``GRADSYNC_CHECKPOINT_DIR``, which ``gradsync run --checkpoint-dir``
+    sets): worker 0 also writes every ``checkpoint_every``-th step's commit there (or one each
+    ``checkpoint_seconds``), atomically and off the step's path, and with ``GRADSYNC_RESUME=1``
+    (``gradsync run --resume DIR``) every worker starts from the newest one
+    (:mod:`gradsync.adapt.durable`).
     """
 
     def __init__(self, optimizer, policies: list[Policy] = (), *, monitors: Monitors | None = None,
-                 batch_size: int, dataset_size: int | None = None, seed: int = 0, commit_every: int = 1):
+                 batch_size: int, dataset_size: int | None = None, seed: int = 0, commit_every: int = 1,
+                 checkpoint_dir: str | None = None, checkpoint_every: int | None = None,
+                 checkpoint_seconds: float | None = None):
         if getattr(optimizer, "_gradsync", None) is None:
             raise ConfigError("Controller needs an optimizer returned by gradsync.distribute")
         for p in policies:
@@ -91,17 +100,29 @@ class Controller:
         self.strategy_spec: list | None = None  # [name, options] after ctl.switch_strategy; None: the script's
         self._resumed = False
         self._where = (0, 1)  # (rank, workers) when this worker last left a generation
+        self.checkpoint_dir = checkpoint_dir or os.environ.get(durable.DIR_ENV) or None
+        self._writer: durable.DurableCommits | None = None
+        if self.checkpoint_dir is not None:
+            self._check_elastic(optimizer.strategy)
+            every = checkpoint_every if checkpoint_every is not None else int(os.environ.get(durable.EVERY_ENV, "10"))
+            seconds = checkpoint_seconds
+            if seconds is None and os.environ.get(durable.SECONDS_ENV):
+                seconds = float(os.environ[durable.SECONDS_ENV])
+            self._schedule = durable.Schedule(every, seconds)
         member = elastic.current()
         if member is not None:
             self._check_elastic(optimizer.strategy)
             if elastic.joining():
                 self._hand_over(joining=True)  # the survivors do the same in _regroup
                 self._resumed = True  # the job is mid-training: no before_train / before_epoch here
+                return
+        if self.checkpoint_dir is not None and os.environ.get(durable.RESUME_ENV) == "1":
+            self._resume()
 
     @staticmethod
     def _check_elastic(strategy) -> None:
         if strategy.state_location != "optimizer":
-            raise ConfigError(f"elastic training needs a strategy whose optimizer state stays in your optimizer "
+            raise ConfigError(f"elastic training and checkpoints need a strategy whose optimizer state stays in your optimizer "
                               f"(allreduce, ddp, casync-*, compressed-allgather, sma); {strategy.name!r} spreads it")
 
     # -- who we are ------------------------------------------------------------------------------
@@ -165,6 +186,9 @@ class Controller:
             self._call("after_step")
             if elastic.current() is not None:
                 self._between_steps()
+            elif self.checkpoint_dir is not None and self.rank == 0 and self._schedule.due(self.step):
+                self.commit()
+                self._persist()
 
     def batch_indices(self) -> torch.Tensor:
         """This worker's sample indices for the current step (its slice of the global batch)."""
@@ -223,18 +247,48 @@ class Controller:
         position, as the ``epochs``/``steps`` iterators do). Returns when ``train`` returns, or when this
         worker was removed from the job (``ctl.detached``)."""
         member = elastic.current()
-        if member is None:
-            return train(self)
-        if self._commit is None:
-            self.commit()
-        while True:
-            try:
-                train(self)
-                return
-            except PeerFailureError as exc:
-                self._recover(exc)
-                if self.detached:
+        try:
+            if member is None:
+                return train(self)
+            if self._commit is None:
+                self.commit()
+            while True:
+                try:
+                    train(self)
                     return
+                except PeerFailureError as exc:
+                    self._recover(exc)
+                    if self.detached:
+                        return
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Wait for the checkpoint being written, if any, and stop its thread (``run`` does this)."""
+        if self._writer is not None:
+            writer, self._writer = self._writer, None
+            writer.close()
+
+    def _resume(self) -> None:
+        """Every worker: load the newest whole commit of the checkpoint folder, if there is one."""
+        commit = durable.latest(self.checkpoint_dir)
+        if commit is None:
+            print(f"gradsync: no checkpoint in {self.checkpoint_dir} yet: training starts from the beginning",
+                  flush=True)
+            return
+        self._commit = {key: commit[key] for key in ("params", "buffers", "optimizer", "counters")}
+        self._restore()
+        self._resumed = True  # mid-training: no before_train / before_epoch for the epoch under way
+        if self.rank == 0:
+            print(f"gradsync: resumed from {commit['path']} (step {self.step})", flush=True)
+
+    def _persist(self) -> None:
+        """After a commit: worker 0 hands it to the checkpoint writer when one is due."""
+        if self.checkpoint_dir is None or self.rank != 0 or not self._schedule.due(self.step):
+            return
+        if self._writer is None:
+            self._writer = durable.DurableCommits(self.checkpoint_dir, self._schedule)
+        self._writer.submit(self._commit)
 
     def commit(self) -> None:
         """Remember parameters, buffers, optimizer state and counters (restored if a worker dies)."""
@@ -275,6 +329,7 @@ class Controller:
             return  # a policy resized after this step (and committed): a worker that just joined does not ask again
         if self.step % self.commit_every == 0:
             self.commit()
+            self._persist()
         gen = member.agree()
         if gen > member.gen:
             self._regroup(gen, cause="resize")

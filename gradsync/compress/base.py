@@ -31,6 +31,7 @@ parameter and rank before anything is sent, and turns a compressor's own :class:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
 
@@ -69,6 +70,24 @@ class Compressor:
     lossless: ClassVar[bool] = False
     shared_seed: ClassVar[bool] = False
     """Whether every rank must seed this gradient's instance alike (see :func:`gradsync.compress.build`)."""
+
+    def __init_subclass__(cls, **kwargs):
+        """Every compressor's ``compress`` refuses a tensor that is not floating point (an integer
+        "gradient" would be cast, truncated or bit-packed into nonsense), naming its dtype."""
+        super().__init_subclass__(**kwargs)
+        own = cls.__dict__.get("compress")
+        if own is None or getattr(own, "_checks_dtype", False):
+            return
+
+        @functools.wraps(own)
+        def compress(self, tensor: torch.Tensor) -> tuple[Payload, Any]:
+            if not tensor.is_floating_point():
+                raise CompressionError(f"{self.name} compresses floating-point gradients; got a {tensor.dtype} tensor "
+                                       f"of shape {list(tensor.shape)}")
+            return own(self, tensor)
+
+        compress._checks_dtype = True
+        cls.compress = compress
 
     def compress(self, tensor: torch.Tensor) -> tuple[Payload, Any]:
         raise NotImplementedError
@@ -166,8 +185,37 @@ def to_bytes(payload: Payload) -> torch.Tensor:
     return torch.cat(parts)
 
 
+MAX_PARTS = 64
+"""The most parts a payload has (the codecs send 1 to 4)."""
+
+
+def message_problem(message: torch.Tensor) -> str | None:
+    """What is wrong with a received :func:`to_bytes` message (its layout: part count, dtype codes,
+    lengths adding up to its size), or None. Checked before any part is read."""
+    size = message.numel()
+    if size < 8:
+        return f"a {size}-byte payload (the part count alone takes 8)"
+    count = int(message[:8].view(torch.int64))
+    if not 0 <= count <= MAX_PARTS or size < 8 * (1 + 2 * count):
+        return f"a payload of {count} parts in {size} bytes (at most {MAX_PARTS} parts, 16 header bytes each)"
+    header = message[8: 8 * (1 + 2 * count)].view(torch.int64).tolist()
+    total = 8 * (1 + 2 * count)
+    for i in range(count):
+        numel, code = header[2 * i], header[2 * i + 1]
+        if not 0 <= code < len(_DTYPES) or numel < 0:
+            return f"payload part {i} of {numel} elements of dtype code {code}"
+        total += numel * _DTYPES[code].itemsize
+    if total != size:
+        return f"a payload whose parts add up to {total} bytes in a {size}-byte message"
+    return None
+
+
 def from_bytes(message: torch.Tensor, like: Payload | None = None) -> Payload:
-    """The payload in a :func:`to_bytes` message: flat parts, or shaped like ``like``'s where sizes match."""
+    """The payload in a :func:`to_bytes` message: flat parts, or shaped like ``like``'s where sizes match.
+    A message whose layout is wrong is a ``ValueError`` (:func:`message_problem`)."""
+    problem = message_problem(message)
+    if problem is not None:
+        raise ValueError(f"malformed compressed message: {problem}")
     count = int(message[:8].view(torch.int64))
     header = message[8: 8 * (1 + 2 * count)].view(torch.int64).tolist()
     out, offset = [], 8 * (1 + 2 * count)

@@ -34,7 +34,7 @@ import torch.distributed as dist  # for the GradBucket annotation DDP checks; no
 from gradsync import transport
 from gradsync.compress import build
 from gradsync.compress.base import (CompressionError, Compressor, NonFiniteGradientError, all_finite, from_bytes,
-                                    to_bytes)
+                                    message_problem, to_bytes)
 from gradsync.compress.powersgd import PowerSGD
 
 
@@ -185,8 +185,13 @@ def _sync(state: HookState, compressor: Compressor, tensor: torch.Tensor, name: 
     message = to_bytes(payload)
     state.bytes_sent += message.numel() * (size - 1)
     total = torch.zeros_like(tensor)
-    for received in transport.allgather_bytes(message, state.process_group):
-        total += compressor.decompress(from_bytes(received, payload), ctx)
+    what = f"compressed {name!r}"
+    received = transport.allgather_bytes(message, state.process_group, limit=transport.payload_limit(tensor.numel()),
+                                         what=what)
+    for r, one in enumerate(received):
+        problem = message_problem(one)
+        transport.check_peer(problem is None, transport.global_rank(state.process_group, r), what, problem)
+        total += compressor.decompress(from_bytes(one, payload), ctx)
     return total
 
 

@@ -69,6 +69,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                          help="workers may join, leave or die while the job runs (gradsync resize N; see docs/adaptive.md)")
     elastic.add_argument("--min-np", type=_int_in(1), help="with --elastic: fewest workers (default -np)")
     elastic.add_argument("--max-np", type=_int_in(1), help="with --elastic: most workers (default -np)")
+    durable = parser.add_argument_group("checkpoints (a script that trains through gradsync.adapt.Controller)")
+    durable.add_argument("--checkpoint-dir", metavar="DIR",
+                         help="worker 0 writes the Controller's commits to DIR, atomically, off the step's path")
+    durable.add_argument("--checkpoint-every", type=_int_in(1), metavar="N",
+                         help="write every N-th step's commit (default 10)")
+    durable.add_argument("--checkpoint-seconds", type=_float_at_least(0.001), metavar="T",
+                         help="also write the first commit T seconds after the last write")
+    durable.add_argument("--resume", metavar="DIR",
+                         help="start from the newest commit in DIR (after the job or its launcher died); "
+                              "the job goes on writing there")
     parser.set_defaults(handler=main, run_parser=parser)
     resize = subparsers.add_parser("resize", help="ask a running elastic job (gradsync run --elastic) for N workers",
                                    description="Ask a running elastic job for N workers; it regroups after its next step.")
@@ -155,6 +165,7 @@ def main(args: argparse.Namespace) -> int:
     if args.bind is not None:
         os.environ["GRADSYNC_BIND_ADDR"] = args.bind  # the ranks inherit it; rank 0's store reads it
     hosts, node_rank = _hosts_and_node_rank(args, parser)
+    _checkpoints(args, parser)
     if args.elastic:
         return _run_elastic(args, command, parser)
     if args.min_np is not None or args.max_np is not None:
@@ -167,6 +178,32 @@ def main(args: argparse.Namespace) -> int:
     if result.message:
         print(result.message, file=sys.stderr, flush=True)
     return result.returncode
+
+
+def _checkpoints(args, parser) -> None:
+    """The checkpoint options, handed to the ranks as environment variables (gradsync.adapt.durable)."""
+    from gradsync.adapt import durable
+
+    folder = args.resume or args.checkpoint_dir
+    if args.resume and args.checkpoint_dir and os.path.abspath(args.resume) != os.path.abspath(args.checkpoint_dir):
+        parser.error("--resume DIR goes on writing to DIR: give --checkpoint-dir the same folder, or leave it out")
+    if folder is None:
+        if args.checkpoint_every is not None or args.checkpoint_seconds is not None:
+            parser.error("--checkpoint-every and --checkpoint-seconds need --checkpoint-dir (or --resume)")
+        return
+    if args.resume:
+        if not os.path.isdir(args.resume):
+            parser.error(f"--resume {args.resume}: no such folder")
+        found = durable.commits(args.resume)
+        print(f"gradsync run: resuming from {found[0][1]} (step {found[0][0]})" if found else
+              f"gradsync run: --resume {args.resume} holds no commit yet: the job starts from the beginning",
+              file=sys.stderr, flush=True)
+        os.environ[durable.RESUME_ENV] = "1"
+    os.environ[durable.DIR_ENV] = os.path.abspath(folder)
+    if args.checkpoint_every is not None:
+        os.environ[durable.EVERY_ENV] = str(args.checkpoint_every)
+    if args.checkpoint_seconds is not None:
+        os.environ[durable.SECONDS_ENV] = str(args.checkpoint_seconds)
 
 
 def _run_elastic(args, command: list[str], parser) -> int:

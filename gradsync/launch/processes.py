@@ -5,14 +5,17 @@ import collections
 import contextlib
 import ctypes
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from gradsync import flight
 from gradsync import store as stores
 from gradsync.launch.hosts import (DEFAULT_MULTI_HOST_PORT, RankSpec, _port_taken_message, find_free_port,
                                    plan_ranks)
@@ -167,14 +170,18 @@ def _stop(ranks: list[_Rank], grace_s: float) -> None:
 
 
 @contextlib.contextmanager
-def _trap_signals():
-    """Record SIGINT/SIGTERM instead of dying, so the launcher can stop its children first."""
+def _trap_signals(on_usr1: Callable[[], None] | None = None):
+    """Record SIGINT/SIGTERM instead of dying, so the launcher can stop its children first.
+    ``on_usr1``: SIGUSR1 sets a flag that the waiting loop turns into a call of it (the
+    cross-rank summary, :mod:`gradsync.flight`)."""
     caught: list[int] = []
     if threading.current_thread() is not threading.main_thread():
         yield caught  # signal handlers can only be set from the main thread
         return
     previous = {sig: signal.signal(sig, lambda signum, _frame: caught.append(signum))
                 for sig in (signal.SIGINT, signal.SIGTERM)}
+    if on_usr1 is not None:
+        previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, lambda _signum, _frame: _USR1.set())
     try:
         yield caught
     finally:
@@ -182,10 +189,17 @@ def _trap_signals():
             signal.signal(sig, signal.SIG_DFL if handler is None else handler)
 
 
-def _wait_for_failure(ranks: list[_Rank], caught: list[int]) -> _Rank | None:
+_USR1 = threading.Event()
+
+
+def _wait_for_failure(ranks: list[_Rank], caught: list[int], on_usr1: Callable[[], None] | None = None
+                      ) -> _Rank | None:
     """Block until all ranks exit 0 (None), one fails (it), or the launcher is signalled (None)."""
     running = list(ranks)
     while running and not caught:
+        if _USR1.is_set() and on_usr1 is not None:
+            _USR1.clear()
+            on_usr1()
         for rank in list(running):
             code = rank.proc.poll()
             if code is not None:
@@ -194,6 +208,21 @@ def _wait_for_failure(ranks: list[_Rank], caught: list[int]) -> _Rank | None:
                     return rank
         time.sleep(_POLL_S)
     return None
+
+
+def _report_flight(folder: str | None, ranks: list[_Rank], reason: str, out: _Output) -> None:
+    """Print where every rank is (each dumps its flight record on request; :mod:`gradsync.flight`)."""
+    if folder is None:
+        return
+    lines = flight.report(folder, [rank.spec.rank for rank in ranks if rank.proc.poll() is None
+                                   or os.path.exists(os.path.join(folder, f"rank-{rank.spec.rank}.json"))], reason)
+    if not lines:
+        return
+    text = [f"gradsync run: where each rank is ({reason}):"] + [f"    {line}" for line in lines]
+    text.append(f"gradsync run: every rank's last operations: {os.path.join(folder, 'flight-summary.json')}")
+    with out.lock, contextlib.suppress(Exception):
+        out.stderr.write("\n".join(text) + "\n")
+        out.stderr.flush()
 
 
 def _exit_code(code: int) -> int:
@@ -248,9 +277,9 @@ def _rank_envs(specs: list[RankSpec], *, np: int, servers: int, node_rank: int, 
     return envs
 
 
-def _run(commands, specs, envs, *, logdir, grace_s, prefix_output) -> JobResult:
+def _run(commands, specs, envs, *, logdir, grace_s, prefix_output, flight_dir=None) -> JobResult:
     out, ranks = _Output(prefix_output), []
-    with _trap_signals() as caught:
+    with _trap_signals(on_usr1=lambda: _report_flight(flight_dir, ranks, "SIGUSR1", out)) as caught:
         try:
             try:
                 for command, spec, env in zip(commands, specs, envs):
@@ -261,7 +290,9 @@ def _run(commands, specs, envs, *, logdir, grace_s, prefix_output) -> JobResult:
                 return JobResult(127, spec, f"gradsync run: cannot start {spec.label}: {err}")
             for rank in ranks:  # threads only after all forks: preexec_fn and threads mix badly
                 _start_pumps(rank, out)
-            failed = _wait_for_failure(ranks, caught)
+            failed = _wait_for_failure(ranks, caught, on_usr1=lambda: _report_flight(flight_dir, ranks, "SIGUSR1", out))
+            if failed is not None:
+                _report_flight(flight_dir, ranks, f"{failed.spec.label} (rank {failed.spec.rank}) failed", out)
             _stop(ranks, grace_s)  # also on success: no grandchild outlives the job
         finally:
             _signal_groups(ranks, signal.SIGKILL)  # whatever went wrong above, leave nothing behind
@@ -328,6 +359,10 @@ def launch_local(command: list[str], *, np: int, servers: int = 0, port: int | N
                   "value on every node to sign its keys", file=sys.stderr, flush=True)
         else:
             env[stores.SECRET_ENV] = stores.new_secret()
+    # Where ranks dump their flight records (gradsync.flight): next to the logs, else a folder
+    # that is removed again unless a summary was written into it.
+    flight_dir = logdir if logdir is not None else tempfile.mkdtemp(prefix="gradsync-flight-")
+    env[flight.DIR_ENV] = os.path.abspath(flight_dir)
     envs = _rank_envs(specs, np=np, servers=servers, node_rank=node_rank,
                       master_addr=master_addr, port=port, env=env)
     commands = [list(command) for _ in specs]
@@ -336,4 +371,9 @@ def launch_local(command: list[str], *, np: int, servers: int = 0, port: int | N
             prefix, extra = placement(spec)
             commands[k] = [*prefix, *command]
             envs[k].update(extra)
-    return _run(commands, specs, envs, logdir=logdir, grace_s=grace_s, prefix_output=prefix_output)
+    try:
+        return _run(commands, specs, envs, logdir=logdir, grace_s=grace_s, prefix_output=prefix_output,
+                    flight_dir=flight_dir)
+    finally:
+        if logdir is None and not os.path.exists(os.path.join(flight_dir, "flight-summary.json")):
+            shutil.rmtree(flight_dir, ignore_errors=True)

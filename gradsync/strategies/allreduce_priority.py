@@ -44,6 +44,7 @@ from gradsync.strategies.overlap import (Arrivals, ForwardOrder, SliceOptimizers
                                          check_sliceable, hyper, out_of_step)
 from gradsync.strategies.optstate import StateLayout, gather, install
 from gradsync.strategies.slicing import SlicePlan
+from gradsync.transport import check_peer
 
 CONTROL_TAG = 0x4253
 STOP, KEEPALIVE = -1, -2  # decisions that name no partition: the schedule ended; nothing to do yet
@@ -257,6 +258,8 @@ class PriorityAllReduce(Strategy):
         while True:
             t.recv_async(decision, 0, CONTROL_TAG, what="schedule from rank 0", traced=False).wait(background=True)
             k, step = decision.tolist()
+            check_peer((k in (STOP, KEEPALIVE) or 0 <= k < len(self.buffers)) and step >= 0, 0,
+                       "a schedule decision", f"partition {k} at step {step} (there are {len(self.buffers)})")
             if k == KEEPALIVE:
                 continue
             if k == STOP:

@@ -45,11 +45,12 @@ from typing import Any
 import torch
 
 from gradsync.compress import CompressionError, Compressor, NonFiniteGradientError, PowerSGD, build, parse_spec
-from gradsync.compress.base import Payload, all_finite, from_bytes, to_bytes
+from gradsync.compress.base import Payload, all_finite, from_bytes, message_problem, to_bytes
 from gradsync.errors import ConfigError, GradsyncError
 from gradsync.strategies import costmodel
 from gradsync.strategies.allreduce import MB, Bucket, BucketedSync
 from gradsync.strategies.base import SyncContext, ring_bytes
+from gradsync.transport import check_peer, payload_limit
 
 FAULT_NONFINITE, FAULT_COMPRESSION = 1, 2
 TAG_BASE = 0x43530000  # + bucket index: this family's point-to-point tags
@@ -388,9 +389,13 @@ class CompressedSync(BucketedSync):
 
     def recv(self, worker: int, k: int) -> torch.Tensor:
         message, info = self.ctx.transport.recv_bytes(self.workers[worker], TAG_BASE + k,
+                                                      limit=payload_limit(self.buckets[k].numel),
                                                       what=f"compressed bucket {k} from rank {self.workers[worker]}")
         if info[0] and self.fault is None:
             self.fault = Fault(*info)
+        if message.numel() and self.fault is None:
+            problem = message_problem(message)
+            check_peer(problem is None, self.workers[worker], f"compressed bucket {k}", problem)
         return message
 
     def _allreduce(self, tensor: torch.Tensor) -> None:

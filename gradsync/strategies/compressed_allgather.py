@@ -12,10 +12,11 @@ from __future__ import annotations
 import torch
 
 from gradsync.compress import Compressor
-from gradsync.compress.base import from_bytes
+from gradsync.compress.base import from_bytes, message_problem
 from gradsync.compress.powersgd import PowerSGD
 from gradsync.errors import ConfigError
 from gradsync.strategies.compressed import CompressedSync, Fault
+from gradsync.transport import check_peer, payload_limit
 
 
 class CompressedAllGather(CompressedSync):
@@ -34,12 +35,16 @@ class CompressedAllGather(CompressedSync):
         message, payload, ctx = self.encode(codec, flat, param=self.buckets[k].indices[0])
         info = self.fault.info if self.fault is not None else (0, -1, -1)
         messages, infos = self.ctx.transport.allgather_bytes(message, info=info, group=self.group,
+                                                             limit=payload_limit(flat.numel()),
                                                              what=f"all-gather of compressed bucket {k}")
         for code, rank, param in infos:
             if code and self.fault is None:
                 self.fault = Fault(code, rank, param)
         if self.fault is not None:
             return
+        for w, received in enumerate(messages):
+            problem = None if w == self.me else message_problem(received)
+            check_peer(problem is None, self.workers[w], f"compressed bucket {k}", problem)
         total = torch.zeros_like(flat)
         for w, received in enumerate(messages):
             total += codec.decompress(payload if w == self.me else from_bytes(received, payload), ctx)

@@ -71,7 +71,7 @@ from gradsync.errors import ConfigError, GradsyncError, PeerFailureError
 from gradsync.strategies.allreduce import AllReduce
 from gradsync.strategies.base import Strategy, SyncContext, ring_bytes
 from gradsync.strategies.optstate import StateLayout, gather
-from gradsync.transport import wait_all
+from gradsync.transport import check_peer, wait_all
 
 OP_PULL, OP_PUSH, OP_FLUSH, OP_STOP, OP_PROBE_PUSH, OP_PROBE_PULL = 1, 2, 3, 4, 5, 6
 TAG_REQUEST, TAG_ANSWER = 920_001, 920_002
@@ -146,6 +146,7 @@ class RowServer:
     def __init__(self, owner: "Hybrid", tables: list[nn.Parameter], workers: list[int], local: bool):
         self.h, self.tables, self.workers = owner, tables, workers
         self.widths, self.dtypes = [p.shape[1] for p in tables], [p.dtype for p in tables]
+        self.row_counts = [p.shape[0] for p in tables]  # a dedicated server later keeps only its partitions
         self.me = owner.ctx.topology.rank
         self.remote = set(w for w in workers if w != self.me)
         self.local = local  # this rank is also a worker (co-located)
@@ -229,6 +230,7 @@ class RowServer:
                     continue  # no request within the timeout: keep serving
                 self.last_request = time.monotonic()
                 op, step, table, partitions, n, used, lr_bits, _ = header.tolist()
+                self._check_header(src, op, table, n)
                 if op == OP_STOP:
                     with self.cond:
                         self.remote.discard(src)
@@ -237,6 +239,7 @@ class RowServer:
                 ids = torch.empty(n, dtype=torch.int64)
                 if n:
                     t.recv_async(ids, src, TAG_REQUEST, what=f"row ids from rank {src}", traced=False).wait(background=True)
+                    self._check_ids(src, table, ids)
                 values = None
                 if op in (OP_PUSH, OP_PROBE_PUSH):
                     values = torch.empty(n, self.widths[table], dtype=self.dtypes[table])
@@ -247,6 +250,29 @@ class RowServer:
             self.failure = exc
             with self.cond:
                 self.cond.notify_all()
+
+    def _check_header(self, src: int, op: int, table: int, n: int) -> None:
+        """A request's header against what a worker may ask, before anything is allocated for it."""
+        check_peer(OP_PULL <= op <= OP_PROBE_PULL, src, "a hybrid request", f"operation {op}")
+        if op == OP_STOP:
+            return
+        check_peer(0 <= table < len(self.row_counts), src, "a hybrid request", f"table {table} (there are {len(self.row_counts)})")
+        rows = self.row_counts[table]
+        check_peer(0 <= n <= rows, src, f"a hybrid request for table {table}", f"{n} row ids (it has {rows} rows)")
+
+    def _check_ids(self, src: int, table: int, ids: torch.Tensor, owned: bool = False) -> None:
+        """Row ids a worker sent: within the table (``owned``: within this server's partitions)."""
+        rows = self.row_counts[table]
+        if owned:
+            inside = torch.zeros(ids.shape, dtype=torch.bool)
+            for lo, hi, _ in self.parts[table]:
+                inside |= (ids >= lo) & (ids < hi)
+        else:
+            inside = (ids >= 0) & (ids < rows)
+        if not bool(inside.all()):
+            bad = int(ids[~inside][0])
+            where = "outside this server's partitions" if owned else f"outside 0..{rows - 1}"
+            check_peer(False, src, f"row ids of table {table}", f"row {bad}, {where}")
 
     def handle(self, src: int, op: int, step: int, table: int, partitions: int, ids: torch.Tensor,
                values: torch.Tensor | None, used: bool, lr: float) -> None:
@@ -262,6 +288,8 @@ class RowServer:
             if self.layout.partitions != partitions:
                 raise GradsyncError(f"hybrid server {self.me}: rank {src} uses {partitions} partitions, this server "
                                     f"{self.layout.partitions}")
+            if op in (OP_PUSH, OP_PULL) and ids.numel():
+                self._check_ids(src, table, ids, owned=True)
             if op == OP_PUSH:
                 self._push(src, step, table, ids, values, used, lr)
             elif op in (OP_PULL, OP_FLUSH):

@@ -60,6 +60,7 @@ from gradsync.strategies.overlap import (Arrivals, ForwardOrder, SliceOptimizers
 from gradsync.strategies.optstate import StateLayout, gather, install
 from gradsync.strategies.scheduler import PrioritySender
 from gradsync.strategies.slicing import SlicePlan, flat_view
+from gradsync.transport import check_peer
 
 PUSH, ANSWER, STOP, KEEPALIVE = 1, 2, 3, 4
 TAG = 0x5033
@@ -337,6 +338,7 @@ class P3(Strategy):
                 buf, handle = posted.popleft()
                 handle.wait(background=True)
                 kind, k, step = wire.header(buf)
+                self._check_header(peer, kind, k, step)
                 if kind == STOP:
                     if peer in self.workers:
                         self.stopped[peer] = step
@@ -354,6 +356,13 @@ class P3(Strategy):
                 posted.append((buf, t.recv_async(buf, peer, TAG, what=f"message from rank {peer}", traced=False)))
         except BaseException as exc:  # raised in the training thread by _check()
             self.arrivals.fail(exc)
+
+    def _check_header(self, peer: int, kind: int, k: int, step: int) -> None:
+        """A message from ``peer`` must push a slice this rank owns, answer with one ``peer`` owns, or stop."""
+        slices = self.plan.slices
+        owner = {PUSH: self.me, ANSWER: peer}.get(kind)
+        ok = kind in (STOP, KEEPALIVE) or (owner is not None and 0 <= k < len(slices) and slices[k].owner == owner)
+        check_peer(ok and step >= 0, peer, "a P3 message", f"kind {kind}, slice {k}, step {step}")
 
     def _trace_arrival(self, kind: int, k: int, peer: int, since: float) -> float:
         """A span per received slice, from the previous arrival on this stream to this one."""

@@ -25,6 +25,7 @@ import torch
 from gradsync import runtime
 from gradsync.errors import ConfigError, GradsyncError
 from gradsync.strategies.base import Strategy, SyncContext
+from gradsync.transport import check_peer
 
 TAG_REQUEST, TAG_REPLY = 910_001, 910_002
 OP_PULL, OP_LEAVE = 1, 2
@@ -69,13 +70,16 @@ class PairAveraging(Strategy):
         try:
             while len(self.left) < len(self.peers):
                 try:
-                    if transport.recv_any(request, TAG_REQUEST, what="pair-averaging request") is None:
+                    src = transport.recv_any(request, TAG_REQUEST, what="pair-averaging request")
+                    if src is None:
                         continue  # no pull within the timeout: keep serving
                 except Exception:  # noqa: BLE001 - after close, the group going away ends the loop
                     if self.closed:
                         return
                     raise
                 op, peer = request.tolist()
+                check_peer(op in (OP_PULL, OP_LEAVE) and peer == src and peer in self.peers, src,
+                           "a pair-averaging request", f"operation {op} for worker {peer}")
                 if op == OP_LEAVE:
                     self.left.add(peer)
                     continue

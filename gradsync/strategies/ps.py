@@ -45,10 +45,16 @@ from gradsync.errors import ConfigError, GradsyncError
 from gradsync.strategies.allreduce import plan_buckets
 from gradsync.strategies.base import Strategy, SyncContext, fill_slot, mean_of_used, ring_bytes
 from gradsync.strategies.optstate import StateLayout, gather, install
-from gradsync.transport import wait_all
+from gradsync.transport import check_peer, wait_all
 
 OP_STEP, OP_STOP = 1, 2
 TAG_CONTROL = 0
+
+
+def _check_header(header: torch.Tensor, src: int) -> None:
+    op, step = header.tolist()
+    check_peer(op in (OP_STEP, OP_STOP) and step >= 0, src, "a parameter-server step header",
+               f"operation {op} and step {step}")
 
 
 def partition(sizes: list[int], servers: list[int]) -> list[int]:
@@ -314,6 +320,8 @@ class ParameterServer(Strategy):
         headers = [torch.zeros(2, dtype=torch.int64, device=self.ctx.transport.device) for _ in workers]
         wait_all([self.ctx.transport.recv_async(h, w, TAG_CONTROL, what=f"step header from rank {w}")
                   for h, w in zip(headers, workers)])
+        for h, w in zip(headers, workers):
+            _check_header(h, w)
         return headers
 
     def _serve_sync(self) -> None:
@@ -348,6 +356,7 @@ class ParameterServer(Strategy):
             handle = t.recv_async(header, None, TAG_CONTROL, what="step header from any worker")
             handle.wait()
             worker = handle.source_rank()
+            _check_header(header, worker)
             if int(header[0]) == OP_STOP:
                 remaining.discard(worker)
                 continue

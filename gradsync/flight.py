@@ -1,0 +1,226 @@
+"""Where every rank is: a small record of each rank's last operations, and the cross-rank summary.
+
+A job that hangs shows nothing: every rank waits, none fails, until the timeout. To say *who waits
+where*, each rank keeps its last :data:`SIZE` communication operations in a ring
+(:class:`FlightRecorder`, filled by :mod:`gradsync.transport`): what (``all-reduce of bucket 7
+(parameters 'fc.weight'..)``), the optimizer step, bytes, the peer, when it was issued and when
+it completed, and which operation the rank is blocked in right now. Collectives also carry their
+number on their group, so the ranks' sequences can be compared: the n-th collective on a group
+must be the same operation on every rank.
+
+Dumps: a rank writes its record as ``rank-R.json`` into ``GRADSYNC_FLIGHT_DIR`` (set by
+``gradsync run``) when it reports a peer failure or a timeout, and whenever the launcher asks (a
+``request`` file there, polled by the rank's heartbeat thread once a second, so a rank whose main
+thread is blocked still answers). ``gradsync run`` asks when a rank fails and on ``SIGUSR1``, then
+prints :func:`summarize`'s lines and writes them with every dump to ``flight-summary.json``.
+Nothing crosses the wire: the files are JSON on the launcher's machine.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import os
+import time
+
+SIZE = 64
+"""Operations each rank keeps."""
+DIR_ENV = "GRADSYNC_FLIGHT_DIR"
+REQUEST = "request"
+
+
+class Record:
+    """One operation: what, on which group (and its number there), step, bytes, peer, times."""
+
+    __slots__ = ("what", "op", "group", "seq", "step", "nbytes", "peer", "issued", "done")
+
+    def __init__(self, what: str, op: str, group: str | None, seq: int, step: int, nbytes: int, peer: int | None):
+        self.what, self.op, self.group, self.seq = what, op, group, seq
+        self.step, self.nbytes, self.peer = step, nbytes, peer
+        self.issued, self.done = time.time(), None
+
+    def as_dict(self) -> dict:
+        return {name: getattr(self, name) for name in self.__slots__}
+
+
+class FlightRecorder:
+    """This rank's last operations (see the module docstring). Cheap: one small object per operation."""
+
+    def __init__(self, rank: int, label: str, size: int = SIZE):
+        self.rank, self.label = rank, label
+        self.records: collections.deque[Record] = collections.deque(maxlen=size)
+        self.counts: dict[str, int] = {}
+        self.step = 1  # the optimizer step in progress, from 1 (counted by distribute's wrapped step)
+        self.waiting: Record | None = None
+        self.dumped_for: float = 0.0  # the request file's mtime this rank last answered
+
+    def issue(self, what: str, op: str, nbytes: int, *, group: str | None = None, peer: int | None = None) -> Record:
+        """Record an operation as it is issued; ``group`` names a collective's group (numbered there)."""
+        seq = -1
+        if group is not None:
+            seq = self.counts.get(group, 0)
+            self.counts[group] = seq + 1
+        record = Record(what, op, group, seq, self.step, nbytes, peer)
+        self.records.append(record)
+        return record
+
+    def snapshot(self, reason: str = "") -> dict:
+        now = time.time()
+        waiting = self.waiting
+        return {"rank": self.rank, "label": self.label, "pid": os.getpid(), "time": now, "step": self.step,
+                "reason": reason, "waiting": None if waiting is None else waiting.as_dict(),
+                "records": [r.as_dict() for r in list(self.records)]}
+
+    def dump(self, reason: str) -> str | None:
+        """Write ``rank-R.json`` into ``GRADSYNC_FLIGHT_DIR`` (atomically); its path, or None without one."""
+        folder = os.environ.get(DIR_ENV)
+        if not folder:
+            return None
+        path = os.path.join(folder, f"rank-{self.rank}.json")
+        with contextlib.suppress(OSError):
+            tmp = f"{path}.{os.getpid()}.tmp"
+            with open(tmp, "w") as f:
+                json.dump(self.snapshot(reason), f)
+            os.replace(tmp, path)
+            return path
+        return None
+
+    def answer_request(self) -> None:
+        """Dump if the launcher asked since the last answer (called by the heartbeat thread)."""
+        folder = os.environ.get(DIR_ENV)
+        if not folder:
+            return
+        try:
+            asked = os.stat(os.path.join(folder, REQUEST)).st_mtime
+        except OSError:
+            return
+        if asked > self.dumped_for:
+            self.dumped_for = asked
+            self.dump("asked by the launcher")
+
+
+_CURRENT: FlightRecorder | None = None
+
+
+def current() -> FlightRecorder | None:
+    return _CURRENT
+
+
+def install(recorder: FlightRecorder | None) -> None:
+    global _CURRENT
+    _CURRENT = recorder
+
+
+# -- the launcher's side ----------------------------------------------------------------------------
+def request(folder: str) -> float:
+    """Ask every rank of the job to dump (touch the request file); the time asked."""
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, REQUEST)
+    now = time.time()
+    with open(path, "a"):
+        os.utime(path, (now, now))
+    return now
+
+
+def collect(folder: str, ranks: list[int], since: float, wait_s: float) -> dict[int, dict]:
+    """The dumps of ``ranks`` written after ``since``, waiting at most ``wait_s`` for the missing."""
+    deadline = time.monotonic() + wait_s
+    found: dict[int, dict] = {}
+    while True:
+        for rank in ranks:
+            if rank in found:
+                continue
+            path = os.path.join(folder, f"rank-{rank}.json")
+            with contextlib.suppress(OSError, ValueError):
+                if os.stat(path).st_mtime >= since - 1.0:
+                    with open(path) as f:
+                        found[rank] = json.load(f)
+        if len(found) == len(ranks) or time.monotonic() > deadline:
+            return found
+        time.sleep(0.05)
+
+
+def _where(record: dict) -> str:
+    step = f"step {record['step']}"
+    if record.get("group") is not None:
+        step += f", collective #{record['seq']} on {record['group']}"
+    return f"{record['what']} ({step})"
+
+
+def _last_done(dump: dict) -> dict | None:
+    return next((r for r in reversed(dump["records"]) if r["done"] is not None), None)
+
+
+def _names(ranks: list[int]) -> str:
+    ranks = sorted(ranks)
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    return "ranks " + ", ".join(map(str, ranks[:-1])) + f" and {ranks[-1]}"
+
+
+def summarize(dumps: dict[int, dict], ranks: list[int]) -> list[str]:
+    """Human lines: each rank's place, then who waits where, who is behind, the first divergence."""
+    lines = []
+    now = max((d["time"] for d in dumps.values()), default=time.time())
+    for rank in ranks:
+        dump = dumps.get(rank)
+        if dump is None:
+            lines.append(f"rank {rank}: no answer (dead, or blocked while holding Python's lock)")
+            continue
+        who = dump["label"]  # "worker 0 (rank 0)"
+        if dump["waiting"] is not None:
+            w = dump["waiting"]
+            lines.append(f"{who}: waits in {_where(w)} for {now - w['issued']:.1f} s")
+        else:
+            last = _last_done(dump)
+            done = "nothing yet" if last is None else f"{_where(last)}, {now - last['done']:.1f} s ago"
+            lines.append(f"{who}: not in a gradsync operation (step {dump['step']}); last completed {done}")
+    waiting: dict[str, list[int]] = {}
+    for rank, dump in dumps.items():
+        if dump["waiting"] is not None:
+            waiting.setdefault(_where(dump["waiting"]), []).append(rank)
+    idle = [r for r, d in dumps.items() if d["waiting"] is None]
+    parts = [f"{_names(rs)} wait in {where}" for where, rs in waiting.items()]
+    for rank in sorted(idle):
+        last = _last_done(dumps[rank])
+        parts.append(f"rank {rank} last completed {_where(last)}" if last else f"rank {rank} completed nothing yet")
+    missing = [r for r in ranks if r not in dumps]
+    if missing:
+        parts.append(f"{_names(missing)} did not answer")
+    if parts:
+        lines.append("; ".join(parts))
+    divergence = _first_divergence(dumps)
+    if divergence:
+        lines.append(divergence)
+    return lines
+
+
+def _first_divergence(dumps: dict[int, dict]) -> str | None:
+    """The first collective number on a group where two ranks issued different operations."""
+    by_group: dict[str, dict[int, dict[int, str]]] = {}
+    for rank, dump in dumps.items():
+        for r in dump["records"]:
+            if r.get("group") is not None:
+                by_group.setdefault(r["group"], {}).setdefault(rank, {})[r["seq"]] = r["what"]
+    for group, per_rank in sorted(by_group.items()):
+        common = set.intersection(*(set(s) for s in per_rank.values())) if len(per_rank) > 1 else set()
+        for seq in sorted(common):
+            whats = {rank: seqs[seq] for rank, seqs in per_rank.items()}
+            if len(set(whats.values())) > 1:
+                first = min(whats)
+                other = next(r for r in sorted(whats) if whats[r] != whats[first])
+                return (f"ranks diverge at collective #{seq} on {group}: rank {other} issued {whats[other]!r} where "
+                        f"rank {first} issued {whats[first]!r}")
+    return None
+
+
+def report(folder: str, ranks: list[int], reason: str, wait_s: float = 2.5) -> list[str]:
+    """Ask every rank to dump, collect, and write ``flight-summary.json``; the summary lines."""
+    since = request(folder)
+    dumps = collect(folder, ranks, since, wait_s)
+    lines = summarize(dumps, ranks)
+    with contextlib.suppress(OSError):
+        with open(os.path.join(folder, "flight-summary.json"), "w") as f:
+            json.dump({"reason": reason, "time": since, "summary": lines,
+                       "ranks": {str(r): d for r, d in sorted(dumps.items())}}, f, indent=1)
+    return lines

@@ -1,0 +1,85 @@
+"""Durable commits: written atomically off the step's path, and a job resumed after its launcher
+was killed ends with the model of an uninterrupted run."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from gradsync.adapt import durable
+from gradsync.errors import ConfigError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE = os.path.join(ROOT, "examples", "elastic.py")
+GRADSYNC = [sys.executable, "-m", "gradsync.cli"]
+
+
+def commit(step: int) -> dict:
+    return {"params": [torch.full((3,), float(step))], "buffers": [], "optimizer": {"state": {}, "param_groups": []},
+            "counters": {"step": step, "epoch": 0, "data": (0, 4 * step), "batch_size": 4, "stop": False}}
+
+
+def test_commits_are_written_whole_the_newest_two_kept_and_wrecks_skipped(tmp_path):
+    writer = durable.DurableCommits(str(tmp_path), durable.Schedule(every_steps=1))
+    for step in (1, 2, 3):
+        writer.submit(commit(step))
+        writer.flush()
+    writer.close()
+    assert [s for s, _ in durable.commits(str(tmp_path))] == [3, 2]  # pruned to the newest two
+    # What a kill leaves behind: a temporary file, and (damage on disk) a newest file that does not load.
+    (tmp_path / ".commit-000000004.pt.123.tmp").write_bytes(b"half a commit")
+    (tmp_path / "commit-000000005.pt").write_bytes(b"not a checkpoint")
+    newest = durable.latest(str(tmp_path))
+    assert newest["counters"]["step"] == 3 and newest["params"][0].tolist() == [3.0] * 3
+    assert newest["path"].endswith("commit-000000003.pt")
+
+
+def test_bad_schedules_are_refused():
+    with pytest.raises(ConfigError, match="checkpoint_every must be >= 1"):
+        durable.Schedule(every_steps=0)
+    with pytest.raises(ConfigError, match="checkpoint_seconds must be a positive number"):
+        durable.Schedule(every_steps=5, every_s=float("nan"))
+
+
+def run_example(tmp_path, name, launcher_args, timeout=120):
+    out = tmp_path / f"{name}.json"
+    command = [*GRADSYNC, "run", "--elastic", "-np", "2", *launcher_args, "--", sys.executable, EXAMPLE,
+               "--steps", "40", "--sleep", "0.03", "--out", str(out)]
+    return out, subprocess.Popen(command, cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 env={**os.environ, "GRADSYNC_TIMEOUT": "20"}, start_new_session=True)
+
+
+def test_resume_after_the_launcher_is_killed_ends_with_the_uninterrupted_model(tmp_path):
+    folder = tmp_path / "ckpt"
+    ref_out, ref = run_example(tmp_path, "reference", [])
+    assert ref.wait(timeout=120) == 0, ref.stderr.read()[-3000:]
+    reference = json.loads(ref_out.read_text())
+
+    _, job = run_example(tmp_path, "killed", ["--checkpoint-dir", str(folder), "--checkpoint-every", "1"])
+    deadline = time.monotonic() + 60
+    while not any(step >= 12 for step, _ in durable.commits(str(folder))):
+        assert time.monotonic() < deadline and job.poll() is None, job.stderr.read()[-3000:]
+        time.sleep(0.01)
+    job.send_signal(signal.SIGKILL)  # the launcher only: its workers die with it (PDEATHSIG), mid-write or not
+    job.wait()
+    time.sleep(0.5)
+    killed_at = durable.commits(str(folder))[0][0]
+    assert killed_at < 40
+
+    out, resumed = run_example(tmp_path, "resumed", ["--resume", str(folder)])
+    stdout, stderr = resumed.communicate(timeout=120)
+    assert resumed.returncode == 0, stderr[-3000:]
+    assert "gradsync run: resuming from" in stderr and "gradsync: resumed from" in stdout, stdout + stderr
+    result = json.loads(out.read_text())
+    first = min(map(int, result["batches"]))
+    assert first >= killed_at > 0  # it went on from a commit, not from the start
+    for step, batch in result["batches"].items():  # the same global batches as the uninterrupted run
+        assert batch == reference["batches"][step], step
+    for got, want in zip(result["params"], reference["params"]):
+        assert torch.allclose(torch.tensor(got), torch.tensor(want), atol=1e-6), (got, want)
