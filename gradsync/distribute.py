@@ -269,35 +269,41 @@ def _wrap_optimizer(optimizer: torch.optim.Optimizer, sync: _Sync) -> torch.opti
     def rank_and_strategy() -> str:
         return f"rank {runtime.current().topology.rank}, strategy {sync.strategy.name}"
 
+    def _check_server_state(doing: str) -> None:
+        strategy = sync.strategy
+        if strategy.state_location == "servers" and not strategy.moves_server_state:
+            raise GradsyncError(f"{rank_and_strategy()}: the optimizer state lives on the dedicated servers of "
+                                f"{strategy.name!r} and cannot be {doing}; checkpoint the model, or use co-located "
+                                "servers (or ps, whose servers hand their state over)")
+
     def consolidate_state_dict(self):
         """Collective over the workers (every worker calls it, after the same step): gather the
-        optimizer state that ``ps`` (co-located) and ``p3`` keep spread over the workers, so that
-        ``state_dict()`` on any worker returns all of it (as ``ZeroRedundancyOptimizer`` does).
-        Other strategies need no call; it is harmless there."""
-        if sync.strategy.state_location == "servers":
-            raise GradsyncError(f"{rank_and_strategy()}: the optimizer state lives on the dedicated servers and "
-                                "cannot be gathered yet; checkpoint the model, or use co-located servers")
+        optimizer state that ``ps`` (co-located or dedicated servers), ``p3`` and ``hybrid`` keep
+        spread over the ranks, so that ``state_dict()`` on any worker returns all of it (as
+        ``ZeroRedundancyOptimizer`` does). Other strategies need no call; it is harmless there."""
+        _check_server_state("gathered")
         sync.strategy.gather_state()
         sync.consolidated = sync.steps
 
     def state_dict(self):
         """The whole optimizer state, as torch lays it out (see :mod:`gradsync.strategies.optstate`)."""
         where = sync.strategy.state_location
-        if where == "servers" and sync.steps:
-            raise GradsyncError(f"{rank_and_strategy()}: the optimizer state lives on the dedicated servers, and "
-                                "state_dict() here would miss it; checkpoint the model, or use co-located servers")
-        if where == "workers" and sync.consolidated != sync.steps:
-            raise GradsyncError(f"{rank_and_strategy()}: each worker holds the optimizer state of the parameters "
-                                "it serves; call optimizer.consolidate_state_dict() on every worker after the last "
+        if sync.steps:
+            _check_server_state("saved")
+        if where in ("workers", "servers") and sync.consolidated != sync.steps:
+            holder = "the dedicated servers hold" if where == "servers" else "each worker holds"
+            raise GradsyncError(f"{rank_and_strategy()}: {holder} the optimizer state of the parameters they "
+                                "serve; call optimizer.consolidate_state_dict() on every worker after the last "
                                 "step, then state_dict() on any of them")
         if where == "here":
             sync.strategy.gather_state()
         return base.state_dict(self)
 
     def load_state_dict(self, state_dict):
-        if sync.strategy.state_location == "servers":
-            raise GradsyncError(f"{rank_and_strategy()}: the optimizer state lives on the dedicated servers; load "
-                                "it before gradsync.distribute (the servers run the same script and take it then)")
+        """Load on every worker (a collective where the state is spread: the strategy hands it to
+        the ranks that update, dedicated servers included)."""
+        _check_server_state("loaded here; load it before gradsync.distribute (the servers run the same "
+                            "script and take it then)")
         base.load_state_dict(self, state_dict)
         sync.strategy.load_state()
         sync.consolidated = sync.steps

@@ -195,3 +195,51 @@ def test_state_of_sparse_only_optimizers_with_plain_number_entries():
     state = gather(layout, pieces)[0]
     assert state["step"] == 1 and type(state["step"]) is int
     torch.testing.assert_close(state["exp_avg"], whole["exp_avg"], rtol=0, atol=0)
+
+
+def save_and_load_through_dedicated_servers(strategy):
+    """Workers gather the state the dedicated server holds, then load it into a fresh job after
+    distribute: the server takes it over (state and hyperparameters)."""
+    work = Workload(model="toy", batch_size=6, optimizer="adam")
+    server = gradsync.topology().is_server
+    model, opt = work.build()
+    opt = gradsync.distribute(model, opt, strategy, exit_servers=False)
+    saved_opt = saved_model = None
+    if not server:
+        _train(model, opt, work, range(BEFORE))
+        if strategy != "ps":
+            with pytest.raises(GradsyncError, match=f"dedicated servers of '{strategy}' and cannot be gathered"):
+                opt.consolidate_state_dict()
+            return None
+        with pytest.raises(GradsyncError, match="the dedicated servers hold the optimizer state"):
+            opt.state_dict()  # not gathered yet
+        opt.consolidate_state_dict()
+        saved_opt, saved_model = _snapshot(opt.state_dict()), model.state_dict()
+        opt.close()
+    elif strategy != "ps":
+        return None
+    model, opt = work.build()
+    for group in opt.param_groups:
+        group["lr"] = 1.0  # taken over from the checkpoint, on the server too
+    if not server:
+        model.load_state_dict(saved_model)
+    opt = gradsync.distribute(model, opt, strategy, exit_servers=False)
+    if server:
+        return None
+    opt.load_state_dict(_snapshot(saved_opt))
+    _train(model, opt, work, range(BEFORE, BEFORE + AFTER))
+    opt.flush()
+    return {"state": saved_opt, "params": _params(model)}
+
+
+def test_dedicated_servers_hand_their_state_over_for_a_checkpoint_and_take_one_back():
+    work = Workload(model="toy", batch_size=6, optimizer="adam")
+    results = run_ranks(save_and_load_through_dedicated_servers, 3, "ps", servers=1)
+    _, ref_opt = reference(work, 2, BEFORE, with_optimizer=True)
+    for rank in range(2):
+        _check_state(results[rank]["state"]["state"], ref_opt, work.tolerance)
+    _check_resumed(results, work, 2)
+
+
+def test_strategies_whose_servers_keep_their_state_refuse_to_gather_it():
+    run_ranks(save_and_load_through_dedicated_servers, 3, "p3", servers=1)

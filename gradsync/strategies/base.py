@@ -137,6 +137,11 @@ class Strategy:
     (assembling it is a collective: ``optimizer.consolidate_state_dict()``); ``"servers"``, on
     dedicated servers, out of the workers' reach."""
 
+    moves_server_state: ClassVar[bool] = False
+    """With ``state_location == "servers"``: whether :meth:`gather_state` and :meth:`load_state`
+    reach the dedicated servers (``ps``); otherwise saving refuses and loading happens before
+    ``distribute``, where the servers run the same script."""
+
     def gather_state(self) -> None:
         """Put every parameter's current optimizer state, whole tensors, into the user's optimizer
         (``state_location`` ``"here"``, or ``"workers"``, where every worker calls it)."""

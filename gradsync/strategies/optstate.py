@@ -79,10 +79,11 @@ class StateLayout:
         return {} if g is None else self.entries[g]
 
 
-def gather(layout: StateLayout, pieces: Iterable[Piece], transport=None) -> dict[int, dict]:
+def gather(layout: StateLayout, pieces: Iterable[Piece], transport=None, world: bool = False) -> dict[int, dict]:
     """Whole-tensor state per parameter index from ``pieces``; with ``transport``, the union over
-    every worker's pieces (a collective: every worker calls it). Parameters no piece covers (never
-    updated) get no entry, as in torch."""
+    every worker's pieces (a collective: every worker calls it; ``world``: every rank, servers
+    too). Parameters no piece covers (never updated) get no entry, as in torch. With one rank
+    holding whole state and the others none, this hands that state to every rank."""
     params = layout.params
     tensors: dict[tuple[int, str], torch.Tensor] = {}
     scalars: dict[tuple[int, str], int] = {}
@@ -104,8 +105,8 @@ def gather(layout: StateLayout, pieces: Iterable[Piece], transport=None) -> dict
                 scalar_values[scalars[(i, key)]] = max(scalar_values[scalars[(i, key)]].item(), float(value))
     if transport is not None:
         for (i, key), value in tensors.items():
-            transport.allreduce(value, what=f"gathering optimizer state {key!r} of parameter {i}")
-        transport.allreduce(scalar_values, op="max", what="gathering the optimizer's per-parameter scalars")
+            transport.allreduce(value, world=world, what=f"gathering optimizer state {key!r} of parameter {i}")
+        transport.allreduce(scalar_values, op="max", world=world, what="gathering the optimizer's per-parameter scalars")
     state: dict[int, dict] = {}
     for i, p in enumerate(params):
         if has[i].item() <= 0:
@@ -122,6 +123,32 @@ def gather(layout: StateLayout, pieces: Iterable[Piece], transport=None) -> dict
                 entry[key] = None
         state[i] = entry
     return state
+
+
+def hyperparameters(optimizer: torch.optim.Optimizer) -> list[float]:
+    """Every param group's numeric hyperparameters (``lr``, ``momentum``, each of Adam's ``betas``,
+    ...) as one flat list, in a fixed order (groups, then sorted keys); see :func:`set_hyperparameters`."""
+    flat = []
+    for group in optimizer.param_groups:
+        for key in sorted(k for k in group if k != "params"):
+            value = group[key]
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                flat.append(float(value))
+            elif isinstance(value, tuple) and all(isinstance(v, (int, float)) for v in value):
+                flat.extend(float(v) for v in value)
+    return flat
+
+
+def set_hyperparameters(optimizer: torch.optim.Optimizer, flat: list[float]) -> None:
+    """The inverse of :func:`hyperparameters`, keeping each entry's type."""
+    values = iter(flat)
+    for group in optimizer.param_groups:
+        for key in sorted(k for k in group if k != "params"):
+            value = group[key]
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                group[key] = type(value)(next(values))
+            elif isinstance(value, tuple) and all(isinstance(v, (int, float)) for v in value):
+                group[key] = tuple(type(v)(next(values)) for v in value)
 
 
 def cut(layout: StateLayout, whole: dict, i: int, start: int, length: int) -> dict:

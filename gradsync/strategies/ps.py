@@ -44,16 +44,16 @@ import torch
 from gradsync.errors import ConfigError, GradsyncError
 from gradsync.strategies.allreduce import plan_buckets
 from gradsync.strategies.base import Strategy, SyncContext, fill_slot, mean_of_used, ring_bytes
-from gradsync.strategies.optstate import StateLayout, gather, install
+from gradsync.strategies.optstate import StateLayout, gather, hyperparameters, install, set_hyperparameters
 from gradsync.transport import check_peer, wait_all
 
-OP_STEP, OP_STOP = 1, 2
+OP_STEP, OP_STOP, OP_SAVE, OP_LOAD = 1, 2, 3, 4
 TAG_CONTROL = 0
 
 
-def _check_header(header: torch.Tensor, src: int) -> None:
+def _check_header(header: torch.Tensor, src: int, ops=(OP_STEP, OP_STOP, OP_SAVE, OP_LOAD)) -> None:
     op, step = header.tolist()
-    check_peer(op in (OP_STEP, OP_STOP) and step >= 0, src, "a parameter-server step header",
+    check_peer(op in ops and step >= 0, src, "a parameter-server step header",
                f"operation {op} and step {step}")
 
 
@@ -232,12 +232,57 @@ class ParameterServer(Strategy):
         self.step_no += 1
         return result
 
+    moves_server_state = True
+
     def gather_state(self) -> None:
-        """Co-located: each worker's optimizer holds the state of the parameters it serves."""
+        """Co-located: each worker's optimizer holds the state of the parameters it serves.
+        Dedicated (sync): the servers' optimizers hold it; every worker asks every server, and
+        workers and servers assemble it in one collective (the servers' :meth:`_save`)."""
+        opt, params = self.ctx.optimizer, self.ctx.params
+        if self.dedicated:
+            self._tell_servers(OP_SAVE, "saving")
+            install(opt, params, gather(self._layout(), [], self.ctx.transport, world=True))
+            return
+        pieces = [(i, 0, params[i].numel(), opt.state[params[i]]) for i in self.owned if opt.state.get(params[i])]
+        install(opt, params, gather(self._layout(), pieces, self.ctx.transport))
+
+    def load_state(self) -> None:
+        """Dedicated (sync): hand the state just loaded on the workers, and the param groups'
+        hyperparameters, to the servers (the servers' :meth:`_load`). Co-located: nothing to do,
+        each worker's optimizer already holds the state of what it serves."""
+        if not self.dedicated:
+            return
+        self._tell_servers(OP_LOAD, "loading")
+        self._receive_state(source=self.ctx.topology.rank == self.ctx.topology.worker_ranks[0])
+
+    def _layout(self) -> StateLayout:
+        return StateLayout(self.optimizer_class, self.ctx.optimizer, self.ctx.params)
+
+    def _tell_servers(self, op: int, doing: str) -> None:
+        if self.mode != "sync":
+            raise ConfigError(f"{doing} the optimizer state of asynchronous servers is not supported: each applies "
+                              "pushes as they come, so the state is whole at no step. Use ps in sync mode")
+        t = self.ctx.transport
+        header = torch.tensor([op, self.step_no], dtype=torch.int64, device=t.device)
+        wait_all([t.send_async(header, s, TAG_CONTROL, what=f"{doing} request to rank {s}") for s in self.servers])
+
+    def _receive_state(self, source: bool) -> None:
+        """Collective over every rank: worker 0's optimizer state and hyperparameters to all. The
+        servers keep the state of what they serve."""
+        opt, params, t = self.ctx.optimizer, self.ctx.params, self.ctx.transport
+        pieces = [(i, 0, p.numel(), opt.state[p]) for i, p in enumerate(params) if opt.state.get(p)] if source else []
+        state = gather(self._layout(), pieces, t, world=True)
+        hyper = torch.tensor(hyperparameters(opt), dtype=torch.float64, device=t.device)
+        t.broadcast(hyper, self.ctx.topology.worker_ranks[0], world=True, what="the optimizer's hyperparameters")
+        if self.ctx.topology.is_server:
+            install(opt, params, {i: s for i, s in state.items() if i in set(self.owned)})
+            set_hyperparameters(opt, hyper.tolist())
+
+    def _save(self) -> None:
+        """Server side of :meth:`gather_state`: contribute the owned parameters' state."""
         opt, params = self.ctx.optimizer, self.ctx.params
         pieces = [(i, 0, params[i].numel(), opt.state[params[i]]) for i in self.owned if opt.state.get(params[i])]
-        layout = StateLayout(self.optimizer_class, opt, params)
-        install(opt, params, gather(layout, pieces, self.ctx.transport))
+        gather(self._layout(), pieces, self.ctx.transport, world=True)
 
     def _pull(self) -> None:
         t, params = self.ctx.transport, self.ctx.params
@@ -332,11 +377,19 @@ class ParameterServer(Strategy):
             ops = [int(h[0]) for h in headers]
             if all(op == OP_STOP for op in ops):
                 break
+            if all(op == OP_SAVE for op in ops):
+                self._save()
+                continue
+            if all(op == OP_LOAD for op in ops):
+                self._receive_state(source=False)
+                continue
             steps = {int(h[1]) for h in headers}
-            if OP_STOP in ops or len(steps) > 1:
+            if len(set(ops)) > 1 or len(steps) > 1:
+                doing = {OP_STOP: "stopped after {} steps", OP_SAVE: "saving the state after {} steps",
+                         OP_LOAD: "loading a state after {} steps", OP_STEP: "starting step {}"}
                 described = ", ".join(
                     f"{self.ctx.topology.describe(w)}: "
-                    + (f"stopped after {int(h[1])} steps" if h[0] == OP_STOP else f"starting step {int(h[1]) + 1}")
+                    + doing[int(h[0])].format(int(h[1]) + (int(h[0]) == OP_STEP))
                     for w, h in zip(workers, headers))
                 raise GradsyncError(f"workers are out of step ({described}); every worker must run the "
                                     "same number of optimizer steps before gradsync.shutdown()")
@@ -356,7 +409,7 @@ class ParameterServer(Strategy):
             handle = t.recv_async(header, None, TAG_CONTROL, what="step header from any worker")
             handle.wait()
             worker = handle.source_rank()
-            _check_header(header, worker)
+            _check_header(header, worker, ops=(OP_STEP, OP_STOP))
             if int(header[0]) == OP_STOP:
                 remaining.discard(worker)
                 continue
