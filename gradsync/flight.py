@@ -10,8 +10,8 @@ must be the same operation on every rank.
 
 Dumps: a rank writes its record as ``rank-R.json`` into ``GRADSYNC_FLIGHT_DIR`` (set by
 ``gradsync run``) when it reports a peer failure or a timeout, and whenever the launcher asks (a
-``request`` file there, polled by the rank's heartbeat thread once a second, so a rank whose main
-thread is blocked still answers). ``gradsync run`` asks when a rank fails and on ``SIGUSR1``, then
+``request`` file there, polled by a small thread of the rank's own, :class:`Responder`, so a rank
+whose main thread is blocked still answers; it makes no torch call and touches no store). ``gradsync run`` asks when a rank fails and on ``SIGUSR1``, then
 prints :func:`summarize`'s lines and writes them with every dump to ``flight-summary.json``.
 Nothing crosses the wire: the files are JSON on the launcher's machine.
 """
@@ -21,6 +21,7 @@ import collections
 import contextlib
 import json
 import os
+import threading
 import time
 
 SIZE = 64
@@ -86,7 +87,7 @@ class FlightRecorder:
         return None
 
     def answer_request(self) -> None:
-        """Dump if the launcher asked since the last answer (called by the heartbeat thread)."""
+        """Dump if the launcher asked since the last answer (called by :class:`Responder`)."""
         folder = os.environ.get(DIR_ENV)
         if not folder:
             return
@@ -97,6 +98,30 @@ class FlightRecorder:
         if asked > self.dumped_for:
             self.dumped_for = asked
             self.dump("asked by the launcher")
+
+
+class Responder:
+    """Polls for the launcher's request every ``interval_s`` and dumps the record (pure Python:
+    file system calls only, so it never waits on a peer)."""
+
+    def __init__(self, recorder: FlightRecorder, interval_s: float = 0.25):
+        self.recorder, self.interval_s = recorder, interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="gradsync-flight", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def start_for(cls, recorder: FlightRecorder) -> "Responder | None":
+        """A responder when the launcher set ``GRADSYNC_FLIGHT_DIR``; None otherwise."""
+        return cls(recorder) if os.environ.get(DIR_ENV) else None
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.recorder.answer_request()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 _CURRENT: FlightRecorder | None = None
@@ -122,22 +147,32 @@ def request(folder: str) -> float:
     return now
 
 
-def collect(folder: str, ranks: list[int], since: float, wait_s: float) -> dict[int, dict]:
-    """The dumps of ``ranks`` written after ``since``, waiting at most ``wait_s`` for the missing."""
+def collect(folder: str, ranks: list[int], since: float, wait_s: float, started: float = 0.0) -> dict[int, dict]:
+    """The dumps of ``ranks`` written after ``since``, waiting at most ``wait_s`` for the missing.
+    A rank that does not answer in time (it exited, or is blocked) is represented by its last dump
+    of this job (written after ``started``, e.g. when it reported the failure), marked ``stale``."""
     deadline = time.monotonic() + wait_s
+
+    def read(rank: int, newer_than: float) -> dict | None:
+        path = os.path.join(folder, f"rank-{rank}.json")
+        with contextlib.suppress(OSError, ValueError):
+            if os.stat(path).st_mtime >= newer_than:
+                with open(path) as f:
+                    return json.load(f)
+        return None
+
     found: dict[int, dict] = {}
     while True:
         for rank in ranks:
-            if rank in found:
-                continue
-            path = os.path.join(folder, f"rank-{rank}.json")
-            with contextlib.suppress(OSError, ValueError):
-                if os.stat(path).st_mtime >= since - 1.0:
-                    with open(path) as f:
-                        found[rank] = json.load(f)
+            if rank not in found and (dump := read(rank, since - 0.5)) is not None:
+                found[rank] = dump
         if len(found) == len(ranks) or time.monotonic() > deadline:
-            return found
+            break
         time.sleep(0.05)
+    for rank in ranks:
+        if rank not in found and (dump := read(rank, started)) is not None:
+            found[rank] = {**dump, "stale": True}
+    return found
 
 
 def _where(record: dict) -> str:
@@ -168,6 +203,8 @@ def summarize(dumps: dict[int, dict], ranks: list[int]) -> list[str]:
             lines.append(f"rank {rank}: no answer (dead, or blocked while holding Python's lock)")
             continue
         who = dump["label"]  # "worker 0 (rank 0)"
+        if dump.get("stale"):
+            who += f" (no answer now; its last record, {time.time() - dump['time']:.1f} s old)"
         if dump["waiting"] is not None:
             w = dump["waiting"]
             lines.append(f"{who}: waits in {_where(w)} for {now - w['issued']:.1f} s")
@@ -180,7 +217,7 @@ def summarize(dumps: dict[int, dict], ranks: list[int]) -> list[str]:
         if dump["waiting"] is not None:
             waiting.setdefault(_where(dump["waiting"]), []).append(rank)
     idle = [r for r, d in dumps.items() if d["waiting"] is None]
-    parts = [f"{_names(rs)} wait in {where}" for where, rs in waiting.items()]
+    parts = [f"{_names(rs)} {'waits' if len(rs) == 1 else 'wait'} in {where}" for where, rs in waiting.items()]
     for rank in sorted(idle):
         last = _last_done(dumps[rank])
         parts.append(f"rank {rank} last completed {_where(last)}" if last else f"rank {rank} completed nothing yet")
@@ -214,10 +251,11 @@ def _first_divergence(dumps: dict[int, dict]) -> str | None:
     return None
 
 
-def report(folder: str, ranks: list[int], reason: str, wait_s: float = 2.5) -> list[str]:
-    """Ask every rank to dump, collect, and write ``flight-summary.json``; the summary lines."""
+def report(folder: str, ranks: list[int], reason: str, wait_s: float = 2.5, started: float = 0.0) -> list[str]:
+    """Ask every rank to dump, collect, and write ``flight-summary.json``; the summary lines.
+    ``started``: when the job started (see :func:`collect`)."""
     since = request(folder)
-    dumps = collect(folder, ranks, since, wait_s)
+    dumps = collect(folder, ranks, since, wait_s, started)
     lines = summarize(dumps, ranks)
     with contextlib.suppress(OSError):
         with open(os.path.join(folder, "flight-summary.json"), "w") as f:

@@ -66,9 +66,6 @@ class Heartbeat:
     def _run(self) -> None:
         key = f"gradsync/hb/{self.topology.rank}"
         while not self._stop.wait(HEARTBEAT_S):
-            recorder = flight.current()
-            if recorder is not None:  # the launcher may ask where this rank is, even while it is blocked
-                recorder.answer_request()
             store = self.store
             if store is None:
                 return
@@ -78,17 +75,23 @@ class Heartbeat:
                 continue  # try again next beat; each call is bounded by HEARTBEAT_STORE_S
 
     def beats(self) -> dict[int, int] | None:
-        """Every other rank's heartbeat count now, without waiting; None if the store is gone.
+        """Every other rank's heartbeat count now; None if the store is gone or does not answer
+        within ``HEARTBEAT_STORE_S`` (a store whose host is stopped, SIGSTOP, keeps a client's
+        ``add`` waiting whatever the client's timeout: the call is bounded here, see ``_within``).
         A rank whose count stays the same over ``SILENT_S`` has stopped."""
+        store, others = self.store, [r for r in range(self.topology.world_size) if r != self.topology.rank]
+        if store is None:
+            return None
         try:
-            return {r: self.store.add(f"gradsync/hb/{r}", 0)
-                    for r in range(self.topology.world_size) if r != self.topology.rank}
+            return _within(HEARTBEAT_STORE_S, lambda: {r: store.add(f"gradsync/hb/{r}", 0) for r in others})
         except Exception:
             return None
 
     def silent_ranks(self, window_s: float = SILENT_S) -> list[int] | None:
         """Ranks whose heartbeat did not advance within ``window_s``; None if the store is gone."""
         before = self.beats()
+        if before is None:
+            return None
         time.sleep(window_s)
         after = self.beats()
         if before is None or after is None:
@@ -115,6 +118,8 @@ class Runtime:
     store: object = None
     """The store the process group was made on: kept here, because torch holds only the C++ half
     of a store written in Python (:class:`gradsync.store.SignedStore`)."""
+    responder: object = None
+    """The thread that dumps this rank's flight record when the launcher asks (:mod:`gradsync.flight`)."""
     elastic: object = None
     """In an elastic job (``gradsync run --elastic``): its :class:`gradsync.adapt.elastic.Membership`."""
 
@@ -124,7 +129,7 @@ class Runtime:
         silent = self.heartbeat.silent_ranks() if self.heartbeat else []
         if silent is None:
             cause = ("rank 0, which hosts the rendezvous store, is unreachable "
-                     "(it has probably exited or crashed)")
+                     "(it has probably exited, crashed or been stopped)")
         elif silent:
             cause = ", ".join(self.topology.describe(r) for r in silent) + " stopped responding"
         else:
@@ -153,7 +158,7 @@ def _within(seconds: float, make):
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
             box.append((False, exc))
 
-    thread = threading.Thread(target=run, name="gradsync-rendezvous", daemon=True)
+    thread = threading.Thread(target=run, name="gradsync-store-call", daemon=True)
     thread.start()
     thread.join(seconds)
     if not box:
@@ -257,10 +262,12 @@ def start(topology: Topology, store, *, backend: str, timeout_s: float, heartbea
             heartbeat = Heartbeat(*heartbeat_at, topology, heartbeat_prefix)
     worker_group = dist.group.WORLD
     if topology.num_servers:
-        worker_group = dist.new_group(topology.worker_ranks)
-    flight.install(flight.FlightRecorder(topology.rank, topology.describe(topology.rank)))
-    runtime = Runtime(topology, None, timeout_s, heartbeat, owns_group, store=store)
-    runtime.transport = Transport(topology, worker_group, device, runtime.explain)
+        worker_group = dist.new_group(topology.worker_ranks, timeout=timedelta(seconds=timeout_s))
+    recorder = flight.FlightRecorder(topology.rank, topology.describe(topology.rank))
+    flight.install(recorder)
+    runtime = Runtime(topology, None, timeout_s, heartbeat, owns_group, store=store,
+                      responder=flight.Responder.start_for(recorder))
+    runtime.transport = Transport(topology, worker_group, device, runtime.explain, timeout_s)
     _RUNTIME = runtime
     global _AT_EXIT
     if not _AT_EXIT:
@@ -276,11 +283,17 @@ def leave() -> Runtime | None:
     runtime, _RUNTIME = _RUNTIME, None
     if runtime is None:
         return None
-    if runtime.heartbeat:
-        runtime.heartbeat.stop()
+    _stop_threads(runtime)
     if runtime.owns_group and dist.is_initialized():
         dist.destroy_process_group()
     return runtime
+
+
+def _stop_threads(runtime: Runtime) -> None:
+    if runtime.heartbeat:
+        runtime.heartbeat.stop()
+    if runtime.responder:
+        runtime.responder.stop()
 
 
 def _warn_live_threads() -> None:
@@ -331,8 +344,7 @@ def shutdown() -> None:
             runtime.closers.pop()()
     finally:
         _RUNTIME = None
-    if runtime.heartbeat:
-        runtime.heartbeat.stop()
+    _stop_threads(runtime)
     if runtime.owns_group and dist.is_initialized():
         dist.destroy_process_group()
     _warn_live_threads()

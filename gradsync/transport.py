@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
+from datetime import timedelta
 from typing import Callable, Optional
 
 import torch
@@ -94,8 +95,9 @@ class Transport:
     """Collectives and point-to-point messages over the job's process groups."""
 
     def __init__(self, topology: Topology, worker_group, device: torch.device,
-                 explain: Callable[[str, BaseException], Exception] | None = None):
+                 explain: Callable[[str, BaseException], Exception] | None = None, timeout_s: float = 30.0):
         self.topology = topology
+        self.timeout = timedelta(seconds=timeout_s)
         self.worker_group = worker_group
         self.device = device
         self.bytes_sent = 0
@@ -124,8 +126,9 @@ class Transport:
         """A private process group of the workers, for a strategy that issues collectives from its
         own threads: Gloo and NCCL match collectives by their order on a group, so those must never
         interleave with the ones the training script (or gradsync) issues on the default groups.
-        Collective: every rank, servers included, calls it at the same point."""
-        return dist.new_group(self.topology.worker_ranks)
+        Collective: every rank, servers included, calls it at the same point. Its operations time
+        out after the job's timeout, as the default group's do (torch's default is 30 minutes)."""
+        return dist.new_group(self.topology.worker_ranks, timeout=self.timeout)
 
     def free_group(self, group) -> None:
         """Release a group from :meth:`new_worker_group` (on a rank outside it, nothing to do)."""

@@ -44,6 +44,7 @@ class _Rank:
     log: object = None
     tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
     pumps: list = field(default_factory=list)
+    started: float = field(default_factory=time.time)
 
 
 class _Output:
@@ -214,8 +215,8 @@ def _report_flight(folder: str | None, ranks: list[_Rank], reason: str, out: _Ou
     """Print where every rank is (each dumps its flight record on request; :mod:`gradsync.flight`)."""
     if folder is None:
         return
-    lines = flight.report(folder, [rank.spec.rank for rank in ranks if rank.proc.poll() is None
-                                   or os.path.exists(os.path.join(folder, f"rank-{rank.spec.rank}.json"))], reason)
+    started = min((rank.started for rank in ranks), default=0.0)
+    lines = flight.report(folder, [rank.spec.rank for rank in ranks], reason, started=started)
     if not lines:
         return
     text = [f"gradsync run: where each rank is ({reason}):"] + [f"    {line}" for line in lines]

@@ -1,0 +1,241 @@
+"""A fault campaign: randomized faults against real jobs, each judged by what a user would see.
+
+    python benchmarks/fault_campaign.py --trials 200 --seed 0 --json campaign.json
+
+Each trial starts one job with ``gradsync run`` and injects one fault at a random moment of its
+training (``GRADSYNC_TIMEOUT=5``):
+
+- ``kill-worker`` / ``kill-server``: SIGKILL of a random worker, or of the parameter server
+  (``ps``, ``p3`` with ``--servers 1``); ``stop-worker``: SIGSTOP of a worker (a hang: the process
+  is alive and silent). The job must fail, and the launcher's output must name the victim's rank,
+  within ``GRADSYNC_TIMEOUT`` plus the launcher's grace and the heartbeat window.
+- ``corrupt-message``: worker 1 sends the server a header no worker sends (benchmarks/fault_job.py
+  ``--corrupt``): the job must fail naming rank 1 (``PeerProtocolError``).
+- ``elastic-kill``: SIGKILL of a worker of an elastic job (examples/elastic.py, 3 workers): the
+  job must finish, and its model must equal a single process replaying the global batches it
+  recorded (no committed step lost, none applied twice).
+- ``hostile-store``: values written into an elastic job's store by a process without its secret
+  (a resize request, a generation, a member list, a counter): the job must finish with the
+  reference model.
+
+After each trial: processes of the job still alive (the pids every rank wrote), and shared-memory
+files left in /dev/shm, are counted. The table (one row per kind) and every trial go to ``--json``.
+A trial that outlives its deadline is a hang; it is killed and counted.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+JOB = os.path.join(ROOT, "benchmarks", "fault_job.py")
+ELASTIC = os.path.join(ROOT, "examples", "elastic.py")
+GRADSYNC = [sys.executable, "-m", "gradsync.cli"]
+TIMEOUT_S = 5.0
+DEADLINE_S = 90.0
+KINDS = ["kill-worker", "kill-server", "stop-worker", "corrupt-message", "elastic-kill", "hostile-store"]
+STRATEGIES = ["allreduce", "ddp", "casync-ring", "ps", "p3", "allreduce-priority", "compressed-allgather"]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _pids(folder: str) -> dict[int, int]:
+    found = {}
+    for name in os.listdir(folder):
+        if name.startswith("rank-"):
+            try:
+                found[int(name[5:])] = int(open(os.path.join(folder, name)).read())
+            except ValueError:
+                pass  # being written
+    return found
+
+
+def _shm() -> set[str]:
+    try:
+        return set(os.listdir("/dev/shm"))
+    except OSError:
+        return set()
+
+
+def _finish(proc: subprocess.Popen, deadline: float) -> tuple[bool, str, str]:
+    try:
+        out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        return False, out, err
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        return True, out, err
+
+
+def _start(command: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(command, cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, "GRADSYNC_TIMEOUT": str(TIMEOUT_S)}, start_new_session=True)
+
+
+def failing_trial(kind: str, strategy: str, rng: random.Random) -> dict:
+    """A fault the job cannot survive: it must stop, naming the victim, in bounded time."""
+    pids = tempfile.mkdtemp(prefix="gradsync-campaign-")
+    servers = 1 if kind in ("kill-server", "corrupt-message") else 0
+    workers = rng.choice([2, 3])
+    command = [*GRADSYNC, "run", "-np", str(workers), "--servers", str(servers), "--", sys.executable, JOB,
+               "--strategy", strategy, "--pids", pids, "--steps", "60", "--sleep", "0.05"]
+    if kind == "corrupt-message":
+        command += ["--corrupt", str(rng.randint(2, 10))]
+    shm = _shm()
+    started = time.monotonic()
+    proc = _start(command)
+    victim = {"kill-server": workers, "corrupt-message": 1}.get(kind, rng.randrange(workers))
+    deadline = started + DEADLINE_S
+    while len(_pids(pids)) < workers + servers and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(rng.uniform(0.5, 2.0))  # into training
+    injected = time.monotonic()
+    pid = _pids(pids).get(victim)
+    if kind != "corrupt-message" and pid is not None and proc.poll() is None:
+        os.kill(pid, signal.SIGSTOP if kind == "stop-worker" else signal.SIGKILL)
+    hung, _, err = _finish(proc, deadline)
+    seconds = time.monotonic() - injected
+    named = bool(re.search(rf"\brank {victim}\b", err))
+    left = [p for p in _pids(pids).values() if _alive(p)]
+    for p in left:
+        os.kill(p, signal.SIGKILL)
+    return {"kind": kind, "strategy": strategy, "workers": workers, "victim": victim, "hung": hung,
+            "exit": proc.returncode, "failed": proc.returncode != 0, "named": named, "seconds": seconds,
+            "left_processes": len(left), "left_shm": len(_shm() - shm), "wrong_model": False,
+            "tail": err[-1500:] if (hung or not named or proc.returncode == 0) else ""}
+
+
+def _replay(result: dict) -> list[list[float]]:
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    try:
+        import elastic as example
+    finally:
+        sys.path.pop(0)
+    import torch
+
+    x, y = example.dataset()
+    model, opt = example.build()
+    for step in sorted(result["batches"], key=int):
+        idx = torch.tensor(result["batches"][step])
+        example.loss_of(model, x[idx], y[idx]).backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().reshape(-1).tolist() for p in model.parameters()]
+
+
+def elastic_trial(kind: str, rng: random.Random) -> dict:
+    """A fault an elastic job must survive, ending with the reference model."""
+    import torch
+
+    folder = tempfile.mkdtemp(prefix="gradsync-campaign-")
+    out = os.path.join(folder, "result.json")
+    steps = 40
+    command = [*GRADSYNC, "run", "--elastic", "-np", "3", "--min-np", "1", "--", sys.executable, ELASTIC,
+               "--steps", str(steps), "--sleep", "0.05", "--out", out]
+    if kind == "elastic-kill":
+        command += ["--die", f"{rng.randint(3, steps - 5)}:{rng.randrange(3)}"]
+    shm = _shm()
+    proc = _start(command)
+    injected = time.monotonic()
+    if kind == "hostile-store":
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        port = None
+        for line in proc.stderr:  # the store's port, printed at start
+            found = re.search(r"gradsync resize N --port (\d+)", line)
+            if found:
+                port = int(found.group(1))
+                break
+        time.sleep(rng.uniform(0.5, 2.0))
+        injected = time.monotonic()
+        if port is not None:
+            store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
+                                  timeout=timedelta(seconds=5))
+            key, value = rng.choice([("elastic/gen", "9"), ("elastic/members/0", "7,8"),
+                                     ("elastic/request/99", "2"), ("elastic/failed", "no"),
+                                     ("elastic/request_seq", "not-a-number")])
+            try:
+                store.set(key, value)
+                if key == "elastic/request/99":
+                    store.add("elastic/request_seq", 1)
+            except Exception:  # noqa: BLE001 - the job may have ended already
+                pass
+    hung, _, err = _finish(proc, time.monotonic() + DEADLINE_S)
+    seconds = time.monotonic() - injected
+    wrong = True
+    if proc.returncode == 0 and os.path.exists(out):
+        result = json.load(open(out))
+        want = _replay(result)
+        wrong = not all(torch.allclose(torch.tensor(g), torch.tensor(w), atol=1e-5)
+                        for g, w in zip(result["params"], want)) or len(result["batches"]) != steps
+    return {"kind": kind, "strategy": "allreduce", "workers": 3, "victim": None, "hung": hung,
+            "exit": proc.returncode, "failed": proc.returncode != 0, "named": True, "seconds": seconds,
+            "left_processes": 0, "left_shm": len(_shm() - shm), "wrong_model": wrong,
+            "tail": err[-1500:] if (hung or wrong or proc.returncode) else ""}
+
+
+def run_trial(kind: str, rng: random.Random) -> dict:
+    if kind in ("elastic-kill", "hostile-store"):
+        return elastic_trial(kind, rng)
+    strategy = {"kill-server": rng.choice(["ps", "p3"]), "corrupt-message": "ps"}.get(kind, rng.choice(STRATEGIES))
+    return failing_trial(kind, strategy, rng)
+
+
+def table(trials: list[dict]) -> list[str]:
+    rows = ["| fault | trials | hangs | wrong models | named the rank | exit as expected | seconds to the error or "
+            "recovery (median, max) | processes left | /dev/shm files left |", "|---|---|---|---|---|---|---|---|---|"]
+    for kind in KINDS:
+        mine = [t for t in trials if t["kind"] == kind]
+        if not mine:
+            continue
+        expected_exit = sum((t["exit"] == 0) if kind.startswith(("elastic", "hostile")) else t["failed"] for t in mine)
+        secs = [t["seconds"] for t in mine]
+        rows.append(f"| {kind} | {len(mine)} | {sum(t['hung'] for t in mine)} | {sum(t['wrong_model'] for t in mine)} | "
+                    f"{sum(t['named'] for t in mine)} | {expected_exit} | {statistics.median(secs):.1f}, {max(secs):.1f} | "
+                    f"{sum(t['left_processes'] for t in mine)} | {sum(t['left_shm'] for t in mine)} |")
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trials", type=int, default=200)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kinds", default=",".join(KINDS))
+    parser.add_argument("--json", default="")
+    args = parser.parse_args()
+    rng = random.Random(args.seed)
+    kinds = args.kinds.split(",")
+    trials = []
+    started = time.monotonic()
+    for n in range(args.trials):
+        trial = run_trial(kinds[n % len(kinds)], rng)
+        trials.append(trial)
+        bad = trial["hung"] or trial["wrong_model"] or not trial["named"] or trial["left_processes"]
+        print(f"{n + 1:4d} {trial['kind']:<16} {trial['strategy']:<20} exit {trial['exit']:>4} "
+              f"{trial['seconds']:5.1f} s{'  <-- ' + trial['tail'][-300:] if bad else ''}", flush=True)
+    print(f"\n{args.trials} trials in {time.monotonic() - started:.0f} s\n")
+    print("\n".join(table(trials)))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"trials": trials, "table": table(trials)}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
