@@ -147,10 +147,12 @@ def request(folder: str) -> float:
     return now
 
 
-def collect(folder: str, ranks: list[int], since: float, wait_s: float, started: float = 0.0) -> dict[int, dict]:
-    """The dumps of ``ranks`` written after ``since``, waiting at most ``wait_s`` for the missing.
-    A rank that does not answer in time (it exited, or is blocked) is represented by its last dump
-    of this job (written after ``started``, e.g. when it reported the failure), marked ``stale``."""
+def collect(folder: str, ranks: list[int], since: float, wait_s: float, started: float = 0.0,
+            gone: set[int] = frozenset()) -> dict[int, dict]:
+    """The dumps of ``ranks`` written after ``since``, waiting at most ``wait_s`` for the missing
+    (not for ``gone`` ranks, which exited). A rank that does not answer in time (it exited, or is
+    blocked) is represented by its last dump of this job (written after ``started``, e.g. when it
+    reported the failure), marked ``stale``."""
     deadline = time.monotonic() + wait_s
 
     def read(rank: int, newer_than: float) -> dict | None:
@@ -166,7 +168,7 @@ def collect(folder: str, ranks: list[int], since: float, wait_s: float, started:
         for rank in ranks:
             if rank not in found and (dump := read(rank, since - 0.5)) is not None:
                 found[rank] = dump
-        if len(found) == len(ranks) or time.monotonic() > deadline:
+        if all(r in found or r in gone for r in ranks) or time.monotonic() > deadline:
             break
         time.sleep(0.05)
     for rank in ranks:
@@ -251,11 +253,12 @@ def _first_divergence(dumps: dict[int, dict]) -> str | None:
     return None
 
 
-def report(folder: str, ranks: list[int], reason: str, wait_s: float = 2.5, started: float = 0.0) -> list[str]:
+def report(folder: str, ranks: list[int], reason: str, wait_s: float = 2.5, started: float = 0.0,
+           gone: set[int] = frozenset()) -> list[str]:
     """Ask every rank to dump, collect, and write ``flight-summary.json``; the summary lines.
-    ``started``: when the job started (see :func:`collect`)."""
+    ``started``, ``gone``: see :func:`collect`."""
     since = request(folder)
-    dumps = collect(folder, ranks, since, wait_s, started)
+    dumps = collect(folder, ranks, since, wait_s, started, gone)
     lines = summarize(dumps, ranks)
     with contextlib.suppress(OSError):
         with open(os.path.join(folder, "flight-summary.json"), "w") as f:

@@ -171,17 +171,17 @@ def _stop(ranks: list[_Rank], grace_s: float) -> None:
 
 
 @contextlib.contextmanager
-def _trap_signals(on_usr1: Callable[[], None] | None = None):
+def _trap_signals(usr1: bool = False):
     """Record SIGINT/SIGTERM instead of dying, so the launcher can stop its children first.
-    ``on_usr1``: SIGUSR1 sets a flag that the waiting loop turns into a call of it (the
-    cross-rank summary, :mod:`gradsync.flight`)."""
+    ``usr1``: SIGUSR1 sets a flag that :func:`_wait_for_failure` turns into the cross-rank
+    summary (:mod:`gradsync.flight`) instead of ending the launcher."""
     caught: list[int] = []
     if threading.current_thread() is not threading.main_thread():
         yield caught  # signal handlers can only be set from the main thread
         return
     previous = {sig: signal.signal(sig, lambda signum, _frame: caught.append(signum))
                 for sig in (signal.SIGINT, signal.SIGTERM)}
-    if on_usr1 is not None:
+    if usr1:
         previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, lambda _signum, _frame: _USR1.set())
     try:
         yield caught
@@ -216,7 +216,8 @@ def _report_flight(folder: str | None, ranks: list[_Rank], reason: str, out: _Ou
     if folder is None:
         return
     started = min((rank.started for rank in ranks), default=0.0)
-    lines = flight.report(folder, [rank.spec.rank for rank in ranks], reason, started=started)
+    gone = {rank.spec.rank for rank in ranks if rank.proc.poll() is not None}
+    lines = flight.report(folder, [rank.spec.rank for rank in ranks], reason, started=started, gone=gone)
     if not lines:
         return
     text = [f"gradsync run: where each rank is ({reason}):"] + [f"    {line}" for line in lines]
@@ -280,7 +281,8 @@ def _rank_envs(specs: list[RankSpec], *, np: int, servers: int, node_rank: int, 
 
 def _run(commands, specs, envs, *, logdir, grace_s, prefix_output, flight_dir=None) -> JobResult:
     out, ranks = _Output(prefix_output), []
-    with _trap_signals(on_usr1=lambda: _report_flight(flight_dir, ranks, "SIGUSR1", out)) as caught:
+    on_usr1 = (lambda: _report_flight(flight_dir, ranks, "SIGUSR1", out)) if flight_dir else None
+    with _trap_signals(usr1=on_usr1 is not None) as caught:
         try:
             try:
                 for command, spec, env in zip(commands, specs, envs):
@@ -291,7 +293,7 @@ def _run(commands, specs, envs, *, logdir, grace_s, prefix_output, flight_dir=No
                 return JobResult(127, spec, f"gradsync run: cannot start {spec.label}: {err}")
             for rank in ranks:  # threads only after all forks: preexec_fn and threads mix badly
                 _start_pumps(rank, out)
-            failed = _wait_for_failure(ranks, caught, on_usr1=lambda: _report_flight(flight_dir, ranks, "SIGUSR1", out))
+            failed = _wait_for_failure(ranks, caught, on_usr1)
             if failed is not None:
                 _report_flight(flight_dir, ranks, f"{failed.spec.label} (rank {failed.spec.rank}) failed", out)
             _stop(ranks, grace_s)  # also on success: no grandchild outlives the job
