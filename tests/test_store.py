@@ -88,15 +88,15 @@ def test_a_process_group_forms_on_a_signed_store_and_its_keys_are_signed():
     import torch
     import torch.distributed as dist
 
+    from datetime import timedelta
+
     server = stores.serve("127.0.0.1", 0, None, 5)
     store = stores.signed(_client(server.port), "c" * 64)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        t = torch.ones(2)
-        dist.all_reduce(t)
-        assert t.tolist() == [1.0, 1.0]
-    finally:
-        dist.destroy_process_group()
+    # A Gloo group of its own (not the default one, which another test in this process may hold).
+    group = dist.ProcessGroupGloo(store, 0, 1, timedelta(seconds=10))
+    t = torch.ones(2)
+    group.allreduce([t]).wait()
+    assert t.tolist() == [1.0, 1.0]
     outsider = _client(server.port)
     keys = outsider.list_keys()
     written = [k for k in keys if outsider.get(k) not in (b"", b"0", b"1")]
