@@ -121,21 +121,13 @@ def failing_trial(kind: str, strategy: str, rng: random.Random) -> dict:
 
 
 def _replay(result: dict) -> list[list[float]]:
+    """The single-process reference of examples/elastic.py for the global batches the run recorded."""
     sys.path.insert(0, os.path.join(ROOT, "examples"))
     try:
         import elastic as example
     finally:
         sys.path.pop(0)
-    import torch
-
-    x, y = example.dataset()
-    model, opt = example.build()
-    for step in sorted(result["batches"], key=int):
-        idx = torch.tensor(result["batches"][step])
-        example.loss_of(model, x[idx], y[idx]).backward()
-        opt.step()
-        opt.zero_grad()
-    return [p.detach().reshape(-1).tolist() for p in model.parameters()]
+    return [p.tolist() for p in example.replay(result["batches"])]
 
 
 def elastic_trial(kind: str, rng: random.Random) -> dict:

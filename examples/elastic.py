@@ -44,6 +44,20 @@ def loss_of(model, x, y):
     return 0.5 * (model(x).squeeze(1) - y).pow(2).mean()
 
 
+def replay(batches: dict) -> list[torch.Tensor]:
+    """The reference for a run's ``--out``: one process, one model, each step's gradient over
+    that step's whole global batch (``batches``: step -> sample indices). Every worker had an
+    equal share of it, so the mean of the workers' means is this mean."""
+    x, y = dataset()
+    model, opt = build()
+    for step in sorted(batches, key=int):
+        idx = torch.tensor(batches[step])
+        loss_of(model, x[idx], y[idx]).backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().reshape(-1) for p in model.parameters()]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=14)

@@ -26,21 +26,13 @@ def run_job(tmp_path, launcher_args, example_args, timeout=120):
 
 
 def replay(result) -> list[torch.Tensor]:
-    """One process, one model: each step's gradient over that step's whole global batch. Every worker
-    had an equal share of it, so the mean of the workers' means is this mean."""
+    """The example's single-process reference for the global batches the run recorded."""
     sys.path.insert(0, os.path.join(ROOT, "examples"))
     try:
         import elastic as example
     finally:
         sys.path.pop(0)
-    x, y = example.dataset()
-    model, opt = example.build()
-    for step in sorted(result["batches"], key=int):
-        idx = torch.tensor(result["batches"][step])
-        example.loss_of(model, x[idx], y[idx]).backward()
-        opt.step()
-        opt.zero_grad()
-    return [p.detach().reshape(-1) for p in model.parameters()]
+    return example.replay(result["batches"])
 
 
 def assert_matches_reference(result):
