@@ -243,8 +243,7 @@ class ParameterServer(Strategy):
             self._tell_servers(OP_SAVE, "saving")
             install(opt, params, gather(self._layout(), [], self.ctx.transport, world=True))
             return
-        pieces = [(i, 0, params[i].numel(), opt.state[params[i]]) for i in self.owned if opt.state.get(params[i])]
-        install(opt, params, gather(self._layout(), pieces, self.ctx.transport))
+        install(opt, params, gather(self._layout(), self._own_pieces(), self.ctx.transport))
 
     def load_state(self) -> None:
         """Dedicated (sync): hand the state just loaded on the workers, and the param groups'
@@ -280,9 +279,12 @@ class ParameterServer(Strategy):
 
     def _save(self) -> None:
         """Server side of :meth:`gather_state`: contribute the owned parameters' state."""
+        gather(self._layout(), self._own_pieces(), self.ctx.transport, world=True)
+
+    def _own_pieces(self) -> list:
+        """The optimizer state of the parameters this rank serves, as :func:`optstate.gather` pieces."""
         opt, params = self.ctx.optimizer, self.ctx.params
-        pieces = [(i, 0, params[i].numel(), opt.state[params[i]]) for i in self.owned if opt.state.get(params[i])]
-        gather(self._layout(), pieces, self.ctx.transport, world=True)
+        return [(i, 0, params[i].numel(), opt.state[params[i]]) for i in self.owned if opt.state.get(params[i])]
 
     def _pull(self) -> None:
         t, params = self.ctx.transport, self.ctx.params
