@@ -17,9 +17,14 @@ training (``GRADSYNC_TIMEOUT=5``):
 - ``hostile-store``: values written into an elastic job's store by a process without its secret
   (a resize request, a generation, a member list, a counter): the job must finish with the
   reference model.
+- On an emulated cluster (``gradsync run --net 1gbit``, one host per worker):
+  ``link-down``: a random worker's link is taken down for good; the job must fail naming that
+  worker's rank. ``link-flap``: the link is down for 0.5 to 2 s, then up again; ``packet-loss``:
+  every link drops 1, 2 or 5 % of its frames (``--loss``) for the whole job. In both the job must
+  finish with the model of the same job run without a fault.
 
-After each trial: processes of the job still alive (the pids every rank wrote), and shared-memory
-files left in /dev/shm, are counted. The table (one row per kind) and every trial go to ``--json``.
+After each trial: processes of the job still alive (the pids every rank wrote), shared-memory
+files left in /dev/shm and emulated-cluster namespaces left, are counted. The table (one row per kind) and every trial go to ``--json``.
 A trial that outlives its deadline is a hang; it is killed and counted.
 """
 from __future__ import annotations
@@ -42,7 +47,10 @@ ELASTIC = os.path.join(ROOT, "examples", "elastic.py")
 GRADSYNC = [sys.executable, "-m", "gradsync.cli"]
 TIMEOUT_S = 5.0
 DEADLINE_S = 90.0
-KINDS = ["kill-worker", "kill-server", "stop-worker", "corrupt-message", "elastic-kill", "hostile-store"]
+KINDS = ["kill-worker", "kill-server", "stop-worker", "corrupt-message", "elastic-kill", "hostile-store",
+         "link-down", "link-flap", "packet-loss"]
+SURVIVABLE = ("elastic-kill", "hostile-store", "link-flap", "packet-loss")
+STEPS, SLEEP_S = 60, 0.05
 STRATEGIES = ["allreduce", "ddp", "casync-ring", "ps", "p3", "allreduce-priority", "compressed-allgather"]
 
 
@@ -72,6 +80,13 @@ def _shm() -> set[str]:
         return set()
 
 
+def _namespaces() -> set[str]:
+    from gradsync.cluster import netns
+
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.splitlines()
+    return {line.split()[0] for line in listed if line.startswith(netns.PREFIX)}
+
+
 def _finish(proc: subprocess.Popen, deadline: float) -> tuple[bool, str, str]:
     try:
         out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
@@ -93,7 +108,7 @@ def failing_trial(kind: str, strategy: str, rng: random.Random) -> dict:
     servers = 1 if kind in ("kill-server", "corrupt-message") else 0
     workers = rng.choice([2, 3])
     command = [*GRADSYNC, "run", "-np", str(workers), "--servers", str(servers), "--", sys.executable, JOB,
-               "--strategy", strategy, "--pids", pids, "--steps", "60", "--sleep", "0.05"]
+               "--strategy", strategy, "--pids", pids, "--steps", str(STEPS), "--sleep", str(SLEEP_S)]
     if kind == "corrupt-message":
         command += ["--corrupt", str(rng.randint(2, 10))]
     shm = _shm()
@@ -116,8 +131,83 @@ def failing_trial(kind: str, strategy: str, rng: random.Random) -> dict:
         os.kill(p, signal.SIGKILL)
     return {"kind": kind, "strategy": strategy, "workers": workers, "victim": victim, "hung": hung,
             "exit": proc.returncode, "failed": proc.returncode != 0, "named": named, "seconds": seconds,
-            "left_processes": len(left), "left_shm": len(_shm() - shm), "wrong_model": False,
+            "left_processes": len(left), "left_shm": len(_shm() - shm), "left_netns": 0, "wrong_model": False,
             "tail": err[-1500:] if (hung or not named or proc.returncode == 0) else ""}
+
+
+_REFERENCES: dict[tuple[str, int], list] = {}
+
+
+def _reference(strategy: str, workers: int) -> list:
+    """The final parameters of the job without a fault (on loopback), run once per configuration."""
+    if (strategy, workers) not in _REFERENCES:
+        folder = tempfile.mkdtemp(prefix="gradsync-campaign-")
+        out = os.path.join(folder, "out.json")
+        subprocess.run([*GRADSYNC, "run", "-np", str(workers), "--", sys.executable, JOB, "--strategy", strategy,
+                        "--pids", folder, "--steps", str(STEPS), "--sleep", "0", "--out", out],
+                       cwd=ROOT, check=True, capture_output=True, timeout=DEADLINE_S)
+        _REFERENCES[strategy, workers] = json.load(open(out))
+    return _REFERENCES[strategy, workers]
+
+
+def _same_model(got: list, want: list) -> bool:
+    import torch
+
+    return len(got) == len(want) and all(torch.allclose(torch.tensor(g), torch.tensor(w), atol=1e-6)
+                                          for g, w in zip(got, want))
+
+
+def _blamed(err: str, victim: int) -> bool:
+    """Whether some rank's error puts the fault on ``victim``: its peers say it stopped responding
+    (or that it, the store's host, is unreachable), or it says its own link is the likely cause."""
+    return bool(re.search(rf"\(rank {victim}\)(?:, [\w ]+\(rank \d+\))* stopped responding|rank {victim}, which hosts|"
+                          rf"\(rank {victim}\)'s own network link", err))
+
+
+def link_trial(kind: str, strategy: str, rng: random.Random) -> dict:
+    """A fault of an emulated link: taken down (the job must fail naming the rank behind it),
+    down briefly (it must recover), or lossy (it must finish); survivors end with the reference."""
+    from gradsync.cluster import netns
+
+    folder = tempfile.mkdtemp(prefix="gradsync-campaign-")
+    out = os.path.join(folder, "out.json")
+    workers = 3 if kind == "link-down" else rng.choice([2, 3])  # 2 hosts cut apart cannot tell whose link it is
+    loss = rng.choice([1, 2, 5]) if kind == "packet-loss" else 0
+    command = [*GRADSYNC, "run", "-np", str(workers), "--net", "1gbit", "--loss", str(loss), "--",
+               sys.executable, JOB, "--strategy", strategy, "--pids", folder, "--steps", str(STEPS),
+               "--sleep", str(SLEEP_S), "--out", out]
+    shm, spaces = _shm(), _namespaces()
+    started = time.monotonic()
+    proc = _start(command)
+    victim = rng.randrange(workers)
+    deadline = started + DEADLINE_S
+    while len(_pids(folder)) < workers and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(rng.uniform(0.5, 2.0))  # into training
+    injected = time.monotonic()
+    down_s = rng.uniform(0.5, 2.0) if kind == "link-flap" else None
+    if kind in ("link-down", "link-flap") and proc.poll() is None:
+        host = next((n for n in _namespaces() if n.startswith(f"{netns.PREFIX}{proc.pid}-")
+                     and n.endswith(f"-h{victim}")), None)
+        if host is not None:
+            subprocess.run(["ip", "-n", host, "link", "set", netns.IFNAME, "down"], capture_output=True)
+            if down_s is not None:
+                time.sleep(down_s)
+                subprocess.run(["ip", "-n", host, "link", "set", netns.IFNAME, "up"], capture_output=True)
+    hung, _, err = _finish(proc, deadline)
+    seconds = time.monotonic() - injected
+    left = [p for p in _pids(folder).values() if _alive(p)]
+    for p in left:
+        os.kill(p, signal.SIGKILL)
+    survive = kind != "link-down"
+    wrong = survive and not (proc.returncode == 0 and os.path.exists(out)
+                             and _same_model(json.load(open(out)), _reference(strategy, workers)))
+    named = survive or _blamed(err, victim)
+    return {"kind": kind, "strategy": strategy, "workers": workers, "victim": victim, "hung": hung,
+            "exit": proc.returncode, "failed": proc.returncode != 0, "named": named, "seconds": seconds,
+            "loss_percent": loss, "down_s": down_s, "left_processes": len(left), "left_shm": len(_shm() - shm),
+            "left_netns": len(_namespaces() - spaces), "wrong_model": wrong,
+            "tail": err[-1500:] if (hung or wrong or not named or (proc.returncode == 0) != survive) else ""}
 
 
 def _replay(result: dict) -> list[list[float]]:
@@ -179,29 +269,33 @@ def elastic_trial(kind: str, rng: random.Random) -> dict:
                         for g, w in zip(result["params"], want)) or len(result["batches"]) != steps
     return {"kind": kind, "strategy": "allreduce", "workers": 3, "victim": None, "hung": hung,
             "exit": proc.returncode, "failed": proc.returncode != 0, "named": True, "seconds": seconds,
-            "left_processes": 0, "left_shm": len(_shm() - shm), "wrong_model": wrong,
+            "left_processes": 0, "left_shm": len(_shm() - shm), "left_netns": 0, "wrong_model": wrong,
             "tail": err[-1500:] if (hung or wrong or proc.returncode) else ""}
 
 
 def run_trial(kind: str, rng: random.Random) -> dict:
     if kind in ("elastic-kill", "hostile-store"):
         return elastic_trial(kind, rng)
+    if kind.startswith(("link", "packet")):
+        return link_trial(kind, rng.choice(STRATEGIES), rng)
     strategy = {"kill-server": rng.choice(["ps", "p3"]), "corrupt-message": "ps"}.get(kind, rng.choice(STRATEGIES))
     return failing_trial(kind, strategy, rng)
 
 
 def table(trials: list[dict]) -> list[str]:
     rows = ["| fault | trials | hangs | wrong models | named the rank | exit as expected | seconds to the error or "
-            "recovery (median, max) | processes left | /dev/shm files left |", "|---|---|---|---|---|---|---|---|---|"]
+            "the end (median, max) | processes left | /dev/shm files left | namespaces left |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for kind in KINDS:
         mine = [t for t in trials if t["kind"] == kind]
         if not mine:
             continue
-        expected_exit = sum((t["exit"] == 0) if kind.startswith(("elastic", "hostile")) else t["failed"] for t in mine)
+        expected_exit = sum((t["exit"] == 0) if kind in SURVIVABLE else t["failed"] for t in mine)
         secs = [t["seconds"] for t in mine]
         rows.append(f"| {kind} | {len(mine)} | {sum(t['hung'] for t in mine)} | {sum(t['wrong_model'] for t in mine)} | "
                     f"{sum(t['named'] for t in mine)} | {expected_exit} | {statistics.median(secs):.1f}, {max(secs):.1f} | "
-                    f"{sum(t['left_processes'] for t in mine)} | {sum(t['left_shm'] for t in mine)} |")
+                    f"{sum(t['left_processes'] for t in mine)} | {sum(t['left_shm'] for t in mine)} | "
+                    f"{sum(t.get('left_netns', 0) for t in mine)} |")
     return rows
 
 
@@ -219,7 +313,8 @@ def main() -> None:
     for n in range(args.trials):
         trial = run_trial(kinds[n % len(kinds)], rng)
         trials.append(trial)
-        bad = trial["hung"] or trial["wrong_model"] or not trial["named"] or trial["left_processes"]
+        bad = trial["hung"] or trial["wrong_model"] or not trial["named"] or trial["left_processes"] \
+            or trial["left_netns"] or (trial["exit"] == 0) != (trial["kind"] in SURVIVABLE)
         print(f"{n + 1:4d} {trial['kind']:<16} {trial['strategy']:<20} exit {trial['exit']:>4} "
               f"{trial['seconds']:5.1f} s{'  <-- ' + trial['tail'][-300:] if bad else ''}", flush=True)
     print(f"\n{args.trials} trials in {time.monotonic() - started:.0f} s\n")

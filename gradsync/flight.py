@@ -52,7 +52,8 @@ class FlightRecorder:
         self.records: collections.deque[Record] = collections.deque(maxlen=size)
         self.counts: dict[str, int] = {}
         self.step = 1  # the optimizer step in progress, from 1 (counted by distribute's wrapped step)
-        self.waiting: Record | None = None
+        self.waiting: Record | None = None  # what the training (main) thread is blocked in
+        self.blocked: dict[int, Record] = {}  # what each thread blocked in an operation waits for
         self.dumped_for: float = 0.0  # the request file's mtime this rank last answered
 
     def issue(self, what: str, op: str, nbytes: int, *, group: str | None = None, peer: int | None = None) -> Record:
@@ -64,6 +65,26 @@ class FlightRecorder:
         record = Record(what, op, group, seq, self.step, nbytes, peer)
         self.records.append(record)
         return record
+
+    @contextlib.contextmanager
+    def blocked_in(self, record: Record | None, *, main: bool):
+        """While the calling thread waits for ``record``; ``main``: it is the training thread."""
+        ident = threading.get_ident()
+        if record is not None:
+            self.blocked[ident] = record
+        if main:
+            self.waiting = record
+        try:
+            yield
+        finally:
+            self.blocked.pop(ident, None)
+            if main and self.waiting is record:
+                self.waiting = None
+
+    def longest_wait_s(self) -> float:
+        """How long the longest wait under way has lasted (0 when no thread waits)."""
+        now = time.time()
+        return max((now - r.issued for r in list(self.blocked.values())), default=0.0)
 
     def snapshot(self, reason: str = "") -> dict:
         now = time.time()
@@ -202,7 +223,7 @@ def summarize(dumps: dict[int, dict], ranks: list[int]) -> list[str]:
     for rank in ranks:
         dump = dumps.get(rank)
         if dump is None:
-            lines.append(f"rank {rank}: no answer (dead, or blocked while holding Python's lock)")
+            lines.append(f"rank {rank}: no answer (dead, stopped, or blocked while holding Python's lock)")
             continue
         who = dump["label"]  # "worker 0 (rank 0)"
         if dump.get("stale"):

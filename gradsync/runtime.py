@@ -8,8 +8,8 @@ waits ``max(GRADSYNC_TIMEOUT, RENDEZVOUS_MIN_S)`` seconds (60 by default) for ra
 fails with an error saying so.
 
 Every rank runs a heartbeat thread that bumps a counter in the rendezvous store once a second.
-When an operation fails, the rank reads the counters twice and names the ranks whose counter
-stopped: "worker 1 (rank 1) stopped responding" instead of Gloo's "Connection reset by peer".
+When an operation fails, the rank names the ranks whose counter stopped (watched during a wait
+that nears the timeout, else read twice :data:`SILENT_S` apart): "worker 1 (rank 1) stopped responding" instead of Gloo's "Connection reset by peer".
 """
 from __future__ import annotations
 
@@ -51,14 +51,27 @@ def _env_int(name: str, default: int) -> int:
 
 
 class Heartbeat:
-    """Bumps ``gradsync/hb/<rank>`` in the store every second, on its own store connection."""
+    """Bumps ``gradsync/hb/<rank>`` in the store every second, on its own store connection.
 
-    def __init__(self, addr: str, port: int, topology: Topology, prefix: str = ""):
+    While a thread of this rank has waited on one operation for ``watch_after_s`` (the job's
+    timeout less the silence window and one beat), the heartbeat also reads every peer's counter
+    each beat, so that when the operation times out the silent peer is named at once, from what
+    was watched, instead of after another :data:`SILENT_S` of watching. Healthy jobs never wait
+    that long, so the store sees only each rank's own beat."""
+
+    def __init__(self, addr: str, port: int, topology: Topology, prefix: str = "",
+                 timeout_s: float = DEFAULT_TIMEOUT_S):
         self.topology = topology
-        self.store = dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=HEARTBEAT_STORE_S),
+        # Connecting may take a resent SYN (a lossy link): the job's timeout. Each call after: 2 s.
+        self.store = dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=max(timeout_s, HEARTBEAT_STORE_S)),
                                    wait_for_workers=False)
+        self.store.set_timeout(timedelta(seconds=HEARTBEAT_STORE_S))
         if prefix:  # an elastic job's generation: ranks are renumbered in each
             self.store = dist.PrefixStore(prefix, self.store)
+        self.watch_after_s = max(HEARTBEAT_S, timeout_s - SILENT_S - HEARTBEAT_S)
+        self._seen: dict[int, tuple[int, float]] = {}  # rank -> (count, still since), while watching
+        self.answered = time.monotonic()  # the store's last answer to this thread's beat
+        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="gradsync-heartbeat", daemon=True)
         self._thread.start()
@@ -73,6 +86,18 @@ class Heartbeat:
                 store.add(key, 1)
             except Exception:  # noqa: BLE001 - a slow or vanished store host (diagnosis says which):
                 continue  # try again next beat; each call is bounded by HEARTBEAT_STORE_S
+            self.answered = time.monotonic()
+            recorder = flight.current()
+            if recorder is not None and recorder.longest_wait_s() >= self.watch_after_s:
+                self._watch()
+            else:
+                with self._lock:
+                    self._seen = {}
+
+    def store_lost(self) -> bool:
+        """Whether the store has not answered this rank's beats for longer than a beat and a
+        bounded call (its host died, or is stopped: a stopped host's store never answers)."""
+        return time.monotonic() - self.answered > HEARTBEAT_S + HEARTBEAT_STORE_S
 
     def beats(self) -> dict[int, int] | None:
         """Every other rank's heartbeat count now; None if the store is gone or does not answer
@@ -87,23 +112,61 @@ class Heartbeat:
         except Exception:
             return None
 
-    def silent_ranks(self, window_s: float = SILENT_S) -> list[int] | None:
-        """Ranks whose heartbeat did not advance within ``window_s``; None if the store is gone."""
-        before = self.beats()
-        if before is None:
+    def _observe(self, seen: dict[int, tuple[int, float]]) -> dict[int, tuple[int, float]] | None:
+        """``seen`` (per rank: its count, and since when it has had that count as far as watched)
+        updated with the peers' counters now; None if the store is gone. A rank seen for the first
+        time counts as still since now: nothing is known of it before."""
+        beats = self.beats()
+        if beats is None:
             return None
-        time.sleep(window_s)
-        after = self.beats()
-        if before is None or after is None:
-            return None
-        return [r for r in before if after[r] == before[r]]
+        now, seen = time.monotonic(), dict(seen)
+        for rank, count in beats.items():
+            if rank not in seen or seen[rank][0] != count:
+                seen[rank] = (count, now)
+        return seen
 
-    def stop(self) -> None:
+    def _watch(self) -> None:
+        """One beat of watching (the heartbeat thread, during a long wait)."""
+        with self._lock:
+            seen = self._seen
+        seen = self._observe(seen)
+        if seen is not None:
+            with self._lock:
+                self._seen = seen
+
+    def silent_ranks(self, window_s: float = SILENT_S, poll_s: float = 0.1) -> list[int] | None:
+        """Ranks whose heartbeat did not advance for ``window_s``; None if the store is gone.
+
+        Reads the counters every ``poll_s`` until each peer is decided: alive once its count moves
+        after the first read, silent once it has stood still for ``window_s`` (counting what the
+        watch saw before). A watched stopped rank is so named within one beat of healthy peers."""
+        if self.store_lost():
+            return None
+        with self._lock:
+            seen = self._seen
+        seen = self._observe(seen)
+        if seen is None:
+            return None
+        first = dict(seen)
+        while True:
+            now = time.monotonic()
+            alive = {r for r, (count, _) in seen.items() if count != first[r][0]}
+            silent = {r for r, (_, since) in seen.items() if r not in alive and now - since >= window_s - 1e-3}
+            undecided = [r for r in seen if r not in alive and r not in silent]
+            if not undecided:
+                return sorted(silent)
+            time.sleep(min(poll_s, max(window_s - (now - seen[r][1]) for r in undecided)))
+            seen = self._observe(seen)
+            if seen is None:
+                return None
+
+    def stop(self, wait_s: float = HEARTBEAT_S + 2 * HEARTBEAT_STORE_S) -> None:
         """Stop the thread and wait for it: a Python thread that returns from a torch call while the
         interpreter finalizes aborts the process (pytorch/pytorch#38228), so none may outlive
-        :func:`shutdown`. Its one store call is bounded by ``HEARTBEAT_STORE_S``."""
+        :func:`shutdown`. Its store calls are bounded by ``HEARTBEAT_STORE_S`` each, except against
+        a stopped store host, which never answers: then waiting is pointless (``wait_s``)."""
         self._stop.set()
-        self._thread.join(timeout=HEARTBEAT_S + 2 * HEARTBEAT_STORE_S)
+        self._thread.join(timeout=wait_s)
         self.store = None  # the client connection closes here, not during finalization
 
 
@@ -120,6 +183,8 @@ class Runtime:
     of a store written in Python (:class:`gradsync.store.SignedStore`)."""
     responder: object = None
     """The thread that dumps this rank's flight record when the launcher asks (:mod:`gradsync.flight`)."""
+    store_lost: bool = False
+    """The rendezvous store stopped answering (found when explaining a failure)."""
     elastic: object = None
     """In an elastic job (``gradsync run --elastic``): its :class:`gradsync.adapt.elastic.Membership`."""
 
@@ -128,16 +193,22 @@ class Runtime:
         me = self.topology.describe(self.topology.rank)
         silent = self.heartbeat.silent_ranks() if self.heartbeat else []
         if silent is None:
+            self.store_lost = True
             cause = ("rank 0, which hosts the rendezvous store, is unreachable "
                      "(it has probably exited, crashed or been stopped)")
         elif silent:
             cause = ", ".join(self.topology.describe(r) for r in silent) + " stopped responding"
+            if len(silent) >= 2 and len(silent) == self.topology.world_size - 1:
+                cause += (f" (every peer fell silent at once: {me}'s own network link or host is the likely "
+                          "cause, not the peers)")
         else:
             cause = (f"no peer died; the operation did not complete within {self.timeout_s:g} s. "
                      "Either ranks issued different operations (different models, step counts or "
                      "strategies) or a step takes longer than the timeout (raise it with "
                      "gradsync.init(timeout_s=...) or GRADSYNC_TIMEOUT)")
         error = PeerFailureError(f"{what} failed on {me}: {cause}. Original error: {exc}")
+        if self.transport is not None:
+            self.transport.failure = error
         recorder = flight.current()
         if recorder is not None:  # for the launcher's cross-rank summary (gradsync.flight)
             recorder.dump(str(error))
@@ -259,7 +330,7 @@ def start(topology: Topology, store, *, backend: str, timeout_s: float, heartbea
         dist.init_process_group(backend, store=store, rank=topology.rank,
                                 world_size=topology.world_size, timeout=timedelta(seconds=timeout_s))
         if topology.world_size > 1 and heartbeat_at[0] is not None:
-            heartbeat = Heartbeat(*heartbeat_at, topology, heartbeat_prefix)
+            heartbeat = Heartbeat(*heartbeat_at, topology, heartbeat_prefix, timeout_s)
     worker_group = dist.group.WORLD
     if topology.num_servers:
         worker_group = dist.new_group(topology.worker_ranks, timeout=timedelta(seconds=timeout_s))
@@ -291,16 +362,18 @@ def leave() -> Runtime | None:
 
 def _stop_threads(runtime: Runtime) -> None:
     if runtime.heartbeat:
-        runtime.heartbeat.stop()
+        runtime.heartbeat.stop(**({"wait_s": 0.5} if runtime.store_lost else {}))
     if runtime.responder:
         runtime.responder.stop()
 
 
-def _warn_live_threads() -> None:
+def _warn_live_threads(store_lost: bool = False) -> None:
     """Say which gradsync thread is still running after shutdown: one blocked in a torch call when
-    the interpreter finalizes would abort the process at exit, so this is a bug worth reporting."""
-    alive = [t.name for t in threading.enumerate()
-             if t.name.startswith("gradsync") and t.is_alive() and t is not threading.current_thread()]
+    the interpreter finalizes would abort the process at exit, so this is a bug worth reporting.
+    Not the heartbeat's, when the store's host stopped answering: that call never returns."""
+    expected = ("gradsync-heartbeat", "gradsync-store-call") if store_lost else ()
+    alive = [t.name for t in threading.enumerate() if t.name.startswith("gradsync") and t.name not in expected
+             and t.is_alive() and t is not threading.current_thread()]
     if alive:
         import warnings
 
@@ -347,4 +420,4 @@ def shutdown() -> None:
     _stop_threads(runtime)
     if runtime.owns_group and dist.is_initialized():
         dist.destroy_process_group()
-    _warn_live_threads()
+    _warn_live_threads(runtime.store_lost)

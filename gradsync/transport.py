@@ -13,6 +13,8 @@ over ``p`` ranks sends ``2 (p-1)/p * n`` bytes per rank, a point-to-point send s
 """
 from __future__ import annotations
 
+import contextlib
+
 import threading
 import time
 from datetime import timedelta
@@ -22,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from gradsync import flight, trace
-from gradsync.errors import PeerProtocolError
+from gradsync.errors import PeerFailureError, PeerProtocolError
 from gradsync.topology import Topology
 
 HEADER_WORDS = 4
@@ -66,20 +68,18 @@ class Handle:
         if self._done:
             return
         tracer = trace.current()
-        recorder = flight.current() if not background and threading.get_ident() == _MAIN_THREAD else None
-        if recorder is not None:
-            recorder.waiting = self._record
-        try:
-            if tracer is None or background:
-                self._work.wait()
-            else:
-                with tracer.waiting(self._what):
+        recorder = flight.current()
+        main = not background and threading.get_ident() == _MAIN_THREAD
+        # Explained while still registered as waiting: the heartbeat keeps what it watched meanwhile.
+        with recorder.blocked_in(self._record, main=main) if recorder else contextlib.nullcontext():
+            try:
+                if tracer is None or background:
                     self._work.wait()
-        except RuntimeError as exc:
-            raise self._explain(self._what, exc) from exc
-        finally:
-            if recorder is not None:
-                recorder.waiting = None
+                else:
+                    with tracer.waiting(self._what):
+                        self._work.wait()
+            except RuntimeError as exc:
+                raise self._explain(self._what, exc) from exc
         self._done = True
         if self._record is not None:
             self._record.done = time.time()
@@ -102,6 +102,10 @@ class Transport:
         self.device = device
         self.bytes_sent = 0
         self._explain = explain or (lambda what, exc: exc)
+        self.failure: Exception | None = None
+        """The peer failure this transport reported, if any: the group is broken after it (Gloo's
+        pairs are left mid-message), so every later operation fails at once instead of waiting out
+        the timeout again (a strategy's goodbye at exit, say)."""
 
     # -- collectives -------------------------------------------------------------------------
     def _group(self, world: bool):
@@ -114,6 +118,8 @@ class Transport:
                 peer: int | None = None) -> flight.Record | None:
         """This operation's entry in the rank's flight record (:mod:`gradsync.flight`). Collectives
         are numbered on their group: "world", "workers", or a private group's name."""
+        if self.failure is not None:
+            raise PeerFailureError(f"{what} not attempted: an earlier operation failed. {self.failure}")
         recorder = flight.current()
         if recorder is None:
             return None
@@ -256,19 +262,16 @@ class Transport:
         order (see :func:`allgather_with_info`)."""
         self.bytes_sent += (self.topology.num_workers - 1) * message.numel()
         record = self._record(what, "all-gather", message.numel(), group=group)
-        recorder = flight.current() if threading.get_ident() == _MAIN_THREAD else None
-        if recorder is not None:
-            recorder.waiting = record
-        try:
-            gathered = allgather_with_info(message, info, self.worker_group if group is None else group, limit=limit,
-                                           what=what)
-        except PeerProtocolError:
-            raise
-        except RuntimeError as exc:
-            raise self._explain(what, exc) from exc
-        finally:
-            if recorder is not None and recorder.waiting is record:
-                recorder.waiting = None
+        recorder = flight.current()
+        with recorder.blocked_in(record, main=threading.get_ident() == _MAIN_THREAD) if recorder \
+                else contextlib.nullcontext():
+            try:
+                gathered = allgather_with_info(message, info, self.worker_group if group is None else group,
+                                               limit=limit, what=what)
+            except PeerProtocolError:
+                raise
+            except RuntimeError as exc:
+                raise self._explain(what, exc) from exc
         if record is not None:
             record.done = time.time()
         return gathered

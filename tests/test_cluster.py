@@ -192,6 +192,56 @@ print(sorted(times)[2])
 """
 
 
+def test_a_lossy_line_drops_the_given_share_of_frames_and_keeps_the_rest_whole_and_in_order():
+    import contextlib
+    import random
+    import socket
+    import threading
+
+    from gradsync.cluster import delayline
+
+    host, line_host = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)  # one frame per message
+    switch, line_switch = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    control_read, control_write = os.pipe()
+    for end in (line_host, line_switch):
+        end.setblocking(False)
+    peer = {line_host.fileno(): line_switch.fileno(), line_switch.fileno(): line_host.fileno()}
+    line = threading.Thread(target=delayline.run, args=(0.0, peer, control_read, 0.25, random.Random(0)))
+    line.start()
+    frames = [i.to_bytes(4, "big") * 64 for i in range(2000)]
+    arrived = []
+
+    def receive():
+        switch.settimeout(2.0)
+        with contextlib.suppress(TimeoutError):
+            while True:
+                arrived.append(switch.recv(4096))
+
+    receiver = threading.Thread(target=receive)
+    receiver.start()
+    for n, frame in enumerate(frames):
+        host.send(frame)
+        if n % 50 == 0:
+            time.sleep(0.01)  # a line writing to a full socket drops the frame, as a full NIC would
+    receiver.join()
+    os.close(control_write)
+    line.join(timeout=10)
+    assert not line.is_alive()
+    assert all(frame in frames for frame in arrived)  # whole
+    assert arrived == sorted(arrived)  # in order
+    assert 0.2 < 1 - len(arrived) / len(frames) < 0.3, f"{len(frames) - len(arrived)} of {len(frames)} frames lost"
+    for end in (host, line_host, switch, line_switch):
+        end.close()
+    os.close(control_read)
+
+
+def test_loss_needs_net_and_a_share_below_everything():
+    for args, message in ((["--loss", "5"], "--loss needs --net"), (["--net", "1gbit", "--loss", "100"], "below 100")):
+        out = subprocess.run(GRADSYNC + ["run", "-np", "2", *args, "--", "true"], capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 2 and message in out.stderr, out.stderr
+
+
 @pytest.mark.parametrize("args,message", [
     (["--dilation", "2"], "needs --compute emulated"),
     (["--compute", "emulated:flops:1tflops", "--dilation", "0.5"], "--dilation must be >= 1"),

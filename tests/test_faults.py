@@ -2,7 +2,7 @@
 
 Every multi-rank case runs through tests/multirank.py and asserts on the error's text. Time bounds
 come from the runtime: a dead peer is named within the heartbeat diagnosis window (2.5 s) after
-Gloo notices the closed connection; a hung peer after ``GRADSYNC_TIMEOUT`` plus that window; a
+Gloo notices the closed connection; a hung peer at ``GRADSYNC_TIMEOUT`` (the wait was watched); a
 rank that cannot reach rank 0's store after ``max(GRADSYNC_TIMEOUT, runtime.RENDEZVOUS_MIN_S)``.
 """
 import os
@@ -204,6 +204,51 @@ def test_hung_rank_times_out_with_explanation():
     assert "no peer died" in last and "did not complete within 5 s" in last and "GRADSYNC_TIMEOUT" in last, last
     assert 5 <= seconds_into_step(last) < 15, last
     assert elapsed < 25, f"the job took {elapsed:.1f} s to fail"
+
+
+class _Clock:
+    """A fake ``time`` for :class:`gradsync.runtime.Heartbeat`: sleeping advances it; the live peer
+    (rank 2) beats once a second of it, rank 1 is stopped."""
+
+    def __init__(self):
+        self.now, self.slept = 0.0, []
+
+    def monotonic(self):
+        return self.now
+
+    def sleep(self, seconds):
+        self.slept.append(seconds)
+        self.now += seconds
+
+    def counts(self):
+        return {1: 5, 2: 7 + int(self.now + 1e-9)}
+
+
+def _heartbeat(monkeypatch):
+    import threading
+
+    from gradsync import runtime
+
+    clock = _Clock()
+    monkeypatch.setattr(runtime, "time", clock)
+    heartbeat = runtime.Heartbeat.__new__(runtime.Heartbeat)  # no store: the counts come from the clock
+    heartbeat._lock, heartbeat._seen, heartbeat.answered = threading.Lock(), {}, float("inf")
+    heartbeat.beats = clock.counts
+    return heartbeat, clock
+
+
+@pytest.mark.parametrize("watched_beats,waited", [(3, 1.0), (0, 2.5), (1, 1.5)])
+def test_a_watched_silent_peer_is_named_within_a_beat_of_the_timeout(monkeypatch, watched_beats, waited):
+    """A wait near the timeout is watched (the heartbeat thread reads the peers' counters each
+    beat), so at the timeout the stopped rank is named as soon as the live one beats again;
+    unwatched, after a whole silence window; watched briefly, after the rest of it."""
+    heartbeat, clock = _heartbeat(monkeypatch)
+    for _ in range(watched_beats):
+        heartbeat._watch()
+        clock.now += 1.0
+    start = clock.now
+    assert heartbeat.silent_ranks(window_s=2.5) == [1]
+    assert clock.now - start == pytest.approx(waited, abs=0.11)
 
 
 # -- the rendezvous port is taken ------------------------------------------------------------------

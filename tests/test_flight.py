@@ -95,7 +95,7 @@ def test_the_summary_names_the_first_collective_where_ranks_diverge():
              1: dump(1, ["all-reduce of bucket 0", "broadcast of the model's buffers"], waiting=1)}
     lines = flight.summarize(dumps, [0, 1, 2])
     assert lines[0].startswith("worker 0 (rank 0): waits in all-reduce of bucket 1 (step 2, collective #1 on workers)")
-    assert lines[2] == "rank 2: no answer (dead, or blocked while holding Python's lock)"
+    assert lines[2] == "rank 2: no answer (dead, stopped, or blocked while holding Python's lock)"
     assert "rank 2 did not answer" in lines[3]
     assert lines[-1] == ("ranks diverge at collective #1 on workers: rank 1 issued \"broadcast of the model's "
                          "buffers\" where rank 0 issued 'all-reduce of bucket 1'")

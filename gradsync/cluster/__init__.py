@@ -14,18 +14,19 @@ from gradsync.cluster.netns import EmulatedCluster, format_rate, leftovers, pars
 
 
 def launch(command: list[str], *, np: int, servers: int = 0, rate_bps: float | None,
-           delay_ms: float = 0.0, ranks_per_host: int = 1, **launch_options):
+           delay_ms: float = 0.0, loss: float = 0.0, ranks_per_host: int = 1, **launch_options):
     """Run ``command`` as ``np`` workers and ``servers`` servers, ``ranks_per_host`` ranks per emulated host.
 
     Ranks fill hosts in rank order (workers first, servers last), and every host's link has
-    ``rate_bps`` (None: unshaped) and one-way host-to-host ``delay_ms``. The cluster is removed afterwards, whatever happens.
+    ``rate_bps`` (None: unshaped), one-way host-to-host ``delay_ms`` and drops ``loss`` (a fraction)
+    of its frames. The cluster is removed afterwards, whatever happens.
     Returns the launcher's :class:`~gradsync.launch.JobResult`.
     """
     from gradsync.launch import launch_local
 
     world = np + servers
     hosts = -(-world // ranks_per_host)
-    with EmulatedCluster(hosts, rate_bps, delay_ms) as cluster:
+    with EmulatedCluster(hosts, rate_bps, delay_ms, loss) as cluster:
         def placement(spec):
             return cluster.exec_prefix(spec.rank // ranks_per_host), cluster.env()
 

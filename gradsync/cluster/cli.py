@@ -16,6 +16,7 @@ def add_parser(subparsers) -> None:
     check.add_argument("--hosts", type=int, default=2, help="emulated hosts, one rank each (default 2)")
     check.add_argument("--net", required=True, metavar="RATE", help="link rate, e.g. 100mbit, 1gbit, 5gbit")
     check.add_argument("--delay", type=float, default=0.0, metavar="MS", help="one-way host-to-host delay (default 0)")
+    check.add_argument("--loss", type=float, default=0.0, metavar="PCT", help="percent of frames each link drops (default 0)")
     check.add_argument("--seconds", type=float, default=2.0, help="duration of one transfer at the configured rate")
     check.add_argument("--repeats", type=int, default=3, help="transfers per measurement; the median is reported")
     check.set_defaults(handler=netcheck)
@@ -34,18 +35,22 @@ def netcheck(args) -> int:
     parser_error = argparse.ArgumentParser(prog="gradsync netcheck").error
     if args.hosts < 2:
         parser_error(f"--hosts must be >= 2, got {args.hosts}")
+    if not 0 <= args.loss < 100 or args.delay < 0:
+        parser_error("--loss must be in [0, 100) percent and --delay >= 0")
     try:
         rate = parse_rate(args.net)
     except ConfigError as exc:
         parser_error(str(exc))
     print(f"gradsync netcheck: {args.hosts} hosts, links of {format_rate(rate)}"
-          + (f", {args.delay:g} ms one-way delay" if args.delay else ""), flush=True)
+          + (f", {args.delay:g} ms one-way delay" if args.delay else "")
+          + (f", {args.loss:g} % of frames lost per link" if args.loss else ""), flush=True)
     with tempfile.TemporaryDirectory(prefix="gradsync-netcheck-") as run_dir:
         with open(os.path.join(run_dir, "config.json"), "w") as f:
             json.dump({"rate_bps": rate, "seconds": args.seconds, "repeats": args.repeats}, f)
         try:
             result = launch([sys.executable, "-m", "gradsync.cluster.netcheck", run_dir], np=args.hosts,
-                            rate_bps=rate, delay_ms=args.delay, env={"GRADSYNC_TIMEOUT": "300"})
+                            rate_bps=rate, delay_ms=args.delay, loss=args.loss / 100,
+                            env={"GRADSYNC_TIMEOUT": "300"})
         except ConfigError as exc:
             print(f"gradsync netcheck: {exc}", file=sys.stderr)
             return 1

@@ -1,10 +1,12 @@
-"""A user-space delay line: ``python -m gradsync.cluster.delayline DELAY_MS SWITCH_NS HOST_NS...``.
+"""A user-space delay line: ``python -m gradsync.cluster.delayline DELAY_MS LOSS SWITCH_NS HOST_NS...``.
 
-This kernel has no netem, so an emulated cluster with ``--delay`` joins each host to the switch
-through this process instead of a veth pair. For host ``i`` it creates two TAP devices, ``eth0``
-inside the host's namespace and ``p<i>`` inside the switch's, and copies every Ethernet frame
-between them after holding it for ``DELAY_MS / 2`` (so host to host, through two links, a frame
-takes ``DELAY_MS`` one way). Frames keep their order; the line itself has no rate limit: the
+This kernel has no netem, so an emulated cluster with ``--delay`` or ``--loss`` joins each host to
+the switch through this process instead of a veth pair. For host ``i`` it creates two TAP
+devices, ``eth0`` inside the host's namespace and ``p<i>`` inside the switch's, and copies every
+Ethernet frame between them after holding it for ``DELAY_MS / 2`` (so host to host, through two
+links, a frame takes ``DELAY_MS`` one way). Each copy drops the frame with probability ``LOSS``
+(0 to 1), so host to host a frame is lost with probability ``1 - (1 - LOSS)**2``; TCP resends
+it, as on a lossy cable. Frames keep their order; the line itself has no rate limit: the
 ``tc tbf`` qdiscs on ``eth0`` and ``p<i>`` shape the link exactly as on veth pairs.
 
 It prints ``ready`` once every device exists, then runs until its standard input closes (its
@@ -16,6 +18,7 @@ import collections
 import ctypes
 import fcntl
 import os
+import random
 import select
 import struct
 import sys
@@ -38,8 +41,11 @@ def open_tap(name: str, namespace: str) -> int:
     return fd
 
 
-def run(delay_s: float, peer: dict[int, int], control: int) -> None:
-    """Move frames between paired descriptors after ``delay_s``; return when ``control`` hits EOF."""
+def run(delay_s: float, peer: dict[int, int], control: int, loss: float = 0.0,
+        rng: random.Random | None = None) -> None:
+    """Move frames between paired descriptors after ``delay_s``, dropping each with probability
+    ``loss``; return when ``control`` hits EOF."""
+    rng = rng or random.Random()
     queues = {fd: collections.deque() for fd in peer}  # frames waiting to be written to fd
     poller = select.epoll()
     for fd in peer:
@@ -68,17 +74,21 @@ def run(delay_s: float, peer: dict[int, int], control: int) -> None:
                     frame = os.read(fd, _MAX_FRAME)
                 except (BlockingIOError, OSError):
                     break
+                if not frame:
+                    break
+                if loss and rng.random() < loss:
+                    continue  # lost on the way
                 queues[out].append((time.monotonic() + delay_s, frame))
 
 
 def main(argv: list[str]) -> int:
-    delay_ms, switch, hosts = float(argv[0]), argv[1], argv[2:]
+    delay_ms, loss, switch, hosts = float(argv[0]), float(argv[1]), argv[2], argv[3:]
     peer = {}
     for i, host in enumerate(hosts):
         a, b = open_tap("eth0", host), open_tap(f"p{i}", switch)
         peer[a], peer[b] = b, a
     print("ready", flush=True)
-    run(delay_ms / 2 / 1e3, peer, sys.stdin.fileno())
+    run(delay_ms / 2 / 1e3, peer, sys.stdin.fileno(), loss)
     return 0
 
 

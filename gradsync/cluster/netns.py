@@ -98,19 +98,30 @@ def tbf_args(rate_bps: float) -> list[str]:
 
 
 class EmulatedCluster:
-    """``hosts`` namespaces joined by a switch; each host link shaped to ``rate_bps`` (None: unshaped)."""
+    """``hosts`` namespaces joined by a switch; each host link shaped to ``rate_bps`` (None: unshaped),
+    with ``delay_ms`` one way host to host and ``loss`` (0 to 1) of the frames dropped on each link."""
 
-    def __init__(self, hosts: int, rate_bps: float | None = None, delay_ms: float = 0.0):
+    def __init__(self, hosts: int, rate_bps: float | None = None, delay_ms: float = 0.0, loss: float = 0.0):
         if hosts < 1:
             raise ConfigError(f"an emulated cluster needs at least 1 host, got {hosts}")
         if delay_ms < 0:
             raise ConfigError(f"link delay must be >= 0 ms, got {delay_ms}")
-        self.hosts, self.rate_bps, self.delay_ms = hosts, rate_bps, delay_ms
+        if not 0 <= loss < 1:
+            raise ConfigError(f"link loss must be a fraction in [0, 1), got {loss}")
+        self.hosts, self.rate_bps, self.delay_ms, self.loss = hosts, rate_bps, delay_ms, loss
         self._line: subprocess.Popen | None = None
         self.tag = f"{PREFIX}{os.getpid()}-{next(_counter)}"
         self.switch = f"{self.tag}-sw"
         self.namespaces: list[str] = []
         self._reaper: subprocess.Popen | None = None
+
+    def link_down(self, host: int) -> None:
+        """Take ``host``'s link down (its cable pulled out): frames to and from it are lost."""
+        _ip("-n", self.host_ns(host), "link", "set", IFNAME, "down")
+
+    def link_up(self, host: int) -> None:
+        """Bring ``host``'s link back (its address and routes return with it)."""
+        _ip("-n", self.host_ns(host), "link", "set", IFNAME, "up")
 
     def host_ns(self, host: int) -> str:
         return f"{self.tag}-h{host}"
@@ -145,7 +156,7 @@ class EmulatedCluster:
             for host in range(self.hosts):
                 self._add_ns(self.host_ns(host))
                 self._write_hosts_file(host)
-            if self.delay_ms:
+            if self.delay_ms or self.loss:
                 self._start_delay_line()
             else:
                 for host in range(self.hosts):
@@ -169,7 +180,7 @@ class EmulatedCluster:
         (MTU 65000) keep the frame rate within what one Python process can forward."""
         hosts = [self.host_ns(h) for h in range(self.hosts)]
         self._line = subprocess.Popen([sys.executable, "-m", "gradsync.cluster.delayline", str(self.delay_ms),
-                                       self.switch, *hosts], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                                       str(self.loss), self.switch, *hosts], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         if self._line.stdout.readline().strip() != "ready":
             raise ConfigError("the delay line could not create its TAP devices (see the error above)")
         for host in range(self.hosts):

@@ -62,6 +62,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--grace", type=_float_at_least(0), default=3.0, help="seconds between SIGTERM and SIGKILL (default 3)")
     parser.add_argument("--net", metavar="RATE", help="emulated hosts joined by links of RATE (e.g. 1gbit); needs root")
     parser.add_argument("--delay", type=_float_at_least(0), default=0.0, metavar="MS", help="with --net: one-way host-to-host delay")
+    parser.add_argument("--loss", type=_float_at_least(0), default=0.0, metavar="PCT",
+                        help="with --net: percent of the frames each link drops (TCP resends them)")
     parser.add_argument("--ranks-per-host", type=_int_in(1), default=1, help="ranks per emulated host with --net (default 1)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the command every rank runs, after --")
     elastic = parser.add_argument_group("elastic jobs (one machine)")
@@ -162,6 +164,10 @@ def main(args: argparse.Namespace) -> int:
     _workers(args, parser)
     if args.delay and args.net is None:
         parser.error("--delay needs --net: it is the delay of the emulated links")
+    if args.loss and args.net is None:
+        parser.error("--loss needs --net: it is the loss of the emulated links")
+    if args.loss >= 100:
+        parser.error(f"--loss must be below 100 (percent), got {args.loss:g}")
     if args.bind is not None:
         os.environ["GRADSYNC_BIND_ADDR"] = args.bind  # the ranks inherit it; rank 0's store reads it
     hosts, node_rank = _hosts_and_node_rank(args, parser)
@@ -234,7 +240,7 @@ def _run_emulated(args, command: list[str], parser) -> int:
         rate = parse_rate(args.net)
         require_privileges()
         result = launch(command, np=args.np, servers=args.servers, rate_bps=rate, delay_ms=args.delay,
-                        ranks_per_host=args.ranks_per_host,
+                        loss=args.loss / 100, ranks_per_host=args.ranks_per_host,
                         port=args.port, logdir=args.logdir, grace_s=args.grace)
     except ConfigError as exc:
         parser.error(str(exc))

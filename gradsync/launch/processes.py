@@ -130,6 +130,14 @@ def _signal_groups(ranks: list[_Rank], sig: int) -> None:
             os.killpg(rank.proc.pid, sig)
 
 
+def _stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (SIGSTOP, a debugger): it cannot answer anything."""
+    with contextlib.suppress(OSError, IndexError):
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    return False
+
+
 def _group_exists(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)
@@ -156,8 +164,10 @@ def _live_groups(pgids: set[int]) -> set[int]:
 
 
 def _stop(ranks: list[_Rank], grace_s: float) -> None:
-    """SIGTERM every rank's group, SIGKILL whatever is left after ``grace_s``, reap the ranks."""
+    """SIGTERM every rank's group, SIGKILL whatever is left after ``grace_s``, reap the ranks.
+    SIGCONT follows the SIGTERM, so a stopped rank (SIGSTOP, Ctrl-Z) ends now, not after the grace."""
     _signal_groups(ranks, signal.SIGTERM)
+    _signal_groups(ranks, signal.SIGCONT)
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline:
         for rank in ranks:
@@ -216,7 +226,7 @@ def _report_flight(folder: str | None, ranks: list[_Rank], reason: str, out: _Ou
     if folder is None:
         return
     started = min((rank.started for rank in ranks), default=0.0)
-    gone = {rank.spec.rank for rank in ranks if rank.proc.poll() is not None}
+    gone = {rank.spec.rank for rank in ranks if rank.proc.poll() is not None or _stopped(rank.proc.pid)}
     lines = flight.report(folder, [rank.spec.rank for rank in ranks], reason, started=started, gone=gone)
     if not lines:
         return
