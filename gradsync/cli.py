@@ -16,6 +16,7 @@ COMMANDS = {
     "run": ("gradsync.launch.cli", "start the workers and servers of a job"),
     "resize": ("gradsync.launch.cli", "ask a running elastic job (gradsync run --elastic) for N workers"),
     "bench": ("gradsync.bench.cli", "measure strategies side by side and check them against a reference"),
+    "simulate": ("gradsync.simulate.cli", "predict strategies' throughput at any scale (event simulator)"),
     "strategies": ("gradsync.strategies.cli", "list the strategies: what each does, exact or not, backends"),
     "codecs": ("gradsync.compress.cli", "measure compressors' encode/decode speed, ratio and error"),
     "profile": ("gradsync.emulate.cli", "measure or derive a model's per-layer compute profile"),

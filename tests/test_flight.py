@@ -7,6 +7,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from gradsync import flight
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -34,10 +36,11 @@ gradsync.shutdown()
 """
 
 
-def run(tmp_path, sleep: float, timeout: str, logdir=None, **kwargs):
+def run(tmp_path, sleep: float, timeout: str, logdir=None, elastic: bool = False, **kwargs):
     script = tmp_path / "job.py"
     script.write_text(SCRIPT)
-    command = [*GRADSYNC, "run", "-np", "3", *(["--logdir", str(logdir)] if logdir else []),
+    command = [*GRADSYNC, "run", *(["--elastic"] if elastic else []), "-np", "3",
+               *(["--logdir", str(logdir)] if logdir else []),
                "--", sys.executable, str(script), str(sleep)]
     return subprocess.Popen(command, cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             env={**os.environ, "GRADSYNC_TIMEOUT": timeout}, **kwargs)
@@ -62,8 +65,9 @@ def test_a_hang_prints_who_waits_where_and_who_is_behind(tmp_path):
     assert written["ranks"]["1"]["waiting"] is None and written["ranks"]["1"]["step"] == 3
 
 
-def test_sigusr1_prints_the_summary_and_the_job_goes_on(tmp_path):
-    job = run(tmp_path, sleep=6, timeout="60")
+@pytest.mark.parametrize("elastic", [False, True], ids=["run", "elastic"])
+def test_sigusr1_prints_the_summary_and_the_job_goes_on(tmp_path, elastic):
+    job = run(tmp_path, sleep=6, timeout="60", elastic=elastic)
     try:
         for line in job.stdout:
             if "sleeping" in line:
@@ -74,7 +78,8 @@ def test_sigusr1_prints_the_summary_and_the_job_goes_on(tmp_path):
     finally:
         job.kill()
     assert job.returncode == 0, err
-    assert "where each rank is (SIGUSR1)" in err, err
+    assert ("where each worker is (SIGUSR1; generation 0: ranks 0.. are workers [0, 1, 2])" if elastic
+            else "where each rank is (SIGUSR1)") in err, err
     assert "ranks 0 and 2 wait in all-reduce of bucket" in err and "rank 1 last completed" in err, err
     path = err.split("every rank's last operations: ")[1].split()[0]
     assert json.loads(open(path).read())["reason"] == "SIGUSR1"

@@ -13,6 +13,10 @@ publishes *generations*: lists of worker ids (keys in :mod:`gradsync.adapt.elast
 
 The job ends when every member has exited successfully; its exit code is then 0.
 
+Where each worker is (:mod:`gradsync.flight`): on ``SIGUSR1``, and when the job fails, the agent
+prints the cross-rank summary of the current generation and writes ``flight-summary.json`` into
+``--logdir`` (else a temporary folder it names).
+
 The store listens on loopback only, and every value in it is signed with the job's secret
 (:mod:`gradsync.store`), which the agent draws at start, passes to its workers and keeps in a 0600
 file (``~/.gradsync/jobs/elastic-PORT.key``) for ``gradsync resize``. A resize request without a
@@ -22,14 +26,18 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import sys
+import tempfile
 import time
 from datetime import timedelta
 
+from gradsync import flight
 from gradsync import store as stores
 from gradsync.errors import GradsyncError
 from gradsync.launch.hosts import RankSpec
-from gradsync.launch.processes import JobResult, _exit_code, _Output, _spawn, _start_pumps, _stop, _trap_signals
+from gradsync.launch.processes import (_USR1, JobResult, _exit_code, _Output, _spawn, _start_pumps, _stop,
+                                       _trap_signals)
 
 POLL_S = 0.02
 REQUEST_BODY_S = 5.0
@@ -62,6 +70,7 @@ class Agent:
         self.requested_at: float | None = None
         if logdir is not None:
             os.makedirs(logdir, exist_ok=True)
+        self.flight_dir = os.path.abspath(logdir if logdir is not None else tempfile.mkdtemp(prefix="gradsync-flight-"))
         for _ in range(np):
             self._start_worker()
         self.members, self.pending = list(self.pending), []
@@ -79,7 +88,7 @@ class Agent:
         wid = self.next_id
         self.next_id += 1
         env = {**os.environ, "GRADSYNC_ELASTIC": "1", "GRADSYNC_ELASTIC_ID": str(wid), "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(self.port), stores.SECRET_ENV: self.secret, "GRADSYNC_MIN_NP": str(self.min_np), "GRADSYNC_MAX_NP": str(self.max_np),
+               "MASTER_PORT": str(self.port), stores.SECRET_ENV: self.secret, flight.DIR_ENV: self.flight_dir, "GRADSYNC_MIN_NP": str(self.min_np), "GRADSYNC_MAX_NP": str(self.max_np),
                "PYTHONUNBUFFERED": "1"}
         for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "GRADSYNC_NUM_SERVERS"):
             env.pop(key, None)
@@ -117,7 +126,19 @@ class Agent:
     def _say(self, text: str) -> None:
         print(f"gradsync run --elastic: {text}", file=sys.stderr, flush=True)
 
-    def _fail(self, message: str, code: int) -> JobResult:
+    def _where(self, reason: str, members: list[int]) -> None:
+        """Print where each worker of generation ``members`` is (its rank there is its place in it)."""
+        gone = {i for i, wid in enumerate(members) if wid not in self.procs or self.procs[wid].proc.poll() is not None}
+        started = min((rank.started for rank in self.procs.values()), default=0.0)
+        lines = flight.report(self.flight_dir, list(range(len(members))), reason, started=started, gone=gone)
+        if lines:
+            self._say(f"where each worker is ({reason}; generation {self.gen}: ranks 0.. are workers {members}):\n"
+                      + "\n".join(f"    {line}" for line in lines)
+                      + f"\ngradsync run --elastic: every rank's last operations: "
+                        f"{os.path.join(self.flight_dir, 'flight-summary.json')}")
+
+    def _fail(self, message: str, code: int, members: list[int] | None = None) -> JobResult:
+        self._where(message, self.members if members is None else members)
         self.store.set("elastic/failed", message)
         _stop(list(self.procs.values()), self.grace_s)
         return JobResult(code, None, f"gradsync run --elastic: {message}")
@@ -192,10 +213,15 @@ class Agent:
         finally:
             with contextlib.suppress(OSError):
                 os.unlink(self.secret_path)
+            if self.logdir is None and not os.path.exists(os.path.join(self.flight_dir, "flight-summary.json")):
+                shutil.rmtree(self.flight_dir, ignore_errors=True)
 
     def _loop(self) -> JobResult:
-        with _trap_signals() as caught:
+        with _trap_signals(usr1=True) as caught:
             while not caught:
+                if _USR1.is_set():
+                    _USR1.clear()
+                    self._where("SIGUSR1", self.members)
                 self._handle_requests()
                 self._repair()
                 self._check_pending()
@@ -218,11 +244,12 @@ class Agent:
                         continue
                     if wid not in self.members:
                         continue
+                    generation = list(self.members)
                     self.members.remove(wid)
                     if len(self.members) < self.min_np:
                         return self._fail(f"worker {wid} failed (exit code {_exit_code(code)}) and "
                                           f"{len(self.members)} workers are left, fewer than --min-np {self.min_np}",
-                                          _exit_code(code))
+                                          _exit_code(code), generation)
                     self._publish(f"worker {wid} failed with exit code {_exit_code(code)}; continuing without it")
                 if not self.procs:
                     if self.failed:

@@ -1,0 +1,185 @@
+"""``gradsync simulate``: predict strategies' throughput on a cluster described by its numbers.
+
+Takes ``gradsync bench``'s arguments (``--model --strategies --np --net --servers --set``) and
+writes its records, table and charts, from the event simulator (:mod:`gradsync.simulate`)
+instead of running anything: 4 to 512 workers in seconds. Compute is the model's compute profile
+(``--compute PROFILE``, as ``--compute emulated:PROFILE`` in bench; default: the shipped one).
+
+Example::
+
+    gradsync simulate --model resnet50 --strategies allreduce,ps,p3 --np 4,16,64 --net 1gbit,10gbit
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+DEFAULT_STRATEGIES = ["ddp", "allreduce", "ps", "p3"]
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("simulate", help="predict strategies' throughput at any scale (event simulator)",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="resnet50", help="model NAME[:SIZE] (default resnet50)")
+    p.add_argument("--strategies", default=",".join(DEFAULT_STRATEGIES),
+                   help=f"comma-separated strategies (default {','.join(DEFAULT_STRATEGIES)})")
+    p.add_argument("--np", "-np", default="4", help="workers, or a comma-separated list, e.g. 4,16,128 (default 4)")
+    p.add_argument("--net", default="10gbit", metavar="RATE[,RATE...]",
+                   help="host link rates, e.g. 1gbit,10gbit (default 10gbit); 'unlimited' for no limit")
+    p.add_argument("--latency-us", type=float, default=50.0,
+                   help="one-way latency of one message, wire and software, in microseconds (default 50)")
+    p.add_argument("--gpus-per-host", type=int, default=1, help="workers sharing one host's link (default 1)")
+    p.add_argument("--servers", type=int, default=0, help="dedicated parameter-server hosts (default 0: co-located)")
+    p.add_argument("--batch-size", type=int, default=32, help="samples per worker per step (default 32)")
+    p.add_argument("--compute", default="", metavar="PROFILE",
+                   help="compute profile: a shipped name or file, or flops:RATE (default: the model's shipped one)")
+    p.add_argument("--set", action="append", default=[], metavar="STRATEGY.KEY=VALUE",
+                   help="a strategy option, as in gradsync bench (repeatable)")
+    p.add_argument("--steps", type=int, default=6, help="simulated steps (default 6)")
+    p.add_argument("--warmup", type=int, default=2, help="steps left out of the figures (default 2)")
+    p.add_argument("--host-copy-gbps", type=float, default=200.0,
+                   help="GB/s of the host work that copies gradients (default 200: an accelerator's)")
+    p.add_argument("--host-update-gbps", type=float, default=100.0,
+                   help="GB/s of parameters the optimizer updates (default 100: an accelerator's)")
+    p.add_argument("--json", metavar="FILE", help="write the records to FILE")
+    p.add_argument("--out", metavar="DIR", help="write records (simulate.json) and charts to DIR")
+    p.add_argument("--trace", metavar="FILE",
+                   help="write a Chrome trace of the first strategy's last simulated step (ui.perfetto.dev)")
+    p.set_defaults(handler=main)
+
+
+def _ints(text: str, what: str, error) -> list[int]:
+    try:
+        values = [int(v) for v in str(text).split(",")]
+    except ValueError:
+        error(f"{what} must be integers separated by commas, got {text!r}")
+    if any(v < 1 for v in values):
+        error(f"{what} must be >= 1, got {text!r}")
+    return values
+
+
+def _rates(text: str, error) -> list[float | None]:
+    from gradsync.cluster.netns import parse_rate
+    from gradsync.errors import ConfigError
+
+    out = []
+    for item in text.split(","):
+        if item.strip().lower() in ("unlimited", "none", "loopback"):
+            out.append(None)
+            continue
+        try:
+            out.append(parse_rate(item))
+        except ConfigError as exc:
+            error(str(exc))
+    return out
+
+
+def bound(strategy: str, options: dict, model_bytes: int, np: int, servers: int, rate: float | None,
+          compute_s: float, samples: int) -> float:
+    """The physical bound, from the strategy's own ``min_bytes_per_host`` (as gradsync bench)."""
+    from types import SimpleNamespace
+
+    from gradsync.strategies import resolve
+
+    obj = resolve(strategy, **options)
+    obj.ctx = SimpleNamespace(topology=SimpleNamespace(num_workers=np, num_servers=servers))
+    comm_s = 0.0 if rate is None else obj.min_bytes_per_host(model_bytes) * 8 / rate
+    return samples / max(compute_s, comm_s)
+
+
+def main(args) -> int:
+    from gradsync.bench.cli import _overrides
+    from gradsync.errors import GradsyncError
+    from gradsync.simulate import SIMULATED, Host, Network, load, simulate
+
+    error = argparse.ArgumentParser(prog="gradsync simulate").error
+    strategies = [s for s in args.strategies.split(",") if s]
+    unknown = [s for s in strategies if s not in SIMULATED]
+    if unknown:
+        error(f"no simulator model for {', '.join(unknown)}; simulated: {', '.join(SIMULATED)}")
+    nps = _ints(args.np, "--np", error)
+    rates = _rates(args.net, error)
+    if args.latency_us < 0 or args.gpus_per_host < 1 or args.servers < 0 or args.batch_size < 1:
+        error("--latency-us and --servers must be >= 0, --gpus-per-host and --batch-size >= 1")
+    if args.steps <= args.warmup or args.warmup < 0:
+        error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup}) >= 0")
+    if args.host_copy_gbps <= 0 or args.host_update_gbps <= 0:
+        error("--host-copy-gbps and --host-update-gbps must be > 0")
+    overrides = _overrides(args.set, strategies, error)
+    try:
+        workload = load(args.model, args.batch_size, args.compute or None)
+    except GradsyncError as exc:
+        error(str(exc))
+    host = Host(args.host_copy_gbps * 1e9, args.host_update_gbps * 1e9)
+    print(f"gradsync simulate: {args.model} at batch {args.batch_size}, {workload.nbytes / 2**20:.1f} MB of "
+          f"parameters, {workload.compute_s * 1e3:.1f} ms of compute per step ({workload.device})", flush=True)
+    records, started = [], time.perf_counter()
+    for rate in rates:
+        for np in nps:
+            for strategy in strategies:
+                net = Network(rate, args.latency_us * 1e-6, args.gpus_per_host)
+                try:
+                    record = simulate(strategy, workload, np, net, host=host, servers=args.servers,
+                                      options=overrides.get(strategy, {}), steps=args.steps, warmup=args.warmup,
+                                      trace=bool(args.trace) and not records)
+                except GradsyncError as exc:
+                    print(f"gradsync simulate: {strategy} at {np} workers: {exc}", file=sys.stderr)
+                    return 1
+                samples = np * args.batch_size
+                record["ideal_samples_per_s"] = samples / workload.compute_s
+                record["bound_samples_per_s"] = bound(strategy, overrides.get(strategy, {}), workload.nbytes, np,
+                                                      args.servers, rate, workload.compute_s, samples)
+                record["efficiency"] = record["samples_per_s"] / record["bound_samples_per_s"]
+                if "timeline" in record:
+                    _write_trace(record.pop("timeline"), record["step_s"], args.trace)
+                records.append(record)
+    print(table(records))
+    print(f"({len(records)} simulations in {time.perf_counter() - started:.1f} s)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(records, f, indent=1)
+    if args.out:
+        from gradsync.bench.report import sweep_charts
+
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "simulate.json"), "w") as f:
+            json.dump(records, f, indent=1)
+        for path in sweep_charts(records, args.out, f"{args.model} (simulated)"):
+            print(f"chart: {path}")
+    return 0
+
+
+def table(records: list[dict]) -> str:
+    w = max([10] + [len(r["strategy"]) for r in records])
+    head = (f"{'strategy':<{w}} {'np':>4} {'net':>12} {'samples/s':>10} {'bound':>9} {'eff':>5} {'step ms':>8} "
+            f"{'compute':>8} {'comm ovh':>9}")
+    lines = [head, "-" * len(head)]
+    for r in records:
+        lines.append(f"{r['strategy']:<{w}} {r['np']:>4} {r['net']:>12} {r['samples_per_s']:>10.1f} "
+                     f"{r['bound_samples_per_s']:>9.1f} {r['efficiency']:>5.2f} {r['step_s'] * 1e3:>8.1f} "
+                     f"{r['compute_s'] * 1e3:>8.1f} {r['comm_overhead_s'] * 1e3:>9.1f}")
+    return "\n".join(lines)
+
+
+def _write_trace(timeline: list, step_s: float, path: str) -> None:
+    """The last simulated step as a Chrome trace: one process, a track per lane."""
+    end = max(e for _, _, _, e in timeline)
+    lanes = {"accelerator": 1, "network": 3, "host": 4, "collectives": 5}
+    events = [{"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "simulated worker"}}]
+    events += [{"name": "thread_name", "ph": "M", "pid": 0, "tid": tid, "args": {"name": lane}}
+               for lane, tid in lanes.items()]
+    for n, (lane, what, start, stop) in enumerate(timeline):
+        if stop < end - step_s:
+            continue
+        common = {"name": what, "pid": 0, "tid": lanes.get(lane, 6)}
+        if lane == "network":  # transfers overlap: async events
+            events.append({**common, "ph": "b", "cat": lane, "id": n, "ts": start * 1e6})
+            events.append({**common, "ph": "e", "cat": lane, "id": n, "ts": stop * 1e6})
+        else:
+            events.append({**common, "ph": "X", "ts": start * 1e6, "dur": (stop - start) * 1e6})
+    with open(path, "w") as f:
+        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+    print(f"trace of the last simulated step: {path}")

@@ -1,0 +1,505 @@
+"""Each strategy's schedule, replayed on the event loop (:mod:`gradsync.simulate.engine`).
+
+A model plays one representative worker of a synchronous job (every worker does the same at the
+same time) plus the servers it talks to. Its step is the emulated worker's: the forward of each
+layer in order, the backward in reverse, each layer's gradients ready at the end of its backward,
+then ``step()``. Where a strategy communicates, when, in what units and under what limits comes
+from the strategy itself: the options of the object ``gradsync.strategies.resolve`` builds (the
+same defaults and ``--set`` overrides as a real run), and its own planning functions
+(``allreduce.plan_buckets`` for buckets, ``slicing.SlicePlan`` for P3 slices and ByteScheduler
+partitions, ``ps.partition`` for server placement), run on the model's parameter sizes.
+
+Costs on the wire: a ring all-reduce of B bytes moves ``2 (N-1)/N B`` through each host's sending
+and receiving side after ``2 (N-1)`` message latencies; a point-to-point message moves its bytes
+after one. Host work (packing copies, the optimizer's update) runs on the worker's host at the
+:class:`Host` rates, in series with what the strategy puts after it.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass
+from typing import Callable
+
+from gradsync.errors import ConfigError
+from gradsync.simulate.engine import Barrier, Link, Sim, Stream
+from gradsync.simulate.workload import Workload
+
+
+@dataclass
+class Network:
+    """Hosts with full-duplex NICs of ``rate_bps`` (None: unlimited), one-way ``latency_s`` per
+    message (wire and software), ``gpus_per_host`` workers sharing a host's NIC."""
+
+    rate_bps: float | None
+    latency_s: float = 50e-6
+    gpus_per_host: int = 1
+
+
+@dataclass
+class Host:
+    """Rates of the work a strategy does beside the layers: copies into and out of buckets
+    (``copy_Bps``, bytes of gradient per second) and the optimizer's update (``update_Bps``,
+    bytes of parameters per second). Defaults: an accelerator's, where both are negligible."""
+
+    copy_Bps: float = 200e9
+    update_Bps: float = 100e9
+
+
+class _Meta:
+    """What the strategies' planning functions read of a parameter."""
+
+    dtype, device = "float32", "meta"
+
+    def __init__(self, numel: int, nbytes: int):
+        self._numel, self._size = numel, nbytes // max(numel, 1)
+
+    def numel(self) -> int:
+        return self._numel
+
+    def element_size(self) -> int:
+        return self._size
+
+
+class Worker:
+    """The representative worker: its accelerator, its host, its NIC, and the step driver."""
+
+    def __init__(self, sim: Sim, workload: Workload, np: int, net: Network, host: Host, servers: int = 0):
+        if np < 1:
+            raise ConfigError(f"workers must be >= 1, got {np}")
+        if net.rate_bps is not None and net.rate_bps <= 0:
+            raise ConfigError(f"link rate must be > 0, got {net.rate_bps}")
+        self.sim, self.w, self.np, self.net, self.host_rates = sim, workload, np, net, host
+        rate = float("inf") if net.rate_bps is None else net.rate_bps / 8
+        share = rate / max(1, min(net.gpus_per_host, np))  # workers of one host share its NIC
+        self.tx, self.rx = Link("worker tx", share), Link("worker rx", share)
+        self.servers = [(Link(f"server {s} tx", rate), Link(f"server {s} rx", rate)) for s in range(servers)]
+        self.gpu = Stream(sim, "accelerator")
+        self.host = Stream(sim, "host")
+        self.params = workload.params
+        self.metas = [_Meta(p.numel, p.nbytes) for p in self.params]
+        self.step_ends: list[float] = []
+
+    # -- the wire ----------------------------------------------------------------------------------
+    def ring(self, nbytes: float, done: Callable[[], None], name: str = "all-reduce") -> None:
+        """A ring all-reduce of ``nbytes`` among the workers."""
+        n = self.np
+        if n == 1:
+            self.sim.after(0.0, done)
+            return
+        self.sim.transfer(2 * (n - 1) / n * nbytes, [(self.tx, 1), (self.rx, 1)], done,
+                          latency=2 * (n - 1) * self.net.latency_s, name=name, lane="network")
+
+    def message(self, nbytes: float, uses, done: Callable[[], None], name: str = "message") -> None:
+        self.sim.transfer(nbytes, uses, done, latency=self.net.latency_s, name=name, lane="network")
+
+    def copy_s(self, nbytes: float) -> float:
+        return nbytes / self.host_rates.copy_Bps
+
+    def update_s(self, nbytes: float) -> float:
+        return nbytes / self.host_rates.update_Bps
+
+    # -- one step ----------------------------------------------------------------------------------
+    def run(self, model: "StrategyModel", steps: int) -> list[float]:
+        """Simulate ``steps`` steps; the time each ended."""
+        model.bind(self)
+        self._step(model, 0, steps)
+        self.sim.run()
+        if len(self.step_ends) != steps:
+            raise ConfigError(f"the {model.name} model stopped after {len(self.step_ends)} of {steps} steps "
+                              "(a schedule that never completes)")
+        return self.step_ends
+
+    def _step(self, model: "StrategyModel", step: int, steps: int) -> None:
+        layers = self.w.layers
+
+        def forward(i: int) -> None:
+            if i == len(layers):
+                backward(len(layers) - 1)
+                return
+            model.before_layer(step, i, lambda: self.gpu.run(layers[i].forward_s, lambda: forward(i + 1),
+                                                             what=f"forward {layers[i].name}"))
+
+        def backward(i: int) -> None:
+            if i < 0:
+                model.after_backward(step, end)
+                return
+
+            def ready() -> None:
+                model.on_layer_ready(step, i)
+                backward(i - 1)
+
+            self.gpu.run(layers[i].backward_s, ready, what=f"backward {layers[i].name}")
+
+        def end() -> None:
+            model.step(step, finished)
+
+        def finished() -> None:
+            self.step_ends.append(self.sim.now)
+            if step + 1 < steps:
+                self._step(model, step + 1, steps)
+
+        model.before_forward(step, lambda: forward(0))
+
+
+class StrategyModel:
+    """The hook points of :class:`gradsync.strategies.base.Strategy`, in simulated time."""
+
+    name = "?"
+
+    def __init__(self, strategy):
+        self.strategy = strategy  # the real strategy object: its options
+
+    def bind(self, worker: Worker) -> None:
+        self.wk = worker
+
+    def before_forward(self, step: int, go: Callable[[], None]) -> None:
+        go()
+
+    def before_layer(self, step: int, layer: int, go: Callable[[], None]) -> None:
+        go()
+
+    def on_layer_ready(self, step: int, layer: int) -> None:
+        pass
+
+    def after_backward(self, step: int, go: Callable[[], None]) -> None:
+        go()
+
+    def step(self, step: int, go: Callable[[], None]) -> None:
+        go()
+
+    def local_update(self, go: Callable[[], None]) -> None:
+        """The user's optimizer over every parameter, on this worker's host."""
+        self.wk.host.run(self.wk.update_s(self.wk.w.nbytes), go, what="optimizer")
+
+
+# -- all-reduce of buckets (allreduce, ddp) ----------------------------------------------------------
+class Buckets(StrategyModel):
+    """Buckets in reverse parameter order (``plan_buckets``), each all-reduced once all its
+    gradients exist, strictly in bucket order on one collective stream; the end of backward waits
+    for all; then the local optimizer."""
+
+    def __init__(self, strategy, cap_bytes: int, first_cap_bytes: int, flags: bool):
+        super().__init__(strategy)
+        self.cap, self.first, self.flags = cap_bytes, first_cap_bytes, flags
+
+    def bind(self, worker: Worker) -> None:
+        from gradsync.strategies.allreduce import plan_buckets
+
+        super().bind(worker)
+        order = list(reversed(range(len(worker.params))))
+        self.buckets = plan_buckets(worker.metas, order, self.cap, self.first)
+        self.bucket_of = {i: b for b, members in enumerate(self.buckets) for i in members}
+        self.bytes = [sum(worker.params[i].nbytes for i in b) + (4 * len(b) if self.flags else 0) for b in self.buckets]
+        self.net = Stream(worker.sim, "collectives")
+        self.index = {p.name: i for i, p in enumerate(worker.params)}
+
+    def before_forward(self, step: int, go: Callable[[], None]) -> None:
+        self.missing = [len(b) for b in self.buckets]
+        self.launched = 0
+        self.done = 0
+        self.waiting: Callable[[], None] | None = None
+        go()
+
+    def on_layer_ready(self, step: int, layer: int) -> None:
+        for p in self.wk.w.layers[layer].params:
+            self.missing[self.bucket_of[self.index[p.name]]] -= 1
+        self._launch()
+
+    def _launch(self) -> None:
+        while self.launched < len(self.buckets) and self.missing[self.launched] == 0:
+            b = self.launched
+            self.launched += 1
+            copy = self.wk.copy_s(self.bytes[b])
+            self.net.submit(lambda finish, b=b, copy=copy: self.wk.sim.after(
+                copy, lambda: self.wk.ring(self.bytes[b], finish, f"bucket {b}")), self._reduced, what=f"bucket {b}")
+
+    def _reduced(self) -> None:
+        self.done += 1
+        if self.done == len(self.buckets) and self.waiting is not None:
+            waiting, self.waiting = self.waiting, None
+            waiting()
+
+    def after_backward(self, step: int, go: Callable[[], None]) -> None:
+        if self.done == len(self.buckets):
+            go()
+        else:
+            self.waiting = go
+
+    def step(self, step: int, go: Callable[[], None]) -> None:
+        self.local_update(go)
+
+
+# -- parameter servers (ps) ---------------------------------------------------------------------------
+class ParameterServers(StrategyModel):
+    """Groups of at most ``fuse_bytes`` per server, pushed as soon as complete during backward; at
+    ``step()`` each server (or co-located owner) aggregates once every push is in, updates its
+    share, and answers; the next forward waits for every pull."""
+
+    def __init__(self, strategy, servers: int):
+        super().__init__(strategy)
+        self.dedicated = servers
+
+    def bind(self, worker: Worker) -> None:
+        from gradsync.strategies.allreduce import plan_buckets
+        from gradsync.strategies.ps import partition
+
+        super().bind(worker)
+        n = len(worker.params)
+        owners = list(range(self.dedicated or worker.np))
+        owner = partition([p.numel for p in worker.params], owners)
+        self.groups: list[tuple[int, list[int]]] = []
+        cap = self.strategy.fuse_bytes or 1
+        for s in owners:
+            mine = [i for i in reversed(range(n)) if owner[i] == s]
+            self.groups += [(s, g) for g in plan_buckets(worker.metas, mine, cap, cap)]
+        self.group_of = {i: g for g, (_, members) in enumerate(self.groups) for i in members}
+        self.index = {p.name: i for i, p in enumerate(worker.params)}
+        self.owned_bytes = [0.0] * len(owners)
+        for s, members in self.groups:
+            self.owned_bytes[s] += sum(worker.params[i].nbytes for i in members)
+
+    def _uses_push(self, s: int):
+        if self.dedicated:
+            tx, rx = self.wk.servers[s]
+            return [(self.wk.tx, 1), (rx, self.wk.np)]
+        return [(self.wk.tx, 1), (self.wk.rx, 1)]
+
+    def _uses_pull(self, s: int):
+        if self.dedicated:
+            tx, rx = self.wk.servers[s]
+            return [(tx, self.wk.np), (self.wk.rx, 1)]
+        return [(self.wk.tx, 1), (self.wk.rx, 1)]
+
+    def _share(self, nbytes: float) -> float:
+        """Co-located: of a group's bytes, what crosses the network (the owner keeps its own)."""
+        return nbytes if self.dedicated else nbytes * (self.wk.np - 1) / self.wk.np
+
+    def before_forward(self, step: int, go: Callable[[], None]) -> None:
+        self.missing = [len(g) for _, g in self.groups]
+        self.pushes_done = 0
+        self.at_step: Callable[[], None] | None = None
+        go()
+
+    def on_layer_ready(self, step: int, layer: int) -> None:
+        for p in self.wk.w.layers[layer].params:
+            g = self.group_of[self.index[p.name]]
+            self.missing[g] -= 1
+            if self.missing[g] == 0:
+                self._push(g)
+
+    def _push(self, g: int) -> None:
+        s, members = self.groups[g]
+        nbytes = sum(self.wk.params[i].nbytes + 4 for i in members)
+        self.wk.host.run(self.wk.copy_s(nbytes), lambda: self.wk.message(
+            self._share(nbytes), self._uses_push(s), self._pushed, f"push {g}"), what=f"pack {g}")
+
+    def _pushed(self) -> None:
+        self.pushes_done += 1
+        if self.pushes_done == len(self.groups) and self.at_step is not None:
+            self.at_step()
+
+    def step(self, step: int, go: Callable[[], None]) -> None:
+        def serve() -> None:
+            # The busiest owner sums what it received and updates its share (owners work in
+            # parallel), then answers every group.
+            most = max(self.owned_bytes)
+            update = self.wk.copy_s(most * (self.wk.np if self.dedicated else self.wk.np - 1)) + self.wk.update_s(most)
+            pulls = Barrier(len(self.groups), go)
+            self.wk.host.run(update, lambda: [self.wk.message(
+                self._share(sum(self.wk.params[i].nbytes for i in members)), self._uses_pull(s), pulls.arrive,
+                f"pull {g}") for g, (s, members) in enumerate(self.groups)], what="server update")
+
+        if self.pushes_done == len(self.groups):
+            serve()
+        else:
+            self.at_step = serve
+
+
+# -- P3 and ByteScheduler: slices under priority and credit --------------------------------------------
+class CreditSender:
+    """A sender that issues the lowest priority first while the bytes in flight stay within
+    ``credit`` (None: no bound); a message larger than the credit goes alone."""
+
+    def __init__(self, credit: float | None):
+        self.credit = credit
+        self.inflight = 0.0
+        self.queue: list = []
+        self.seq = itertools.count()
+
+    def put(self, priority, nbytes: float, send: Callable[[Callable[[], None]], None]) -> None:
+        heapq.heappush(self.queue, (priority, next(self.seq), nbytes, send))
+        self._issue()
+
+    def _issue(self) -> None:
+        while self.queue:
+            _, _, nbytes, send = self.queue[0]
+            if self.credit is not None and self.inflight > 0 and self.inflight + nbytes > self.credit:
+                return
+            heapq.heappop(self.queue)
+            self.inflight += nbytes
+            send(lambda n=nbytes: self._done(n))
+
+    def _done(self, nbytes: float) -> None:
+        self.inflight -= nbytes
+        self._issue()
+
+
+class Slices(StrategyModel):
+    """``p3`` / ``ps-sliced`` (``all_reduce=False``): slices pushed under priority and credit to
+    their owners, each updated once all N pushes are in and answered; the forward of a layer waits
+    for its slices (overlap) or ``step()`` waits for all. ``allreduce-priority``
+    (``all_reduce=True``): partitions all-reduced in priority order under credit, each updated on
+    every worker; the forward of a layer waits for its partitions."""
+
+    def __init__(self, strategy, slice_params: int, credit: float | None, priority: bool, overlap: bool,
+                 all_reduce: bool, servers: int):
+        super().__init__(strategy)
+        self.slice_params, self.credit, self.priority, self.overlap = slice_params, credit, priority, overlap
+        self.all_reduce, self.dedicated = all_reduce, servers
+
+    def bind(self, worker: Worker) -> None:
+        from gradsync.strategies.slicing import SlicePlan
+
+        super().bind(worker)
+        n = len(worker.params)
+        owners = list(range(self.dedicated or worker.np))
+        self.plan = SlicePlan(worker.metas, list(range(n)), self.slice_params, owners)
+        size = worker.params[0].nbytes // max(worker.params[0].numel, 1) if n else 4
+        self.nbytes = [(s.numel + (len(s.segments) if self.all_reduce else self.plan.max_segments)) * size
+                       + (0 if self.all_reduce else 16) for s in self.plan.slices]
+        if not self.all_reduce:  # P3's wire: every message is the largest slice's size
+            self.nbytes = [max(self.nbytes)] * len(self.nbytes)
+        self.index = {p.name: i for i, p in enumerate(worker.params)}
+        self.slices_of_layer = [self.plan.slices_of([self.index[p.name] for p in layer.params])
+                                for layer in worker.w.layers]
+        self.arrived_step = [-1] * len(self.plan.slices)  # the last step whose answer arrived
+        self.waiters: dict[int, list] = {}
+        self.sender = CreditSender(self.credit)
+        if self.dedicated:  # one sender per server, for its answers
+            self.server_senders = [CreditSender(self.credit) for _ in range(self.dedicated)]
+        self.pending: list[int] = []
+
+    def _prio(self, step: int, k: int):
+        return (step, k if self.priority else 0.0)
+
+    def before_forward(self, step: int, go: Callable[[], None]) -> None:
+        self.pending = [len({seg.param for seg in s.segments}) for s in self.plan.slices]
+        self.step_no = step
+        go()
+
+    def before_layer(self, step: int, layer: int, go: Callable[[], None]) -> None:
+        if not self.overlap or step == 0:
+            go()
+            return
+        needed = [k for k in self.slices_of_layer[layer] if self.arrived_step[k] < step - 1]
+        if not needed:
+            go()
+            return
+        count = Barrier(len(needed), go)
+        for k in needed:
+            self.waiters.setdefault(k, []).append(count.arrive)
+
+    def on_layer_ready(self, step: int, layer: int) -> None:
+        if step == 0:
+            return  # step 0 only records the order; everything goes at step()
+        for p in self.wk.w.layers[layer].params:
+            for k in self.plan.of_param[self.index[p.name]]:
+                self.pending[k] -= 1
+                if self.pending[k] == 0:
+                    self._push(step, k)
+
+    def _push(self, step: int, k: int) -> None:
+        wk, nbytes = self.wk, self.nbytes[k]
+        copy = wk.copy_s(self.plan.slices[k].numel * 4)
+        if self.all_reduce:
+            wk.host.run(copy, lambda: self.sender.put(self._prio(step, k), nbytes, lambda release: wk.ring(
+                nbytes, lambda: self._update(step, k, release), f"partition {k}")), what=f"fill {k}")  # noqa: E501
+            return
+        n = wk.np
+        if self.dedicated:
+            s = self.plan.slices[k].owner
+            tx, rx = wk.servers[s]
+            uses, share = [(wk.tx, 1), (rx, n)], nbytes
+        else:  # the owner is a worker: 1 in N pushes stay home
+            uses, share = [(wk.tx, 1), (wk.rx, 1)], nbytes * (n - 1) / n
+        # The credit counts whole messages (the sender's), the wire this worker's share of them.
+        wk.host.run(copy, lambda: self.sender.put(self._prio(step, k), nbytes, lambda release: wk.message(
+            share, uses, lambda: (release(), self._aggregate(step, k)), f"push {k}")), what=f"copy {k}")
+
+    def _update(self, step: int, k: int, release: Callable[[], None]) -> None:
+        """All-reduced partition k: divide, update, mark arrived, return the credit (ByteScheduler's
+        completion thread, on every worker)."""
+        self.wk.host.run(self.wk.update_s(self.plan.slices[k].numel * 4),
+                         lambda: (self._arrived(step, k), release()), what=f"update {k}")
+
+    def _aggregate(self, step: int, k: int) -> None:
+        """Every worker's push of slice k is in at its owner: update it and answer the workers."""
+        wk, nbytes, n = self.wk, self.nbytes[k], self.wk.np
+
+        def answer() -> None:
+            if self.dedicated:
+                s = self.plan.slices[k].owner
+                tx, rx = wk.servers[s]
+                self.server_senders[s].put(self._prio(step, k), nbytes * n, lambda release: wk.message(
+                    nbytes, [(tx, n), (wk.rx, 1)], lambda: (release(), self._arrived(step, k)), f"answer {k}"))
+            else:  # the owner answers N-1 workers; by symmetry this worker's NIC carries that share
+                share = nbytes * (n - 1) / n
+                self.sender.put(self._prio(step, k), nbytes, lambda release: wk.message(
+                    share, [(wk.tx, 1), (wk.rx, 1)], lambda: (release(), self._arrived(step, k)), f"answer {k}"))
+
+        wk.host.run(wk.update_s(self.plan.slices[k].numel * 4), answer, what=f"update {k}")
+
+    def _arrived(self, step: int, k: int) -> None:
+        self.arrived_step[k] = max(self.arrived_step[k], step)
+        for arrive in self.waiters.pop(k, []):
+            arrive()
+        if getattr(self, "flushing", None) is not None and all(a >= self.flushing[0] for a in self.arrived_step):
+            _, go = self.flushing
+            self.flushing = None
+            go()
+
+    def step(self, step: int, go: Callable[[], None]) -> None:
+        if step == 0:  # the plan is made now: every slice goes at once
+            for k in range(len(self.plan.slices)):
+                self._push(step, k)
+        if self.overlap and step > 0:
+            go()
+            return
+        if all(a >= step for a in self.arrived_step):
+            go()
+        else:
+            self.flushing = (step, go)
+
+
+# -- choosing the model of a strategy ------------------------------------------------------------------
+SIMULATED = ["allreduce", "ddp", "ps", "p3", "ps-sliced", "allreduce-priority"]
+
+
+def build(name: str, options: dict | None = None, servers: int = 0) -> StrategyModel:
+    """The model of strategy ``name`` with ``options`` (as ``gradsync bench --set``)."""
+    from gradsync.strategies import resolve
+
+    if name not in SIMULATED:
+        raise ConfigError(f"strategy {name!r} has no simulator model yet; simulated: {', '.join(SIMULATED)}")
+    strategy = resolve(name, **dict(options or {}))
+    if name == "allreduce":
+        if strategy.compression is not None:
+            raise ConfigError("the simulator does not model allreduce with compression= yet")
+        model = Buckets(strategy, strategy.cap_bytes, strategy.first_cap_bytes, flags=True)
+    elif name == "ddp":
+        mb = 2**20
+        model = Buckets(strategy, int(strategy.options["bucket_cap_mb"] * mb), mb, flags=False)
+    elif name == "ps":
+        if strategy.mode != "sync":
+            raise ConfigError("the simulator models synchronous ps only")
+        model = ParameterServers(strategy, servers)
+    elif name in ("p3", "ps-sliced"):
+        credit = None if strategy.credit_mb is None or not strategy.priority else strategy.credit_mb * 2**20
+        model = Slices(strategy, strategy.slice_params, credit, bool(strategy.priority), strategy.overlap,
+                       all_reduce=False, servers=servers)
+    else:
+        model = Slices(strategy, strategy.partition_params, strategy.credit_mb * 2**20, True, True,
+                       all_reduce=True, servers=0)
+    model.name = name
+    return model

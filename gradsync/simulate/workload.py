@@ -1,0 +1,91 @@
+"""What a simulated worker computes: the profile's layers, each with its parameters' sizes.
+
+The same inputs the emulated cluster replays (:mod:`gradsync.emulate`): a compute profile (the
+layers in forward order with their forward and backward times; shipped, measured with
+``gradsync profile``, or derived from FLOPs) and the real model's parameters, learned by
+building the model on the ``meta`` device (no memory for the values). A tied parameter belongs to
+the first layer that owns it, as in the emulated model.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Param:
+    name: str
+    numel: int
+    nbytes: int
+    layer: int  # index of its layer in forward order
+
+
+@dataclass
+class Layer:
+    name: str
+    forward_s: float
+    backward_s: float
+    params: list[Param] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.params)
+
+
+@dataclass
+class Workload:
+    model: str
+    batch_size: int
+    layers: list[Layer]
+    device: str = ""
+    source: str = ""
+
+    @property
+    def params(self) -> list[Param]:
+        """Every parameter, in forward order."""
+        return [p for layer in self.layers for p in layer.params]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(layer.nbytes for layer in self.layers)
+
+    @property
+    def compute_s(self) -> float:
+        """One step's forward and backward without communication."""
+        return sum(layer.forward_s + layer.backward_s for layer in self.layers)
+
+
+def load(model: str, batch_size: int, profile: str | None = None) -> Workload:
+    """The workload of ``model`` at ``batch_size`` under compute profile ``profile`` (as
+    ``--compute emulated:PROFILE``; None: the shipped one for the model)."""
+    import torch
+
+    from gradsync.emulate.profile import check_covers, layer_modules, resolve
+    from gradsync.models import get_model
+
+    spec = get_model(model)
+    prof = resolve(model, batch_size, profile)
+    with torch.device("meta"):
+        real = spec.build()
+    check_covers(prof, real)
+    owned = layer_modules(real)
+    seen: set[int] = set()
+    layers = []
+    for index, entry in enumerate(prof.layers):
+        layer = Layer(entry.name, entry.forward_ms / 1e3, entry.backward_ms / 1e3)
+        module = owned[entry.name]
+        for pname, p in module.named_parameters(recurse=False):
+            if id(p) in seen or not p.requires_grad:
+                continue
+            seen.add(id(p))
+            full = f"{entry.name}.{pname}" if entry.name else pname
+            layer.params.append(Param(full, p.numel(), p.numel() * p.element_size(), index))
+        layers.append(layer)
+    return Workload(model, batch_size, layers, prof.device, prof.source)
+
+
+def synthetic(layers: list[tuple[float, float, list[int]]], batch_size: int = 32, name: str = "synthetic") -> Workload:
+    """A workload from ``(forward_s, backward_s, [bytes of each parameter])`` per layer (tests, what-ifs)."""
+    out = []
+    for i, (fwd, bwd, sizes) in enumerate(layers):
+        out.append(Layer(f"layer{i}", fwd, bwd, [Param(f"layer{i}.p{j}", n // 4, n, i) for j, n in enumerate(sizes)]))
+    return Workload(name, batch_size, out, "synthetic", "given")

@@ -1,0 +1,118 @@
+"""The simulator against small cases computed by hand: the event engine's fair sharing, a
+2-worker ring, one parameter server, P3 slices under credit; and `gradsync simulate` itself."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from gradsync.simulate import Host, Network, SimulationError, simulate
+from gradsync.simulate.engine import Link, Sim, Stream
+from gradsync.simulate.workload import synthetic
+
+FREE_HOST = Host(copy_Bps=1e18, update_Bps=1e18)  # host work costs nothing: only the wire counts
+BYTES_PER_S = 1000.0
+NET = Network(rate_bps=8 * BYTES_PER_S, latency_s=0.0)
+
+
+def finish_times(sim: Sim, transfers) -> list[float]:
+    times = [None] * len(transfers)
+    for i, (nbytes, uses) in enumerate(transfers):
+        sim.transfer(nbytes, uses, lambda i=i: times.__setitem__(i, sim.now))
+    sim.run()
+    return times
+
+
+def test_transfers_on_one_link_share_it_and_the_survivor_speeds_up():
+    sim, link = Sim(), Link("l", 100.0)
+    # 50 B/s each until the first (100 B) ends at 2 s; the second's last 200 B go at 100 B/s.
+    assert finish_times(sim, [(100, [(link, 1)]), (300, [(link, 1)])]) == pytest.approx([2.0, 4.0])
+    assert link.carried == pytest.approx(400)
+
+
+def test_max_min_fairness_gives_what_a_bottlenecked_flow_leaves_to_the_others():
+    sim, shared, narrow = Sim(), Link("shared", 100.0), Link("narrow", 30.0)
+    # B is held to 30 B/s by its narrow link, so A gets the 70 left on the shared one.
+    a, b = finish_times(sim, [(70, [(shared, 1)]), (30, [(shared, 1), (narrow, 1)])])
+    assert (a, b) == pytest.approx((1.0, 1.0))
+
+
+def test_a_weighted_transfer_stands_for_that_many_flows_on_a_shared_link():
+    sim, server_rx, worker_tx = Sim(), Link("server rx", 100.0), Link("worker tx", 1000.0)
+    # 4 workers push 100 B each into one server: 25 B/s each, 4 s.
+    assert finish_times(sim, [(100, [(worker_tx, 1), (server_rx, 4)])]) == pytest.approx([4.0])
+
+
+def test_a_stream_runs_lowest_priority_first_one_at_a_time():
+    sim, order = Sim(), []
+    stream = Stream(sim, "s")
+    stream.run(1.0, lambda: order.append(("first", sim.now)))
+    stream.run(1.0, lambda: order.append(("late", sim.now)), priority=5)
+    stream.run(1.0, lambda: order.append(("urgent", sim.now)), priority=1)
+    sim.run()
+    assert order == [("first", 1.0), ("urgent", 2.0), ("late", 3.0)]
+
+
+def test_the_event_budget_stops_a_simulation_with_a_clear_error():
+    sim = Sim(max_events=10)
+
+    def again():
+        sim.after(1.0, again)
+
+    sim.after(0.0, again)
+    with pytest.raises(SimulationError, match="budget of 10 events"):
+        sim.run()
+
+
+def test_a_two_worker_ring_moves_half_the_bucket_each_way_twice():
+    # One 1000-byte parameter, no compute: each step all-reduces 1000 B plus one 4-byte used
+    # flag; each worker sends 2 (N-1)/N of it = 1004 B at 1000 B/s.
+    work = synthetic([(0.0, 0.0, [1000])])
+    record = simulate("allreduce", work, 2, NET, host=FREE_HOST, steps=4, warmup=1)
+    assert record["step_s"] == pytest.approx(1.004)
+    latency = Network(rate_bps=8 * BYTES_PER_S, latency_s=0.01)  # 2 (N-1) messages in a ring
+    assert simulate("allreduce", work, 2, latency, host=FREE_HOST, steps=4, warmup=1)["step_s"] == pytest.approx(1.024)
+
+
+def test_one_dedicated_server_takes_every_push_then_answers_every_pull():
+    # 4 workers, one 1000-byte tensor (one group): 4 pushes of 1004 B (values and a flag) into the
+    # server's link, then 4 answers of 1000 B out of it, each at 1000 B/s shared by 4.
+    work = synthetic([(0.0, 0.0, [1000])])
+    record = simulate("ps", work, 4, NET, host=FREE_HOST, servers=1, steps=4, warmup=1)
+    assert record["step_s"] == pytest.approx(4.016 + 4.0)
+
+
+def test_p3_sends_lowest_forward_position_first_under_credit():
+    # Three layers of 1000 B, slices of 250 elements: slice k is layer k. Co-located on 2 workers,
+    # each message is 16 + (250 + 1) * 4 = 1020 B, half of which crosses this worker's link
+    # (0.51 s). The credit holds one message, so messages go one at a time. Backward makes all
+    # three gradients at once, in reverse: push 2 goes first (nothing is in flight), then push 0
+    # overtakes push 1; answer 2, queued first, waits for answers 0 and 1.
+    work = synthetic([(0.0, 0.0, [1000])] * 3)
+    options = {"slice_params": 250, "credit_mb": 1020 / 2**20}
+    record = simulate("p3", work, 2, NET, host=FREE_HOST, options=options, steps=6, warmup=2, trace=True)
+    assert record["step_s"] == pytest.approx(6 * 0.51)
+    last = [(what, start, end) for lane, what, start, end in record["timeline"] if lane == "network"][-6:]
+    assert [w for w, _, _ in last] == ["push 2", "push 0", "push 1", "answer 0", "answer 1", "answer 2"]
+    assert [round(end - last[0][1], 3) for _, _, end in last] == [0.51, 1.02, 1.53, 2.04, 2.55, 3.06]
+    unlimited = simulate("p3", work, 2, NET, host=FREE_HOST, options={**options, "credit_mb": 1.0}, steps=6,
+                         warmup=2)  # all pushes at once, then all answers: the same bytes, no order
+    assert unlimited["step_s"] == pytest.approx(6 * 0.51)
+
+
+def test_simulate_prints_records_and_rejects_bad_input(tmp_path):
+    out = tmp_path / "r.json"
+    run = subprocess.run([sys.executable, "-m", "gradsync.cli", "simulate", "--model", "resnet50",
+                          "--strategies", "allreduce,p3", "--np", "4,16", "--net", "1gbit", "--json", str(out)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    records = json.loads(out.read_text())
+    assert [(r["strategy"], r["np"]) for r in records] == [("allreduce", 4), ("p3", 4), ("allreduce", 16), ("p3", 16)]
+    for r in records:  # communication-bound at 1 Gbit/s: near, never above, the bound
+        assert 0.5 < r["samples_per_s"] / r["bound_samples_per_s"] <= 1.0 + 1e-9
+    for args, message in ((["--np", "0"], "--np must be >= 1"), (["--net=-1gbit"], "bad link rate"),
+                          (["--strategies", "nope"], "no simulator model for nope"),
+                          (["--model", "resnet50:tiny"], "no shipped compute profile")):
+        bad = subprocess.run([sys.executable, "-m", "gradsync.cli", "simulate", *args], capture_output=True, text=True,
+                             timeout=120)
+        assert bad.returncode == 2 and message in bad.stderr, bad.stderr
