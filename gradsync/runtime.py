@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import atexit
 import os
+import re
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -195,7 +197,7 @@ class Runtime:
         if silent is None:
             self.store_lost = True
             cause = ("rank 0, which hosts the rendezvous store, is unreachable "
-                     "(it has probably exited, crashed or been stopped)")
+                     f"(it has probably exited, crashed or been stopped; or {me}'s own network link is down)")
         elif silent:
             cause = ", ".join(self.topology.describe(r) for r in silent) + " stopped responding"
             if len(silent) >= 2 and len(silent) == self.topology.world_size - 1:
@@ -217,6 +219,25 @@ class Runtime:
 
 _RUNTIME: Runtime | None = None
 _AT_EXIT = False
+_PEER_TROUBLE = re.compile(r"gloo|nccl|c10d|connection (reset|closed|refused)|timed out", re.IGNORECASE)
+
+
+def _explain_uncaught(kind, value, tb) -> None:
+    """``sys.excepthook``: a communication failure raised inside PyTorch (DDP's reducer, a user's own
+    collective) leaves the script without passing through gradsync; before the traceback, say which
+    peer went silent, as gradsync's own operations do."""
+    runtime = _RUNTIME
+    if (runtime is not None and isinstance(value, RuntimeError) and not isinstance(value, GradsyncError)
+            and _PEER_TROUBLE.search(str(value))):
+        try:
+            explained = runtime.explain("a collective inside PyTorch (DDP's all-reduce, or the script's own)", value)
+            print(f"gradsync: {str(explained).split('. Original error')[0]}", file=sys.stderr, flush=True)
+        except Exception:  # noqa: BLE001 - the diagnosis must never hide the original error
+            pass
+    _PREVIOUS_HOOK(kind, value, tb)
+
+
+_PREVIOUS_HOOK = sys.excepthook
 
 
 def _within(seconds: float, make):
@@ -340,10 +361,12 @@ def start(topology: Topology, store, *, backend: str, timeout_s: float, heartbea
                       responder=flight.Responder.start_for(recorder))
     runtime.transport = Transport(topology, worker_group, device, runtime.explain, timeout_s)
     _RUNTIME = runtime
-    global _AT_EXIT
+    global _AT_EXIT, _PREVIOUS_HOOK
     if not _AT_EXIT:
         atexit.register(shutdown)
         _AT_EXIT = True
+        if sys.excepthook is not _explain_uncaught:
+            _PREVIOUS_HOOK, sys.excepthook = sys.excepthook, _explain_uncaught
     return runtime
 
 

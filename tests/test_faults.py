@@ -251,6 +251,30 @@ def test_a_watched_silent_peer_is_named_within_a_beat_of_the_timeout(monkeypatch
     assert clock.now - start == pytest.approx(waited, abs=0.11)
 
 
+def test_a_communication_error_raised_inside_pytorch_is_explained_before_its_traceback(monkeypatch, capsys):
+    """DDP's reducer (or a script's own collective) raises Gloo's error straight into the user's
+    code; gradsync's excepthook names the silent peer first, then hands over to the usual hook."""
+    from types import SimpleNamespace
+
+    from gradsync import runtime
+
+    def explain(what, exc):
+        return gradsync.PeerFailureError(f"{what} failed on worker 0 (rank 0): worker 1 (rank 1) stopped "
+                                         f"responding. Original error: {exc}")
+
+    shown = []
+    monkeypatch.setattr(runtime, "_RUNTIME", SimpleNamespace(explain=explain))
+    monkeypatch.setattr(runtime, "_PREVIOUS_HOOK", lambda kind, value, tb: shown.append(value))
+    gloo = RuntimeError("[../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms for recv")
+    runtime._explain_uncaught(RuntimeError, gloo, None)
+    assert capsys.readouterr().err.strip() == ("gradsync: a collective inside PyTorch (DDP's all-reduce, or the "
+                                               "script's own) failed on worker 0 (rank 0): worker 1 (rank 1) "
+                                               "stopped responding")
+    other = ValueError("a bug in the script")
+    runtime._explain_uncaught(ValueError, other, None)
+    assert capsys.readouterr().err == "" and shown == [gloo, other]
+
+
 # -- the rendezvous port is taken ------------------------------------------------------------------
 INIT_RANK = """
 import time, gradsync, gradsync.runtime

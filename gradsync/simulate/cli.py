@@ -46,6 +46,9 @@ def add_parser(subparsers) -> None:
                    help="GB/s of parameters the optimizer updates (default 100: an accelerator's)")
     p.add_argument("--json", metavar="FILE", help="write the records to FILE")
     p.add_argument("--out", metavar="DIR", help="write records (simulate.json) and charts to DIR")
+    p.add_argument("--validate", nargs="?", const="shipped", metavar="MATRIX",
+                   help="replay the recorded emulated runs (the shipped matrix, or MATRIX.json) and report the "
+                        "error of every cell; exits 1 when the targets are missed")
     p.add_argument("--trace", metavar="FILE",
                    help="write a Chrome trace of the first strategy's last simulated step (ui.perfetto.dev)")
     p.set_defaults(handler=main)
@@ -96,6 +99,8 @@ def main(args) -> int:
     from gradsync.simulate import SIMULATED, Host, Network, load, simulate
 
     error = argparse.ArgumentParser(prog="gradsync simulate").error
+    if args.validate:
+        return validate(args.validate, args.json)
     strategies = [s for s in args.strategies.split(",") if s]
     unknown = [s for s in strategies if s not in SIMULATED]
     if unknown:
@@ -150,6 +155,24 @@ def main(args) -> int:
         for path in sweep_charts(records, args.out, f"{args.model} (simulated)"):
             print(f"chart: {path}")
     return 0
+
+
+def validate(matrix: str, json_path: str | None) -> int:
+    from gradsync.simulate import validate as v
+
+    path = v.MATRIX if matrix == "shipped" else matrix
+    if not os.path.exists(path):
+        print(f"gradsync simulate: no validation matrix at {path}", file=sys.stderr)
+        return 2
+    result = v.replay(path)
+    print(v.report(result))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=1)
+    met = (result["median_abs_error"] <= 0.05 and result["max_abs_error"] <= 0.10
+           and result["ranked_alike"] >= 0.9 * result["groups"])
+    print("targets (median <= 5 %, every cell <= 10 %, ranking >= 90 % of groups): " + ("met" if met else "NOT met"))
+    return 0 if met else 1
 
 
 def table(records: list[dict]) -> str:

@@ -1,0 +1,111 @@
+"""``gradsync simulate --validate``: the simulator against recorded runs of the emulated cluster.
+
+The matrix ships as JSON (:data:`MATRIX`): groups of ``gradsync bench --compute emulated`` records,
+each group with the command that produced it. For every record the simulator is run on the same
+shape (model, batch, workers, servers, link rate) and its throughput compared with the measured
+one. Reported per cell: measured, predicted, error; overall: the median and largest absolute
+error, and in how many groups (one model, worker count and rate) the simulator ranks the
+strategies as the measurement does (strategies within 3 % of each other, measured, count as tied).
+
+Host work in an emulated run is this machine's CPU (copies, the optimizer's update), divided by
+the run's dilation like every other time, and shared by the ranks on its cores. So the host rates
+are measured here (:func:`calibrate`), multiplied by the dilation and divided by the ranks per
+core. Targets: median absolute error <= 5 %, every cell <= 10 %, ranking agreement >= 90 %.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+
+MATRIX = os.path.join(os.path.dirname(__file__), "validation.json")
+TIE = 0.03
+
+
+def calibrate(numel: int = 1 << 22, repeats: int = 5) -> dict:
+    """This machine's copy and optimizer-update rates (bytes/s, one thread): the median of ``repeats``."""
+    import torch
+
+    torch.set_num_threads(1)
+    src, dst = torch.randn(numel), torch.empty(numel)
+    param = torch.nn.Parameter(torch.randn(numel))
+    param.grad = torch.randn(numel)
+    opt = torch.optim.SGD([param], lr=0.01, momentum=0.9)
+    opt.step()  # the momentum buffer exists from here
+
+    def rate(fn) -> float:
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return numel * 4 / statistics.median(times)
+
+    return {"copy_Bps": rate(lambda: dst.copy_(src)), "update_Bps": rate(opt.step)}
+
+
+def _host(record: dict, rates: dict, cores: int):
+    from gradsync.simulate import Host
+
+    share = max(1.0, (record["np"] + record.get("servers", 0)) / cores)
+    k = record.get("dilation", 1.0)
+    return Host(rates["copy_Bps"] * k / share, rates["update_Bps"] * k / share)
+
+
+def replay(path: str = MATRIX, rates: dict | None = None, steps: int = 8, warmup: int = 3) -> dict:
+    """Every cell of the matrix at ``path``: measured against simulated, and the summary."""
+    from gradsync.simulate import Network, load, simulate
+
+    with open(path) as f:
+        matrix = json.load(f)
+    rates = rates or calibrate()
+    cores = matrix.get("cores", os.cpu_count() or 1)
+    cells, workloads = [], {}
+    for group in matrix["groups"]:
+        for rec in group["records"]:
+            key = (rec["model"], rec["batch_size"], rec.get("profile"))
+            if key not in workloads:
+                workloads[key] = load(rec["model"], rec["batch_size"], rec.get("profile"))
+            net = Network(rec["net_bps"], matrix.get("latency_s", 50e-6))
+            sim = simulate(rec["strategy"], workloads[key], rec["np"], net, host=_host(rec, rates, cores),
+                           servers=rec.get("servers", 0), steps=steps, warmup=warmup)
+            cells.append({"model": rec["model"], "np": rec["np"], "net_bps": rec["net_bps"],
+                          "servers": rec.get("servers", 0), "strategy": rec["strategy"],
+                          "measured": rec["samples_per_s"], "simulated": sim["samples_per_s"],
+                          "error": sim["samples_per_s"] / rec["samples_per_s"] - 1, "command": group["command"]})
+    return {"cells": cells, "rates": rates, **summary(cells)}
+
+
+def summary(cells: list[dict]) -> dict:
+    errors = [abs(c["error"]) for c in cells]
+    groups: dict[tuple, list[dict]] = {}
+    for c in cells:
+        groups.setdefault((c["model"], c["np"], c["net_bps"], c["servers"]), []).append(c)
+    agree = sum(_same_order(g) for g in groups.values())
+    return {"median_abs_error": statistics.median(errors) if errors else None,
+            "max_abs_error": max(errors, default=None), "groups": len(groups), "ranked_alike": agree}
+
+
+def _same_order(group: list[dict]) -> bool:
+    """Whether every pair of strategies the measurement tells apart (by more than :data:`TIE`) is
+    ordered the same way by the simulator."""
+    for a in group:
+        for b in group:
+            if a["measured"] > b["measured"] * (1 + TIE) and not a["simulated"] >= b["simulated"]:
+                return False
+    return True
+
+
+def report(result: dict) -> str:
+    lines = [f"{'model':<10} {'np':>3} {'net':>9} {'strategy':<20} {'measured':>9} {'simulated':>9} {'error':>7}"]
+    for c in result["cells"]:
+        net = "loopback" if c["net_bps"] is None else f"{c['net_bps'] / 1e9:g} Gbit/s"
+        lines.append(f"{c['model']:<10} {c['np']:>3} {net:>9} {c['strategy']:<20} {c['measured']:>9.1f} "
+                     f"{c['simulated']:>9.1f} {c['error']:>+7.1%}")
+    lines.append(f"\n{len(result['cells'])} cells: median |error| {result['median_abs_error']:.1%}, largest "
+                 f"{result['max_abs_error']:.1%}; strategies ranked as measured in {result['ranked_alike']} of "
+                 f"{result['groups']} groups (ties within {TIE:.0%})")
+    lines.append(f"host rates measured here: copy {result['rates']['copy_Bps'] / 1e9:.1f} GB/s, optimizer update "
+                 f"{result['rates']['update_Bps'] / 1e9:.1f} GB/s (one thread)")
+    return "\n".join(lines)
