@@ -34,10 +34,14 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--groups", default=",".join(str(i) for i in range(len(GROUPS))))
     args = parser.parse_args()
-    groups = []
+    from gradsync.simulate.validate import calibrate
+
+    groups, host_rates = [], None
     if os.path.exists(args.out):  # keep the groups already recorded
         with open(args.out) as f:
-            groups = json.load(f)["groups"]
+            kept = json.load(f)
+        groups, host_rates = kept["groups"], kept.get("host_rates")
+    host_rates = host_rates or calibrate()  # this machine's, where the runs' host work ran
     for index in (int(i) for i in args.groups.split(",")):
         model, np, rate = GROUPS[index]
         with tempfile.TemporaryDirectory() as tmp:
@@ -51,7 +55,8 @@ def main() -> None:
         groups = [g for g in groups if g["command"] != shown]
         groups.append({"command": shown, "seconds": round(time.monotonic() - started), "records": records})
         with open(args.out, "w") as f:
-            json.dump({"cores": os.cpu_count(), "latency_s": 50e-6, "groups": groups}, f, indent=1)
+            json.dump({"cores": os.cpu_count(), "latency_s": 50e-6, "host_rates": host_rates, "groups": groups},
+                      f, indent=1)
         print(f"group {index} ({model}, {np} workers, {rate}) recorded", flush=True)
 
 

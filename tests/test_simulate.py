@@ -116,3 +116,19 @@ def test_simulate_prints_records_and_rejects_bad_input(tmp_path):
         bad = subprocess.run([sys.executable, "-m", "gradsync.cli", "simulate", *args], capture_output=True, text=True,
                              timeout=120)
         assert bad.returncode == 2 and message in bad.stderr, bad.stderr
+
+
+def test_validation_counts_errors_and_orders_and_leaves_out_cpu_bound_cells():
+    from gradsync.simulate.validate import summary
+
+    def cell(strategy, measured, simulated, cpu_bound=False, np=2):
+        return {"model": "m", "np": np, "net_bps": 1e9, "servers": 0, "strategy": strategy, "measured": measured,
+                "simulated": simulated, "error": simulated / measured - 1, "cpu_bound": cpu_bound}
+
+    cells = [cell("a", 100, 104), cell("b", 110, 99),  # b measured faster by 10 %, simulated slower: disagree
+             cell("a", 100, 90, np=4), cell("b", 102, 95, np=4),  # within 3 % measured: a tie, agrees
+             cell("c", 100, 300, cpu_bound=True, np=4)]  # measured this machine's CPU: not counted
+    result = summary(cells)
+    assert result["cells_counted"] == 4 and result["groups"] == 2 and result["ranked_alike"] == 1
+    assert result["median_abs_error"] == pytest.approx((1 - 95 / 102 + 0.1) / 2)  # of 0.04, 0.069, 0.1, 0.1
+    assert result["max_abs_error"] == pytest.approx(0.1)

@@ -73,6 +73,10 @@ class Worker:
         rate = float("inf") if net.rate_bps is None else net.rate_bps / 8
         share = rate / max(1, min(net.gpus_per_host, np))  # workers of one host share its NIC
         self.tx, self.rx = Link("worker tx", share), Link("worker rx", share)
+        # Gloo's point-to-point messages posted all at once in both directions between two hosts
+        # get about half the rate each way (docs/emulation.md; its all-reduce uses both directions
+        # at full rate): such exchanges also pass through this one link of the NIC's rate.
+        self.duplex = Link("worker send+receive", share)
         self.servers = [(Link(f"server {s} tx", rate), Link(f"server {s} rx", rate)) for s in range(servers)]
         self.gpu = Stream(sim, "accelerator")
         self.host = Stream(sim, "host")
@@ -263,13 +267,20 @@ class ParameterServers(StrategyModel):
         if self.dedicated:
             tx, rx = self.wk.servers[s]
             return [(self.wk.tx, 1), (rx, self.wk.np)]
-        return [(self.wk.tx, 1), (self.wk.rx, 1)]
+        return self._exchange()
 
     def _uses_pull(self, s: int):
         if self.dedicated:
             tx, rx = self.wk.servers[s]
             return [(tx, self.wk.np), (self.wk.rx, 1)]
-        return [(self.wk.tx, 1), (self.wk.rx, 1)]
+        return self._exchange()
+
+    def _exchange(self):
+        """Co-located: every worker posts all its pushes (then all its answers) and the receives for
+        them at once, both directions between each pair of hosts: the send+receive link counts
+        this worker's message and its twin coming in (P3 and ps-sliced keep four receives
+        posted per peer and do not meet this)."""
+        return [(self.wk.tx, 1), (self.wk.rx, 1), (self.wk.duplex, 2)]
 
     def _share(self, nbytes: float) -> float:
         """Co-located: of a group's bytes, what crosses the network (the owner keeps its own)."""
