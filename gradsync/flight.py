@@ -28,6 +28,7 @@ SIZE = 64
 """Operations each rank keeps."""
 DIR_ENV = "GRADSYNC_FLIGHT_DIR"
 REQUEST = "request"
+ASKED = "asked by the launcher"
 
 
 class Record:
@@ -118,7 +119,7 @@ class FlightRecorder:
             return
         if asked > self.dumped_for:
             self.dumped_for = asked
-            self.dump("asked by the launcher")
+            self.dump(ASKED)
 
 
 class Responder:
@@ -171,7 +172,7 @@ def request(folder: str) -> float:
 def collect(folder: str, ranks: list[int], since: float, wait_s: float, started: float = 0.0,
             gone: set[int] = frozenset()) -> dict[int, dict]:
     """The dumps of ``ranks`` written after ``since``, waiting at most ``wait_s`` for the missing
-    (not for ``gone`` ranks, which exited). A rank that does not answer in time (it exited, or is
+    (not for ``gone`` ranks, which exited, nor for ranks that dumped when they reported a failure). A rank that does not answer in time (it exited, or is
     blocked) is represented by its last dump of this job (written after ``started``, e.g. when it
     reported the failure), marked ``stale``."""
     deadline = time.monotonic() + wait_s
@@ -189,6 +190,8 @@ def collect(folder: str, ranks: list[int], since: float, wait_s: float, started:
         for rank in ranks:
             if rank not in found and (dump := read(rank, since - 0.5)) is not None:
                 found[rank] = dump
+            elif rank not in found and (dump := read(rank, started)) is not None and dump.get("reason") != ASKED:
+                found[rank] = dump  # it reported its failure: that record is its last word
         if all(r in found or r in gone for r in ranks) or time.monotonic() > deadline:
             break
         time.sleep(0.05)
