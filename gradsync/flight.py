@@ -67,20 +67,31 @@ class FlightRecorder:
         self.records.append(record)
         return record
 
-    @contextlib.contextmanager
-    def blocked_in(self, record: Record | None, *, main: bool):
-        """While the calling thread waits for ``record``; ``main``: it is the training thread."""
+    def block(self, record: Record | None, main: bool) -> tuple:
+        """The calling thread starts waiting for ``record`` (``main``: it is the training thread);
+        pass the result to :meth:`unblock` when the wait ends. Plain calls, not a context manager:
+        a communication thread waits thousands of times a step."""
         ident = threading.get_ident()
         if record is not None:
             self.blocked[ident] = record
         if main:
             self.waiting = record
+        return ident, record, main
+
+    def unblock(self, token: tuple) -> None:
+        ident, record, main = token
+        self.blocked.pop(ident, None)
+        if main and self.waiting is record:
+            self.waiting = None
+
+    @contextlib.contextmanager
+    def blocked_in(self, record: Record | None, *, main: bool):
+        """:meth:`block` for the length of a ``with``."""
+        token = self.block(record, main)
         try:
             yield
         finally:
-            self.blocked.pop(ident, None)
-            if main and self.waiting is record:
-                self.waiting = None
+            self.unblock(token)
 
     def longest_wait_s(self) -> float:
         """How long the longest wait under way has lasted (0 when no thread waits)."""

@@ -70,16 +70,19 @@ class Handle:
         tracer = trace.current()
         recorder = flight.current()
         main = not background and threading.get_ident() == _MAIN_THREAD
-        # Explained while still registered as waiting: the heartbeat keeps what it watched meanwhile.
-        with recorder.blocked_in(self._record, main=main) if recorder else contextlib.nullcontext():
-            try:
-                if tracer is None or background:
+        token = recorder.block(self._record, main) if recorder is not None else None
+        try:
+            if tracer is None or background:
+                self._work.wait()
+            else:
+                with tracer.waiting(self._what):
                     self._work.wait()
-                else:
-                    with tracer.waiting(self._what):
-                        self._work.wait()
-            except RuntimeError as exc:
-                raise self._explain(self._what, exc) from exc
+        except RuntimeError as exc:
+            # Explained while still registered as waiting: the heartbeat keeps what it watched meanwhile.
+            raise self._explain(self._what, exc) from exc
+        finally:
+            if token is not None:
+                recorder.unblock(token)
         self._done = True
         if self._record is not None:
             self._record.done = time.time()
