@@ -1,11 +1,11 @@
-"""``gradsync simulate``: predict strategies' throughput on a cluster described by its numbers.
+"""gradsync simulate: predict strategies' throughput on a cluster described by its numbers.
 
-Takes ``gradsync bench``'s arguments (``--model --strategies --np --net --servers --set``) and
-writes its records, table and charts, from the event simulator (:mod:`gradsync.simulate`)
-instead of running anything: 4 to 512 workers in seconds. Compute is the model's compute profile
-(``--compute PROFILE``, as ``--compute emulated:PROFILE`` in bench; default: the shipped one).
+Takes gradsync bench's arguments (--model --strategies --np --net --servers --set) and writes its
+records, table and charts, from the event simulator (gradsync.simulate) instead of running
+anything: 4 to 512 workers in seconds. Compute is the model's compute profile (--compute
+PROFILE, as --compute emulated:PROFILE in bench; default: the shipped one).
 
-Example::
+Example:
 
     gradsync simulate --model resnet50 --strategies allreduce,ps,p3 --np 4,16,64 --net 1gbit,10gbit
 """
