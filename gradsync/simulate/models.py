@@ -183,9 +183,9 @@ class Buckets(StrategyModel):
     gradients exist, strictly in bucket order on one collective stream; the end of backward waits
     for all; then the local optimizer."""
 
-    def __init__(self, strategy, cap_bytes: int, first_cap_bytes: int, flags: bool):
+    def __init__(self, strategy, cap_bytes: int, first_cap_bytes: int, flags: bool, copy_back: bool = False):
         super().__init__(strategy)
-        self.cap, self.first, self.flags = cap_bytes, first_cap_bytes, flags
+        self.cap, self.first, self.flags, self.copy_back = cap_bytes, first_cap_bytes, flags, copy_back
 
     def bind(self, worker: Worker) -> None:
         from gradsync.strategies.allreduce import plan_buckets
@@ -215,8 +215,10 @@ class Buckets(StrategyModel):
             b = self.launched
             self.launched += 1
             copy = self.wk.copy_s(self.bytes[b])
-            self.net.submit(lambda finish, b=b, copy=copy: self.wk.sim.after(
-                copy, lambda: self.wk.ring(self.bytes[b], finish, f"bucket {b}")), self._reduced, what=f"bucket {b}")
+            back = copy if self.copy_back else 0.0  # DDP copies the sum back into .grad (no bucket views)
+            self.net.submit(lambda finish, b=b, copy=copy, back=back: self.wk.sim.after(
+                copy, lambda: self.wk.ring(self.bytes[b], lambda: self.wk.sim.after(back, finish), f"bucket {b}")),
+                self._reduced, what=f"bucket {b}")
 
     def _reduced(self) -> None:
         self.done += 1
@@ -500,7 +502,8 @@ def build(name: str, options: dict | None = None, servers: int = 0) -> StrategyM
         model = Buckets(strategy, strategy.cap_bytes, strategy.first_cap_bytes, flags=True)
     elif name == "ddp":
         mb = 2**20
-        model = Buckets(strategy, int(strategy.options["bucket_cap_mb"] * mb), mb, flags=False)
+        model = Buckets(strategy, int(strategy.options["bucket_cap_mb"] * mb), mb, flags=False,
+                        copy_back=not strategy.options["gradient_as_bucket_view"])
     elif name == "ps":
         if strategy.mode != "sync":
             raise ConfigError("the simulator models synchronous ps only")
