@@ -100,8 +100,16 @@ def test_p3_sends_lowest_forward_position_first_under_credit():
     assert unlimited["step_s"] == pytest.approx(6 * 0.51)
 
 
+def test_a_credit_below_one_message_is_refused_as_by_p3_itself():
+    from gradsync.errors import ConfigError
+
+    work = synthetic([(0.0, 0.0, [1000])])
+    with pytest.raises(ConfigError, match="credit_mb=.* is less than one message"):
+        simulate("p3", work, 2, NET, options={"slice_params": 250, "credit_mb": 100 / 2**20})
+
+
 def test_simulate_prints_records_and_rejects_bad_input(tmp_path):
-    out = tmp_path / "r.json"
+    out = tmp_path / "new" / "r.json"  # its folder is made
     run = subprocess.run([sys.executable, "-m", "gradsync.cli", "simulate", "--model", "resnet50",
                           "--strategies", "allreduce,p3", "--np", "4,16", "--net", "1gbit", "--json", str(out)],
                          capture_output=True, text=True, timeout=120)

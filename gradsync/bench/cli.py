@@ -398,7 +398,7 @@ def _save_trace(run_dir: str, path: str, config: dict | None) -> None:
 
 
 def _report(records: list[dict], args) -> int:
-    from gradsync.bench.report import chart, cpu_bound_note, sweep_charts, table
+    from gradsync.bench.report import chart, cpu_bound_note, save_records, sweep_charts, table
 
     print()
     print(table(records))
@@ -420,13 +420,9 @@ def _report(records: list[dict], args) -> int:
     if note:
         print(note)
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(records, f, indent=1)
+        save_records(records, args.json)
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "bench.json"), "w") as f:
-            json.dump(records, f, indent=1)
+        save_records(records, os.path.join(args.out, "bench.json"))
         title = f"{args.model}, batch {args.batch_size}, compute {args.compute}"
         if len(args.np_list) * len(args.rates) == 1:
             chart(records, os.path.join(args.out, "bench.png"), f"{title}, {args.np_list[0]} workers")

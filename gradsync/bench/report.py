@@ -18,6 +18,7 @@ above the report says so. (Real compute on the CPU keeps it busy by design.)
 """
 from __future__ import annotations
 
+import json
 import os
 import statistics
 
@@ -65,6 +66,13 @@ def summarize(raw: dict, compute_times: list[float], config: dict, check: dict |
 # A window shorter than this many clock ticks per core (100 ms at the usual 100 Hz) is too coarse to
 # give a share: a few ticks, each charged whole to whatever a core was doing when it fired.
 MIN_TICKS_PER_CORE = 10
+
+
+def save_records(records: list[dict], path: str) -> None:
+    """The records as JSON at ``path`` (its folder made if missing)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(records, f, indent=1)
 
 
 def cpu_busy(ticks: list | None, cores: int | None = None) -> float | None:

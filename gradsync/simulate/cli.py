@@ -143,15 +143,12 @@ def main(args) -> int:
                 records.append(record)
     print(table(records))
     print(f"({len(records)} simulations in {time.perf_counter() - started:.1f} s)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(records, f, indent=1)
-    if args.out:
-        from gradsync.bench.report import sweep_charts
+    from gradsync.bench.report import save_records, sweep_charts
 
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "simulate.json"), "w") as f:
-            json.dump(records, f, indent=1)
+    if args.json:
+        save_records(records, args.json)
+    if args.out:
+        save_records(records, os.path.join(args.out, "simulate.json"))
         for path in sweep_charts(records, args.out, f"{args.model} (simulated)"):
             print(f"chart: {path}")
     return 0

@@ -392,13 +392,16 @@ class Slices(StrategyModel):
         if self.dedicated:  # one sender per server, for its answers
             self.server_senders = [CreditSender(self.credit) for _ in range(self.dedicated)]
         self.pending: list[int] = []
+        self.flushing: tuple | None = None  # (step, go): step() waits for every answer of that step
+        if self.credit is not None and self.credit < max(self.nbytes, default=0):
+            raise ConfigError(f"credit_mb={self.credit / 2**20:g} is less than one message "
+                              f"({max(self.nbytes) / 2**20:.3g} MB): nothing could be sent; raise credit_mb")
 
     def _prio(self, step: int, k: int):
         return (step, k if self.priority else 0.0)
 
     def before_forward(self, step: int, go: Callable[[], None]) -> None:
         self.pending = [len({seg.param for seg in s.segments}) for s in self.plan.slices]
-        self.step_no = step
         go()
 
     def before_layer(self, step: int, layer: int, go: Callable[[], None]) -> None:
@@ -427,7 +430,7 @@ class Slices(StrategyModel):
         copy = wk.copy_s(self.plan.slices[k].numel * 4)
         if self.all_reduce:
             wk.host.run(copy, lambda: self.sender.put(self._prio(step, k), nbytes, lambda release: wk.ring(
-                nbytes, lambda: self._update(step, k, release), f"partition {k}")), what=f"fill {k}")  # noqa: E501
+                nbytes, lambda: self._update(step, k, release), f"partition {k}")), what=f"fill {k}")
             return
         n = wk.np
         if self.dedicated:
@@ -467,7 +470,7 @@ class Slices(StrategyModel):
         self.arrived_step[k] = max(self.arrived_step[k], step)
         for arrive in self.waiters.pop(k, []):
             arrive()
-        if getattr(self, "flushing", None) is not None and all(a >= self.flushing[0] for a in self.arrived_step):
+        if self.flushing is not None and all(a >= self.flushing[0] for a in self.arrived_step):
             _, go = self.flushing
             self.flushing = None
             go()
