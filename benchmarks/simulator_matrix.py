@@ -16,16 +16,24 @@ import sys
 import tempfile
 import time
 
-STRATEGIES = "ddp,allreduce,ps,p3,ps-sliced,allreduce-priority"
-GROUPS = [  # (model, workers, rate)
-    ("resnet50", 2, "1gbit"), ("resnet50", 4, "1gbit"), ("resnet50", 2, "10gbit"), ("resnet50", 4, "10gbit"),
-    ("vgg19", 2, "1gbit"), ("vgg19", 2, "10gbit"),
+EXACT = "ddp,allreduce,ps,p3,ps-sliced,allreduce-priority"
+OTHERS = "ddp,sma,pair-averaging,casync-ring,casync-ps,compressed-allgather"
+SERVED = "ps,ps-async,p3"
+CODECS = ["onebit"]  # the compressed strategies' default
+GROUPS = [  # (model, workers, rate, dedicated servers, strategies)
+    ("resnet50", 2, "1gbit", 0, EXACT), ("resnet50", 4, "1gbit", 0, EXACT),
+    ("resnet50", 2, "10gbit", 0, EXACT), ("resnet50", 4, "10gbit", 0, EXACT),
+    ("vgg19", 2, "1gbit", 0, EXACT), ("vgg19", 2, "10gbit", 0, EXACT),
+    ("resnet50", 2, "1gbit", 0, OTHERS), ("resnet50", 4, "1gbit", 0, OTHERS),
+    ("resnet50", 2, "10gbit", 0, OTHERS), ("resnet50", 4, "10gbit", 0, OTHERS),
+    ("resnet50", 2, "1gbit", 1, SERVED), ("resnet50", 2, "10gbit", 1, SERVED),
 ]
 
 
-def command(model: str, np: int, rate: str, out: str) -> list[str]:
+def command(model: str, np: int, rate: str, servers: int, strategies: str, out: str) -> list[str]:
     return ["gradsync", "bench", "--model", model, "--compute", "emulated", "--np", str(np), "--net", rate,
-            "--dilation", "auto", "--strategies", STRATEGIES, "--steps", "12", "--warmup", "3", "--rounds", "1",
+            *(["--servers", str(servers)] if servers else []),
+            "--dilation", "auto", "--strategies", strategies, "--steps", "12", "--warmup", "3", "--rounds", "1",
             "--check-steps", "0", "--json", out]
 
 
@@ -34,19 +42,20 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--groups", default=",".join(str(i) for i in range(len(GROUPS))))
     args = parser.parse_args()
-    from gradsync.simulate.validate import calibrate
+    from gradsync.simulate.validate import calibrate, calibrate_codecs
 
-    groups, host_rates = [], None
+    groups, host_rates, codecs = [], None, None
     if os.path.exists(args.out):  # keep the groups already recorded
         with open(args.out) as f:
             kept = json.load(f)
-        groups, host_rates = kept["groups"], kept.get("host_rates")
+        groups, host_rates, codecs = kept["groups"], kept.get("host_rates"), kept.get("codecs")
     host_rates = host_rates or calibrate()  # this machine's, where the runs' host work ran
+    codecs = codecs or calibrate_codecs(CODECS)
     for index in (int(i) for i in args.groups.split(",")):
-        model, np, rate = GROUPS[index]
+        model, np, rate, servers, strategies = GROUPS[index]
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "records.json")
-            argv = command(model, np, rate, out)
+            argv = command(model, np, rate, servers, strategies, out)
             started = time.monotonic()
             subprocess.run([sys.executable, "-m", "gradsync.cli", *argv[1:]], check=True)
             with open(out) as f:
@@ -55,7 +64,8 @@ def main() -> None:
         groups = [g for g in groups if g["command"] != shown]
         groups.append({"command": shown, "seconds": round(time.monotonic() - started), "records": records})
         with open(args.out, "w") as f:
-            json.dump({"cores": os.cpu_count(), "latency_s": 50e-6, "host_rates": host_rates, "groups": groups},
+            json.dump({"cores": os.cpu_count(), "latency_s": 50e-6, "host_rates": host_rates, "codecs": codecs,
+                       "groups": groups},
                       f, indent=1)
         print(f"group {index} ({model}, {np} workers, {rate}) recorded", flush=True)
 

@@ -10,7 +10,7 @@ from gradsync.simulate import Host, Network, SimulationError, simulate
 from gradsync.simulate.engine import Link, Sim, Stream
 from gradsync.simulate.workload import synthetic
 
-FREE_HOST = Host(copy_Bps=1e18, update_Bps=1e18)  # host work costs nothing: only the wire counts
+FREE_HOST = Host(copy_Bps=1e18, update_Bps=1e18, handoff_s=0.0)  # host work costs nothing: only the wire counts
 BYTES_PER_S = 1000.0
 NET = Network(rate_bps=8 * BYTES_PER_S, latency_s=0.0)
 
@@ -100,6 +100,80 @@ def test_p3_sends_lowest_forward_position_first_under_credit():
     assert unlimited["step_s"] == pytest.approx(6 * 0.51)
 
 
+def test_sma_hides_its_parameter_all_reduce_behind_the_whole_step():
+    # 2 workers, 1000 B of parameters: the all-reduce launched before forward moves 1000 B (1 s).
+    # With 2 s of compute it is hidden; with 0.5 s the step waits for it.
+    slow, fast = synthetic([(1.0, 1.0, [1000])]), synthetic([(0.25, 0.25, [1000])])
+    assert simulate("sma", slow, 2, NET, host=FREE_HOST, steps=4, warmup=1)["step_s"] == pytest.approx(2.0)
+    assert simulate("sma", fast, 2, NET, host=FREE_HOST, steps=4, warmup=1)["step_s"] == pytest.approx(1.0)
+
+
+def test_pair_averaging_pulls_one_model_and_two_workers_pull_from_each_other_at_half_rate():
+    work = synthetic([(0.0, 0.0, [1000])])
+    # 2 workers: both directions between one pair of hosts at once (the Gloo pair limit): 500 B/s.
+    assert simulate("pair-averaging", work, 2, NET, host=FREE_HOST, steps=4, warmup=1)["step_s"] == pytest.approx(2.0)
+    # 3 workers: a worker answers its pulls one after another, so a step takes 1 s per pull the
+    # most-asked worker answers; the peers are those the strategy's own generators pick.
+    import random
+    import statistics
+
+    rngs = [random.Random(0 * 7919 + r) for r in range(3)]
+    busiest = []
+    for _ in range(5):
+        load = [0, 0, 0]
+        for r, rng in enumerate(rngs):
+            load[rng.choice([p for p in range(3) if p != r])] += 1
+        busiest.append(max(load))
+    record = simulate("pair-averaging", work, 3, NET, host=FREE_HOST, steps=5, warmup=1)
+    assert record["step_s"] == pytest.approx(statistics.median(busiest[1:]))
+
+
+def test_an_asynchronous_server_serves_workers_one_at_a_time():
+    # 2 workers, one server, 1000 B: a service is the push (1 s) and the pull (1 s). Alone a
+    # worker would take 1 s of compute + 2 s; the server serves both workers, 4 s per round.
+    work = synthetic([(0.5, 0.5, [1000])])
+    record = simulate("ps-async", work, 2, NET, host=FREE_HOST, servers=1, steps=6, warmup=2)
+    assert record["step_s"] == pytest.approx(4.0)
+    with pytest.raises(Exception, match="needs dedicated servers"):
+        simulate("ps-async", work, 2, NET, host=FREE_HOST, steps=4, warmup=1)
+
+
+@pytest.fixture
+def quarter_codec(monkeypatch):
+    """onebit as a compressor with given costs: wire ratio 1/4, encode and decode as set."""
+    from gradsync.simulate import compressed
+    from gradsync.strategies.costmodel import Linear
+
+    def use(encode_s_per_byte=0.0, decode_s_per_byte=0.0):
+        monkeypatch.setitem(compressed._CODECS, ("onebit", ()),
+                            (Linear(0.0, encode_s_per_byte), Linear(0.0, decode_s_per_byte), 0.25))
+    use()
+    return use
+
+
+def test_compressed_strategies_move_their_patterns_bytes(quarter_codec):
+    # One 1000 B bucket at ratio 1/4, then one 4-byte used flag all-reduced (2 (N-1)/N of 4 B).
+    work = synthetic([(0.0, 0.0, [1000])])
+    flags = {2: 0.004, 4: 0.006}
+    cases = [("casync-ring", 2, {}, 0.25),  # 2 (N-1) hops of 1000/N/4 B
+             ("casync-ring", 4, {}, 0.375),
+             ("compressed-allgather", 2, {}, 0.25),  # N-1 payloads of 250 B
+             ("compressed-allgather", 4, {}, 0.75),
+             ("casync-ps", 4, {}, 1.5),  # under 4 MB: one aggregator, 3 x 250 B in, then out
+             ("casync-ps", 4, {"partition_mb": 1e-4}, 0.375)]  # 4 partitions: 3 x 62.5 B each way
+    for strategy, np, options, wire_s in cases:
+        record = simulate(strategy, work, np, NET, host=FREE_HOST, options=options, steps=4, warmup=1)
+        assert record["step_s"] == pytest.approx(wire_s + flags[np]), (strategy, np, options)
+
+
+def test_compressed_all_gather_encodes_once_and_decodes_every_payload(quarter_codec):
+    quarter_codec(encode_s_per_byte=1e-3, decode_s_per_byte=1e-3)
+    work = synthetic([(0.0, 0.0, [1000])])
+    # encode 1000 B (1 s), 250 B on the wire (0.25 s), decode 2 payloads (2 s), flags (0.004 s)
+    record = simulate("compressed-allgather", work, 2, NET, host=FREE_HOST, steps=4, warmup=1)
+    assert record["step_s"] == pytest.approx(3.254)
+
+
 def test_a_credit_below_one_message_is_refused_as_by_p3_itself():
     from gradsync.errors import ConfigError
 
@@ -137,6 +211,8 @@ def test_validation_counts_errors_and_orders_and_leaves_out_cpu_bound_cells():
              cell("a", 100, 90, np=4), cell("b", 102, 95, np=4),  # within 3 % measured: a tie, agrees
              cell("c", 100, 300, cpu_bound=True, np=4)]  # measured this machine's CPU: not counted
     result = summary(cells)
-    assert result["cells_counted"] == 4 and result["groups"] == 2 and result["ranked_alike"] == 1
+    assert result["cells_counted"] == 4 and result["groups"] == 2 and result["ranked_alike"] == 2
+    # the predicted best: a at 2 workers (measured 100 < 0.95 * 110: bad advice), b at 4 (the measured best)
+    assert result["advice_good"] == 1
     assert result["median_abs_error"] == pytest.approx((1 - 95 / 102 + 0.1) / 2)  # of 0.04, 0.069, 0.1, 0.1
     assert result["max_abs_error"] == pytest.approx(0.1)

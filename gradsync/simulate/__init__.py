@@ -43,7 +43,7 @@ def simulate(strategy: str, workload: Workload, np: int, net: Network, *, host: 
         "comm_overhead_s": step_s - compute_s, "net_bps": net.rate_bps,
         "net": "loopback" if net.rate_bps is None else f"{net.rate_bps / 1e9:g} Gbit/s",
         "compute": "simulated", "source": "gradsync simulate", "events": sim.events,
-        "bytes_per_step": worker.tx.carried / len(ends),
+        "bytes_per_step": worker.bytes_sent() / len(ends),
     }
     if trace:
         record["timeline"] = sim.log

@@ -29,11 +29,20 @@ from gradsync.simulate.workload import Workload
 @dataclass
 class Network:
     """Hosts with full-duplex NICs of ``rate_bps`` (None: unlimited), one-way ``latency_s`` per
-    message (wire and software), ``gpus_per_host`` workers sharing a host's NIC."""
+    message (wire and software), ``gpus_per_host`` workers sharing a host's NIC and linked to
+    each other at ``intra_Bps`` bytes per second (PCIe or NVLink; None: unlimited)."""
 
     rate_bps: float | None
     latency_s: float = 50e-6
     gpus_per_host: int = 1
+    intra_Bps: float | None = 12e9
+
+
+DUPLEX_BYTES = 2 << 20
+"""Gloo moves one message between a pair of hosts in one direction at a time: messages posted in
+both directions at once get half the rate each way from about this size (docs/emulation.md: a
+12 MB exchange got half the rate each way, 1 MB messages the full rate; the validation matrix's
+``ps`` cells place the step between 1 and 4 MB)."""
 
 
 @dataclass
@@ -44,6 +53,12 @@ class Host:
 
     copy_Bps: float = 200e9
     update_Bps: float = 100e9
+    codec_speed: float = 1.0
+    """Compressors' encode and decode run this many times faster than measured on this machine's
+    CPU (one thread)."""
+    handoff_s: float = 20e-6
+    """From one host thread noticing an event to another acting on it (a credit returned by
+    the thread that waits for sends to the thread that issues them)."""
 
 
 class _Meta:
@@ -71,8 +86,18 @@ class Worker:
             raise ConfigError(f"link rate must be > 0, got {net.rate_bps}")
         self.sim, self.w, self.np, self.net, self.host_rates = sim, workload, np, net, host
         rate = float("inf") if net.rate_bps is None else net.rate_bps / 8
-        share = rate / max(1, min(net.gpus_per_host, np))  # workers of one host share its NIC
+        per_host = max(1, min(net.gpus_per_host, np))
+        share = rate / per_host  # point to point, the workers of one host share its NIC
         self.tx, self.rx = Link("worker tx", share), Link("worker rx", share)
+        # A ring ordered by host crosses each NIC once each way; its other hops stay inside hosts.
+        intra = float("inf") if net.intra_Bps is None else net.intra_Bps
+        if per_host == 1:
+            self.ring_links = [(self.tx, 1), (self.rx, 1)]
+        elif per_host >= np:  # one host: the ring never leaves it
+            self.ring_links = [(Link("intra-host", intra), 1)]
+        else:
+            self.ring_links = [(Link("NIC tx (ring)", rate), 1), (Link("NIC rx (ring)", rate), 1),
+                               (Link("intra-host", intra), 1)]
         # Gloo's point-to-point messages posted all at once in both directions between two hosts
         # get about half the rate each way (docs/emulation.md; its all-reduce uses both directions
         # at full rate): such exchanges also pass through this one link of the NIC's rate.
@@ -84,6 +109,15 @@ class Worker:
         self.metas = [_Meta(p.numel, p.nbytes) for p in self.params]
         self.step_ends: list[float] = []
 
+    def bytes_sent(self) -> float:
+        """What this worker has sent so far, point to point and in rings."""
+        ring = self.ring_links[0][0]
+        return self.tx.carried + (0.0 if ring is self.tx else ring.carried)
+
+    def thread(self, name: str) -> Stream:
+        """Another serial worker of this host (a communication thread, a collective stream, a server)."""
+        return Stream(self.sim, name)
+
     # -- the wire ----------------------------------------------------------------------------------
     def ring(self, nbytes: float, done: Callable[[], None], name: str = "all-reduce") -> None:
         """A ring all-reduce of ``nbytes`` among the workers."""
@@ -91,7 +125,7 @@ class Worker:
         if n == 1:
             self.sim.after(0.0, done)
             return
-        self.sim.transfer(2 * (n - 1) / n * nbytes, [(self.tx, 1), (self.rx, 1)], done,
+        self.sim.transfer(2 * (n - 1) / n * nbytes, self.ring_links, done,
                           latency=2 * (n - 1) * self.net.latency_s, name=name, lane="network")
 
     def message(self, nbytes: float, uses, done: Callable[[], None], name: str = "message") -> None:
@@ -265,24 +299,21 @@ class ParameterServers(StrategyModel):
         for s, members in self.groups:
             self.owned_bytes[s] += sum(worker.params[i].nbytes for i in members)
 
-    def _uses_push(self, s: int):
+    def _send(self, s: int, nbytes: float, push: bool, done: Callable[[], None], name: str) -> None:
+        """A push to (or an answer from) owner ``s`` of a group of ``nbytes``."""
+        wk = self.wk
         if self.dedicated:
-            tx, rx = self.wk.servers[s]
-            return [(self.wk.tx, 1), (rx, self.wk.np)]
-        return self._exchange()
-
-    def _uses_pull(self, s: int):
-        if self.dedicated:
-            tx, rx = self.wk.servers[s]
-            return [(tx, self.wk.np), (self.wk.rx, 1)]
-        return self._exchange()
-
-    def _exchange(self):
-        """Co-located: every worker posts all its pushes (then all its answers) and the receives for
-        them at once, both directions between each pair of hosts: the send+receive link counts
-        this worker's message and its twin coming in (P3 and ps-sliced keep four receives
-        posted per peer and do not meet this)."""
-        return [(self.wk.tx, 1), (self.wk.rx, 1), (self.wk.duplex, 2)]
+            tx, rx = wk.servers[s]
+            uses = [(wk.tx, 1), (rx, wk.np)] if push else [(tx, wk.np), (wk.rx, 1)]
+            wk.message(nbytes, uses, done, name)
+            return
+        # Co-located: every worker posts all its pushes (then all its answers) at once, both
+        # directions between each pair of hosts. A message of DUPLEX_BYTES or more shares the
+        # send+receive link with its twin coming in (P3 and ps-sliced send slices well under
+        # that and do not meet this).
+        share = self._share(nbytes)
+        uses = [(wk.tx, 1), (wk.rx, 1)] + ([(wk.duplex, 2)] if nbytes >= DUPLEX_BYTES else [])
+        wk.message(share, uses, done, name)
 
     def _share(self, nbytes: float) -> float:
         """Co-located: of a group's bytes, what crosses the network (the owner keeps its own)."""
@@ -304,8 +335,8 @@ class ParameterServers(StrategyModel):
     def _push(self, g: int) -> None:
         s, members = self.groups[g]
         nbytes = sum(self.wk.params[i].nbytes + 4 for i in members)
-        self.wk.host.run(self.wk.copy_s(nbytes), lambda: self.wk.message(
-            self._share(nbytes), self._uses_push(s), self._pushed, f"push {g}"), what=f"pack {g}")
+        self.wk.host.run(self.wk.copy_s(nbytes), lambda: self._send(s, nbytes, True, self._pushed, f"push {g}"),
+                         what=f"pack {g}")
 
     def _pushed(self) -> None:
         self.pushes_done += 1
@@ -319,9 +350,9 @@ class ParameterServers(StrategyModel):
             most = max(self.owned_bytes)
             update = self.wk.copy_s(most * (self.wk.np if self.dedicated else self.wk.np - 1)) + self.wk.update_s(most)
             pulls = Barrier(len(self.groups), go)
-            self.wk.host.run(update, lambda: [self.wk.message(
-                self._share(sum(self.wk.params[i].nbytes for i in members)), self._uses_pull(s), pulls.arrive,
-                f"pull {g}") for g, (s, members) in enumerate(self.groups)], what="server update")
+            self.wk.host.run(update, lambda: [self._send(
+                s, sum(self.wk.params[i].nbytes for i in members), False, pulls.arrive, f"pull {g}")
+                for g, (s, members) in enumerate(self.groups)], what="server update")
 
         if self.pushes_done == len(self.groups):
             serve()
@@ -332,10 +363,12 @@ class ParameterServers(StrategyModel):
 # -- P3 and ByteScheduler: slices under priority and credit --------------------------------------------
 class CreditSender:
     """A sender that issues the lowest priority first while the bytes in flight stay within
-    ``credit`` (None: no bound); a message larger than the credit goes alone."""
+    ``credit`` (None: no bound); a message larger than the credit goes alone. A message's credit
+    comes back ``handoff_s`` after it is delivered (the thread that sees the send complete wakes
+    the thread that sends: gradsync's :class:`~gradsync.strategies.scheduler.PrioritySender`)."""
 
-    def __init__(self, credit: float | None):
-        self.credit = credit
+    def __init__(self, sim: Sim, credit: float | None, handoff_s: float = 0.0):
+        self.sim, self.credit, self.handoff_s = sim, credit, handoff_s
         self.inflight = 0.0
         self.queue: list = []
         self.seq = itertools.count()
@@ -354,6 +387,12 @@ class CreditSender:
             send(lambda n=nbytes: self._done(n))
 
     def _done(self, nbytes: float) -> None:
+        if self.credit is None or self.handoff_s <= 0:
+            self._returned(nbytes)
+        else:
+            self.sim.after(self.handoff_s, lambda: self._returned(nbytes))
+
+    def _returned(self, nbytes: float) -> None:
         self.inflight -= nbytes
         self._issue()
 
@@ -388,9 +427,10 @@ class Slices(StrategyModel):
                                 for layer in worker.w.layers]
         self.arrived_step = [-1] * len(self.plan.slices)  # the last step whose answer arrived
         self.waiters: dict[int, list] = {}
-        self.sender = CreditSender(self.credit)
+        self.sender = CreditSender(worker.sim, self.credit, worker.host_rates.handoff_s)
         if self.dedicated:  # one sender per server, for its answers
-            self.server_senders = [CreditSender(self.credit) for _ in range(self.dedicated)]
+            # a dedicated server runs no training thread: its threads hand off without waiting
+            self.server_senders = [CreditSender(worker.sim, self.credit) for _ in range(self.dedicated)]
         self.pending: list[int] = []
         self.flushing: tuple | None = None  # (step, go): step() waits for every answer of that step
         if self.credit is not None and self.credit < max(self.nbytes, default=0):
@@ -489,7 +529,8 @@ class Slices(StrategyModel):
 
 
 # -- choosing the model of a strategy ------------------------------------------------------------------
-SIMULATED = ["allreduce", "ddp", "ps", "p3", "ps-sliced", "allreduce-priority"]
+SIMULATED = ["allreduce", "ddp", "ps", "p3", "ps-sliced", "allreduce-priority", "casync-ring", "casync-ps",
+             "compressed-allgather", "sma", "pair-averaging", "ps-async"]
 
 
 def build(name: str, options: dict | None = None, servers: int = 0) -> StrategyModel:
@@ -507,15 +548,27 @@ def build(name: str, options: dict | None = None, servers: int = 0) -> StrategyM
         mb = 2**20
         model = Buckets(strategy, int(strategy.options["bucket_cap_mb"] * mb), mb, flags=False,
                         copy_back=not strategy.options["gradient_as_bucket_view"])
-    elif name == "ps":
-        if strategy.mode != "sync":
-            raise ConfigError("the simulator models synchronous ps only")
-        model = ParameterServers(strategy, servers)
+    elif name in ("ps", "ps-async"):
+        if strategy.mode == "sync":
+            model = ParameterServers(strategy, servers)
+        else:
+            from gradsync.simulate.averaging import AsyncServers
+
+            model = AsyncServers(strategy, servers)
+    elif name in ("casync-ring", "casync-ps", "compressed-allgather"):
+        from gradsync.simulate import compressed
+
+        model = {"casync-ring": compressed.CaSyncRing, "casync-ps": compressed.CaSyncPS,
+                 "compressed-allgather": compressed.CompressedAllGather}[name](strategy)
+    elif name in ("sma", "pair-averaging"):
+        from gradsync.simulate import averaging
+
+        model = averaging.SMA(strategy) if name == "sma" else averaging.PairAveraging(strategy)
     elif name in ("p3", "ps-sliced"):
         credit = None if strategy.credit_mb is None or not strategy.priority else strategy.credit_mb * 2**20
         model = Slices(strategy, strategy.slice_params, credit, bool(strategy.priority), strategy.overlap,
                        all_reduce=False, servers=servers)
-    else:
+    elif name == "allreduce-priority":
         model = Slices(strategy, strategy.partition_params, strategy.credit_mb * 2**20, True, True,
                        all_reduce=True, servers=0)
     model.name = name

@@ -102,11 +102,13 @@ def _median_time(fn: Callable[[], object]) -> float:
     return statistics.median(times)
 
 
-def measure_codec(make: Callable[[], Compressor], dtype: torch.dtype) -> tuple[Linear, Linear, float]:
-    """Encode and decode cost lines of a fresh compressor from ``make()``, and its wire ratio."""
+def measure_codec(make: Callable[[], Compressor], dtype: torch.dtype,
+                  sizes: tuple[int, int] = CODEC_PROBE_NUMEL) -> tuple[Linear, Linear, float]:
+    """Encode and decode cost lines of a fresh compressor from ``make()`` through gradients of
+    ``sizes`` elements, and its wire ratio."""
     generator = torch.Generator().manual_seed(0)
     points = []
-    for numel in CODEC_PROBE_NUMEL:
+    for numel in sizes:
         grad = torch.randn(numel, generator=generator).to(dtype)
         codec = make()
         payload, ctx = compress_checked(codec, grad, "cost-model probe")

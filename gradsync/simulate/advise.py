@@ -1,0 +1,169 @@
+"""``gradsync advise``: which strategy and compressor to use for a model on a cluster, before renting it.
+
+Every strategy the simulator models (and each compressed strategy once per compressor) is
+simulated on the cluster described (workers, link rate, latency, servers, workers per host), and
+ranked by predicted throughput, each with one line saying why: what it moves per step, how much of
+that is hidden behind compute, what it costs in memory, and what it gives up (exactness, or a
+lossy compressor).
+
+    gradsync advise --model vgg19 --np 16 --net 10gbit
+    gradsync advise --model resnet50 --np 8 --net 25gbit --compression onebit,fp16 --servers 2
+
+``gradsync simulate --validate`` checks the advice against the emulated runs it ships: in each
+group of the matrix the first pick among the strategies measured is the measured best, or within
+5 % of it.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+
+from gradsync.simulate.models import SIMULATED
+
+COMPRESSED = ("casync-ring", "casync-ps", "compressed-allgather")
+NEEDS_SERVERS = ("ps-async",)
+INEXACT = {"sma": "averages models, not gradients (not exact)",
+           "pair-averaging": "averages with one random peer, no barrier (not exact)",
+           "ps-async": "asynchronous updates (not exact)"}
+DEFAULT_COMPRESSION = "onebit,fp16,topk:ratio=0.01"
+
+
+@dataclass
+class Advice:
+    label: str  # strategy, or strategy+compressor
+    strategy: str
+    options: dict
+    record: dict
+    memory_bytes: float
+    reason: str
+
+
+def buffer_bytes(strategy: str, model_bytes: int, np: int, ratio: float = 1.0) -> float:
+    """Memory a strategy adds on a worker beyond the model, its gradients and the optimizer's
+    state: its gradient buckets, send and receive buffers, snapshots (from each strategy's
+    buffers as its module describes them)."""
+    extra = {
+        "ddp": 1.0, "allreduce": 1.0, "allreduce-priority": 1.0,  # one bucket per gradient
+        "ps": 2.0, "ps-async": 2.0,  # pushes out, pulls in
+        "p3": 2.0, "ps-sliced": 2.0,  # slices out, answers in
+        "casync-ring": 1.0 + 2 * ratio, "casync-ps": 1.0 + 2 * ratio,
+        "compressed-allgather": 1.0 + np * ratio,  # every worker's payload held at once
+        "sma": 1.0, "pair-averaging": 2.0,  # the average; the snapshot served and the peer's model
+    }
+    return extra.get(strategy, 1.0) * model_bytes
+
+
+def candidates(servers: int, compression: list[str]) -> list[tuple[str, str, dict]]:
+    """``(label, strategy, options)`` for every simulated strategy that can run on this shape."""
+    out = []
+    for name in SIMULATED:
+        if name in NEEDS_SERVERS and not servers:
+            continue
+        if name in COMPRESSED:
+            for spec in compression:
+                if name != "casync-ring" and spec.split(":")[0] == "powersgd":
+                    continue  # its factors are all-reduced: casync-ring only
+                out.append((f"{name}+{spec}", name, {"compression": spec}))
+        else:
+            out.append((name, name, {}))
+    return out
+
+
+def rank(workload, np: int, net, host=None, servers: int = 0, compression: list[str] | None = None,
+         steps: int = 5, warmup: int = 2, only: list[str] | None = None) -> list[Advice]:
+    """Every candidate simulated on one cluster shape, best predicted throughput first."""
+    from gradsync.simulate import simulate
+    from gradsync.simulate.compressed import codec_cost
+
+    compression = DEFAULT_COMPRESSION.split(",") if compression is None else compression
+    out = []
+    for label, strategy, options in candidates(servers, compression):
+        if only is not None and strategy not in only:
+            continue
+        rec = simulate(strategy, workload, np, net, host=host, servers=servers, options=options,
+                       steps=steps, warmup=warmup)
+        ratio = 1.0
+        if strategy in COMPRESSED:
+            from gradsync.compress import parse_spec
+
+            name, opts = parse_spec(options["compression"])
+            ratio = codec_cost(name, opts, 1.0).ratio
+        out.append(Advice(label, strategy, options, rec, buffer_bytes(strategy, workload.nbytes, np, ratio),
+                          _reason(strategy, options, rec, workload, ratio)))
+    out.sort(key=lambda a: -a.record["samples_per_s"])
+    return out
+
+
+def _reason(strategy: str, options: dict, rec: dict, workload, ratio: float) -> str:
+    moved = rec["bytes_per_step"] / 2**20
+    exposed = max(0.0, rec["step_s"] - rec["compute_s"])
+    hidden = 1.0 - exposed / rec["step_s"] if rec["step_s"] > 0 else 1.0
+    parts = [f"{moved:,.1f} MB out per step and worker", f"{exposed * 1e3:,.1f} ms of the step not hidden "
+             f"behind compute ({hidden:.0%} of the step computes)"]
+    if strategy in COMPRESSED:
+        parts.append(f"{options['compression']} sends {ratio:.1%} of the bytes (lossy: see gradsync codecs --convergence)")
+    if strategy in INEXACT:
+        parts.append(INEXACT[strategy])
+    return "; ".join(parts)
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("advise", help="rank strategies and compressors for a model on a cluster (simulated)",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="model NAME[:SIZE]")
+    p.add_argument("--np", "-np", type=int, required=True, help="workers")
+    p.add_argument("--net", required=True, metavar="RATE", help="host link rate, e.g. 10gbit; 'unlimited' for none")
+    p.add_argument("--latency-us", type=float, default=50.0, help="one-way latency of a message in µs (default 50)")
+    p.add_argument("--gpus-per-host", type=int, default=1, help="workers sharing one host's link (default 1)")
+    p.add_argument("--intra-gbps", type=float, default=12.0, help="GB/s between the workers of one host (default 12)")
+    p.add_argument("--servers", type=int, default=0, help="dedicated parameter-server hosts (default 0)")
+    p.add_argument("--batch-size", type=int, default=32, help="samples per worker per step (default 32)")
+    p.add_argument("--compute", default="", metavar="PROFILE", help="compute profile (default: the model's shipped one)")
+    p.add_argument("--compression", default=DEFAULT_COMPRESSION, metavar="SPEC[,SPEC...]",
+                   help=f"compressors to try with the compressed strategies (default {DEFAULT_COMPRESSION})")
+    p.add_argument("--codec-speed", type=float, default=1.0,
+                   help="compressors run this many times faster than on this machine's CPU, one thread (default 1)")
+    p.add_argument("--host-copy-gbps", type=float, default=200.0, help="GB/s of gradient copies (default 200)")
+    p.add_argument("--host-update-gbps", type=float, default=100.0, help="GB/s of optimizer update (default 100)")
+    p.set_defaults(handler=main)
+
+
+def main(args) -> int:
+    from gradsync.errors import GradsyncError
+    from gradsync.simulate import Host, Network, load
+    from gradsync.simulate.cli import _rates
+
+    error = argparse.ArgumentParser(prog="gradsync advise").error
+    if args.np < 1 or args.servers < 0 or args.batch_size < 1 or args.gpus_per_host < 1 or args.latency_us < 0:
+        error("--np, --batch-size and --gpus-per-host must be >= 1, --servers and --latency-us >= 0")
+    if min(args.codec_speed, args.host_copy_gbps, args.host_update_gbps, args.intra_gbps) <= 0:
+        error("--codec-speed, --host-copy-gbps, --host-update-gbps and --intra-gbps must be > 0")
+    rates = _rates(args.net, error)
+    if len(rates) != 1:
+        error(f"--net takes one rate, got {args.net!r}")
+    compression = [c for c in args.compression.split(",") if c]
+    try:
+        from gradsync.compress import build, parse_spec
+
+        for spec in compression:
+            name, opts = parse_spec(spec)
+            build(name, **opts)
+        workload = load(args.model, args.batch_size, args.compute or None)
+        net = Network(rates[0], args.latency_us * 1e-6, args.gpus_per_host, args.intra_gbps * 1e9)
+        host = Host(args.host_copy_gbps * 1e9, args.host_update_gbps * 1e9, args.codec_speed)
+        ranked = rank(workload, args.np, net, host, args.servers, compression)
+    except GradsyncError as exc:
+        print(f"gradsync advise: {exc}", file=sys.stderr)
+        return 2
+    net_text = "unlimited links" if rates[0] is None else f"{rates[0] / 1e9:g} Gbit/s links"
+    print(f"gradsync advise: {args.model}, {args.np} workers, {net_text}, batch {args.batch_size}, "
+          f"{workload.nbytes / 2**20:.1f} MB of parameters, {workload.compute_s * 1e3:.1f} ms of compute per step "
+          f"(predicted by the event simulator; docs/simulate.md)\n")
+    best = ranked[0].record["samples_per_s"]
+    w = max(len(a.label) for a in ranked)
+    print(f"{'#':>2} {'strategy':<{w}} {'samples/s':>10} {'vs best':>8} {'+memory MB':>10}  why")
+    for i, a in enumerate(ranked, 1):
+        print(f"{i:>2} {a.label:<{w}} {a.record['samples_per_s']:>10.1f} {a.record['samples_per_s'] / best:>8.2f} "
+              f"{a.memory_bytes / 2**20:>10.0f}  {a.reason}")
+    return 0

@@ -1,0 +1,233 @@
+"""The compressed strategies' schedules (HiPress's CaSync, Bai et al. SOSP 2021, and its baseline).
+
+``casync-ring``, ``casync-ps`` and ``compressed-allgather`` share one shape
+(:mod:`gradsync.strategies.compressed`): buckets in backward order (``plan_buckets`` with the
+strategy's ``bucket_mb``), each handed, once full and in order, to one communication thread that
+runs :meth:`exchange` for it; at the end of backward the training thread waits for the last bucket
+and all-reduces one used flag per parameter; then the local optimizer. Buckets the cost model
+leaves plain (``selective=True``) are all-reduced straight from backward, and buckets of a codec
+whose payloads add up (``casync-ring`` with fp16, bf16, random-k) are encoded on the training
+thread, their payload all-reduced, and decoded at the end of backward.
+
+The costs come from the strategy and the compressor themselves:
+
+- which buckets are compressed and into how many partitions: the strategy's decision code
+  (:func:`gradsync.strategies.costmodel.decide_ring` / ``decide_ps``) fed the simulated network's
+  latency and rate and the compressor's measured costs, or ``default_parts`` without ``selective``;
+- encode and decode times and the wire ratio: :func:`gradsync.strategies.costmodel.measure_codec`
+  on this machine (one thread), divided by :attr:`Host.codec_speed`;
+- the message pattern per bucket of ``s`` bytes, ``N`` workers, ratio ``r``: as each strategy's
+  docstring gives it (a ring: ``2 (N-1)`` hops of ``r s / N``, each hop's decode-merge-encode after
+  its message; CaSync-PS: pushes, the aggregator's decode-merge-encode, answers; all-gather:
+  ``N-1`` payloads of ``r s`` received, ``N`` decodes). Every message is a header and a body: two
+  latencies.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from gradsync.simulate.models import StrategyModel, Worker
+from gradsync.strategies import costmodel
+
+_CODECS: dict[tuple, tuple] = {}
+PROBE_NUMEL = (1 << 20, 1 << 23)
+"""Gradient sizes the compressors are timed on: 4 and 32 MB, a bucket's order (smaller ones sit in
+the CPU's caches and run faster per byte than a bucket does)."""
+
+
+@dataclass(frozen=True)
+class CodecCost:
+    """A compressor's cost lines (seconds for raw bytes) and wire ratio, as the cost model measures them."""
+
+    encode: costmodel.Linear
+    decode: costmodel.Linear
+    ratio: float
+    summable: bool
+
+
+def codec_cost(name: str, options: dict, speed: float) -> CodecCost:
+    """Measured once per process and compressor on this machine's CPU (one thread), scaled by ``speed``
+    (or taken from :data:`_CODECS`, where :mod:`gradsync.simulate.validate` puts the rates of the
+    machine that recorded its matrix)."""
+    import torch
+
+    from gradsync.compress import build
+
+    key = (name, tuple(sorted(options.items())))
+    if key not in _CODECS:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            _CODECS[key] = costmodel.measure_codec(lambda: build(name, **options), torch.float32, PROBE_NUMEL)
+        finally:
+            torch.set_num_threads(threads)
+    enc, dec, ratio = _CODECS[key]
+    probe = build(name, **options)
+    scale = lambda line: costmodel.Linear(line.a / speed, line.b / speed)  # noqa: E731
+    return CodecCost(scale(enc), scale(dec), ratio, bool(probe.summable))
+
+
+class CompressedBuckets(StrategyModel):
+    """The family's shared schedule; :meth:`exchange` is each strategy's message pattern."""
+
+    def bind(self, worker: Worker) -> None:
+        from gradsync.strategies.allreduce import MB, plan_buckets
+
+        super().bind(worker)
+        s = self.strategy
+        order = list(reversed(range(len(worker.params))))
+        self.buckets = plan_buckets(worker.metas, order, int(s.bucket_mb * MB), int(s.first_bucket_mb * MB))
+        self.bucket_of = {i: b for b, members in enumerate(self.buckets) for i in members}
+        self.index = {p.name: i for i, p in enumerate(worker.params)}
+        self.bytes = [sum(worker.params[i].nbytes for i in b) for b in self.buckets]
+        self.codec = codec_cost(s.codec_name, s.codec_options, worker.host_rates.codec_speed)
+        n = worker.np
+        if s.selective:
+            costs = costmodel.Costs(worker.net.latency_s, 0.0 if worker.net.rate_bps is None else 8 / worker.net.rate_bps,
+                                    self.codec.encode, self.codec.decode, self.codec.ratio)
+            decisions = [self.decide(costs, k, b) for k, b in enumerate(self.bytes)]
+        else:
+            decisions = [costmodel.Decision(k, b, True, self.default_parts(b), 0.0, 0.0)
+                         for k, b in enumerate(self.bytes)]
+        self.compressed = [d.compress for d in decisions]
+        self.parts = [d.parts for d in decisions]
+        one_round = self.codec.summable and s.one_round and s.sums_in_one_round
+        self.summed = [c and one_round for c in self.compressed]
+        self.thread = worker.thread("communication thread")
+        self.collectives = worker.thread("collectives")
+        self.n = n
+
+    def decide(self, costs: costmodel.Costs, k: int, nbytes: int) -> costmodel.Decision:
+        return costmodel.decide_ring(costs, k, nbytes, self.wk.np, self.codec.summable)
+
+    def default_parts(self, nbytes: int) -> int:
+        return 1
+
+    # -- the step ------------------------------------------------------------------------------------
+    def before_forward(self, step: int, go: Callable[[], None]) -> None:
+        self.missing = [len(b) for b in self.buckets]
+        self.launched = self.done = 0
+        self.waiting: Callable[[], None] | None = None
+        go()
+
+    def on_layer_ready(self, step: int, layer: int) -> None:
+        for p in self.wk.w.layers[layer].params:
+            self.missing[self.bucket_of[self.index[p.name]]] -= 1
+        while self.launched < len(self.buckets) and self.missing[self.launched] == 0:
+            self._launch(self.launched)
+            self.launched += 1
+
+    def _launch(self, k: int) -> None:
+        wk, s = self.wk, self.bytes[k]
+        copy = wk.copy_s(s)  # packed into the bucket on the training thread
+        if not self.compressed[k]:  # plain: all-reduced from backward with its flags
+            wk.host.run(copy, lambda: self.collectives.submit(
+                lambda finish: wk.ring(s, finish, f"plain bucket {k}"), self._finished, what=f"bucket {k}"),
+                what=f"pack {k}")
+        elif self.summed[k]:  # encoded on the training thread, the payload all-reduced
+            wk.host.run(copy + self._enc(s), lambda: self.collectives.submit(
+                lambda finish: wk.ring(self.codec.ratio * s, finish, f"summed bucket {k}"),
+                lambda: wk.host.run(self._dec(s), self._finished, what=f"decode {k}"), what=f"bucket {k}"),
+                what=f"pack+encode {k}")
+        else:  # the thread divides, checks, and runs the strategy's pattern
+            wk.host.run(copy, lambda: self.thread.submit(
+                lambda finish: wk.sim.after(2 * wk.copy_s(s), lambda: self.exchange(k, s, finish)),
+                self._finished, what=f"bucket {k}"), what=f"pack {k}")
+
+    def _finished(self) -> None:
+        self.done += 1
+        if self.done == len(self.buckets) and self.waiting is not None:
+            waiting, self.waiting = self.waiting, None
+            waiting()
+
+    def after_backward(self, step: int, go: Callable[[], None]) -> None:
+        def flags() -> None:  # one all-reduce of a used flag per parameter
+            self.wk.ring(4 * len(self.wk.params), go, "used flags")
+
+        if self.done == len(self.buckets):
+            flags()
+        else:
+            self.waiting = flags
+
+    def step(self, step: int, go: Callable[[], None]) -> None:
+        self.local_update(go)
+
+    # -- costs ---------------------------------------------------------------------------------------
+    def _enc(self, nbytes: float) -> float:
+        return self.codec.encode(nbytes)
+
+    def _dec(self, nbytes: float) -> float:
+        return self.codec.decode(nbytes)
+
+    def hops(self, hops: list[tuple[float, float]], done: Callable[[], None], name: str, uses=None) -> None:
+        """Run ``(wire bytes, work seconds after it)`` hops in order on the thread, then ``done``."""
+        wk = self.wk
+        uses = uses or [(wk.tx, 1), (wk.rx, 1)]  # CaSync-PS: to and from every worker
+        if not hops:
+            done()
+            return
+        nbytes, work = hops[0]
+        wk.sim.transfer(nbytes, uses, lambda: wk.sim.after(work, lambda: self.hops(hops[1:], done, name, uses)),
+                        latency=2 * wk.net.latency_s, name=name, lane="network")
+
+    def exchange(self, k: int, s: float, done: Callable[[], None]) -> None:
+        raise NotImplementedError
+
+
+class CaSyncRing(CompressedBuckets):
+    """Decode-merge-encode around the ring: ``N`` chunks; ``N-1`` reduce-scatter hops, each followed
+    by decode, add and re-encode (the last by the final encode and its decode), then ``N-1``
+    all-gather hops, each followed by a decode."""
+
+    def exchange(self, k: int, s: float, done: Callable[[], None]) -> None:
+        n, chunk = self.n, s / self.n
+        wire = self.codec.ratio * chunk
+        merge = self._dec(chunk) + self.wk.copy_s(chunk)
+        scatter = [(wire, merge + self._enc(chunk)) for _ in range(n - 2)] + [(wire, merge + self._enc(chunk) + self._dec(chunk))]
+        gather = [(wire, self._dec(chunk)) for _ in range(n - 1)]
+        self.wk.sim.after(self._enc(chunk), lambda: self.hops(scatter + gather, done, f"ring bucket {k}",
+                                                              self.wk.ring_links))
+
+
+class CaSyncPS(CompressedBuckets):
+    """Partitions aggregated by co-located workers: encode and push, decode-merge-encode at the
+    aggregator, answer, decode. With ``K = N`` partitions every worker aggregates one; with one,
+    the bucket's aggregator (a different worker per bucket) receives ``N-1`` pushes and sends
+    ``N-1`` answers: everyone waits for it."""
+
+    def decide(self, costs: costmodel.Costs, k: int, nbytes: int) -> costmodel.Decision:
+        return costmodel.decide_ps(costs, k, nbytes, self.wk.np)
+
+    def default_parts(self, nbytes: int) -> int:
+        return self.wk.np if nbytes >= self.strategy.partition_bytes else 1
+
+    def exchange(self, k: int, s: float, done: Callable[[], None]) -> None:
+        wk, n, parts = self.wk, self.n, self.parts[k]
+        part = s / parts
+        wire = self.codec.ratio * part
+        if parts >= n:  # this worker pushes N-1 partitions, aggregates one, pulls N-1
+            push = [((n - 1) * wire, (n - 1) * (self._dec(part) + wk.copy_s(part)) + self._enc(part))]
+            pull = [((n - 1) * wire, (n - 1) * self._dec(part))]
+            wk.sim.after((n - 1) * self._enc(part), lambda: self.hops(push + pull, done, f"ps bucket {k}"))
+            return
+        # fewer partitions than workers: the aggregator's links carry the fan-in and the fan-out
+        fan = [((n - 1) * wire * parts, (n - 1) * parts * (self._dec(part) + wk.copy_s(part)) + parts * self._enc(part)),
+               ((n - 1) * wire * parts, parts * self._dec(part))]
+        wk.sim.after(parts * self._enc(part), lambda: self.hops(fan, done, f"ps bucket {k}"))
+
+
+class CompressedAllGather(CompressedBuckets):
+    """Encode, all-gather every payload (``N-1`` of ``r s`` each way, after the lengths' all-gather),
+    decode and add all ``N``."""
+
+    def exchange(self, k: int, s: float, done: Callable[[], None]) -> None:
+        wk, n = self.wk, self.n
+        after = n * (self._dec(s) + wk.copy_s(s))
+
+        def gather() -> None:
+            wk.sim.transfer((n - 1) * self.codec.ratio * s, [(wk.tx, 1), (wk.rx, 1)],
+                            lambda: wk.sim.after(after, done), latency=2 * (n - 1) * wk.net.latency_s,
+                            name=f"all-gather bucket {k}", lane="network")
+
+        wk.sim.after(self._enc(s), gather)
