@@ -7,8 +7,9 @@ training (``GRADSYNC_TIMEOUT=5``):
 
 - ``kill-worker`` / ``kill-server``: SIGKILL of a random worker, or of the parameter server
   (``ps``, ``p3`` with ``--servers 1``); ``stop-worker``: SIGSTOP of a worker (a hang: the process
-  is alive and silent). The job must fail, and the launcher's output must name the victim's rank,
-  within ``GRADSYNC_TIMEOUT`` plus the launcher's grace and the heartbeat window.
+  is alive and silent). The job must fail, and the launcher's output must name the victim's rank:
+  the first line naming it must come within ``GRADSYNC_TIMEOUT`` of the fault (``error_s``); the
+  launcher's exit follows after its grace.
 - ``corrupt-message``: worker 1 sends the server a header no worker sends (benchmarks/fault_job.py
   ``--corrupt``): the job must fail naming rank 1 (``PeerProtocolError``).
 - ``elastic-kill``: SIGKILL of a worker of an elastic job (examples/elastic.py, 3 workers): the
@@ -39,6 +40,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -87,14 +89,35 @@ def _namespaces() -> set[str]:
     return {line.split()[0] for line in listed if line.startswith(netns.PREFIX)}
 
 
-def _finish(proc: subprocess.Popen, deadline: float) -> tuple[bool, str, str]:
+def _finish(proc: subprocess.Popen, deadline: float) -> tuple[bool, str, list[tuple[float, str]]]:
+    """Wait for the job until ``deadline`` (then kill it: a hang). Returns whether it hung, its
+    stdout, and its stderr lines, each with the time it arrived."""
+    lines: list[tuple[float, str]] = []
+    out: list[str] = []
+
+    def read_err() -> None:
+        for line in proc.stderr:
+            lines.append((time.monotonic(), line))
+
+    readers = [threading.Thread(target=read_err, daemon=True),
+               threading.Thread(target=lambda: out.extend(proc.stdout), daemon=True)]
+    for reader in readers:
+        reader.start()
     try:
-        out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        return False, out, err
+        proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        hung = False
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        return True, out, err
+        proc.wait()
+        hung = True
+    for reader in readers:
+        reader.join()
+    return hung, "".join(out), lines
+
+
+def _first(lines: list[tuple[float, str]], pattern: str, since: float) -> float | None:
+    """Seconds from ``since`` to the first stderr line matching ``pattern``; None if none does."""
+    return next((t - since for t, line in lines if re.search(pattern, line)), None)
 
 
 def _start(command: list[str]) -> subprocess.Popen:
@@ -123,14 +146,17 @@ def failing_trial(kind: str, strategy: str, rng: random.Random) -> dict:
     pid = _pids(pids).get(victim)
     if kind != "corrupt-message" and pid is not None and proc.poll() is None:
         os.kill(pid, signal.SIGSTOP if kind == "stop-worker" else signal.SIGKILL)
-    hung, _, err = _finish(proc, deadline)
+    hung, _, lines = _finish(proc, deadline)
     seconds = time.monotonic() - injected
+    err = "".join(line for _, line in lines)
     named = bool(re.search(rf"\brank {victim}\b", err))
+    error_s = _first(lines, rf"\brank {victim}\b", injected)
     left = [p for p in _pids(pids).values() if _alive(p)]
     for p in left:
         os.kill(p, signal.SIGKILL)
     return {"kind": kind, "strategy": strategy, "workers": workers, "victim": victim, "hung": hung,
             "exit": proc.returncode, "failed": proc.returncode != 0, "named": named, "seconds": seconds,
+            "error_s": error_s,
             "left_processes": len(left), "left_shm": len(_shm() - shm), "left_netns": 0, "wrong_model": False,
             "tail": err[-1500:] if (hung or not named or proc.returncode == 0) else ""}
 
@@ -157,11 +183,11 @@ def _same_model(got: list, want: list) -> bool:
                                           for g, w in zip(got, want))
 
 
-def _blamed(err: str, victim: int) -> bool:
-    """Whether some rank's error puts the fault on ``victim``: its peers say it stopped responding
-    (or that it, the store's host, is unreachable), or it says its own link is the likely cause."""
-    return bool(re.search(rf"\(rank {victim}\)(?:, [\w ]+\(rank \d+\))* stopped responding|rank {victim}, which hosts|"
-                          rf"\(rank {victim}\)'s own network link", err))
+def _blame(victim: int) -> str:
+    """What some rank's error says when it puts the fault on ``victim``: its peers say it stopped
+    responding (or that it, the store's host, is unreachable), or it says its own link is the likely cause."""
+    return (rf"\(rank {victim}\)(?:, [\w ]+\(rank \d+\))* stopped responding|rank {victim}, which hosts|"
+            rf"\(rank {victim}\)'s own network link")
 
 
 def link_trial(kind: str, strategy: str, rng: random.Random) -> dict:
@@ -194,18 +220,20 @@ def link_trial(kind: str, strategy: str, rng: random.Random) -> dict:
             if down_s is not None:
                 time.sleep(down_s)
                 subprocess.run(["ip", "-n", host, "link", "set", netns.IFNAME, "up"], capture_output=True)
-    hung, _, err = _finish(proc, deadline)
+    hung, _, lines = _finish(proc, deadline)
     seconds = time.monotonic() - injected
+    err = "".join(line for _, line in lines)
     left = [p for p in _pids(folder).values() if _alive(p)]
     for p in left:
         os.kill(p, signal.SIGKILL)
     survive = kind != "link-down"
     wrong = survive and not (proc.returncode == 0 and os.path.exists(out)
                              and _same_model(json.load(open(out)), _reference(strategy, workers)))
-    named = survive or _blamed(err, victim)
+    named = survive or bool(re.search(_blame(victim), err))
+    error_s = None if survive else _first(lines, _blame(victim), injected)
     return {"kind": kind, "strategy": strategy, "workers": workers, "victim": victim, "hung": hung,
             "exit": proc.returncode, "failed": proc.returncode != 0, "named": named, "seconds": seconds,
-            "loss_percent": loss, "down_s": down_s, "left_processes": len(left), "left_shm": len(_shm() - shm),
+            "error_s": error_s, "loss_percent": loss, "down_s": down_s, "left_processes": len(left), "left_shm": len(_shm() - shm),
             "left_netns": len(_namespaces() - spaces), "wrong_model": wrong,
             "tail": err[-1500:] if (hung or wrong or not named or (proc.returncode == 0) != survive) else ""}
 
@@ -259,8 +287,9 @@ def elastic_trial(kind: str, rng: random.Random) -> dict:
                     store.add("elastic/request_seq", 1)
             except Exception:  # noqa: BLE001 - the job may have ended already
                 pass
-    hung, _, err = _finish(proc, time.monotonic() + DEADLINE_S)
+    hung, _, lines = _finish(proc, time.monotonic() + DEADLINE_S)
     seconds = time.monotonic() - injected
+    err = "".join(line for _, line in lines)
     wrong = True
     if proc.returncode == 0 and os.path.exists(out):
         result = json.load(open(out))
@@ -273,27 +302,32 @@ def elastic_trial(kind: str, rng: random.Random) -> dict:
             "tail": err[-1500:] if (hung or wrong or proc.returncode) else ""}
 
 
-def run_trial(kind: str, rng: random.Random) -> dict:
+def run_trial(kind: str, rng: random.Random, strategies: list[str] = STRATEGIES) -> dict:
     if kind in ("elastic-kill", "hostile-store"):
         return elastic_trial(kind, rng)
     if kind.startswith(("link", "packet")):
-        return link_trial(kind, rng.choice(STRATEGIES), rng)
-    strategy = {"kill-server": rng.choice(["ps", "p3"]), "corrupt-message": "ps"}.get(kind, rng.choice(STRATEGIES))
+        return link_trial(kind, rng.choice(strategies), rng)
+    servers = [s for s in strategies if s in ("ps", "p3")] or ["ps", "p3"]
+    strategy = {"kill-server": rng.choice(servers), "corrupt-message": "ps"}.get(kind, rng.choice(strategies))
     return failing_trial(kind, strategy, rng)
 
 
 def table(trials: list[dict]) -> list[str]:
-    rows = ["| fault | trials | hangs | wrong models | named the rank | exit as expected | seconds to the error or "
-            "the end (median, max) | processes left | /dev/shm files left | namespaces left |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| fault | trials | hangs | wrong models | named the rank | exit as expected | seconds to the first "
+            "error naming the rank (median, max) | seconds to the launcher's exit or the end (median, max) | "
+            "processes left | /dev/shm files left | namespaces left |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for kind in KINDS:
         mine = [t for t in trials if t["kind"] == kind]
         if not mine:
             continue
         expected_exit = sum((t["exit"] == 0) if kind in SURVIVABLE else t["failed"] for t in mine)
         secs = [t["seconds"] for t in mine]
+        named = [t["error_s"] for t in mine if t.get("error_s") is not None]
+        to_error = f"{statistics.median(named):.1f}, {max(named):.1f}" if named else "-"
         rows.append(f"| {kind} | {len(mine)} | {sum(t['hung'] for t in mine)} | {sum(t['wrong_model'] for t in mine)} | "
-                    f"{sum(t['named'] for t in mine)} | {expected_exit} | {statistics.median(secs):.1f}, {max(secs):.1f} | "
+                    f"{sum(t['named'] for t in mine)} | {expected_exit} | {to_error} | "
+                    f"{statistics.median(secs):.1f}, {max(secs):.1f} | "
                     f"{sum(t['left_processes'] for t in mine)} | {sum(t['left_shm'] for t in mine)} | "
                     f"{sum(t.get('left_netns', 0) for t in mine)} |")
     return rows
@@ -304,6 +338,8 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kinds", default=",".join(KINDS))
+    parser.add_argument("--strategies", default=",".join(STRATEGIES),
+                        help="strategies the trials draw from (default: all of them)")
     parser.add_argument("--json", default="")
     args = parser.parse_args()
     rng = random.Random(args.seed)
@@ -311,12 +347,13 @@ def main() -> None:
     trials = []
     started = time.monotonic()
     for n in range(args.trials):
-        trial = run_trial(kinds[n % len(kinds)], rng)
+        trial = run_trial(kinds[n % len(kinds)], rng, args.strategies.split(","))
         trials.append(trial)
         bad = trial["hung"] or trial["wrong_model"] or not trial["named"] or trial["left_processes"] \
             or trial["left_netns"] or (trial["exit"] == 0) != (trial["kind"] in SURVIVABLE)
+        error_s = "" if trial.get("error_s") is None else f" (error after {trial['error_s']:.1f} s)"
         print(f"{n + 1:4d} {trial['kind']:<16} {trial['strategy']:<20} exit {trial['exit']:>4} "
-              f"{trial['seconds']:5.1f} s{'  <-- ' + trial['tail'][-300:] if bad else ''}", flush=True)
+              f"{trial['seconds']:5.1f} s{error_s}{'  <-- ' + trial['tail'][-300:] if bad else ''}", flush=True)
     print(f"\n{args.trials} trials in {time.monotonic() - started:.0f} s\n")
     print("\n".join(table(trials)))
     if args.json:

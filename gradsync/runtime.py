@@ -38,8 +38,19 @@ HEARTBEAT_STORE_S = 2.0
 in :meth:`Heartbeat.stop`, so the thread is always gone before the process group is torn down."""
 SILENT_S = 2.5 * HEARTBEAT_S
 """A rank whose heartbeat did not advance for this long has stopped."""
+NAMING_S = 2 * HEARTBEAT_S
+"""Time kept back from the job's timeout to name a silent peer once an operation times out (every
+live peer beats once more, a silent one has been watched for :data:`SILENT_S`), so that the error
+comes within ``GRADSYNC_TIMEOUT``."""
 RENDEZVOUS_MIN_S = 60.0
 """Least time a rank waits for rank 0's store at start-up: ranks on other hosts may start late."""
+
+
+def operation_timeout(timeout_s: float) -> float:
+    """How long one operation may wait for its peers: the job's timeout less :data:`NAMING_S` (at
+    least half of it), so a stuck operation fails, names the silent peer, and raises, all within
+    the job's timeout."""
+    return max(timeout_s / 2, timeout_s - NAMING_S)
 
 
 def _env_int(name: str, default: int) -> int:
@@ -55,8 +66,8 @@ def _env_int(name: str, default: int) -> int:
 class Heartbeat:
     """Bumps ``gradsync/hb/<rank>`` in the store every second, on its own store connection.
 
-    While a thread of this rank has waited on one operation for ``watch_after_s`` (the job's
-    timeout less the silence window and one beat), the heartbeat also reads every peer's counter
+    While a thread of this rank has waited on one operation for ``watch_after_s`` (the operations'
+    timeout, :func:`operation_timeout`, less the silence window and one beat), the heartbeat also reads every peer's counter
     each beat, so that when the operation times out the silent peer is named at once, from what
     was watched, instead of after another :data:`SILENT_S` of watching. Healthy jobs never wait
     that long, so the store sees only each rank's own beat."""
@@ -189,6 +200,11 @@ class Runtime:
     """The rendezvous store stopped answering (found when explaining a failure)."""
     elastic: object = None
     """In an elastic job (``gradsync run --elastic``): its :class:`gradsync.adapt.elastic.Membership`."""
+
+    @property
+    def operation_s(self) -> float:
+        """How long one operation waits for its peers before it fails (:func:`operation_timeout`)."""
+        return operation_timeout(self.timeout_s)
 
     def explain(self, what: str, exc: BaseException) -> PeerFailureError:
         """Turn a failed communication into an error naming the rank(s) at fault."""
@@ -347,23 +363,24 @@ def start(topology: Topology, store, *, backend: str, timeout_s: float, heartbea
         torch.cuda.set_device(device)
     heartbeat = None
     owns_group = store is not None
+    operation_s = operation_timeout(timeout_s)
     if owns_group:
         dist.init_process_group(backend, store=store, rank=topology.rank,
-                                world_size=topology.world_size, timeout=timedelta(seconds=timeout_s))
+                                world_size=topology.world_size, timeout=timedelta(seconds=operation_s))
         if topology.world_size > 1 and heartbeat_at[0] is not None:
-            heartbeat = Heartbeat(*heartbeat_at, topology, heartbeat_prefix, timeout_s)
+            heartbeat = Heartbeat(*heartbeat_at, topology, heartbeat_prefix, operation_s)
     worker_group = dist.group.WORLD
     if topology.num_servers:
-        worker_group = dist.new_group(topology.worker_ranks, timeout=timedelta(seconds=timeout_s))
+        worker_group = dist.new_group(topology.worker_ranks, timeout=timedelta(seconds=operation_s))
     recorder = flight.FlightRecorder(topology.rank, topology.describe(topology.rank))
     flight.install(recorder)
     runtime = Runtime(topology, None, timeout_s, heartbeat, owns_group, store=store,
                       responder=flight.Responder.start_for(recorder))
-    runtime.transport = Transport(topology, worker_group, device, runtime.explain, timeout_s)
+    runtime.transport = Transport(topology, worker_group, device, runtime.explain, runtime.operation_s)
     _RUNTIME = runtime
     global _AT_EXIT, _PREVIOUS_HOOK
     if not _AT_EXIT:
-        atexit.register(shutdown)
+        atexit.register(_shutdown_at_exit)
         _AT_EXIT = True
         if sys.excepthook is not _explain_uncaught:
             _PREVIOUS_HOOK, sys.excepthook = sys.excepthook, _explain_uncaught
@@ -428,19 +445,71 @@ def forget(closer) -> None:
 
 
 def shutdown() -> None:
-    """Close strategies (servers are told to stop), stop the heartbeat, leave the process group."""
+    """Close strategies (servers are told to stop), stop the heartbeat, leave the process group.
+
+    Every closer runs even if one raises (the first error is raised at the end), and the heartbeat
+    is stopped in any case. After a peer failure the process group is broken: it is not torn down
+    (a thread may still be blocked in it), see :func:`_exit_after_failure`."""
     global _RUNTIME
     runtime = _RUNTIME
     if runtime is None:
         return
     # The runtime stays current while strategies close: they may still need its timeout and its
     # heartbeat (to name a peer that died). Closers are taken off the list as they run.
+    error: BaseException | None = None
     try:
         while runtime.closers:
-            runtime.closers.pop()()
+            try:
+                runtime.closers.pop()()
+            except BaseException as exc:  # noqa: BLE001 - the rest must still close; raised below
+                error = error or exc
     finally:
         _RUNTIME = None
-    _stop_threads(runtime)
-    if runtime.owns_group and dist.is_initialized():
+        _stop_threads(runtime)
+    failed = runtime.transport is not None and runtime.transport.failure is not None
+    if runtime.owns_group and dist.is_initialized() and not failed:
         dist.destroy_process_group()
-    _warn_live_threads(runtime.store_lost)
+    if not failed:
+        _warn_live_threads(runtime.store_lost)
+    _FAILED_AT_SHUTDOWN[:] = [failed]
+    if error is not None:
+        raise error
+
+
+_FAILED_AT_SHUTDOWN: list[bool] = []
+
+
+def _shutdown_at_exit() -> None:
+    """``atexit``: :func:`shutdown`, then :func:`_exit_after_failure`."""
+    try:
+        shutdown()
+    except BaseException as exc:
+        # Shown here: atexit would print it only after the interpreter's own exit, which may not come.
+        print(f"gradsync: while shutting down: {type(exc).__name__}: {exc}", file=sys.stderr)
+        _exit_after_failure()
+        raise
+    _exit_after_failure()
+
+
+def _exit_after_failure() -> None:
+    """After a peer failure, end the process here rather than let the interpreter finalize while a
+    gradsync thread is still blocked in a torch call on the broken group (a receive from a peer
+    whose link is down returns only at the operation timeout). Such a thread returning during
+    finalization is ended by ``pthread_exit``, which aborts the process (SIGABRT,
+    pytorch/pytorch#38228) and hides the job's exit status. The error is already printed: flush
+    the standard streams and the logging handlers and exit with status 1."""
+    recorder = flight.current()
+    if not (_FAILED_AT_SHUTDOWN and _FAILED_AT_SHUTDOWN[0]) or recorder is None:
+        return
+    me = threading.get_ident()
+    if not any(ident != me for ident in list(recorder.blocked)):
+        return
+    import logging
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a closed stream: nothing left to flush
+            pass
+    os._exit(1)
