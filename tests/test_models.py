@@ -12,12 +12,14 @@ import torch
 from gradsync.models import get_model, model_names
 from gradsync.models.layers import sinusoidal_positions
 
-ZOO = ["resnet50", "vgg19", "inception_v3", "mobilenet_v2", "transformer-nmt", "bert-base", "lstm-lm", "sockeye-rnn", "recsys"]
+ZOO = ["resnet50", "resnet101", "vgg19", "vgg16", "inception_v3", "mobilenet_v2", "transformer-nmt", "bert-base", "lstm-lm", "sockeye-rnn", "recsys"]
 
 # torchvision's counts for the vision models; the NLP counts are derived in each module's docstring.
 FULL_PARAMS = {
     "resnet50": 25_557_032,
+    "resnet101": 44_549_160,
     "vgg19": 143_667_240,
+    "vgg16": 138_357_544,
     "inception_v3": 27_161_264,
     "mobilenet_v2": 3_504_872,
     "transformer-nmt": 60_556_544,

@@ -1,51 +1,20 @@
 """Model zoo for benchmarks: hand-written, no torchvision dependency.
 
-Every model is registered in :data:`MODELS` under its public name and built at a *size*:
+Every model is registered in :func:`_registry` under its public name and built at a *size*:
 ``full`` (the published architecture and parameter count) or ``tiny`` (reduced width/depth
 and input size, for CPU runs). ``get_model("resnet50:tiny")`` returns a :class:`ModelSpec`
 that knows how to build the module, make a deterministic synthetic batch and compute the loss.
 
-Adding a model is one line in :data:`MODELS` plus a module with a ``spec(size, **options)``
+Adding a model is one line in :func:`_registry` plus a module with a ``spec(size, **options)``
 function.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import torch
-from torch import nn
+from gradsync.models.spec import SIZES, ModelSpec
 
-SIZES = ("full", "cpu", "tiny")
-"""``full``: the published model; ``tiny``: reduced for CPU runs (every model); ``cpu``: only models
-whose point is their size (embedding tables): real row counts at narrow widths. Each model checks
-its own sizes and lists them in its error."""
-
-
-@dataclass
-class ModelSpec:
-    """A buildable model plus its synthetic data and loss.
-
-    ``make_batch(batch_size, generator)`` must be deterministic given the generator's state,
-    return ``(inputs, target)`` where ``inputs`` is a tuple of positional arguments to the
-    module's forward, and ``loss(output, target)`` a scalar tensor.
-    """
-
-    name: str
-    size: str
-    build: Callable[[], nn.Module]
-    make_batch: Callable[[int, torch.Generator], tuple[tuple[torch.Tensor, ...], torch.Tensor]]
-    loss: Callable[[Any, torch.Tensor], torch.Tensor]
-    description: str = ""
-    options: dict = field(default_factory=dict)
-    lookups: dict[str, Callable[[tuple[torch.Tensor, ...]], torch.Tensor]] = field(default_factory=dict)
-    """For each embedding module (by name), the row ids it reads, from the batch's inputs. Emulated
-    compute uses it to give embedding tables gradients on exactly those rows."""
-
-    def batch(self, batch_size: int, seed: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-        """The batch for one (seed) value: same seed, same batch, on every machine."""
-        generator = torch.Generator().manual_seed(seed)
-        return self.make_batch(batch_size, generator)
+__all__ = ["ModelSpec", "SIZES", "get_model", "model_names"]
 
 
 def _registry() -> dict[str, Callable[..., ModelSpec]]:
@@ -53,7 +22,9 @@ def _registry() -> dict[str, Callable[..., ModelSpec]]:
 
     return {
         "resnet50": resnet.spec,
+        "resnet101": resnet.spec_101,
         "vgg19": vgg.spec,
+        "vgg16": vgg.spec_16,
         "inception_v3": inception.spec,
         "mobilenet_v2": mobilenet.spec,
         "transformer-nmt": transformer.spec,

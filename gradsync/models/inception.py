@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gradsync.models import ModelSpec
+from gradsync.models.spec import ModelSpec
 from gradsync.models.layers import conv_bn, image_spec
 
 AUX_WEIGHT = 0.4  # weight of the auxiliary loss in the TF-slim reference training recipe

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gradsync.models import ModelSpec
+from gradsync.models.spec import ModelSpec
 
 Options = dict[str, Any]
 

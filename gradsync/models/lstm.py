@@ -43,7 +43,7 @@ import functools
 import torch
 from torch import nn
 
-from gradsync.models import ModelSpec
+from gradsync.models.spec import ModelSpec
 from gradsync.models.layers import resolve_options, token_cross_entropy
 
 ZIPF_EXPONENT = 1.0

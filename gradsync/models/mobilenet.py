@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gradsync.models import ModelSpec
+from gradsync.models.spec import ModelSpec
 from gradsync.models.layers import conv_bn, image_spec
 
 # Table 2: (expansion t, output channels c, repeats n, first stride s).

@@ -1,13 +1,14 @@
-"""ResNet-50: He et al., "Deep Residual Learning for Image Recognition" (CVPR 2016).
+"""ResNet-50 and ResNet-101: He et al., "Deep Residual Learning for Image Recognition" (CVPR 2016).
 
-Bottleneck blocks (1x1 reduce, 3x3, 1x1 expand by 4) in stages of 3, 4, 6 and 3 blocks, with
+Bottleneck blocks (1x1 reduce, 3x3, 1x1 expand by 4) in stages of 3, 4, 6 and 3 blocks
+(ResNet-101: 3, 4, 23 and 3), with
 BatchNorm after every convolution and a projection shortcut wherever the shape changes. The stride
 of a downsampling block sits on its 3x3 convolution ("ResNet v1.5", the variant most frameworks
 benchmark), which changes no parameter.
 
 Sizes:
-  full: base width 64, 224x224 images, 1000 classes: 25,557,032 parameters.
-  tiny: base width 8, the same 3-4-6-3 blocks, 32x32 images, 10 classes: 376,722 parameters.
+  full: base width 64, 224x224 images, 1000 classes: 25,557,032 parameters (ResNet-101: 44,549,160).
+  tiny: base width 8, the same blocks, 32x32 images, 10 classes: 376,722 parameters (ResNet-50).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gradsync.models import ModelSpec
+from gradsync.models.spec import ModelSpec
 from gradsync.models.layers import conv_bn, image_spec
 
 EXPANSION = 4
@@ -24,6 +25,7 @@ _DEFAULTS = {
     "tiny": {"image_size": 32, "num_classes": 10},
 }
 _BASE_WIDTH = {"full": 64, "tiny": 8}
+DEPTHS = {"resnet50": (3, 4, 6, 3), "resnet101": (3, 4, 23, 3)}
 
 
 class Bottleneck(nn.Module):
@@ -69,11 +71,22 @@ class ResNet(nn.Module):
 
 def spec(size: str, **options) -> ModelSpec:
     """ResNet-50 at ``size``; options: ``image_size``, ``num_classes``."""
+    return _spec("resnet50", size, options)
+
+
+def _spec(depth: str, size: str, options: dict) -> ModelSpec:
+    blocks = DEPTHS[depth]
     return image_spec(
-        "resnet50",
+        depth,
         size,
         options,
         _DEFAULTS,
-        lambda opts: ResNet(base_width=_BASE_WIDTH[size], num_classes=opts["num_classes"]),
-        "ResNet-50 (He et al. 2016), bottleneck blocks 3-4-6-3 with BatchNorm",
+        lambda opts: ResNet(base_width=_BASE_WIDTH[size], depths=blocks, num_classes=opts["num_classes"]),
+        f"{'ResNet-50' if depth == 'resnet50' else 'ResNet-101'} (He et al. 2016), bottleneck blocks "
+        f"{'-'.join(map(str, blocks))} with BatchNorm",
     )
+
+
+def spec_101(size: str, **options) -> ModelSpec:
+    """ResNet-101 at ``size`` (Horovod's scaling benchmark); options as :func:`spec`."""
+    return _spec("resnet101", size, options)

@@ -38,7 +38,7 @@ import functools
 import torch
 from torch import nn
 
-from gradsync.models import ModelSpec
+from gradsync.models.spec import ModelSpec
 from gradsync.models.layers import resolve_options, token_cross_entropy
 
 _DEFAULTS = {"full": {"seq_len": 25}, "tiny": {"seq_len": 12}}

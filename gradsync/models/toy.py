@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from gradsync.models import ModelSpec
+from gradsync.models.spec import ModelSpec
 
 
 class Toy(nn.Module):

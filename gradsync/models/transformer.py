@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gradsync.models import ModelSpec
+from gradsync.models.spec import ModelSpec
 from gradsync.models.layers import (
     TransformerLayer,
     resolve_options,

@@ -21,7 +21,7 @@ import sys
 import torch
 from torch import nn
 
-from gradsync.models import ModelSpec
+from gradsync.models.spec import ModelSpec
 
 
 def is_user_model(name: str) -> bool:

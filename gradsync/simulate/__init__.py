@@ -3,16 +3,21 @@
 - :mod:`gradsync.simulate.engine`: the event loop (streams, transfers sharing links max-min fairly);
 - :mod:`gradsync.simulate.workload`: the layers and parameter sizes a worker computes (the compute
   profiles the emulated cluster replays);
-- :mod:`gradsync.simulate.models`: one model per strategy, planned by the strategy's own code;
-- :func:`simulate`: one strategy, one model, one cluster shape -> a record with
-  ``gradsync bench``'s fields.
+- :mod:`gradsync.simulate.models`: the simulated worker, and the schedules of the bucketed,
+  parameter-server and sliced strategies, planned by the strategy's own code;
+  :mod:`gradsync.simulate.compressed` and :mod:`gradsync.simulate.averaging` the others';
+- :func:`build`: the model of one strategy; :func:`simulate`: one strategy, one model, one
+  cluster shape -> a record with ``gradsync bench``'s fields.
 """
 from __future__ import annotations
 
 import statistics
 
+from gradsync.errors import ConfigError
+from gradsync.simulate import averaging, compressed
 from gradsync.simulate.engine import Sim, SimulationError
-from gradsync.simulate.models import SIMULATED, Host, Network, Worker, build
+from gradsync.simulate.models import Buckets, ParameterServers, Slices
+from gradsync.simulate.worker import Host, Network, StrategyModel, Worker
 from gradsync.simulate.workload import Workload, load
 
 
@@ -50,4 +55,45 @@ def simulate(strategy: str, workload: Workload, np: int, net: Network, *, host: 
     return record
 
 
-__all__ = ["simulate", "load", "Network", "Host", "SIMULATED", "Workload", "SimulationError"]
+# -- choosing the model of a strategy ------------------------------------------------------------------
+SIMULATED = ["allreduce", "ddp", "ps", "p3", "ps-sliced", "allreduce-priority", "casync-ring", "casync-ps",
+             "compressed-allgather", "sma", "pair-averaging", "ps-async"]
+
+
+def build(name: str, options: dict | None = None, servers: int = 0) -> StrategyModel:
+    """The model of strategy ``name`` with ``options`` (as ``gradsync bench --set``)."""
+    from gradsync.strategies import resolve
+
+    if name not in SIMULATED:
+        raise ConfigError(f"strategy {name!r} has no simulator model yet; simulated: {', '.join(SIMULATED)}")
+    strategy = resolve(name, **dict(options or {}))
+    if name == "allreduce":
+        if strategy.compression is not None:
+            raise ConfigError("the simulator does not model allreduce with compression= yet")
+        model = Buckets(strategy, strategy.cap_bytes, strategy.first_cap_bytes, flags=True)
+    elif name == "ddp":
+        mb = 2**20
+        model = Buckets(strategy, int(strategy.options["bucket_cap_mb"] * mb), mb, flags=False,
+                        copy_back=not strategy.options["gradient_as_bucket_view"])
+    elif name in ("ps", "ps-async"):
+        if strategy.mode == "sync":
+            model = ParameterServers(strategy, servers)
+        else:
+            model = averaging.AsyncServers(strategy, servers)
+    elif name in compressed.COMPRESSED:
+        model = {"casync-ring": compressed.CaSyncRing, "casync-ps": compressed.CaSyncPS,
+                 "compressed-allgather": compressed.CompressedAllGather}[name](strategy)
+    elif name in ("sma", "pair-averaging"):
+        model = averaging.SMA(strategy) if name == "sma" else averaging.PairAveraging(strategy)
+    elif name in ("p3", "ps-sliced"):
+        credit = None if strategy.credit_mb is None or not strategy.priority else strategy.credit_mb * 2**20
+        model = Slices(strategy, strategy.slice_params, credit, bool(strategy.priority), strategy.overlap,
+                       all_reduce=False, servers=servers)
+    elif name == "allreduce-priority":
+        model = Slices(strategy, strategy.partition_params, strategy.credit_mb * 2**20, True, True,
+                       all_reduce=True, servers=0)
+    model.name = name
+    return model
+
+
+__all__ = ["simulate", "build", "load", "Network", "Host", "SIMULATED", "Workload", "SimulationError"]

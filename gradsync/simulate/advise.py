@@ -7,7 +7,7 @@ that is hidden behind compute, what it costs in memory, and what it gives up (ex
 lossy compressor).
 
     gradsync advise --model vgg19 --np 16 --net 10gbit
-    gradsync advise --model resnet50 --np 8 --net 25gbit --compression onebit,fp16 --servers 2
+    gradsync advise --model resnet50 --np 8 --net 25gbit --compression "onebit;fp16" --servers 2
 
 ``gradsync simulate --validate`` checks the advice against the emulated runs it ships: in each
 group of the matrix the first pick among the strategies measured is the measured best, or within
@@ -19,14 +19,13 @@ import argparse
 import sys
 from dataclasses import dataclass
 
-from gradsync.simulate.models import SIMULATED
-
-COMPRESSED = ("casync-ring", "casync-ps", "compressed-allgather")
+from gradsync.simulate import SIMULATED
+from gradsync.simulate.compressed import COMPRESSED
 NEEDS_SERVERS = ("ps-async",)
 INEXACT = {"sma": "averages models, not gradients (not exact)",
            "pair-averaging": "averages with one random peer, no barrier (not exact)",
            "ps-async": "asynchronous updates (not exact)"}
-DEFAULT_COMPRESSION = "onebit,fp16,topk:ratio=0.01"
+DEFAULT_COMPRESSION = "onebit;fp16;topk:ratio=0.01"
 
 
 @dataclass
@@ -76,7 +75,7 @@ def rank(workload, np: int, net, host=None, servers: int = 0, compression: list[
     from gradsync.simulate import simulate
     from gradsync.simulate.compressed import codec_cost
 
-    compression = DEFAULT_COMPRESSION.split(",") if compression is None else compression
+    compression = DEFAULT_COMPRESSION.split(";") if compression is None else compression
     out = []
     for label, strategy, options in candidates(servers, compression):
         if only is not None and strategy not in only:
@@ -120,7 +119,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--servers", type=int, default=0, help="dedicated parameter-server hosts (default 0)")
     p.add_argument("--batch-size", type=int, default=32, help="samples per worker per step (default 32)")
     p.add_argument("--compute", default="", metavar="PROFILE", help="compute profile (default: the model's shipped one)")
-    p.add_argument("--compression", default=DEFAULT_COMPRESSION, metavar="SPEC[,SPEC...]",
+    p.add_argument("--compression", default=DEFAULT_COMPRESSION, metavar="SPEC[;SPEC...]",
                    help=f"compressors to try with the compressed strategies (default {DEFAULT_COMPRESSION})")
     p.add_argument("--codec-speed", type=float, default=1.0,
                    help="compressors run this many times faster than on this machine's CPU, one thread (default 1)")
@@ -142,7 +141,7 @@ def main(args) -> int:
     rates = _rates(args.net, error)
     if len(rates) != 1:
         error(f"--net takes one rate, got {args.net!r}")
-    compression = [c for c in args.compression.split(",") if c]
+    compression = [c for c in args.compression.split(";") if c]
     try:
         from gradsync.compress import build, parse_spec
 

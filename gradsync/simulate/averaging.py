@@ -20,7 +20,7 @@ from typing import Callable
 
 from gradsync.errors import ConfigError
 from gradsync.simulate.engine import Barrier
-from gradsync.simulate.models import StrategyModel, Worker
+from gradsync.simulate.worker import StrategyModel, Worker
 
 
 class SMA(StrategyModel):

@@ -105,7 +105,7 @@ def bound(strategy: str, options: dict, model_bytes: int, np: int, servers: int,
 
 
 def main(args) -> int:
-    from gradsync.bench.cli import _overrides
+    from gradsync.bench.args import _overrides
     from gradsync.errors import GradsyncError
     from gradsync.simulate import SIMULATED, Host, Network, load, simulate
 
@@ -132,7 +132,7 @@ def main(args) -> int:
     host = Host(args.host_copy_gbps * 1e9, args.host_update_gbps * 1e9, args.codec_speed)
     print(f"gradsync simulate: {args.model} at batch {args.batch_size}, {workload.nbytes / 2**20:.1f} MB of "
           f"parameters, {workload.compute_s * 1e3:.1f} ms of compute per step ({workload.device})", flush=True)
-    from gradsync.simulate.advise import COMPRESSED
+    from gradsync.simulate.compressed import COMPRESSED
 
     specs = [c for c in args.compression.split(";") if c]
     runs = [(f"{s}+{spec}", s, {**overrides.get(s, {}), "compression": spec}) if spec else (s, s, overrides.get(s, {}))

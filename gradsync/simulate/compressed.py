@@ -27,9 +27,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from gradsync.simulate.models import StrategyModel, Worker
+from gradsync.simulate.worker import StrategyModel, Worker
 from gradsync.strategies import costmodel
 
+COMPRESSED = ("casync-ring", "casync-ps", "compressed-allgather")
+"""The strategies modelled here: each runs once per compressor in ``--compression``."""
 _CODECS: dict[tuple, tuple] = {}
 PROBE_NUMEL = (1 << 20, 1 << 23)
 """Gradient sizes the compressors are timed on: 4 and 32 MB, a bucket's order (smaller ones sit in
@@ -192,9 +194,10 @@ class CaSyncRing(CompressedBuckets):
 
 class CaSyncPS(CompressedBuckets):
     """Partitions aggregated by co-located workers: encode and push, decode-merge-encode at the
-    aggregator, answer, decode. With ``K = N`` partitions every worker aggregates one; with one,
-    the bucket's aggregator (a different worker per bucket) receives ``N-1`` pushes and sends
-    ``N-1`` answers: everyone waits for it."""
+    aggregator, answer, decode. With ``K`` partitions, ``K`` workers aggregate one each (a different
+    set per bucket); the step waits for an aggregator, whose link carries the other ``N-1``
+    workers' pushes of its partition in and its ``N-1`` answers out, beside its own ``K-1`` pushes
+    and answers (fewer: ``K <= N``). With one partition, everyone waits for the bucket's aggregator."""
 
     def decide(self, costs: costmodel.Costs, k: int, nbytes: int) -> costmodel.Decision:
         return costmodel.decide_ps(costs, k, nbytes, self.wk.np)
@@ -203,18 +206,13 @@ class CaSyncPS(CompressedBuckets):
         return self.wk.np if nbytes >= self.strategy.partition_bytes else 1
 
     def exchange(self, k: int, s: float, done: Callable[[], None]) -> None:
-        wk, n, parts = self.wk, self.n, self.parts[k]
+        wk, n, parts = self.wk, self.n, min(self.parts[k], self.n)
         part = s / parts
-        wire = self.codec.ratio * part
-        if parts >= n:  # this worker pushes N-1 partitions, aggregates one, pulls N-1
-            push = [((n - 1) * wire, (n - 1) * (self._dec(part) + wk.copy_s(part)) + self._enc(part))]
-            pull = [((n - 1) * wire, (n - 1) * self._dec(part))]
-            wk.sim.after((n - 1) * self._enc(part), lambda: self.hops(push + pull, done, f"ps bucket {k}"))
-            return
-        # fewer partitions than workers: the aggregator's links carry the fan-in and the fan-out
-        fan = [((n - 1) * wire * parts, (n - 1) * parts * (self._dec(part) + wk.copy_s(part)) + parts * self._enc(part)),
-               ((n - 1) * wire * parts, parts * self._dec(part))]
-        wk.sim.after(parts * self._enc(part), lambda: self.hops(fan, done, f"ps bucket {k}"))
+        wire = (n - 1) * self.codec.ratio * part  # an aggregator's fan-in, and then its fan-out
+        push = (wire, (n - 1) * (self._dec(part) + wk.copy_s(part)) + self._enc(part))
+        pull = (wire, (parts - 1) * self._dec(part))
+        pushed = min(parts, n - 1)  # partitions a worker encodes for others (it aggregates at most one)
+        wk.sim.after(pushed * self._enc(part), lambda: self.hops([push, pull], done, f"ps bucket {k}"))
 
 
 class CompressedAllGather(CompressedBuckets):

@@ -1,214 +1,24 @@
-"""Each strategy's schedule, replayed on the event loop (:mod:`gradsync.simulate.engine`).
+"""The schedules of the bucketed (``allreduce``, ``ddp``), parameter-server (``ps``) and sliced
+(``p3``, ``ps-sliced``, ``allreduce-priority``) strategies, on the simulated worker
+(:mod:`gradsync.simulate.worker`).
 
-A model plays one representative worker of a synchronous job (every worker does the same at the
-same time) plus the servers it talks to. Its step is the emulated worker's: the forward of each
-layer in order, the backward in reverse, each layer's gradients ready at the end of its backward,
-then ``step()``. Where a strategy communicates, when, in what units and under what limits comes
-from the strategy itself: the options of the object ``gradsync.strategies.resolve`` builds (the
-same defaults and ``--set`` overrides as a real run), and its own planning functions
-(``allreduce.plan_buckets`` for buckets, ``slicing.SlicePlan`` for P3 slices and ByteScheduler
-partitions, ``ps.partition`` for server placement), run on the model's parameter sizes.
-
-Costs on the wire: a ring all-reduce of B bytes moves ``2 (N-1)/N B`` through each host's sending
-and receiving side after ``2 (N-1)`` message latencies; a point-to-point message moves its bytes
-after one. Host work (packing copies, the optimizer's update) runs on the worker's host at the
-:class:`Host` rates, in series with what the strategy puts after it.
+Where a strategy communicates, when, in what units and under what limits comes from the strategy
+itself: the options of the object ``gradsync.strategies.resolve`` builds (the same defaults and
+``--set`` overrides as a real run), and its own planning functions (``allreduce.plan_buckets`` for
+buckets, ``slicing.SlicePlan`` for P3 slices and ByteScheduler partitions, ``ps.partition`` for
+server placement), run on the model's parameter sizes.
 """
 from __future__ import annotations
 
 import heapq
 import itertools
-from dataclasses import dataclass
 from typing import Callable
 
 from gradsync.errors import ConfigError
-from gradsync.simulate.engine import Barrier, Link, Sim, Stream
-from gradsync.simulate.workload import Workload
+from gradsync.simulate.engine import Barrier, Sim, Stream
 
 
-@dataclass
-class Network:
-    """Hosts with full-duplex NICs of ``rate_bps`` (None: unlimited), one-way ``latency_s`` per
-    message (wire and software), ``gpus_per_host`` workers sharing a host's NIC and linked to
-    each other at ``intra_Bps`` bytes per second (PCIe or NVLink; None: unlimited)."""
-
-    rate_bps: float | None
-    latency_s: float = 50e-6
-    gpus_per_host: int = 1
-    intra_Bps: float | None = 12e9
-
-
-DUPLEX_BYTES = 2 << 20
-"""Gloo moves one message between a pair of hosts in one direction at a time: messages posted in
-both directions at once get half the rate each way from about this size (docs/emulation.md: a
-12 MB exchange got half the rate each way, 1 MB messages the full rate; the validation matrix's
-``ps`` cells place the step between 1 and 4 MB)."""
-
-
-@dataclass
-class Host:
-    """Rates of the work a strategy does beside the layers: copies into and out of buckets
-    (``copy_Bps``, bytes of gradient per second) and the optimizer's update (``update_Bps``,
-    bytes of parameters per second). Defaults: an accelerator's, where both are negligible."""
-
-    copy_Bps: float = 200e9
-    update_Bps: float = 100e9
-    codec_speed: float = 1.0
-    """Compressors' encode and decode run this many times faster than measured on this machine's
-    CPU (one thread)."""
-    handoff_s: float = 20e-6
-    """From one host thread noticing an event to another acting on it (a credit returned by
-    the thread that waits for sends to the thread that issues them)."""
-
-
-class _Meta:
-    """What the strategies' planning functions read of a parameter."""
-
-    dtype, device = "float32", "meta"
-
-    def __init__(self, numel: int, nbytes: int):
-        self._numel, self._size = numel, nbytes // max(numel, 1)
-
-    def numel(self) -> int:
-        return self._numel
-
-    def element_size(self) -> int:
-        return self._size
-
-
-class Worker:
-    """The representative worker: its accelerator, its host, its NIC, and the step driver."""
-
-    def __init__(self, sim: Sim, workload: Workload, np: int, net: Network, host: Host, servers: int = 0):
-        if np < 1:
-            raise ConfigError(f"workers must be >= 1, got {np}")
-        if net.rate_bps is not None and net.rate_bps <= 0:
-            raise ConfigError(f"link rate must be > 0, got {net.rate_bps}")
-        self.sim, self.w, self.np, self.net, self.host_rates = sim, workload, np, net, host
-        rate = float("inf") if net.rate_bps is None else net.rate_bps / 8
-        per_host = max(1, min(net.gpus_per_host, np))
-        share = rate / per_host  # point to point, the workers of one host share its NIC
-        self.tx, self.rx = Link("worker tx", share), Link("worker rx", share)
-        # A ring ordered by host crosses each NIC once each way; its other hops stay inside hosts.
-        intra = float("inf") if net.intra_Bps is None else net.intra_Bps
-        if per_host == 1:
-            self.ring_links = [(self.tx, 1), (self.rx, 1)]
-        elif per_host >= np:  # one host: the ring never leaves it
-            self.ring_links = [(Link("intra-host", intra), 1)]
-        else:
-            self.ring_links = [(Link("NIC tx (ring)", rate), 1), (Link("NIC rx (ring)", rate), 1),
-                               (Link("intra-host", intra), 1)]
-        # Gloo's point-to-point messages posted all at once in both directions between two hosts
-        # get about half the rate each way (docs/emulation.md; its all-reduce uses both directions
-        # at full rate): such exchanges also pass through this one link of the NIC's rate.
-        self.duplex = Link("worker send+receive", share)
-        self.servers = [(Link(f"server {s} tx", rate), Link(f"server {s} rx", rate)) for s in range(servers)]
-        self.gpu = Stream(sim, "accelerator")
-        self.host = Stream(sim, "host")
-        self.params = workload.params
-        self.metas = [_Meta(p.numel, p.nbytes) for p in self.params]
-        self.step_ends: list[float] = []
-
-    def bytes_sent(self) -> float:
-        """What this worker has sent so far, point to point and in rings."""
-        ring = self.ring_links[0][0]
-        return self.tx.carried + (0.0 if ring is self.tx else ring.carried)
-
-    def thread(self, name: str) -> Stream:
-        """Another serial worker of this host (a communication thread, a collective stream, a server)."""
-        return Stream(self.sim, name)
-
-    # -- the wire ----------------------------------------------------------------------------------
-    def ring(self, nbytes: float, done: Callable[[], None], name: str = "all-reduce") -> None:
-        """A ring all-reduce of ``nbytes`` among the workers."""
-        n = self.np
-        if n == 1:
-            self.sim.after(0.0, done)
-            return
-        self.sim.transfer(2 * (n - 1) / n * nbytes, self.ring_links, done,
-                          latency=2 * (n - 1) * self.net.latency_s, name=name, lane="network")
-
-    def message(self, nbytes: float, uses, done: Callable[[], None], name: str = "message") -> None:
-        self.sim.transfer(nbytes, uses, done, latency=self.net.latency_s, name=name, lane="network")
-
-    def copy_s(self, nbytes: float) -> float:
-        return nbytes / self.host_rates.copy_Bps
-
-    def update_s(self, nbytes: float) -> float:
-        return nbytes / self.host_rates.update_Bps
-
-    # -- one step ----------------------------------------------------------------------------------
-    def run(self, model: "StrategyModel", steps: int) -> list[float]:
-        """Simulate ``steps`` steps; the time each ended."""
-        model.bind(self)
-        self._step(model, 0, steps)
-        self.sim.run()
-        if len(self.step_ends) != steps:
-            raise ConfigError(f"the {model.name} model stopped after {len(self.step_ends)} of {steps} steps "
-                              "(a schedule that never completes)")
-        return self.step_ends
-
-    def _step(self, model: "StrategyModel", step: int, steps: int) -> None:
-        layers = self.w.layers
-
-        def forward(i: int) -> None:
-            if i == len(layers):
-                backward(len(layers) - 1)
-                return
-            model.before_layer(step, i, lambda: self.gpu.run(layers[i].forward_s, lambda: forward(i + 1),
-                                                             what=f"forward {layers[i].name}"))
-
-        def backward(i: int) -> None:
-            if i < 0:
-                model.after_backward(step, end)
-                return
-
-            def ready() -> None:
-                model.on_layer_ready(step, i)
-                backward(i - 1)
-
-            self.gpu.run(layers[i].backward_s, ready, what=f"backward {layers[i].name}")
-
-        def end() -> None:
-            model.step(step, finished)
-
-        def finished() -> None:
-            self.step_ends.append(self.sim.now)
-            if step + 1 < steps:
-                self._step(model, step + 1, steps)
-
-        model.before_forward(step, lambda: forward(0))
-
-
-class StrategyModel:
-    """The hook points of :class:`gradsync.strategies.base.Strategy`, in simulated time."""
-
-    name = "?"
-
-    def __init__(self, strategy):
-        self.strategy = strategy  # the real strategy object: its options
-
-    def bind(self, worker: Worker) -> None:
-        self.wk = worker
-
-    def before_forward(self, step: int, go: Callable[[], None]) -> None:
-        go()
-
-    def before_layer(self, step: int, layer: int, go: Callable[[], None]) -> None:
-        go()
-
-    def on_layer_ready(self, step: int, layer: int) -> None:
-        pass
-
-    def after_backward(self, step: int, go: Callable[[], None]) -> None:
-        go()
-
-    def step(self, step: int, go: Callable[[], None]) -> None:
-        go()
-
-    def local_update(self, go: Callable[[], None]) -> None:
-        """The user's optimizer over every parameter, on this worker's host."""
-        self.wk.host.run(self.wk.update_s(self.wk.w.nbytes), go, what="optimizer")
+from gradsync.simulate.worker import DUPLEX_BYTES, StrategyModel, Worker
 
 
 # -- all-reduce of buckets (allreduce, ddp) ----------------------------------------------------------
@@ -526,50 +336,3 @@ class Slices(StrategyModel):
             go()
         else:
             self.flushing = (step, go)
-
-
-# -- choosing the model of a strategy ------------------------------------------------------------------
-SIMULATED = ["allreduce", "ddp", "ps", "p3", "ps-sliced", "allreduce-priority", "casync-ring", "casync-ps",
-             "compressed-allgather", "sma", "pair-averaging", "ps-async"]
-
-
-def build(name: str, options: dict | None = None, servers: int = 0) -> StrategyModel:
-    """The model of strategy ``name`` with ``options`` (as ``gradsync bench --set``)."""
-    from gradsync.strategies import resolve
-
-    if name not in SIMULATED:
-        raise ConfigError(f"strategy {name!r} has no simulator model yet; simulated: {', '.join(SIMULATED)}")
-    strategy = resolve(name, **dict(options or {}))
-    if name == "allreduce":
-        if strategy.compression is not None:
-            raise ConfigError("the simulator does not model allreduce with compression= yet")
-        model = Buckets(strategy, strategy.cap_bytes, strategy.first_cap_bytes, flags=True)
-    elif name == "ddp":
-        mb = 2**20
-        model = Buckets(strategy, int(strategy.options["bucket_cap_mb"] * mb), mb, flags=False,
-                        copy_back=not strategy.options["gradient_as_bucket_view"])
-    elif name in ("ps", "ps-async"):
-        if strategy.mode == "sync":
-            model = ParameterServers(strategy, servers)
-        else:
-            from gradsync.simulate.averaging import AsyncServers
-
-            model = AsyncServers(strategy, servers)
-    elif name in ("casync-ring", "casync-ps", "compressed-allgather"):
-        from gradsync.simulate import compressed
-
-        model = {"casync-ring": compressed.CaSyncRing, "casync-ps": compressed.CaSyncPS,
-                 "compressed-allgather": compressed.CompressedAllGather}[name](strategy)
-    elif name in ("sma", "pair-averaging"):
-        from gradsync.simulate import averaging
-
-        model = averaging.SMA(strategy) if name == "sma" else averaging.PairAveraging(strategy)
-    elif name in ("p3", "ps-sliced"):
-        credit = None if strategy.credit_mb is None or not strategy.priority else strategy.credit_mb * 2**20
-        model = Slices(strategy, strategy.slice_params, credit, bool(strategy.priority), strategy.overlap,
-                       all_reduce=False, servers=servers)
-    elif name == "allreduce-priority":
-        model = Slices(strategy, strategy.partition_params, strategy.credit_mb * 2**20, True, True,
-                       all_reduce=True, servers=0)
-    model.name = name
-    return model

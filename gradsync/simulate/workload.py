@@ -59,7 +59,8 @@ def load(model: str, batch_size: int, profile: str | None = None) -> Workload:
     ``--compute emulated:PROFILE``; None: the shipped one for the model)."""
     import torch
 
-    from gradsync.emulate.profile import check_covers, layer_modules, resolve
+    from gradsync.emulate.derive import resolve
+    from gradsync.emulate.profile import check_covers, layer_modules
     from gradsync.models import get_model
 
     spec = get_model(model)
