@@ -20,12 +20,25 @@ from gradsync.errors import (ConfigError, GradientEditedError, GradsyncError, Mo
 
 # Public name -> the module that defines it (each of these imports torch).
 _LAZY = {
-    "init": "gradsync.runtime", "shutdown": "gradsync.runtime", "is_initialized": "gradsync.runtime",
+    "shutdown": "gradsync.runtime", "is_initialized": "gradsync.runtime",
     "distribute": "gradsync.distribute", "sampler": "gradsync.data",
     **{name: "gradsync.strategies" for name in ("Strategy", "AllReduce", "ParameterServer", "DDP", "P3",
                                                  "PriorityAllReduce", "CaSyncRing", "CaSyncPS", "CompressedAllGather", "SMA", "PairAveraging",
                                                  "Hybrid", "STRATEGIES", "register", "strategy_names")},
 }
+
+
+def init(*, backend: str | None = None, timeout_s: float | None = None, servers: int | None = None):
+    """Join the job the environment describes (:func:`gradsync.runtime.init`); in an elastic job
+    (``gradsync run --elastic``) through :mod:`gradsync.adapt.elastic`, which joins its current
+    generation. Returns the :class:`~gradsync.topology.Topology`."""
+    import os
+
+    if os.environ.get("GRADSYNC_ELASTIC") == "1":
+        import gradsync.adapt.elastic  # noqa: F401 - registers the elastic join with the runtime
+    from gradsync import runtime
+
+    return runtime.init(backend=backend, timeout_s=timeout_s, servers=servers)
 
 
 def topology():

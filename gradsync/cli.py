@@ -8,6 +8,7 @@ module of the subcommand being run is imported (most import torch, which takes s
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from importlib import import_module
 
@@ -32,6 +33,14 @@ def _version() -> str:
     return f"gradsync {__version__}"
 
 
+def plain(text: str | None) -> str | None:
+    """A docstring as a terminal shows it: ``code`` and :role:`name` without their markup."""
+    if text is None:
+        return None
+    text = re.sub(r":[a-z]+:`~?([^`]+)`", r"\1", text)
+    return re.sub(r"``([^`]+)``", r"\1", text)
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser with ``command``'s arguments; every other subcommand is only named (and loads
     when it is the one asked for)."""
@@ -43,6 +52,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     if command in COMMANDS:
         import_module(COMMANDS[command][0]).add_parser(subparsers)
+        for sub in subparsers.choices.values():
+            sub.description = plain(sub.description)
     for name, (_, line) in COMMANDS.items():
         if name not in subparsers.choices:
             subparsers.add_parser(name, help=line, add_help=False)

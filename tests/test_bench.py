@@ -107,7 +107,7 @@ def test_bad_arguments_are_argument_errors(args, message):
 
 
 def test_compression_specs_expand_per_strategy_and_skip_refused_pairs(capsys):
-    from gradsync.bench.cli import _with_compression
+    from gradsync.bench.args import _with_compression
 
     def fail(message):
         raise AssertionError(message)
@@ -203,7 +203,7 @@ def test_a_closed_strategy_lets_its_model_go(strategy):
                                        ("4", 4), ("0.5", 0.5), ("fifo", "fifo")])
 def test_set_values_are_typed(raw, value):
     """``--set p3.overlap=False`` must be the boolean: the string "False" would be truthy."""
-    from gradsync.bench.cli import _overrides
+    from gradsync.bench.args import _overrides
     out = _overrides([f"p3.overlap={raw}"], ["p3"], parser_error=pytest.fail)
     assert out == {"p3": {"overlap": value}} and type(out["p3"]["overlap"]) is type(value)
 

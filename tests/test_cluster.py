@@ -257,7 +257,7 @@ def test_bad_cluster_arguments_are_argument_errors(args, message):
 def _dilation(text: str, rate: float) -> float:
     from argparse import Namespace
 
-    from gradsync.bench.cli import _cluster_args, _config
+    from gradsync.bench.args import _cluster_args, _config
 
     def error(message):
         raise SystemExit(message)

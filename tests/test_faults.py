@@ -210,7 +210,7 @@ def test_hung_rank_times_out_with_explanation():
 
 
 class _Clock:
-    """A fake ``time`` for :class:`gradsync.runtime.Heartbeat`: sleeping advances it; the live peer
+    """A fake ``time`` for :class:`gradsync.heartbeat.Heartbeat`: sleeping advances it; the live peer
     (rank 2) beats once a second of it, rank 1 is stopped."""
 
     def __init__(self):
@@ -230,11 +230,11 @@ class _Clock:
 def _heartbeat(monkeypatch):
     import threading
 
-    from gradsync import runtime
+    from gradsync import heartbeat as module
 
     clock = _Clock()
-    monkeypatch.setattr(runtime, "time", clock)
-    heartbeat = runtime.Heartbeat.__new__(runtime.Heartbeat)  # no store: the counts come from the clock
+    monkeypatch.setattr(module, "time", clock)
+    heartbeat = module.Heartbeat.__new__(module.Heartbeat)  # no store: the counts come from the clock
     heartbeat._lock, heartbeat._seen, heartbeat.answered = threading.Lock(), {}, float("inf")
     heartbeat.beats = clock.counts
     return heartbeat, clock

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -306,6 +307,31 @@ def test_version_strategies_and_help_do_not_import_torch():
     assert proc.returncode == 0, proc.stderr
     assert lines[0].startswith("usage: gradsync") and lines[1].startswith("gradsync 0.")
     assert lines[2].startswith("usage: gradsync run") and lines[-1] == "no torch", proc.stdout
+
+
+def test_every_command_s_help_is_plain_text_and_every_option_has_a_line():
+    import argparse
+    import contextlib
+    import io
+
+    from gradsync import cli
+
+    for command in cli.COMMANDS:
+        parser = cli.build_parser(command)
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+        parsers = [(command, sub)]
+        for action in sub._actions:  # subcommands of a subcommand (gradsync cluster cleanup)
+            if isinstance(action, argparse._SubParsersAction):
+                parsers += [(f"{command} {name}", p) for name, p in action.choices.items()]
+        for name, p in parsers:
+            silent = [a.option_strings or [a.dest] for a in p._actions
+                      if a.help is None and not isinstance(a, (argparse._HelpAction, argparse._SubParsersAction))]
+            assert not silent, f"gradsync {name}: options without a help line: {silent}"
+            with contextlib.redirect_stdout(io.StringIO()) as out:
+                p.print_help()
+            text = out.getvalue()
+            assert "``" not in text and "%%" not in text and not re.search(r":(func|class|mod|meth):`", text), \
+                f"gradsync {name} --help shows markup:\n{text}"
 
 
 def test_strategies_lists_every_strategy_with_exactness_and_backends():

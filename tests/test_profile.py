@@ -12,10 +12,8 @@ import torch
 from torch import nn
 
 from gradsync.emulate import cli
-from gradsync.emulate.derive import from_flops, layer_flops, layer_order, measure
-from gradsync.emulate.profile import (
-    PROFILE_DIR, SHIPPED, Layer, Profile, check_covers, layer_modules, parse_rate, resolve,
-)
+from gradsync.emulate.derive import from_flops, layer_flops, layer_order, measure, resolve
+from gradsync.emulate.profile import PROFILE_DIR, SHIPPED, Layer, Profile, check_covers, layer_modules, parse_rate
 from gradsync.errors import ConfigError
 from gradsync.models import get_model
 

@@ -286,3 +286,6 @@ def share_state(optimizer, extra: dict, src: int) -> dict:
     if me != src:
         optimizer.load_state_dict(_decode_state(skeleton["optimizer"], tensors))
     return {k: v for k, v in skeleton.items() if k != "optimizer"}
+
+
+runtime.ELASTIC_JOIN = join

@@ -23,246 +23,20 @@ import os
 import sys
 import tempfile
 
-DEFAULT_STRATEGIES = ["ddp", "allreduce", "ps", "ps-async"]
-AUTO_REAL_RATE = 1e9  # bits/s: the fastest real link rate --dilation auto allows (see docs/emulation.md)
+from gradsync.bench.args import _check_options, _config, _overrides, _validate, add_arguments
 
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("bench", help="compare strategies: throughput, overhead, bytes, correctness",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="resnet50:tiny",
-                   help="model NAME[:SIZE] (default resnet50:tiny), or your own package.module:function "
-                        "returning (model, make_batch, loss): see gradsync.models.user")
-    p.add_argument("--strategies", default=",".join(DEFAULT_STRATEGIES),
-                   help="comma-separated strategies (default: all that can run)")
-    p.add_argument("--np", "-np", default="2", help="number of workers, or a comma-separated list (default 2)")
-    p.add_argument("--servers", type=int, default=0, help="dedicated parameter-server ranks (default 0: co-located)")
-    p.add_argument("--batch-size", type=int, default=32, help="samples per worker per step (default 32)")
-    p.add_argument("--steps", type=int, default=30, help="measured steps per strategy, over all rounds (default 30)")
-    p.add_argument("--warmup", type=int, default=5, help="steps discarded at the start of every round (default 5)")
-    p.add_argument("--rounds", type=int, default=3,
-                   help="rounds that interleave the strategies, so drift hits all alike (default 3)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
-    p.add_argument("--optimizer", default="sgd", help="sgd (momentum 0.9), adam or adagrad (default sgd)")
-    p.add_argument("--lr", type=float, default=0.01)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--compression", metavar="SPEC[;SPEC...]",
-                   help="compressors (docs/compression.md), e.g. onebit or 'onebit;topk:ratio=0.01': every "
-                        "strategy that takes one runs once per compressor, as STRATEGY+SPEC (casync-ring, casync-ps, "
-                        "compressed-allgather; allreduce and ddp where the payloads add up); the others run plain")
-    p.add_argument("--monitors", metavar="NAME[,NAME...]",
-                   help="also run every strategy with each monitor attached, as STRATEGY@NAME, to measure its cost: "
-                        "noise-scale, variance (exact) or variance-sampled (gradsync.adapt)")
-    p.add_argument("--set", action="append", default=[], metavar="STRATEGY.KEY=VALUE",
-                   help="a strategy option, e.g. ps.fuse_kb=0 or allreduce.bucket_mb=4 (repeatable)")
-    p.add_argument("--json", metavar="FILE", help="write one record per strategy to FILE")
-    p.add_argument("--out", metavar="DIR", help="write the chart (bench.png) and records (bench.json) to DIR")
-    p.add_argument("--check-steps", type=int, default=5,
-                   help="steps of the float64 correctness replay (default 5; 0 skips the check)")
-    p.add_argument("--net", metavar="RATE[,RATE...]",
-                   help="emulate hosts with links of RATE (e.g. 1gbit,10gbit), one rank per host; needs root")
-    p.add_argument("--delay", type=float, default=0.0, metavar="MS",
-                   help="with --net: one-way host-to-host delay in ms (undilated; a user-space delay line)")
-    p.add_argument("--compute", default="real", metavar="real|emulated[:PROFILE]",
-                   help="run the model (real), or emulate an accelerator from a compute profile "
-                        "(emulated: the model's shipped profile; emulated:flops:15tflops; emulated:FILE.json)")
-    p.add_argument("--dilation", default="1", metavar="K|auto[:RATE]",
-                   help="emulated compute only: multiply layer times and divide link rates by K (default 1); "
-                        f"auto: per rate, max(1, rate / {AUTO_REAL_RATE / 1e9:g} Gbit/s); auto:RATE: "
-                        "max(1, rate / RATE), e.g. auto:500mbit when the cpu column is near 100 %%")
-    p.add_argument("--tune", action="store_true",
-                   help="before measuring, search each tunable strategy's knobs (p3: slice size and credit; "
-                        "allreduce-priority: partition size and credit) on the live cluster, and report every probe")
-    p.add_argument("--tune-steps", type=int, default=6, help="measured steps per tuning probe (default 6)")
-    p.add_argument("--trace", metavar="FILE", help="write a Chrome trace of the last round (open in ui.perfetto.dev)")
+    add_arguments(p)
     p.set_defaults(handler=main)
 
 
-def _rates(args, parser_error) -> list[float | None]:
-    """``--net`` as undilated bits/s per run; ``[None]`` (loopback) without it."""
-    from gradsync.cluster import parse_rate, require_privileges
-    from gradsync.errors import ConfigError
-
-    if not args.net:
-        return [None]
-    try:
-        rates = [parse_rate(r) for r in args.net.split(",")]
-        require_privileges()
-    except ConfigError as exc:
-        parser_error(str(exc))
-    return rates
-
-
-def _cluster_args(args, parser_error) -> None:
-    """Parse --np lists, --net, --delay and --dilation in place (``args.dilation`` None means auto,
-    up to ``args.auto_real_rate`` bits/s really on a link)."""
-    try:
-        args.np_list = [int(n) for n in str(args.np).split(",")]
-    except ValueError:
-        parser_error(f"--np must be a number or a comma-separated list of numbers, got {args.np!r}")
-    args.rates = _rates(args, parser_error)
-    if args.delay < 0 or (args.delay and not args.net):
-        parser_error("--delay needs --net and must be >= 0")
-    from gradsync.cluster import parse_rate
-    from gradsync.errors import ConfigError
-
-    text = str(args.dilation)
-    auto = text == "auto" or text.startswith("auto:")
-    args.auto_real_rate = AUTO_REAL_RATE
-    try:
-        if text.startswith("auto:"):
-            args.auto_real_rate = parse_rate(text[len("auto:"):])
-        args.dilation = None if auto else float(text)
-    except (ValueError, ConfigError) as exc:
-        parser_error(f"--dilation must be a number >= 1, auto, or auto:RATE (e.g. auto:500mbit), got {text!r}"
-                     + (f" ({exc})" if isinstance(exc, ConfigError) else ""))
-    if not auto and args.dilation < 1:
-        parser_error(f"--dilation must be >= 1, got {args.dilation}")
-    if (auto or args.dilation != 1) and not args.compute.startswith("emulated"):
-        parser_error("--dilation needs --compute emulated: real computation cannot be slowed down")
-
-
-def _validate(args, parser_error) -> list[str]:
-    from gradsync.bench.workload import OPTIMIZERS, Workload
-    from gradsync.errors import ConfigError
-    from gradsync.models import get_model
-    from gradsync.strategies import STRATEGIES, strategy_names
-
-    _cluster_args(args, parser_error)
-    for flag, value, low in [("--np", min(args.np_list), 1), ("--batch-size", args.batch_size, 1), ("--steps", args.steps, 1),
-                             ("--servers", args.servers, 0), ("--warmup", args.warmup, 0), ("--threads", args.threads, 1),
-                             ("--check-steps", args.check_steps, 0), ("--rounds", args.rounds, 1),
-                             ("--tune-steps", args.tune_steps, 1)]:
-        if value < low:
-            parser_error(f"{flag} must be >= {low}, got {value}")
-    names = [s.strip() for s in args.strategies.split(",") if s.strip()]
-    unknown = [s for s in names if s not in STRATEGIES]
-    if unknown or not names:
-        parser_error(f"unknown strategy {', '.join(unknown) or '(none)'}; valid strategies: {', '.join(strategy_names())}")
-    if args.optimizer not in OPTIMIZERS:
-        parser_error(f"unknown optimizer {args.optimizer!r}; valid: {', '.join(OPTIMIZERS)}")
-    try:
-        get_model(args.model)
-        Workload(model=args.model, batch_size=args.batch_size, compute=args.compute, dilation=args.dilation or 1.0).spec()
-    except (ValueError, ConfigError) as exc:
-        parser_error(str(exc))
-    if args.compression:
-        names = _with_compression(names, args.compression, parser_error)
-    if args.monitors:
-        names = _with_monitors(names, args.monitors, parser_error)
-    if args.servers == 0 and "ps-async" in names:
-        names.remove("ps-async")
-        print("note: skipping ps-async, which needs dedicated servers (--servers 1 or more)", flush=True)
-    return names
-
-
-def _with_compression(names: list[str], specs: str, parser_error) -> list[str]:
-    """Each strategy that takes a compressor once per spec, labelled ``STRATEGY+SPEC``; others as they are."""
-    from gradsync.errors import ConfigError
-    from gradsync.strategies import resolve
-
-    out = []
-    for name in names:
-        labels, plain = [], name in ("allreduce", "ddp")  # these also run uncompressed, as the baseline
-        for spec in filter(None, (s.strip() for s in specs.split(";"))):
-            try:
-                resolve(name, compression=spec)
-            except ConfigError as exc:
-                if "compression" in str(exc) and "unexpected keyword" in str(exc):
-                    plain = True  # the strategy takes no compressor: it runs plain, once
-                    break
-                if "cannot" in str(exc) or "does not take" in str(exc):  # a valid spec this strategy refuses
-                    what = "runs plain, without" if name in ("allreduce", "ddp") else "skips"
-                    print(f"note: {name} {what} {spec}: {exc}", flush=True)
-                    continue
-                parser_error(f"--compression {spec!r} with {name}: {exc}")
-            labels.append(f"{name}+{spec}")
-        out += labels + ([name] if plain and name not in out else [])
-    if not out:
-        parser_error(f"none of --strategies {','.join(names)} takes --compression {specs!r}")
-    return out
-
-
-def _with_monitors(names: list[str], monitors: str, parser_error) -> list[str]:
-    """Each label as it is, then once per monitor as ``LABEL@MONITOR`` (strategies that can carry it)."""
-    from gradsync.bench.worker import MONITORS, strategy_of
-    from gradsync.strategies import STRATEGIES
-
-    wanted = [m.strip() for m in monitors.split(",") if m.strip()]
-    unknown = [m for m in wanted if m not in MONITORS]
-    if unknown or not wanted:
-        parser_error(f"unknown monitor {', '.join(unknown) or '(none)'}; valid: {', '.join(MONITORS)}")
-    out = []
-    for name in names:
-        out.append(name)
-        if not getattr(STRATEGIES[strategy_of(name)], "mean_grads_at_apply", False):
-            print(f"note: {name} runs without monitors: they read synchronized gradients, which it does not produce")
-            continue
-        out += [f"{name}@{m}" for m in wanted]
-    return out
-
-
-def _overrides(items: list[str], strategies: list[str], parser_error) -> dict[str, dict]:
-    """``["ps.fuse_kb=0"]`` -> ``{"ps": {"fuse_kb": 0}}``; values are JSON (numbers, true/false) or strings;
-    True/False/None in any case are the booleans and None."""
-    out: dict[str, dict] = {}
-    for item in items:
-        key, eq, raw = item.partition("=")
-        name, dot, option = key.partition(".")
-        if not (eq and dot and option) or name not in strategies:
-            parser_error(f"--set {item!r}: expected STRATEGY.KEY=VALUE with STRATEGY one of {', '.join(strategies)}")
-        words = {"true": True, "false": False, "none": None, "null": None}
-        if raw.lower() in words:  # Python's spelling too: a string "False" would be truthy
-            value = words[raw.lower()]
-        else:
-            try:
-                value = json.loads(raw)
-            except ValueError:
-                value = raw
-        out.setdefault(name, {})[option] = value
-    return out
-
-
-def _config(args, strategies: list[str], overrides: dict[str, dict], np: int, rate: float | None) -> dict:
-    """One run: ``np`` workers, links of ``rate`` bits/s (undilated; None = loopback)."""
-    from gradsync.models import get_model
-
-    hints = get_model(args.model).options.get("strategy_options", {})
-    dilation = args.dilation or max(1.0, (rate or 0.0) / args.auto_real_rate)  # None: --dilation auto
-    workload = {"model": args.model, "batch_size": args.batch_size, "optimizer": args.optimizer,
-                "lr": args.lr, "seed": args.seed, "compute": args.compute, "dilation": dilation}
-    return {"workload": workload, "strategies": strategies, "np": np, "servers": args.servers,
-            "steps": args.steps, "warmup": args.warmup, "threads": args.threads, "check_steps": args.check_steps,
-            "rounds": args.rounds, "per_round": -(-args.steps // args.rounds), "rate_bps": rate,
-            "delay_ms": args.delay if rate is not None else 0.0,
-            "dilation": dilation, "trace": bool(args.trace), "tune": args.tune, "tune_steps": args.tune_steps,
-            "options": {s: _options(s, hints, overrides) for s in strategies}}
-
-
-def _options(label: str, hints: dict, overrides: dict) -> dict:
-    """A bench label's strategy options: the model's hints, ``--set``, and the ``+SPEC`` compressor."""
-    name, plus, spec = label.partition("@")[0].partition("+")
-    options = {**hints.get(name, {}), **overrides.get(name, {}), **overrides.get(label, {})}
-    return {**options, "compression": spec} if plus else options
-
-
-def _check_options(config: dict, parser_error) -> None:
-    """Build each strategy once here, so a bad option is an argument error, not a crash in the ranks."""
-    from gradsync.bench.worker import strategy_of
-    from gradsync.errors import ConfigError
-    from gradsync.strategies import resolve
-
-    for name, options in config["options"].items():
-        try:
-            resolve(strategy_of(name), **options)
-        except ConfigError as exc:
-            parser_error(str(exc))
-
-
 def _run_ranks(config: dict, run_dir: str) -> int:
-    from gradsync.cluster import launch
     from gradsync.errors import ConfigError
     from gradsync.launch import launch_local
+    from gradsync.launch.emulated import launch_emulated
 
     with open(os.path.join(run_dir, "config.json"), "w") as f:
         json.dump(config, f)
@@ -284,7 +58,7 @@ def _run_ranks(config: dict, run_dir: str) -> int:
         if config["rate_bps"] is None:
             result = launch_local(command, **options)
         else:
-            result = launch(command, rate_bps=config["rate_bps"] / config["dilation"],
+            result = launch_emulated(command, rate_bps=config["rate_bps"] / config["dilation"],
                             delay_ms=config["delay_ms"] * config["dilation"], **options)
     except ConfigError as exc:
         print(f"gradsync bench: {exc}", file=sys.stderr)

@@ -133,28 +133,58 @@ def table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
+COLOURS = {"ddp": "tab:gray", "allreduce": "tab:blue", "ps": "tab:orange", "ps-async": "tab:brown",
+           "p3": "tab:red", "ps-sliced": "tab:pink", "allreduce-priority": "tab:purple", "casync-ring": "tab:green",
+           "casync-ps": "tab:olive", "compressed-allgather": "tab:cyan", "sma": "goldenrod", "pair-averaging": "navy",
+           "hybrid": "black"}
+"""One colour per strategy in every chart gradsync draws (bench, simulate, sweeps)."""
+VARIANTS = ["", "//", "..", "xx", "\\\\", "++"]
+LINES = ["-", "--", ":", "-.", (0, (5, 1)), (0, (1, 3))]
+
+
+def style(label: str, labels: list[str]) -> tuple[str, int]:
+    """The colour of ``label``'s strategy (``casync-ring+onebit@noise-scale`` -> ``casync-ring``) and
+    which variant of that strategy it is among ``labels`` (0 for the first, or the plain one)."""
+    base = label.split("+")[0].split("@")[0]
+    same = [x for x in dict.fromkeys(labels) if x.split("+")[0].split("@")[0] == base]
+    return COLOURS.get(base, "tab:gray"), same.index(label) % len(VARIANTS) if label in same else 0
+
+
 def chart(records: list[dict], path: str, title: str) -> None:
-    """Throughput with min-max whiskers, and step time split into compute and communication."""
+    """Throughput with min-max whiskers, and step time split into compute and communication; each
+    strategy in its colour (variants of one strategy hatched), legends outside the bars."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     names = [r["strategy"] for r in records]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.6))
     rate = [r["samples_per_s"] for r in records]
     err = [[r["samples_per_s"] - r["samples_per_s_min"] for r in records],
            [r["samples_per_s_max"] - r["samples_per_s"] for r in records]]
-    left.bar(names, rate, yerr=err, capsize=4, color="tab:blue")
+    styles = [style(n, names) for n in names]
+    left.bar(names, rate, yerr=err, capsize=4, color=[c for c, _ in styles], hatch=None, edgecolor="white")
+    for bar, (_, variant) in zip(left.patches, styles):
+        bar.set_hatch(VARIANTS[variant])
+    if all("bound_samples_per_s" in r for r in records):  # compute time vs the fewest bytes over the link
+        left.scatter(names, [r["bound_samples_per_s"] for r in records], marker="_", s=900, linewidths=2,
+                     color="black", zorder=3, label="physical bound")
+        left.legend(loc="lower center", bbox_to_anchor=(0.5, 1.08), frameon=False, fontsize=8)
     left.set_ylabel("samples/s (median, min-max)")
     left.set_title("Global throughput")
     compute = [r["compute_s"] * 1e3 for r in records]
     overhead = [max(r["comm_overhead_s"], 0) * 1e3 for r in records]
-    right.bar(names, compute, label="compute only", color="tab:gray")
-    right.bar(names, overhead, bottom=compute, label="communication overhead", color="tab:orange")
+    right.bar(names, compute, label="compute only", color="lightgray")
+    right.bar(names, overhead, bottom=compute, label="communication overhead", color="dimgray")
     right.set_ylabel("ms per step (median)")
     right.set_title("Step time")
-    right.legend(loc="lower center", framealpha=0.9)
+    for ax in (left, right):
+        ax.tick_params(axis="x", labelrotation=30)
+        for tick in ax.get_xticklabels():
+            tick.set_horizontalalignment("right")
+    # Above the plot, where no bar can be: a bar reaching the top would hide under a legend inside.
+    right.legend(loc="lower center", bbox_to_anchor=(0.5, 1.08), ncol=2, frameon=False, fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -176,10 +206,13 @@ def sweep_charts(records: list[dict], out_dir: str, title: str) -> list[str]:
     for axis, values, name in (("net_bps", rates, "throughput_vs_bandwidth.png"), ("np", nps, "throughput_vs_workers.png")):
         if len(values) < 2:
             continue
-        fig, ax = plt.subplots(figsize=(6.5, 4))
-        for strategy in dict.fromkeys(r["strategy"] for r in records):
+        fig, ax = plt.subplots(figsize=(7.5, 4))
+        labels = list(dict.fromkeys(r["strategy"] for r in records))
+        for strategy in labels:
             points = sorted((r[axis], r["samples_per_s"]) for r in records if r["strategy"] == strategy and r[axis] is not None)
-            ax.plot([x / 1e9 if axis == "net_bps" else x for x, _ in points], [y for _, y in points], marker="o", label=strategy)
+            colour, variant = style(strategy, labels)
+            ax.plot([x / 1e9 if axis == "net_bps" else x for x, _ in points], [y for _, y in points], marker="o",
+                    label=strategy, color=colour, linestyle=LINES[variant])
         # Against bandwidth, the bound of the first strategy's traffic pattern; against workers, the ideal.
         key, label = (("bound_samples_per_s", f"bound ({records[0]['strategy']} traffic)") if axis == "net_bps"
                       else ("ideal_samples_per_s", "ideal (N x compute only)"))
@@ -190,7 +223,7 @@ def sweep_charts(records: list[dict], out_dir: str, title: str) -> list[str]:
             ax.set_xscale("log")
         ax.set_ylabel("samples/s (median)")
         ax.set_title(title, fontsize=9)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
         ax.grid(alpha=0.3)
         fig.tight_layout()
         path = os.path.join(out_dir, name)

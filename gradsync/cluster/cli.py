@@ -12,7 +12,7 @@ def add_parser(subparsers) -> None:
     check = subparsers.add_parser(
         "netcheck", help="measure the rate an emulated cluster's links deliver",
         description="Create an emulated cluster, measure per-host one-way and bidirectional rates and "
-                    "all-reduce bus bandwidth, and compare them with the configured rate (target: within 10 %%).")
+                    "all-reduce bus bandwidth, and compare them with the configured rate (target: within 10 %).")
     check.add_argument("--hosts", type=int, default=2, help="emulated hosts, one rank each (default 2)")
     check.add_argument("--net", required=True, metavar="RATE", help="link rate, e.g. 100mbit, 1gbit, 5gbit")
     check.add_argument("--delay", type=float, default=0.0, metavar="MS", help="one-way host-to-host delay (default 0)")

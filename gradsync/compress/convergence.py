@@ -12,6 +12,8 @@ after ``steps`` steps, and the loss curve.
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 import torch
@@ -89,27 +91,41 @@ OWN_FEEDBACK = {"efsignsgd", "tbq", "graddrop", "dgc"}
 YMAX = 5.0
 
 
+def diverged(result: dict) -> bool:
+    """Whether a run ended at or above :data:`YMAX`, or reached a loss that is not finite."""
+    final, curve = result["loss"], [loss for _, loss in result["curve"]]
+    return not (math.isfinite(final) and final < YMAX) or not all(map(math.isfinite, curve))
+
+
 def plot(results: list[dict], path: str) -> None:
+    """Held-out loss per step: without error feedback (left) and with it (right). Each compressor has
+    one colour in both panels; a diverged run is drawn dotted, ends in an x, and says so."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(14, 6), sharey=True)
+    names = list(dict.fromkeys(r["compressor"] for r in results if not r["compressor"].startswith("none")))
+    palette = plt.cm.tab20.colors[0::2] + plt.cm.tab20.colors[1::2]  # ten distinct hues, then their light shades
+    colour = {name: palette[i % len(palette)] for i, name in enumerate(names)}
+    fig, axes = plt.subplots(1, 2, figsize=(15, 6), sharey=True)
     for ax, feedback in zip(axes, (False, True)):
         shown = [r for r in results if r["error_feedback"] == feedback or r["compressor"].startswith("none")]
-        ax.set_prop_cycle(color=plt.cm.tab20.colors)
         for r in shown:
             steps, losses = zip(*r["curve"])
-            label = r["compressor"] + ("" if r["loss"] < YMAX else " (diverged)")
-            exact = r["compressor"].startswith("none")
-            ax.plot(steps, losses, label=label, lw=3 if exact else 1.2, color="black" if exact else None)
+            exact, failed = r["compressor"].startswith("none"), diverged(r)
+            label = r["compressor"] + (" (diverged)" if failed else "")
+            clipped = [min(loss, YMAX) if math.isfinite(loss) else YMAX for loss in losses]
+            ax.plot(steps, clipped, label=label, lw=3 if exact else 1.2, linestyle=":" if failed else "-",
+                    color="black" if exact else colour[r["compressor"]])
+            if failed:
+                ax.plot(steps[-1], clipped[-1], marker="x", markersize=9, color=colour[r["compressor"]])
         ax.set_title("with error feedback" if feedback else "without error feedback (built-in residuals kept)")
         ax.set_xlabel("step")
         ax.set_yscale("log")
-        ax.set_ylim(0.1, YMAX)
+        ax.set_ylim(0.1, YMAX * 1.1)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, ncol=2, loc="upper right")
+        ax.legend(fontsize=7, ncol=1, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     axes[0].set_ylabel("held-out cross-entropy (clipped at %g)" % YMAX)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

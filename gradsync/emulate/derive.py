@@ -1,4 +1,5 @@
-"""Where compute profiles come from: measuring the real model, or deriving times from FLOPs.
+"""Where compute profiles come from: measuring the real model, deriving times from FLOPs, or a file
+(shipped or the user's); :func:`resolve` picks the one ``--compute emulated[:PROFILE]`` names.
 
 Both attribute time (or FLOPs) to the layers of :mod:`gradsync.emulate.profile` the same way: each
 call of a layer starts a segment that belongs to it until the next layer call, so parameter-free
@@ -6,14 +7,16 @@ work counts toward the layer before it and the layers add up to the whole step.
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import os
 import platform
 import statistics
 import time
 from collections import defaultdict
 from contextlib import contextmanager
 
-from gradsync.emulate.profile import Layer, Profile, layer_modules
+from gradsync.emulate.profile import PROFILE_DIR, SHIPPED, Layer, Profile, layer_modules, parse_rate
 from gradsync.errors import ConfigError
 
 
@@ -269,3 +272,48 @@ def from_flops(model_name: str, batch_size: int, tflops: float, *, device: str |
               f"({datetime.date.today()}); forward FLOPs per layer from FlopCounterMode {how}, backward = 2x "
               f"forward, {total:.4g} GFLOP per step at {tflops:g} TFLOPS")
     return Profile(model_name, batch_size, device or f"a device sustaining {tflops:g} TFLOPS, fp32", source, layers)
+
+
+# -- choosing one -------------------------------------------------------------------------------
+
+def _help(model_name: str, batch_size: int) -> str:
+    shipped = ", ".join(f"{v.removesuffix('.json')} ({k})" for k, v in SHIPPED.items())
+    base = model_name.partition(":")[0]
+    return (f"shipped profiles (full-size models): {shipped}. For other models, measure one with "
+            f"`gradsync profile --model {model_name} --batch-size {batch_size} --out {base}.json` and pass "
+            f"emulated:{base}.json, or derive one from FLOPs with emulated:flops:RATE (e.g. flops:15tflops)")
+
+
+def _load(model_name: str, batch_size: int, text: str | None) -> Profile:
+    base, _, size = model_name.partition(":")
+    if not text:
+        if size not in ("", "full") or base not in SHIPPED:
+            raise ConfigError(f"no shipped compute profile for {model_name!r}; {_help(model_name, batch_size)}")
+        return Profile.load(os.path.join(PROFILE_DIR, SHIPPED[base]))
+    if text.endswith(".json") and os.path.isfile(text):
+        return Profile.load(text)
+    name = text if text.endswith(".json") else text + ".json"
+    if os.path.basename(name) == name and os.path.isfile(os.path.join(PROFILE_DIR, name)):
+        return Profile.load(os.path.join(PROFILE_DIR, name))
+    raise ConfigError(f"unknown compute profile {text!r}: not flops:RATE, an existing .json file or a "
+                      f"shipped profile; {_help(model_name, batch_size)}")
+
+
+def resolve(model_name: str, batch_size: int, text: str | None) -> Profile:
+    """The profile that ``--compute emulated[:TEXT]`` means for ``model_name`` at ``batch_size``.
+
+    ``TEXT`` empty: the shipped default for the model (full size only); ``flops:RATE``: derived by
+    :func:`from_flops`; a path to a ``.json`` file, or a shipped profile's file name (``.json``
+    optional). A loaded profile must be for the same model (base name); if it was made at another
+    batch size its times are scaled linearly to ``batch_size`` and the source says so.
+    """
+    if text and text.startswith("flops:"):
+        return from_flops(model_name, batch_size, parse_rate(text[len("flops:"):]))
+    profile = _load(model_name, batch_size, text)
+    if profile.model.partition(":")[0] != model_name.partition(":")[0]:
+        raise ConfigError(f"compute profile {text or SHIPPED.get(model_name)!r} is for model {profile.model!r}, "
+                          f"not {model_name!r}; {_help(model_name, batch_size)}")
+    if profile.batch_size != batch_size:
+        note = f"times scaled linearly from batch {profile.batch_size} to {batch_size}"
+        profile = dataclasses.replace(profile.scaled(batch_size / profile.batch_size, note), batch_size=batch_size)
+    return profile

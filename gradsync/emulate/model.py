@@ -36,7 +36,8 @@ import torch
 from torch import nn
 
 from gradsync import trace
-from gradsync.emulate.profile import Profile, check_covers, layer_modules, resolve
+from gradsync.emulate.derive import resolve
+from gradsync.emulate.profile import Profile, check_covers, layer_modules
 
 _POOL = 1 << 20  # elements of the gradient pattern; a gradient is a window of it, tiled
 

@@ -11,7 +11,8 @@ reverse forward order.
 Three sources (see docs/profiles.md): :func:`~gradsync.emulate.derive.measure` times the real
 model on this machine, :func:`~gradsync.emulate.derive.from_flops` derives times from per-layer FLOPs at a given rate, and :data:`SHIPPED` names
 the profiles that come with gradsync (FLOP splits scaled to published V100 throughputs).
-:func:`resolve` turns the ``PROFILE`` of ``--compute emulated[:PROFILE]`` into a profile.
+:func:`gradsync.emulate.derive.resolve` turns the ``PROFILE`` of ``--compute emulated[:PROFILE]``
+into a profile.
 
 File format (JSON)::
 
@@ -125,53 +126,6 @@ def parse_rate(text: str) -> float:
                           "e.g. 15tflops, 15 (TFLOPS) or 900gflops")
     value = float(match.group(1)) * 10 ** int(match.group(2) or 0)
     return value * _UNIT[(match.group(3) or "tflops").lower()]
-
-
-# -- choosing one -------------------------------------------------------------------------------
-
-def _help(model_name: str, batch_size: int) -> str:
-    shipped = ", ".join(f"{v.removesuffix('.json')} ({k})" for k, v in SHIPPED.items())
-    base = model_name.partition(":")[0]
-    return (f"shipped profiles (full-size models): {shipped}. For other models, measure one with "
-            f"`gradsync profile --model {model_name} --batch-size {batch_size} --out {base}.json` and pass "
-            f"emulated:{base}.json, or derive one from FLOPs with emulated:flops:RATE (e.g. flops:15tflops)")
-
-
-def _load(model_name: str, batch_size: int, text: str | None) -> Profile:
-    base, _, size = model_name.partition(":")
-    if not text:
-        if size not in ("", "full") or base not in SHIPPED:
-            raise ConfigError(f"no shipped compute profile for {model_name!r}; {_help(model_name, batch_size)}")
-        return Profile.load(os.path.join(PROFILE_DIR, SHIPPED[base]))
-    if text.endswith(".json") and os.path.isfile(text):
-        return Profile.load(text)
-    name = text if text.endswith(".json") else text + ".json"
-    if os.path.basename(name) == name and os.path.isfile(os.path.join(PROFILE_DIR, name)):
-        return Profile.load(os.path.join(PROFILE_DIR, name))
-    raise ConfigError(f"unknown compute profile {text!r}: not flops:RATE, an existing .json file or a "
-                      f"shipped profile; {_help(model_name, batch_size)}")
-
-
-def resolve(model_name: str, batch_size: int, text: str | None) -> Profile:
-    """The profile that ``--compute emulated[:TEXT]`` means for ``model_name`` at ``batch_size``.
-
-    ``TEXT`` empty: the shipped default for the model (full size only); ``flops:RATE``: derived by
-    :func:`from_flops`; a path to a ``.json`` file, or a shipped profile's file name (``.json``
-    optional). A loaded profile must be for the same model (base name); if it was made at another
-    batch size its times are scaled linearly to ``batch_size`` and the source says so.
-    """
-    if text and text.startswith("flops:"):
-        from gradsync.emulate.derive import from_flops
-
-        return from_flops(model_name, batch_size, parse_rate(text[len("flops:"):]))
-    profile = _load(model_name, batch_size, text)
-    if profile.model.partition(":")[0] != model_name.partition(":")[0]:
-        raise ConfigError(f"compute profile {text or SHIPPED.get(model_name)!r} is for model {profile.model!r}, "
-                          f"not {model_name!r}; {_help(model_name, batch_size)}")
-    if profile.batch_size != batch_size:
-        note = f"times scaled linearly from batch {profile.batch_size} to {batch_size}"
-        profile = dataclasses.replace(profile.scaled(batch_size / profile.batch_size, note), batch_size=batch_size)
-    return profile
 
 
 def check_covers(profile: Profile, model) -> None:

@@ -231,7 +231,8 @@ def _run_elastic(args, command: list[str], parser) -> int:
 
 def _run_emulated(args, command: list[str], parser) -> int:
     """``--net``: the job's ranks on emulated hosts (:mod:`gradsync.cluster`), removed afterwards."""
-    from gradsync.cluster import launch, parse_rate, require_privileges
+    from gradsync.cluster import parse_rate, require_privileges
+    from gradsync.launch.emulated import launch_emulated
     from gradsync.errors import ConfigError
 
     if args.hosts or args.hostfile or args.master_addr:
@@ -239,7 +240,7 @@ def _run_emulated(args, command: list[str], parser) -> int:
     try:
         rate = parse_rate(args.net)
         require_privileges()
-        result = launch(command, np=args.np, servers=args.servers, rate_bps=rate, delay_ms=args.delay,
+        result = launch_emulated(command, np=args.np, servers=args.servers, rate_bps=rate, delay_ms=args.delay,
                         loss=args.loss / 100, ranks_per_host=args.ranks_per_host,
                         port=args.port, logdir=args.logdir, grace_s=args.grace)
     except ConfigError as exc:

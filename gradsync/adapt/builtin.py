@@ -1,0 +1,163 @@
+"""The built-in adaptation policies (KungFu's): :class:`AdaptiveBatchSize` grows the global batch
+with the gradient noise scale, :class:`StrategySwitch` keeps the fastest synchronization strategy
+for the current network, :class:`ScheduledResize` changes the number of workers at given steps."""
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from gradsync import runtime
+from gradsync.adapt.monitor import NoiseScale
+from gradsync.adapt.policy import Controller, Policy
+from gradsync.errors import ConfigError
+
+
+class AdaptiveBatchSize(Policy):
+    """Grow the batch as the gradient noise scale grows (McCandlish et al. 2018; KungFu Fig. 4).
+
+    Every ``every`` steps, when the measured noise scale ``B_simple`` exceeds ``threshold`` times the
+    global batch, the per-worker batch doubles (up to ``max_batch_size``): the batch then tracks the
+    noise scale from below, where a bigger batch still buys almost proportionally fewer steps. The
+    learning rate follows the batch by ``lr_scaling``: ``"linear"`` (Goyal et al. 2017: lr x 2 when
+    the batch doubles), ``"sqrt"`` (x sqrt(2), for Adam-like optimizers), or ``None``.
+    ``history`` lists ``(step, noise_scale, new_batch_size)`` of every change.
+    """
+
+    def __init__(self, noise_scale: NoiseScale, max_batch_size: int, *, every: int = 10, threshold: float = 2.0,
+                 lr_scaling: str | None = "linear"):
+        if lr_scaling not in ("linear", "sqrt", None):
+            raise ConfigError(f"lr_scaling must be 'linear', 'sqrt' or None, got {lr_scaling!r}")
+        if every < 1 or threshold <= 0:
+            raise ConfigError("AdaptiveBatchSize: every must be >= 1 and threshold > 0")
+        self.noise_scale, self.max_batch_size = noise_scale, max_batch_size
+        self.every, self.threshold, self.lr_scaling = every, threshold, lr_scaling
+        self.history: list[tuple[int, float, int]] = []
+
+    def after_step(self, ctl: Controller) -> None:
+        if ctl.step % self.every:
+            return
+        gns = self.noise_scale.value
+        if not math.isfinite(gns) or gns <= self.threshold * ctl.global_batch_size:
+            return
+        new = min(self.max_batch_size, ctl.batch_size * 2)
+        if new == ctl.batch_size:
+            return
+        factor = new / ctl.batch_size
+        ctl.set_batch_size(new)
+        if self.lr_scaling == "linear":
+            ctl.scale_lr(factor)
+        elif self.lr_scaling == "sqrt":
+            ctl.scale_lr(math.sqrt(factor))
+        self.history.append((ctl.step, gns, new))
+
+    def state(self) -> dict:
+        return {"history": self.history}
+
+    def load_state(self, state: dict) -> None:
+        self.history = [tuple(h) for h in state["history"]]
+
+
+class StrategySwitch(Policy):
+    """Use whichever candidate strategy is fastest now, and look again when things change.
+
+    Probing: each candidate runs ``probe_steps`` steps (the first one after a switch is not counted);
+    its time is the median step time, the slowest worker's (one all-reduce, so every worker decides
+    alike). Then the fastest runs. Every ``check_every`` steps the current strategy's median over
+    the last ``probe_steps`` steps is compared with its time when chosen: ``tolerance`` slower (the
+    network got slower, another job shares it; KungFu votes at 0.8x) and the candidates are probed
+    again. Parameters and optimizer state carry over every switch (``optimizer.switch_strategy``).
+
+    ``candidates``: names, or ``(name, options)`` pairs. ``history``: ``(step, event, detail)``.
+    """
+
+    def __init__(self, candidates: list, *, probe_steps: int = 5, check_every: int = 50, tolerance: float = 0.2):
+        if len(candidates) < 2:
+            raise ConfigError("StrategySwitch needs at least two candidate strategies")
+        if probe_steps < 2:
+            raise ConfigError("StrategySwitch: probe_steps must be >= 2 (the first step after a switch is dropped)")
+        self.candidates = [(c, {}) if isinstance(c, str) else (c[0], dict(c[1])) for c in candidates]
+        self.probe_steps, self.check_every, self.tolerance = probe_steps, check_every, tolerance
+        self.history: list[tuple[int, str, Any]] = []
+        self.times: list[float] = []
+        self.probing: int | None = 0  # index of the candidate being probed; None once one is chosen
+        self.measured: dict[int, float] = {}
+        self.chosen_time = math.inf
+        self.current: int | None = None
+        self._last = None
+
+    def state(self) -> dict:
+        return {"history": self.history, "times": self.times, "probing": self.probing,
+                "measured": list(self.measured.items()), "chosen_time": self.chosen_time, "current": self.current}
+
+    def load_state(self, state: dict) -> None:
+        self.history = [tuple(h) for h in state["history"]]
+        self.times, self.probing, self.current = state["times"], state["probing"], state["current"]
+        self.measured = {int(k): v for k, v in state["measured"]}
+        self.chosen_time = state["chosen_time"]
+        self._last = None
+
+    def label(self, k: int) -> str:
+        name, options = self.candidates[k]
+        return name if not options else f"{name}({', '.join(f'{a}={b}' for a, b in options.items())})"
+
+    def _switch(self, ctl: Controller, k: int) -> None:
+        if self.current != k:
+            ctl.switch_strategy(self.candidates[k][0], **self.candidates[k][1])
+            self.current = k
+        self.times, self._last = [], None
+
+    def before_train(self, ctl: Controller) -> None:
+        self._switch(ctl, 0)
+        self.history.append((ctl.step, "probe", self.label(0)))
+
+    def _median_slowest(self) -> float:
+        t = torch.tensor([statistics.median(self.times[1:])], dtype=torch.float64)
+        runtime.current().transport.allreduce(t, op="max", what="StrategySwitch step times")
+        return float(t)
+
+    def after_step(self, ctl: Controller) -> None:
+        now = time.perf_counter()
+        if self._last is not None:
+            self.times.append(now - self._last)
+        self._last = now
+        if self.probing is not None:
+            if len(self.times) < self.probe_steps:
+                return
+            self.measured[self.probing] = self._median_slowest()
+            self.history.append((ctl.step, "measured", (self.label(self.probing), self.measured[self.probing])))
+            if self.probing + 1 < len(self.candidates):
+                self.probing += 1
+                self._switch(ctl, self.probing)
+                return
+            best = min(self.measured, key=self.measured.get)
+            self.probing, self.chosen_time = None, self.measured[best]
+            self._switch(ctl, best)
+            self.history.append((ctl.step, "chose", self.label(best)))
+            return
+        if ctl.step % self.check_every or len(self.times) < self.probe_steps:
+            return
+        self.times = self.times[-self.probe_steps:]
+        recent = self._median_slowest()
+        if recent > (1 + self.tolerance) * self.chosen_time:
+            self.history.append((ctl.step, "slower", (self.label(self.current), recent)))
+            self.probing, self.measured = 0, {}
+            self._switch(ctl, 0)
+
+
+class ScheduledResize(Policy):
+    """Resize the job at given steps: ``ScheduledResize({100: 4, 300: 2})`` (needs ``gradsync run --elastic``)."""
+
+    def __init__(self, schedule: dict[int, int]):
+        for step, size in schedule.items():
+            if step < 0 or size < 1:
+                raise ConfigError(f"ScheduledResize: step {step} -> {size} workers is not a valid entry")
+        self.schedule = dict(schedule)
+
+    def after_step(self, ctl: Controller) -> None:
+        size = self.schedule.get(ctl.step)
+        if size is not None and size != ctl.num_workers:
+            ctl.resize(size)

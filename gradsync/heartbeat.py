@@ -1,0 +1,165 @@
+"""The heartbeat: every rank bumps a counter in the rendezvous store once a second, on a thread and a
+store connection of its own, and reads its peers' counters to name the ones that stopped.
+
+While a thread of the rank waits long in one operation (most of the operations' timeout), the
+heartbeat also watches the peers' counters each beat, so when the operation fails the silent peer
+is already known (:meth:`Heartbeat.silent_ranks`). :mod:`gradsync.runtime` starts it and asks it.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from gradsync import flight
+from gradsync.topology import Topology
+
+HEARTBEAT_S = 1.0
+HEARTBEAT_STORE_S = 2.0
+"""Longest a heartbeat's store call may block (a store host that vanished): shorter than the wait
+in :meth:`Heartbeat.stop`, so the thread is always gone before the process group is torn down."""
+SILENT_S = 2.5 * HEARTBEAT_S
+"""A rank whose heartbeat did not advance for this long has stopped."""
+
+
+def _within(seconds: float, make):
+    """``make()``, or ``TimeoutError`` after ``seconds`` (the call is left behind in a daemon thread)."""
+    box: list = []
+
+    def run() -> None:
+        try:
+            box.append((True, make()))
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            box.append((False, exc))
+
+    thread = threading.Thread(target=run, name="gradsync-store-call", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if not box:
+        raise TimeoutError(f"no answer within {seconds:g} s")
+    ok, value = box[0]
+    if ok:
+        return value
+    raise value
+
+
+class Heartbeat:
+    """Bumps ``gradsync/hb/<rank>`` in the store every second, on its own store connection.
+
+    While a thread of this rank has waited on one operation for ``watch_after_s`` (the operations'
+    timeout, :func:`operation_timeout`, less the silence window and one beat), the heartbeat also reads every peer's counter
+    each beat, so that when the operation times out the silent peer is named at once, from what
+    was watched, instead of after another :data:`SILENT_S` of watching. Healthy jobs never wait
+    that long, so the store sees only each rank's own beat."""
+
+    def __init__(self, addr: str, port: int, topology: Topology, prefix: str = "",
+                 timeout_s: float = 30.0):
+        self.topology = topology
+        # Connecting may take a resent SYN (a lossy link): the job's timeout. Each call after: 2 s.
+        self.store = dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=max(timeout_s, HEARTBEAT_STORE_S)),
+                                   wait_for_workers=False)
+        self.store.set_timeout(timedelta(seconds=HEARTBEAT_STORE_S))
+        if prefix:  # an elastic job's generation: ranks are renumbered in each
+            self.store = dist.PrefixStore(prefix, self.store)
+        self.watch_after_s = max(HEARTBEAT_S, timeout_s - SILENT_S - HEARTBEAT_S)
+        self._seen: dict[int, tuple[int, float]] = {}  # rank -> (count, still since), while watching
+        self.answered = time.monotonic()  # the store's last answer to this thread's beat
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="gradsync-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        key = f"gradsync/hb/{self.topology.rank}"
+        while not self._stop.wait(HEARTBEAT_S):
+            store = self.store
+            if store is None:
+                return
+            try:
+                store.add(key, 1)
+            except Exception:  # noqa: BLE001 - a slow or vanished store host (diagnosis says which):
+                continue  # try again next beat; each call is bounded by HEARTBEAT_STORE_S
+            self.answered = time.monotonic()
+            recorder = flight.current()
+            if recorder is not None and recorder.longest_wait_s() >= self.watch_after_s:
+                self._watch()
+            else:
+                with self._lock:
+                    self._seen = {}
+
+    def store_lost(self) -> bool:
+        """Whether the store has not answered this rank's beats for longer than a beat and a
+        bounded call (its host died, or is stopped: a stopped host's store never answers)."""
+        return time.monotonic() - self.answered > HEARTBEAT_S + HEARTBEAT_STORE_S
+
+    def beats(self) -> dict[int, int] | None:
+        """Every other rank's heartbeat count now; None if the store is gone or does not answer
+        within ``HEARTBEAT_STORE_S`` (a store whose host is stopped, SIGSTOP, keeps a client's
+        ``add`` waiting whatever the client's timeout: the call is bounded here, see ``_within``).
+        A rank whose count stays the same over ``SILENT_S`` has stopped."""
+        store, others = self.store, [r for r in range(self.topology.world_size) if r != self.topology.rank]
+        if store is None:
+            return None
+        try:
+            return _within(HEARTBEAT_STORE_S, lambda: {r: store.add(f"gradsync/hb/{r}", 0) for r in others})
+        except Exception:
+            return None
+
+    def _observe(self, seen: dict[int, tuple[int, float]]) -> dict[int, tuple[int, float]] | None:
+        """``seen`` (per rank: its count, and since when it has had that count as far as watched)
+        updated with the peers' counters now; None if the store is gone. A rank seen for the first
+        time counts as still since now: nothing is known of it before."""
+        beats = self.beats()
+        if beats is None:
+            return None
+        now, seen = time.monotonic(), dict(seen)
+        for rank, count in beats.items():
+            if rank not in seen or seen[rank][0] != count:
+                seen[rank] = (count, now)
+        return seen
+
+    def _watch(self) -> None:
+        """One beat of watching (the heartbeat thread, during a long wait)."""
+        with self._lock:
+            seen = self._seen
+        seen = self._observe(seen)
+        if seen is not None:
+            with self._lock:
+                self._seen = seen
+
+    def silent_ranks(self, window_s: float = SILENT_S, poll_s: float = 0.1) -> list[int] | None:
+        """Ranks whose heartbeat did not advance for ``window_s``; None if the store is gone.
+
+        Reads the counters every ``poll_s`` until each peer is decided: alive once its count moves
+        after the first read, silent once it has stood still for ``window_s`` (counting what the
+        watch saw before). A watched stopped rank is so named within one beat of healthy peers."""
+        if self.store_lost():
+            return None
+        with self._lock:
+            seen = self._seen
+        seen = self._observe(seen)
+        if seen is None:
+            return None
+        first = dict(seen)
+        while True:
+            now = time.monotonic()
+            alive = {r for r, (count, _) in seen.items() if count != first[r][0]}
+            silent = {r for r, (_, since) in seen.items() if r not in alive and now - since >= window_s - 1e-3}
+            undecided = [r for r in seen if r not in alive and r not in silent]
+            if not undecided:
+                return sorted(silent)
+            time.sleep(min(poll_s, max(window_s - (now - seen[r][1]) for r in undecided)))
+            seen = self._observe(seen)
+            if seen is None:
+                return None
+
+    def stop(self, wait_s: float = HEARTBEAT_S + 2 * HEARTBEAT_STORE_S) -> None:
+        """Stop the thread and wait for it: a Python thread that returns from a torch call while the
+        interpreter finalizes aborts the process (pytorch/pytorch#38228), so none may outlive
+        :func:`shutdown`. Its store calls are bounded by ``HEARTBEAT_STORE_S`` each, except against
+        a stopped store host, which never answers: then waiting is pointless (``wait_s``)."""
+        self._stop.set()
+        self._thread.join(timeout=wait_s)
+        self.store = None  # the client connection closes here, not during finalization
