@@ -64,7 +64,7 @@ class Heartbeat:
         if prefix:  # an elastic job's generation: ranks are renumbered in each
             self.store = dist.PrefixStore(prefix, self.store)
         self.watch_after_s = max(HEARTBEAT_S, timeout_s - SILENT_S - HEARTBEAT_S)
-        self._seen: dict[int, tuple[int, float]] = {}  # rank -> (count, still since), while watching
+        self._seen: dict[int, tuple[int, float, bool]] = {}  # rank -> (count, still since, moved), while watching
         self.answered = time.monotonic()  # the store's last answer to this thread's beat
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -107,17 +107,19 @@ class Heartbeat:
         except Exception:
             return None
 
-    def _observe(self, seen: dict[int, tuple[int, float]]) -> dict[int, tuple[int, float]] | None:
-        """``seen`` (per rank: its count, and since when it has had that count as far as watched)
-        updated with the peers' counters now; None if the store is gone. A rank seen for the first
-        time counts as still since now: nothing is known of it before."""
+    def _observe(self, seen: dict[int, tuple[int, float, bool]]) -> dict[int, tuple[int, float, bool]] | None:
+        """``seen`` (per rank: its count, since when it has had that count as far as watched, and
+        whether it was seen to change) updated with the peers' counters now; None if the store is
+        gone. A rank seen for the first time counts as still since now: nothing is known of it before."""
         beats = self.beats()
         if beats is None:
             return None
         now, seen = time.monotonic(), dict(seen)
         for rank, count in beats.items():
-            if rank not in seen or seen[rank][0] != count:
-                seen[rank] = (count, now)
+            if rank not in seen:
+                seen[rank] = (count, now, False)
+            elif seen[rank][0] != count:
+                seen[rank] = (count, now, True)
         return seen
 
     def _watch(self) -> None:
@@ -132,9 +134,9 @@ class Heartbeat:
     def silent_ranks(self, window_s: float = SILENT_S, poll_s: float = 0.1) -> list[int] | None:
         """Ranks whose heartbeat did not advance for ``window_s``; None if the store is gone.
 
-        Reads the counters every ``poll_s`` until each peer is decided: alive once its count moves
-        after the first read, silent once it has stood still for ``window_s`` (counting what the
-        watch saw before). A watched stopped rank is so named within one beat of healthy peers."""
+        Reads the counters every ``poll_s`` until each peer is decided: alive once its count was
+        seen to move within the last ``window_s``, silent once it has stood still for ``window_s``
+        (counting what the watch saw before). After a watched wait both are known at once."""
         if self.store_lost():
             return None
         with self._lock:
@@ -142,15 +144,15 @@ class Heartbeat:
         seen = self._observe(seen)
         if seen is None:
             return None
-        first = dict(seen)
         while True:
             now = time.monotonic()
-            alive = {r for r, (count, _) in seen.items() if count != first[r][0]}
-            silent = {r for r, (_, since) in seen.items() if r not in alive and now - since >= window_s - 1e-3}
+            still = {r: now - since for r, (_, since, _) in seen.items()}
+            alive = {r for r, (_, _, moved) in seen.items() if moved and still[r] < window_s - 1e-3}
+            silent = {r for r in seen if still[r] >= window_s - 1e-3}
             undecided = [r for r in seen if r not in alive and r not in silent]
             if not undecided:
                 return sorted(silent)
-            time.sleep(min(poll_s, max(window_s - (now - seen[r][1]) for r in undecided)))
+            time.sleep(min(poll_s, max(window_s - still[r] for r in undecided)))
             seen = self._observe(seen)
             if seen is None:
                 return None

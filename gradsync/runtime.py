@@ -26,17 +26,17 @@ import torch
 import torch.distributed as dist
 
 from gradsync import flight
-from gradsync.heartbeat import HEARTBEAT_S, Heartbeat, _within
+from gradsync.heartbeat import Heartbeat, _within
 from gradsync import store as stores
 from gradsync.errors import ConfigError, GradsyncError, PeerFailureError
 from gradsync.topology import Topology
 from gradsync.transport import Transport
 
 DEFAULT_TIMEOUT_S = 30.0
-NAMING_S = 2 * HEARTBEAT_S
-"""Time kept back from the job's timeout to name a silent peer once an operation times out (every
-live peer beats once more, a silent one has been watched for ``heartbeat.SILENT_S``), so that the error
-comes within ``GRADSYNC_TIMEOUT``."""
+NAMING_S = 0.5
+"""Time kept back from the job's timeout to name a silent peer once an operation times out: the
+heartbeat has watched the peers during the wait, so the silent and the live ones are known from a
+store read or two, and the error comes within ``GRADSYNC_TIMEOUT``."""
 RENDEZVOUS_MIN_S = 60.0
 """Least time a rank waits for rank 0's store at start-up: ranks on other hosts may start late."""
 ELASTIC_JOIN = None
@@ -175,7 +175,6 @@ def init(*, backend: str | None = None, timeout_s: float | None = None,
     With no ``WORLD_SIZE``/``MASTER_ADDR`` in the environment it starts a one-process job, so
     the same script runs alone or under a launcher.
     """
-    global _RUNTIME
     if _RUNTIME is not None:
         return _RUNTIME.topology
     source = "timeout_s" if timeout_s is not None else "GRADSYNC_TIMEOUT"
@@ -309,7 +308,7 @@ def shutdown() -> None:
     Every closer runs even if one raises (the first error is raised at the end), and the heartbeat
     is stopped in any case. After a peer failure the process group is broken: it is not torn down
     (a thread may still be blocked in it), see :func:`_exit_after_failure`."""
-    global _RUNTIME
+    global _RUNTIME, _FAILED_AT_SHUTDOWN
     runtime = _RUNTIME
     if runtime is None:
         return
@@ -330,12 +329,13 @@ def shutdown() -> None:
         dist.destroy_process_group()
     if not failed:
         _warn_live_threads(runtime.store_lost)
-    _FAILED_AT_SHUTDOWN[:] = [failed]
+    _FAILED_AT_SHUTDOWN = failed
     if error is not None:
         raise error
 
 
-_FAILED_AT_SHUTDOWN: list[bool] = []
+_FAILED_AT_SHUTDOWN = False
+"""Whether the last :func:`shutdown` found the process group broken by a peer failure."""
 
 
 def _shutdown_at_exit() -> None:
@@ -358,7 +358,7 @@ def _exit_after_failure() -> None:
     pytorch/pytorch#38228) and hides the job's exit status. The error is already printed: flush
     the standard streams and the logging handlers and exit with status 1."""
     recorder = flight.current()
-    if not (_FAILED_AT_SHUTDOWN and _FAILED_AT_SHUTDOWN[0]) or recorder is None:
+    if not _FAILED_AT_SHUTDOWN or recorder is None:
         return
     me = threading.get_ident()
     if not any(ident != me for ident in list(recorder.blocked)):
