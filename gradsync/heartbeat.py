@@ -48,8 +48,8 @@ def _within(seconds: float, make):
 class Heartbeat:
     """Bumps ``gradsync/hb/<rank>`` in the store every second, on its own store connection.
 
-    While a thread of this rank has waited on one operation for ``watch_after_s`` (the operations'
-    timeout, :func:`operation_timeout`, less the silence window and one beat), the heartbeat also reads every peer's counter
+    While a thread of this rank has waited on one operation for ``watch_after_s`` (the job's
+    timeout less the silence window and one beat), the heartbeat also reads every peer's counter
     each beat, so that when the operation times out the silent peer is named at once, from what
     was watched, instead of after another :data:`SILENT_S` of watching. Healthy jobs never wait
     that long, so the store sees only each rank's own beat."""

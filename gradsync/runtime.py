@@ -3,8 +3,8 @@
 ``init`` reads the standard environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
 ``MASTER_PORT``) that ``gradsync run``, torchrun, SLURM wrappers and Kubeflow's PyTorchJob all set,
 plus ``GRADSYNC_NUM_SERVERS`` (how many of the last ranks are parameter servers) and
-``GRADSYNC_TIMEOUT`` (a stuck operation fails, naming the peer at fault, within this many seconds;
-default 30). At start-up a rank
+``GRADSYNC_TIMEOUT`` (seconds before a stuck operation fails, naming the peer at fault; default 30).
+At start-up a rank
 waits ``max(GRADSYNC_TIMEOUT, RENDEZVOUS_MIN_S)`` seconds (60 by default) for rank 0's store, then
 fails with an error saying so.
 
@@ -33,23 +33,12 @@ from gradsync.topology import Topology
 from gradsync.transport import Transport
 
 DEFAULT_TIMEOUT_S = 30.0
-NAMING_S = 0.5
-"""Time kept back from the job's timeout to name a silent peer once an operation times out: the
-heartbeat has watched the peers during the wait, so the silent and the live ones are known from a
-store read or two, and the error comes within ``GRADSYNC_TIMEOUT``."""
 RENDEZVOUS_MIN_S = 60.0
 """Least time a rank waits for rank 0's store at start-up: ranks on other hosts may start late."""
 ELASTIC_JOIN = None
 """``(backend, timeout_s) -> Runtime``: joins an elastic job's current generation. Set by
 :mod:`gradsync.adapt.elastic` when imported (``gradsync.init()`` imports it in an elastic job), so
 the runtime does not depend on the layer above it."""
-
-
-def operation_timeout(timeout_s: float) -> float:
-    """How long one operation may wait for its peers: the job's timeout less :data:`NAMING_S` (at
-    least half of it), so a stuck operation fails, names the silent peer, and raises, all within
-    the job's timeout."""
-    return max(timeout_s / 2, timeout_s - NAMING_S)
 
 
 def _env_int(name: str, default: int) -> int:
@@ -79,11 +68,6 @@ class Runtime:
     """The rendezvous store stopped answering (found when explaining a failure)."""
     elastic: object = None
     """In an elastic job (``gradsync run --elastic``): its :class:`gradsync.adapt.elastic.Membership`."""
-
-    @property
-    def operation_s(self) -> float:
-        """How long one operation waits for its peers before it fails (:func:`operation_timeout`)."""
-        return operation_timeout(self.timeout_s)
 
     def explain(self, what: str, exc: BaseException) -> PeerFailureError:
         """Turn a failed communication into an error naming the rank(s) at fault."""
@@ -221,20 +205,19 @@ def start(topology: Topology, store, *, backend: str, timeout_s: float, heartbea
         torch.cuda.set_device(device)
     heartbeat = None
     owns_group = store is not None
-    operation_s = operation_timeout(timeout_s)
     if owns_group:
         dist.init_process_group(backend, store=store, rank=topology.rank,
-                                world_size=topology.world_size, timeout=timedelta(seconds=operation_s))
+                                world_size=topology.world_size, timeout=timedelta(seconds=timeout_s))
         if topology.world_size > 1 and heartbeat_at[0] is not None:
-            heartbeat = Heartbeat(*heartbeat_at, topology, heartbeat_prefix, operation_s)
+            heartbeat = Heartbeat(*heartbeat_at, topology, heartbeat_prefix, timeout_s)
     worker_group = dist.group.WORLD
     if topology.num_servers:
-        worker_group = dist.new_group(topology.worker_ranks, timeout=timedelta(seconds=operation_s))
+        worker_group = dist.new_group(topology.worker_ranks, timeout=timedelta(seconds=timeout_s))
     recorder = flight.FlightRecorder(topology.rank, topology.describe(topology.rank))
     flight.install(recorder)
     runtime = Runtime(topology, None, timeout_s, heartbeat, owns_group, store=store,
                       responder=flight.Responder.start_for(recorder))
-    runtime.transport = Transport(topology, worker_group, device, runtime.explain, runtime.operation_s)
+    runtime.transport = Transport(topology, worker_group, device, runtime.explain, timeout_s)
     _RUNTIME = runtime
     global _AT_EXIT, _PREVIOUS_HOOK
     if not _AT_EXIT:

@@ -17,7 +17,6 @@ import torch
 from torch import nn
 
 import gradsync
-from gradsync import runtime
 from multirank import run_ranks, run_ranks_expect_failure
 
 # Ranks that should have failed together but fell out of step fail after this many seconds.
@@ -203,9 +202,9 @@ def test_hung_rank_times_out_with_explanation():
     last = errors[0].strip().splitlines()[-1]
     assert "PeerFailureError" in last and "failed on worker 0 (rank 0)" in last, last
     assert "no peer died" in last and "did not complete within 5 s" in last and "GRADSYNC_TIMEOUT" in last, last
-    # The operation waits operation_timeout(5) = 4.5 s, and the watch already saw the live peer
-    # beating: within the job's 5 s (half a second of slack for a loaded machine's scheduling).
-    assert runtime.operation_timeout(5) <= seconds_into_step(last) <= 5.5, last
+    # The operation waits the 5 s, and the watch already saw the live peer beating: the error comes
+    # at once (a second of slack for a loaded machine's scheduling).
+    assert 5 <= seconds_into_step(last) <= 6, last
     assert elapsed < 25, f"the job took {elapsed:.1f} s to fail"
 
 

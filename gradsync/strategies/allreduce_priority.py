@@ -219,7 +219,7 @@ class PriorityAllReduce(Strategy):
     def _lead(self) -> None:
         """Rank 0: the highest-priority ready partition, when credit allows; tell the others, issue it."""
         t, sends = self.ctx.transport, deque()
-        idle_s = runtime.current().operation_s / 3
+        idle_s = runtime.current().timeout_s / 3
         while True:
             with self.cv:
                 idle = False

@@ -168,7 +168,7 @@ class P3(Strategy):
         self.accum: dict[tuple[int, int], list] = {}
         self.hyper: dict[int, list[dict]] = {}
         # Receives stay posted between steps: keep-alives when idle, well inside the transport timeout.
-        self.sender = PrioritySender(ctx.transport, credit, idle=(runtime.current().operation_s / 3, self._keepalive))
+        self.sender = PrioritySender(ctx.transport, credit, idle=(runtime.current().timeout_s / 3, self._keepalive))
         self.threads = [threading.Thread(target=self._receive, args=(peer,), daemon=True,
                                          name=f"gradsync-{self.name}-from-{peer}") for peer in self.peers]
         for thread in self.threads:
