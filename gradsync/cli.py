@@ -22,7 +22,7 @@ COMMANDS = {
     "strategies": ("gradsync.strategies.cli", "list the strategies: what each does, exact or not, backends"),
     "codecs": ("gradsync.compress.cli", "measure compressors' encode/decode speed, ratio and error"),
     "profile": ("gradsync.emulate.cli", "measure or derive a model's per-layer compute profile"),
-    "netcheck": ("gradsync.cluster.cli", "measure the links of an emulated cluster"),
+    "netcheck": ("gradsync.bench.netcheck", "measure the links of an emulated cluster"),
     "cluster": ("gradsync.cluster.cli", "manage emulated clusters (cleanup)"),
 }
 

@@ -1,72 +1,15 @@
-"""``gradsync netcheck`` and ``gradsync cluster cleanup``."""
+"""``gradsync cluster cleanup``: remove emulated clusters that dead gradsync processes left behind."""
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import sys
-import tempfile
 
 
 def add_parser(subparsers) -> None:
-    check = subparsers.add_parser(
-        "netcheck", help="measure the rate an emulated cluster's links deliver",
-        description="Create an emulated cluster, measure per-host one-way and bidirectional rates and "
-                    "all-reduce bus bandwidth, and compare them with the configured rate (target: within 10 %).")
-    check.add_argument("--hosts", type=int, default=2, help="emulated hosts, one rank each (default 2)")
-    check.add_argument("--net", required=True, metavar="RATE", help="link rate, e.g. 100mbit, 1gbit, 5gbit")
-    check.add_argument("--delay", type=float, default=0.0, metavar="MS", help="one-way host-to-host delay (default 0)")
-    check.add_argument("--loss", type=float, default=0.0, metavar="PCT", help="percent of frames each link drops (default 0)")
-    check.add_argument("--seconds", type=float, default=2.0, help="duration of one transfer at the configured rate")
-    check.add_argument("--repeats", type=int, default=3, help="transfers per measurement; the median is reported")
-    check.set_defaults(handler=netcheck)
     cluster = subparsers.add_parser("cluster", help="manage emulated clusters")
     actions = cluster.add_subparsers(dest="action", required=True, metavar="ACTION")
     cleanup = actions.add_parser("cleanup", help="remove namespaces left behind by gradsync processes that died")
     cleanup.add_argument("--all", action="store_true", help="also those of gradsync processes still running")
     cleanup.set_defaults(handler=cleanup_main)
-
-
-def netcheck(args) -> int:
-    from gradsync.cluster import format_rate, launch, parse_rate
-    from gradsync.cluster.netcheck import TARGET, report
-    from gradsync.errors import ConfigError
-
-    parser_error = argparse.ArgumentParser(prog="gradsync netcheck").error
-    if args.hosts < 2:
-        parser_error(f"--hosts must be >= 2, got {args.hosts}")
-    if not 0 <= args.loss < 100 or args.delay < 0:
-        parser_error("--loss must be in [0, 100) percent and --delay >= 0")
-    try:
-        rate = parse_rate(args.net)
-    except ConfigError as exc:
-        parser_error(str(exc))
-    print(f"gradsync netcheck: {args.hosts} hosts, links of {format_rate(rate)}"
-          + (f", {args.delay:g} ms one-way delay" if args.delay else "")
-          + (f", {args.loss:g} % of frames lost per link" if args.loss else ""), flush=True)
-    with tempfile.TemporaryDirectory(prefix="gradsync-netcheck-") as run_dir:
-        with open(os.path.join(run_dir, "config.json"), "w") as f:
-            json.dump({"rate_bps": rate, "seconds": args.seconds, "repeats": args.repeats}, f)
-        try:
-            result = launch([sys.executable, "-m", "gradsync.cluster.netcheck", run_dir], np=args.hosts,
-                            rate_bps=rate, delay_ms=args.delay, loss=args.loss / 100,
-                            env={"GRADSYNC_TIMEOUT": "300"})
-        except ConfigError as exc:
-            print(f"gradsync netcheck: {exc}", file=sys.stderr)
-            return 1
-        if result.returncode:
-            print(result.message, file=sys.stderr)
-            return result.returncode
-        with open(os.path.join(run_dir, "results.json")) as f:
-            results = json.load(f)
-    text, ok = report(results["rows"], rate)
-    print("Mbit/s and ratio to the configured rate, per host:")
-    print(text)
-    print(f"\nround trip of a 4-byte message (median): {results['rtt_ms']:.2f} ms"
-          + (f" (configured delay: {2 * args.delay:g} ms there and back)" if args.delay else ""))
-    verdict = "within" if ok else "NOT within"
-    print(f"\n{verdict} {TARGET:.0%} of {format_rate(rate)} on every host and direction")
-    return 0 if ok else 1
 
 
 def cleanup_main(args) -> int:
