@@ -160,6 +160,9 @@ def main() -> None:
     parser.add_argument("--only", default=",".join(EXPERIMENTS), help="experiments to run (default: all)")
     parser.add_argument("--out", help="write the markdown here (default: print it)")
     args = parser.parse_args()
+    unknown = [name for name in args.only.split(",") if name not in EXPERIMENTS]
+    if unknown:
+        parser.error(f"unknown experiment(s) {', '.join(unknown)}; known: {', '.join(EXPERIMENTS)}")
     started = time.monotonic()
     lines = ["# The source papers' cluster-scale results, predicted", "",
              "Made by `python benchmarks/published_scales.py --out docs/published-scales.md` (the event "

@@ -327,6 +327,15 @@ def test_after_a_peer_failure_a_rank_with_a_blocked_thread_exits_with_status_1(c
                                        "closed: ['first']"), done.stdout
 
 
+def test_an_elastic_rank_must_join_through_gradsync_init():
+    """The runtime takes the elastic join from the layer above it (gradsync.adapt.elastic, which
+    gradsync.init() imports in an elastic job); initialising the runtime directly says what to do."""
+    code = ("import os\nos.environ['GRADSYNC_ELASTIC'] = '1'\nfrom gradsync import errors, runtime\n"
+            "try:\n    runtime.init()\nexcept errors.ConfigError as exc:\n    print(exc)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "call gradsync.init() first" in done.stdout, (done.stdout, done.stderr)
+
+
 # -- the rendezvous port is taken ------------------------------------------------------------------
 INIT_RANK = """
 import time, gradsync, gradsync.runtime

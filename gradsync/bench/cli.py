@@ -59,7 +59,7 @@ def _run_ranks(config: dict, run_dir: str) -> int:
             result = launch_local(command, **options)
         else:
             result = launch_emulated(command, rate_bps=config["rate_bps"] / config["dilation"],
-                            delay_ms=config["delay_ms"] * config["dilation"], **options)
+                                     delay_ms=config["delay_ms"] * config["dilation"], **options)
     except ConfigError as exc:
         print(f"gradsync bench: {exc}", file=sys.stderr)
         return 1
