@@ -1,9 +1,13 @@
 """The heartbeat: every rank bumps a counter in the rendezvous store once a second, on a thread and a
 store connection of its own, and reads its peers' counters to name the ones that stopped.
 
-While a thread of the rank waits long in one operation (most of the operations' timeout), the
-heartbeat also watches the peers' counters each beat, so when the operation fails the silent peer
-is already known (:meth:`Heartbeat.silent_ranks`). :mod:`gradsync.runtime` starts it and asks it.
+In a job of up to :data:`WATCH_ALL_MAX` ranks the heartbeat also reads every peer's counter each
+beat, so it always knows since when each peer has been silent: when an operation fails the silent
+peer is named at once (:meth:`Heartbeat.silent_ranks`), and a wait can end within the timeout of
+the fault (:meth:`Heartbeat.watched_silent`, used by :meth:`gradsync.runtime.Runtime.overdue`).
+In a larger job, where that would load the store with every pair of ranks, it watches only while a
+thread of the rank has waited long in one operation (half the timeout less the silence window).
+:mod:`gradsync.runtime` starts it and asks it.
 """
 from __future__ import annotations
 
@@ -22,6 +26,11 @@ HEARTBEAT_STORE_S = 2.0
 in :meth:`Heartbeat.stop`, so the thread is always gone before the process group is torn down."""
 SILENT_S = 2.5 * HEARTBEAT_S
 """A rank whose heartbeat did not advance for this long has stopped."""
+ALIVE_S = 1.5 * HEARTBEAT_S
+"""A rank whose count was seen to change this recently is alive (it beats once a second)."""
+WATCH_ALL_MAX = 32
+"""Up to this many ranks, every rank reads every peer's counter each beat (at most 31 store reads a
+second per rank); above it, only during a long wait."""
 
 
 def _within(seconds: float, make):
@@ -48,11 +57,8 @@ def _within(seconds: float, make):
 class Heartbeat:
     """Bumps ``gradsync/hb/<rank>`` in the store every second, on its own store connection.
 
-    While a thread of this rank has waited on one operation for ``watch_after_s`` (the job's
-    timeout less the silence window and one beat), the heartbeat also reads every peer's counter
-    each beat, so that when the operation times out the silent peer is named at once, from what
-    was watched, instead of after another :data:`SILENT_S` of watching. Healthy jobs never wait
-    that long, so the store sees only each rank's own beat."""
+    Each beat it also reads every peer's counter (see :data:`WATCH_ALL_MAX` for large jobs), so
+    that since when a peer stands still is known when an operation is slow or fails."""
 
     def __init__(self, addr: str, port: int, topology: Topology, prefix: str = "",
                  timeout_s: float = 30.0):
@@ -63,7 +69,7 @@ class Heartbeat:
         self.store.set_timeout(timedelta(seconds=HEARTBEAT_STORE_S))
         if prefix:  # an elastic job's generation: ranks are renumbered in each
             self.store = dist.PrefixStore(prefix, self.store)
-        self.watch_after_s = max(HEARTBEAT_S, timeout_s - SILENT_S - HEARTBEAT_S)
+        self.watch_after_s = 0.0 if topology.world_size <= WATCH_ALL_MAX else max(HEARTBEAT_S, timeout_s / 2 - SILENT_S)
         self._seen: dict[int, tuple[int, float, bool]] = {}  # rank -> (count, still since, moved), while watching
         self.answered = time.monotonic()  # the store's last answer to this thread's beat
         self._lock = threading.Lock()
@@ -83,7 +89,7 @@ class Heartbeat:
                 continue  # try again next beat; each call is bounded by HEARTBEAT_STORE_S
             self.answered = time.monotonic()
             recorder = flight.current()
-            if recorder is not None and recorder.longest_wait_s() >= self.watch_after_s:
+            if self.watch_after_s == 0.0 or (recorder is not None and recorder.longest_wait_s() >= self.watch_after_s):
                 self._watch()
             else:
                 with self._lock:
@@ -123,7 +129,7 @@ class Heartbeat:
         return seen
 
     def _watch(self) -> None:
-        """One beat of watching (the heartbeat thread, during a long wait)."""
+        """One beat of watching (the heartbeat thread)."""
         with self._lock:
             seen = self._seen
         seen = self._observe(seen)
@@ -131,12 +137,22 @@ class Heartbeat:
             with self._lock:
                 self._seen = seen
 
-    def silent_ranks(self, window_s: float = SILENT_S, poll_s: float = 0.1) -> list[int] | None:
+    def watched_silent(self) -> list[int]:
+        """The ranks the watch has seen stand still for :data:`SILENT_S` or longer, without asking
+        the store (empty when no wait has been watched)."""
+        with self._lock:
+            seen = self._seen
+        now = time.monotonic()
+        return sorted(r for r, (_, since, _) in seen.items() if now - since >= SILENT_S)
+
+    def silent_ranks(self, window_s: float = SILENT_S, poll_s: float = 0.1, *, fresh: bool = False) -> list[int] | None:
         """Ranks whose heartbeat did not advance for ``window_s``; None if the store is gone.
 
         Reads the counters every ``poll_s`` until each peer is decided: alive once its count was
-        seen to move within the last ``window_s``, silent once it has stood still for ``window_s``
-        (counting what the watch saw before). After a watched wait both are known at once."""
+        seen to move within the last :data:`ALIVE_S`, silent once it has stood still for ``window_s``
+        (counting what the watch saw before). After a timeout both are known at once from the
+        watch. ``fresh``: the operation failed at once (a connection reset), so a peer may have
+        died a moment ago, after its last beat: alive then needs a move seen from now on."""
         if self.store_lost():
             return None
         with self._lock:
@@ -144,10 +160,12 @@ class Heartbeat:
         seen = self._observe(seen)
         if seen is None:
             return None
+        if fresh:  # counted from this reading: a beat sent just before dying is no sign of life
+            seen = {r: (count, since, False) for r, (count, since, _) in seen.items()}
         while True:
             now = time.monotonic()
             still = {r: now - since for r, (_, since, _) in seen.items()}
-            alive = {r for r, (_, _, moved) in seen.items() if moved and still[r] < window_s - 1e-3}
+            alive = {r for r, (_, _, moved) in seen.items() if moved and still[r] < min(ALIVE_S, window_s - 1e-3)}
             silent = {r for r in seen if still[r] >= window_s - 1e-3}
             undecided = [r for r in seen if r not in alive and r not in silent]
             if not undecided:
@@ -156,6 +174,21 @@ class Heartbeat:
             seen = self._observe(seen)
             if seen is None:
                 return None
+
+    def wait_for_peers(self, limit_s: float = SILENT_S + 2 * HEARTBEAT_S) -> None:
+        """Return once no peer's heartbeat has moved for 1.5 beats (each has exited, or stopped), or
+        after ``limit_s``. The store's host calls it before exiting after a peer failure: the
+        others may still be naming the failed rank, which needs the store."""
+        deadline, last, moved = time.monotonic() + limit_s, None, time.monotonic()
+        while time.monotonic() < deadline:
+            beats = self.beats()
+            if beats is None:
+                return
+            if beats != last:
+                last, moved = beats, time.monotonic()
+            elif time.monotonic() - moved >= 1.5 * HEARTBEAT_S:
+                return
+            time.sleep(0.25)
 
     def stop(self, wait_s: float = HEARTBEAT_S + 2 * HEARTBEAT_STORE_S) -> None:
         """Stop the thread and wait for it: a Python thread that returns from a torch call while the

@@ -19,6 +19,7 @@ import os
 import re
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -66,13 +67,18 @@ class Runtime:
     """The thread that dumps this rank's flight record when the launcher asks (:mod:`gradsync.flight`)."""
     store_lost: bool = False
     """The rendezvous store stopped answering (found when explaining a failure)."""
+    abandoned: BaseException | None = None
+    """The error this rank is going down with (:func:`abandon`)."""
+    hosts_store: bool = False
+    """This rank serves the job's rendezvous store (rank 0 under ``gradsync run``)."""
     elastic: object = None
     """In an elastic job (``gradsync run --elastic``): its :class:`gradsync.adapt.elastic.Membership`."""
 
     def explain(self, what: str, exc: BaseException) -> PeerFailureError:
         """Turn a failed communication into an error naming the rank(s) at fault."""
         me = self.topology.describe(self.topology.rank)
-        silent = self.heartbeat.silent_ranks() if self.heartbeat else []
+        timed_out = isinstance(exc, TimeoutError) or "timed out" in str(exc).lower()
+        silent = self.heartbeat.silent_ranks(fresh=not timed_out) if self.heartbeat else []
         if silent is None:
             self.store_lost = True
             cause = ("rank 0, which hosts the rendezvous store, is unreachable "
@@ -95,6 +101,48 @@ class Runtime:
             recorder.dump(str(error))
         return error
 
+    def overdue(self, what: str) -> PeerFailureError | None:
+        """The error to end a wait with now, or None to go on waiting.
+
+        A wait ends early when nothing this rank waited on has completed for the whole timeout and
+        the heartbeat watch has seen a peer stand still (:meth:`Heartbeat.watched_silent`): that
+        peer has been unreachable since about the last completion, so the error comes within the
+        timeout of the fault even for an operation issued after it (Gloo's own timeout counts from
+        the operation's start). A link that comes back within the timeout is survived as before:
+        operations complete meanwhile, or the heartbeat moves."""
+        heartbeat, transport = self.heartbeat, self.transport
+        if heartbeat is None or transport is None or transport.failure is not None:
+            return None
+        idle_s = time.monotonic() - transport.progress
+        if idle_s < self.timeout_s:
+            return None
+        silent = heartbeat.watched_silent()
+        if not silent:
+            return None
+        who = ", ".join(self.topology.describe(r) for r in silent)
+        return self.explain(what, TimeoutError(
+            f"nothing completed for {idle_s:.1f} s (the timeout is {self.timeout_s:g} s) while {who} "
+            "stayed silent"))
+
+
+def poll_s(longest: float = 0.5) -> float:
+    """How long a waiting training thread may sleep before calling :func:`check_progress` again:
+    ``longest``, or less near the transport's deadline."""
+    runtime = _RUNTIME
+    if runtime is None or runtime.transport is None:
+        return longest
+    return min(longest, max(0.05, runtime.transport.until_overdue()))
+
+
+def check_progress(what: str) -> None:
+    """Raise :meth:`Runtime.overdue`'s error, if any: for a strategy's training thread that waits on
+    its communication threads (they may be blocked in an operation that cannot be interrupted)."""
+    runtime = _RUNTIME
+    if runtime is not None:
+        error = runtime.overdue(what)
+        if error is not None:
+            raise error
+
 
 _RUNTIME: Runtime | None = None
 _AT_EXIT = False
@@ -114,6 +162,16 @@ def _explain_uncaught(kind, value, tb) -> None:
         except Exception:  # noqa: BLE001 - the diagnosis must never hide the original error
             pass
     _PREVIOUS_HOOK(kind, value, tb)
+    abandon(value)
+
+
+def abandon(error: BaseException) -> None:
+    """This rank is going down with ``error`` (uncaught in the script): :func:`shutdown` at exit
+    then runs no closer (a strategy's flush or goodbye would wait on peers that wait on this rank)
+    and, on the rank that serves the store, keeps it up while the others name this rank."""
+    runtime = _RUNTIME
+    if runtime is not None and not isinstance(error, (KeyboardInterrupt, SystemExit)):
+        runtime.abandoned = error
 
 
 _PREVIOUS_HOOK = sys.excepthook
@@ -217,7 +275,9 @@ def start(topology: Topology, store, *, backend: str, timeout_s: float, heartbea
     flight.install(recorder)
     runtime = Runtime(topology, None, timeout_s, heartbeat, owns_group, store=store,
                       responder=flight.Responder.start_for(recorder))
-    runtime.transport = Transport(topology, worker_group, device, runtime.explain, timeout_s)
+    runtime.hosts_store = (owns_group and topology.rank == 0 and not heartbeat_prefix
+                           and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true")
+    runtime.transport = Transport(topology, worker_group, device, runtime.explain, timeout_s, runtime.overdue)
     _RUNTIME = runtime
     global _AT_EXIT, _PREVIOUS_HOOK
     if not _AT_EXIT:
@@ -298,12 +358,16 @@ def shutdown() -> None:
     # The runtime stays current while strategies close: they may still need its timeout and its
     # heartbeat (to name a peer that died). Closers are taken off the list as they run.
     error: BaseException | None = None
+    abandoned = getattr(runtime, "abandoned", None) is not None
     try:
-        while runtime.closers:
+        while runtime.closers and not abandoned:
             try:
                 runtime.closers.pop()()
             except BaseException as exc:  # noqa: BLE001 - the rest must still close; raised below
                 error = error or exc
+        failed = abandoned or (runtime.transport is not None and runtime.transport.failure is not None)
+        if failed and runtime.hosts_store and runtime.heartbeat is not None:
+            runtime.heartbeat.wait_for_peers()  # they may still be naming the failed rank: keep the store up
     finally:
         _RUNTIME = None
         _stop_threads(runtime)

@@ -48,19 +48,47 @@ def payload_limit(numel: int) -> int:
     return 16 * numel + 4096
 
 
+RECHECK_S = 0.1
+"""Past the deadline (:meth:`Transport.until_overdue`), how often a blocked collective asks again."""
+
+
 class Handle:
-    """An operation in flight. ``wait()`` raises a :class:`PeerFailureError` that names the peer."""
+    """An operation in flight. ``wait()`` raises a :class:`PeerFailureError` that names the peer.
 
-    __slots__ = ("_work", "_explain", "_what", "_done", "_trace", "_record")
+    A Gloo collective is waited on in chunks that end at the transport's deadline (the timeout after
+    its last completed operation): there the ``overdue`` check may end the wait early, when a
+    peer's heartbeat has stopped too (so the error comes within the timeout of the fault, not of
+    the operation's start). A point-to-point wait cannot be resumed once interrupted (Gloo closes
+    the pair), so it blocks until done or Gloo's own timeout."""
 
-    def __init__(self, work, explain: Callable[[str, BaseException], Exception], what: str, trace_token=None,
-                 record: flight.Record | None = None):
+    __slots__ = ("_work", "_owner", "_what", "_done", "_trace", "_record", "_chunked")
+
+    def __init__(self, work, owner: "Transport", what: str, trace_token=None,
+                 record: flight.Record | None = None, *, chunked: bool = False):
         self._work = work
-        self._explain = explain
+        self._owner = owner
         self._what = what
         self._done = False
         self._trace = trace_token  # a point-to-point operation's trace event, ended by wait()
         self._record = record  # its entry in this rank's flight record
+        self._chunked = chunked
+
+    def _block(self) -> None:
+        work = self._work
+        if not self._chunked:
+            work.wait()
+            return
+        while True:
+            try:
+                work.wait(timeout=timedelta(seconds=max(RECHECK_S, self._owner.until_overdue())))
+                return
+            except RuntimeError:
+                if work.is_completed():  # finished (or failed) meanwhile: its own outcome counts
+                    work.wait()
+                    return
+            error = self._owner.overdue(self._what)
+            if error is not None:
+                raise error
 
     def wait(self, *, background: bool = False) -> None:
         """Block until done. ``background``: a communication thread waits, not training (no wait
@@ -73,17 +101,20 @@ class Handle:
         token = recorder.block(self._record, main) if recorder is not None else None
         try:
             if tracer is None or background:
-                self._work.wait()
+                self._block()
             else:
                 with tracer.waiting(self._what):
-                    self._work.wait()
+                    self._block()
+        except PeerFailureError:
+            raise
         except RuntimeError as exc:
             # Explained while still registered as waiting: the heartbeat keeps what it watched meanwhile.
-            raise self._explain(self._what, exc) from exc
+            raise self._owner._explain(self._what, exc) from exc
         finally:
             if token is not None:
                 recorder.unblock(token)
         self._done = True
+        self._owner.progress = time.monotonic()
         if self._record is not None:
             self._record.done = time.time()
         if self._trace is not None and tracer is not None:
@@ -98,7 +129,8 @@ class Transport:
     """Collectives and point-to-point messages over the job's process groups."""
 
     def __init__(self, topology: Topology, worker_group, device: torch.device,
-                 explain: Callable[[str, BaseException], Exception] | None = None, timeout_s: float = 30.0):
+                 explain: Callable[[str, BaseException], Exception] | None = None, timeout_s: float = 30.0,
+                 overdue: Callable[[str], Exception | None] | None = None):
         self.topology = topology
         self.timeout = timedelta(seconds=timeout_s)
         self.worker_group = worker_group
@@ -109,6 +141,16 @@ class Transport:
         """The peer failure this transport reported, if any: the group is broken after it (Gloo's
         pairs are left mid-message), so every later operation fails at once instead of waiting out
         the timeout again (a strategy's goodbye at exit, say)."""
+        self.progress = time.monotonic()
+        """When this rank's last operation completed (``time.monotonic()``)."""
+        self.overdue: Callable[[str], Exception | None] = overdue or (lambda what: None)
+        """Asked while a collective waits: the error to raise now, or None to go on waiting
+        (:meth:`gradsync.runtime.Runtime.overdue`)."""
+        self._chunked = device.type == "cpu"  # Gloo; a CUDA work's wait(timeout) means something else
+
+    def until_overdue(self) -> float:
+        """Seconds until the timeout has passed since this rank's last completed operation."""
+        return self.progress + self.timeout.total_seconds() - time.monotonic()
 
     # -- collectives -------------------------------------------------------------------------
     def _group(self, world: bool):
@@ -157,7 +199,7 @@ class Transport:
         if tracer is not None:
             token = tracer.begin_async(what, "comm", bytes=nbytes, op="all-reduce")
             work.get_future().add_done_callback(lambda _future: tracer.end_async(token))
-        return Handle(work, self._explain, what, record=record)
+        return Handle(work, self, what, record=record, chunked=self._chunked)
 
     def allreduce(self, tensor: torch.Tensor, *, op: str = "sum", world: bool = False,
                   what: str = "all-reduce", group=None) -> torch.Tensor:
@@ -176,7 +218,7 @@ class Transport:
         staged = tensor.to(self.device)  # NCCL moves device tensors only; a no-op on Gloo/CPU
         record = self._record(what, "broadcast", tensor.numel() * tensor.element_size(), world=world)
         work = dist.broadcast(staged, src=src, group=self._group(world), async_op=True)
-        Handle(work, self._explain, what, record=record).wait()
+        Handle(work, self, what, record=record, chunked=self._chunked).wait()
         if staged is not tensor:
             tensor.copy_(staged)
         return tensor
@@ -186,8 +228,10 @@ class Transport:
         self.allreduce(flag, world=world, what=what)
 
     def count_external(self, nbytes: int) -> None:
-        """Account bytes moved by a library gradsync does not intercept (PyTorch DDP's reducer)."""
+        """Account bytes moved by a library gradsync does not intercept (PyTorch DDP's reducer),
+        once its operations completed."""
         self.bytes_sent += nbytes
+        self.progress = time.monotonic()
 
     # -- point to point ------------------------------------------------------------------------
     # Point-to-point messages go straight to the world process group: ``dist.isend``'s argument
@@ -202,7 +246,7 @@ class Transport:
         tracer = trace.current()
         token = None if tracer is None else tracer.begin_async(what, "comm", bytes=nbytes, op="send", peer=dst)
         record = self._record(what, "send", nbytes, peer=dst)
-        return Handle(dist.group.WORLD.send([tensor], dst, tag), self._explain, what, token, record)
+        return Handle(dist.group.WORLD.send([tensor], dst, tag), self, what, token, record)
 
     def recv_async(self, tensor: torch.Tensor, src: Optional[int], tag: int, *,
                    what: str = "receive", traced: bool = True) -> Handle:
@@ -216,7 +260,7 @@ class Transport:
         nbytes = tensor.numel() * tensor.element_size()
         token = None if tracer is None else tracer.begin_async(what, "comm", bytes=nbytes, op="receive", peer=src)
         record = self._record(what, "receive", nbytes, peer=-1 if src is None else src)
-        return Handle(work, self._explain, what, token, record)
+        return Handle(work, self, what, token, record)
 
     def recv_any(self, tensor: torch.Tensor, tag: int, *, what: str) -> Optional[int]:
         """A server thread's wait for the next request: receive into ``tensor`` from whichever rank
@@ -277,6 +321,7 @@ class Transport:
                 raise self._explain(what, exc) from exc
         if record is not None:
             record.done = time.time()
+        self.progress = time.monotonic()
         return gathered
 
 

@@ -33,6 +33,7 @@ def _child(fn, rank, world_size, servers, port, env, args, results):
                        "GRADSYNC_NUM_SERVERS": str(servers), **env})
     import torch
     import gradsync
+    import gradsync.runtime
 
     torch.set_num_threads(1)
     # Tensors in ``args`` arrive in shared memory, one storage for the parent and every rank: a
@@ -45,8 +46,13 @@ def _child(fn, rank, world_size, servers, port, env, args, results):
         buffer = io.BytesIO()  # tensors by value: a shared-memory handle dies with this process
         torch.save(value, buffer)
         results.put((rank, "ok", buffer.getvalue()))
-    except BaseException:  # noqa: BLE001 - every failure, SystemExit included, goes to the parent
+    except BaseException as exc:  # noqa: BLE001 - every failure, SystemExit included, goes to the parent
         results.put((rank, "error", traceback.format_exc()))
+        try:  # what a script's exit does: rank 0 keeps the store up while the others name the failed rank
+            gradsync.runtime.abandon(exc)
+            gradsync.shutdown()
+        except BaseException:  # noqa: BLE001 - already failed; the report above is what counts
+            pass
         results.close()
         results.join_thread()  # flush the report: os._exit skips the queue's own flush at exit
         os._exit(1)

@@ -7,6 +7,7 @@ rank that cannot reach rank 0's store after ``max(GRADSYNC_TIMEOUT, runtime.REND
 """
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -136,8 +137,9 @@ def test_misuse_raises_config_error(misuse_results, case):
 
 # -- a rank that dies or hangs in the middle of training ---------------------------------------------
 def train_until_fault(strategy: str, fault: str, options: dict):
-    """Train 5 steps; in step 3, rank 1 dies (``os._exit``) at ``fault`` or hangs. A survivor's
-    error is re-raised with the seconds it took from the start of step 3."""
+    """Train 5 steps; in step 3, rank 1 dies (``os._exit``) at ``fault``, hangs, or stops (SIGSTOP,
+    while the others compute for 2 s first). A survivor's error is re-raised with the seconds it took
+    from the start of step 3."""
     topo = gradsync.topology()
     model = mlp()
     opt = gradsync.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1), strategy,
@@ -152,6 +154,10 @@ def train_until_fault(strategy: str, fault: str, options: dict):
         try:
             if faulty and step == 3 and fault == "hang":
                 time.sleep(3600)
+            if step == 3 and fault == "stop-then-compute":
+                if faulty:
+                    os.kill(os.getpid(), signal.SIGSTOP)
+                time.sleep(2.0)  # the survivors' compute: their next operation starts 2 s after the fault
             loss = model(torch.randn(4, 4)).pow(2).mean()
             if faulty and step == 3 and fault == "in-loss":
                 os._exit(1)
@@ -206,6 +212,20 @@ def test_hung_rank_times_out_with_explanation():
     # at once (a second of slack for a loaded machine's scheduling).
     assert 5 <= seconds_into_step(last) <= 6, last
     assert elapsed < 25, f"the job took {elapsed:.1f} s to fail"
+
+
+@pytest.mark.parametrize("strategy", ["allreduce", "p3"])
+def test_a_peer_stopped_before_the_next_operation_is_named_within_the_timeout_of_the_fault(strategy):
+    """Gloo's timeout counts from an operation's start; the survivors' next one starts 2 s after
+    rank 1 stopped. The error still comes within the timeout (5 s) of the fault: nothing completed
+    for 5 s and the heartbeat watch saw rank 1 stand still."""
+    errors = run_ranks_expect_failure(train_until_fault, 2, strategy, "stop-then-compute", {}, timeout=40,
+                                      env={"GRADSYNC_TIMEOUT": "5"}, wait_for=[0])
+    last = errors[0].strip().splitlines()[-1]
+    assert "PeerFailureError" in last and "worker 1 (rank 1) stopped responding" in last, last
+    if strategy == "allreduce":  # its all-reduce starts after the fault (p3's receives are posted before)
+        assert "nothing completed for" in last, last
+    assert seconds_into_step(last) <= 5.5, last  # 7 s when an operation started after the fault waits out its timeout
 
 
 class _Clock:
@@ -290,7 +310,7 @@ def failing_close():
     raise RuntimeError("the strategy's goodbye failed")
 
 runtime._RUNTIME = SimpleNamespace(closers=[lambda: closed.append("first"), failing_close],
-                                   transport=SimpleNamespace(failure=RuntimeError("peer lost")),
+                                   transport=SimpleNamespace(failure=RuntimeError("peer lost")), hosts_store=False,
                                    heartbeat=None, responder=None, owns_group=False, store_lost=False)
 blocked = threading.Event()
 

@@ -18,7 +18,7 @@ import threading
 import torch
 from torch import nn
 
-from gradsync import trace
+from gradsync import runtime, trace
 from gradsync.errors import ConfigError, GradsyncError
 from gradsync.strategies.optstate import StateLayout, cut
 from gradsync.strategies.slicing import SlicePlan, flat_view
@@ -111,7 +111,8 @@ class Arrivals:
             with self.cv:
                 while not all(arrived[k] >= steps for k in slices):
                     self.check()
-                    self.cv.wait(0.5)
+                    if not self.cv.wait(runtime.poll_s()):
+                        runtime.check_progress(f"wait for {what}")
         self.check()
 
 

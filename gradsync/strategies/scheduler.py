@@ -34,6 +34,7 @@ from typing import Callable
 
 import torch
 
+from gradsync import runtime
 from gradsync.transport import Transport
 
 
@@ -70,7 +71,8 @@ class PrioritySender:
         """Block until every queued message has been sent."""
         with self._cv:
             while (self._queue or self._busy()) and self.error is None:
-                self._cv.wait(0.5)
+                if not self._cv.wait(runtime.poll_s()):
+                    runtime.check_progress("wait for queued messages to leave")
         self.check()
 
     def close(self) -> None:
