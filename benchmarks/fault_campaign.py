@@ -227,8 +227,10 @@ def link_trial(kind: str, strategy: str, rng: random.Random) -> dict:
     for p in left:
         os.kill(p, signal.SIGKILL)
     survive = kind != "link-down"
-    wrong = survive and not (proc.returncode == 0 and os.path.exists(out)
-                             and _same_model(json.load(open(out)), _reference(strategy, workers)))
+    # Silently wrong: the job said it finished, and its model is not the reference's. A job that
+    # failed with an error is counted under "exit as expected" instead.
+    wrong = survive and proc.returncode == 0 and not (
+        os.path.exists(out) and _same_model(json.load(open(out)), _reference(strategy, workers)))
     named = survive or bool(re.search(_blame(victim), err))
     error_s = None if survive else _first(lines, _blame(victim), injected)
     return {"kind": kind, "strategy": strategy, "workers": workers, "victim": victim, "hung": hung,
@@ -290,7 +292,7 @@ def elastic_trial(kind: str, rng: random.Random) -> dict:
     hung, _, lines = _finish(proc, time.monotonic() + DEADLINE_S)
     seconds = time.monotonic() - injected
     err = "".join(line for _, line in lines)
-    wrong = True
+    wrong = proc.returncode == 0  # finished, yet no model to check is wrong too; a failure counts as an exit
     if proc.returncode == 0 and os.path.exists(out):
         result = json.load(open(out))
         want = _replay(result)

@@ -24,6 +24,8 @@ COMMANDS = {
     "profile": ("gradsync.emulate.cli", "measure or derive a model's per-layer compute profile"),
     "netcheck": ("gradsync.bench.netcheck", "measure the links of an emulated cluster"),
     "cluster": ("gradsync.cluster.cli", "manage emulated clusters (cleanup)"),
+    "experiment": ("gradsync.experiment.cli", "run, keep, report and check the published experiments"),
+    "machine": ("gradsync.experiment.cli", "register clusters as targets for gradsync experiment"),
 }
 
 

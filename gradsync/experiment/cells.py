@@ -1,0 +1,197 @@
+"""From a spec's cells to commands, and from their output to records.
+
+Each cell runs as one ``gradsync`` command (or one script), in a process of its own:
+
+- ``bench``: ``gradsync bench`` with the cell's values; on the ``local`` target on loopback, on
+  ``emulated`` on the netns cluster (``--net``, dilated as the spec says), on ``sim`` the same
+  arguments go to ``gradsync simulate``. The strategies of a cell run side by side in one call.
+- ``codecs``: ``gradsync codecs --json`` (this machine's CPU, whatever the target).
+- ``script``: the spec's command, run from the gradsync checkout (``{out}`` is a JSON file it
+  writes; ``{KEY}`` a cell value); its records are a list in that file (``records = "KEY"``) or the
+  last JSON line it prints (``records = "stdout"``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+from gradsync.errors import ConfigError
+from gradsync.experiment.spec import Spec
+
+TARGETS = ("local", "emulated", "sim")
+GRADSYNC = [sys.executable, "-m", "gradsync.cli"]
+CHECKOUT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+_BENCH_FLAGS = {"model": "--model", "np": "--np", "net": "--net", "batch_size": "--batch-size", "steps": "--steps",
+                "warmup": "--warmup", "rounds": "--rounds", "compute": "--compute", "dilation": "--dilation",
+                "check_steps": "--check-steps", "servers": "--servers", "compression": "--compression",
+                "monitors": "--monitors", "optimizer": "--optimizer", "lr": "--lr", "threads": "--threads",
+                "delay": "--delay"}
+_SIM_FLAGS = {"model": "--model", "np": "--np", "net": "--net", "batch_size": "--batch-size",
+              "servers": "--servers", "compression": "--compression"}
+
+
+def command(spec: Spec, cell: dict, target: str, out: str) -> list[str]:
+    """The command that runs ``cell`` on ``target`` and writes its records to ``out``."""
+    if spec.runner == "bench":
+        return _bench(spec, cell, target, out)
+    if target == "sim":
+        raise ConfigError(f"experiment {spec.name} measures this machine ({spec.runner}); the simulator cannot "
+                          "run it: use --target local or emulated")
+    if spec.runner == "codecs":
+        args = [*GRADSYNC, "codecs", "--compressors", ",".join(map(str, cell["compressor"])), "--json", out]
+        for key in ("size", "repeats", "threads"):
+            if key in cell:
+                args += [f"--{key}", str(cell[key])]
+        return args
+    values = {k: (",".join(map(str, v)) if isinstance(v, list) else str(v)) for k, v in cell.items()}
+    try:
+        args = [part.format(out=out, python=sys.executable, **values) for part in spec.script["command"]]
+    except KeyError as exc:
+        raise ConfigError(f"{spec.path}: the script command names {exc}, which the cell does not have") from None
+    if args and args[0] == "gradsync":
+        args = [*GRADSYNC, *args[1:]]
+    return args
+
+
+def _bench(spec: Spec, cell: dict, target: str, out: str) -> list[str]:
+    strategies = ",".join(map(str, cell.get("strategy", []))) if isinstance(cell.get("strategy"), list) \
+        else str(cell.get("strategy", ""))
+    if target == "sim":
+        if "net" not in cell:
+            raise ConfigError(f"experiment {spec.name} runs on loopback: the simulator needs link rates "
+                              "(use --target local or emulated)")
+        if any("@" in s for s in strategies.split(",")) or cell.get("monitors"):
+            raise ConfigError(f"experiment {spec.name} measures monitors, which the simulator does not model "
+                              "(use --target local or emulated)")
+        args = [*GRADSYNC, "simulate", "--strategies", strategies, "--json", out]
+        flags = _SIM_FLAGS
+        compute = str(cell.get("compute", ""))
+        if compute.startswith("emulated:"):
+            args += ["--compute", compute.split(":", 1)[1]]
+    else:
+        if target == "local" and "net" in cell:
+            raise ConfigError(f"experiment {spec.name} varies the link rate (net = {cell['net']}): run it with "
+                              "--target emulated (this machine's emulated cluster) or --target sim")
+        args = [*GRADSYNC, "bench", "--json", out] + (["--strategies", strategies] if strategies else [])
+        flags = _BENCH_FLAGS
+    for key, flag in flags.items():
+        if key in cell:
+            value = cell[key]
+            args += [flag, ",".join(map(str, value)) if isinstance(value, list) else str(value)]
+    for item in ([] if target == "sim" and "set" not in cell else cell.get("set", [])):
+        args += ["--set", item]
+    return args
+
+
+def run_cell(spec: Spec, cell: dict, target: str) -> tuple[list[str], list[dict], str]:
+    """Run one cell: ``(command, records, message)``; ``records`` is empty when it failed and
+    ``message`` says why (the command's last lines). Output streams to this terminal as it comes."""
+    with tempfile.TemporaryDirectory(prefix="gradsync-experiment-") as tmp:
+        out = os.path.join(tmp, "records.json")
+        args = command(spec, cell, target, out)
+        if spec.runner == "script":
+            script = next((a for a in args if a.endswith(".py")), None)
+            if script is not None and not os.path.exists(os.path.join(CHECKOUT, script)):
+                raise ConfigError(f"experiment {spec.name} runs {script} from a gradsync checkout; "
+                                  f"{os.path.join(CHECKOUT, script)} does not exist (clone the repository)")
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [CHECKOUT, os.environ.get("PYTHONPATH")]))}
+        proc = subprocess.Popen(args, cwd=CHECKOUT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env=env, start_new_session=True)
+        lines: list[str] = []
+        try:
+            for line in proc.stdout:
+                print("    " + line, end="", flush=True)
+                lines.append(line)
+            proc.wait()
+        except BaseException:  # Ctrl-C: end the cell's whole process group, then let it propagate
+            _end(proc)
+            raise
+        if proc.returncode:
+            tail = "".join(lines[-6:]).strip()
+            return args, [], f"exit status {proc.returncode}: {tail}"
+        try:
+            records = _records(spec, out, lines)
+        except (OSError, ValueError, KeyError) as exc:
+            return args, [], f"no records: {exc}"
+    return args, records, ""
+
+
+def _records(spec: Spec, out: str, lines: list[str]) -> list[dict]:
+    if spec.runner == "script" and spec.script["records"] == "stdout":
+        last = next(line for line in reversed(lines) if line.lstrip().startswith("{"))
+        return [json.loads(last)]
+    with open(out) as f:
+        data = json.load(f)
+    if spec.runner == "script":
+        data = data[spec.script["records"]]
+    if not isinstance(data, list):
+        data = [data]
+    return data
+
+
+def _end(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=20)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+
+def shown(args: list[str]) -> str:
+    """A command as a user would type it (``gradsync`` for this interpreter's module)."""
+    if args[: len(GRADSYNC)] == GRADSYNC:
+        args = ["gradsync", *args[len(GRADSYNC):]]
+    return shlex.join(args)
+
+
+def environment(target: str) -> dict:
+    """What a run's figures depend on: versions, the machine, and (emulated) the links as measured."""
+    import platform
+
+    import torch
+
+    from gradsync import __version__
+
+    commit = None
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=CHECKOUT, capture_output=True,
+                                text=True, timeout=10).stdout.strip() or None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=CHECKOUT,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        if commit and dirty:
+            commit += "+changes"
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    env = {"gradsync": __version__, "commit": commit, "torch": torch.__version__, "python": platform.python_version(),
+           "cpu": cpu, "cores": os.cpu_count(), "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+           "target": target, "time": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    if target == "emulated":
+        env["netcheck"] = _netcheck()
+    return env
+
+
+def _netcheck() -> str:
+    """``gradsync netcheck`` at 1 Gbit/s, the real rate the emulated cluster runs its links at (or below)."""
+    args = [*GRADSYNC, "netcheck", "--net", "1gbit", "--seconds", "0.5", "--repeats", "1"]
+    try:
+        done = subprocess.run(args, capture_output=True, text=True, timeout=120, cwd=CHECKOUT)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"{shown(args)}: {exc}"
+    return f"$ {shown(args)}\n{done.stdout.strip()}" + (f"\n{done.stderr.strip()}" if done.returncode else "")

@@ -1,0 +1,173 @@
+"""Reports of stored runs: per experiment a chart (PNG) with the paper's values beside ours, a
+markdown page (published values, ours, each relation's verdict, the commands and the environment),
+and with ``--all`` an index page of every experiment."""
+from __future__ import annotations
+
+import os
+import time
+
+from gradsync.experiment import relations as rel
+from gradsync.experiment.cells import shown
+from gradsync.experiment.spec import Spec
+
+
+def verdicts(spec: Spec, records: list[dict]) -> list[dict]:
+    return [rel.evaluate(r, records, spec.metric) for r in spec.relations]
+
+
+def _label(value) -> str:
+    return ",".join(map(str, value)) if isinstance(value, list) else str(value)
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def chart(spec: Spec, records: list[dict], path: str, subtitle: str) -> None:
+    """One panel per ``panel`` value: the metric against ``x``, one line per ``series`` value; and a
+    panel of the paper's values beside ours where the spec lists published values."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from gradsync.bench.report import COLOURS, LINES
+
+    panels = list(dict.fromkeys(_label(rel.field(r, spec.panel)) for r in records)) if spec.panel else [None]
+    xs = list(dict.fromkeys(_label(rel.field(r, spec.x)) for r in records)) if spec.x else [""]
+    series = list(dict.fromkeys(_label(rel.field(r, spec.series)) for r in records)) if spec.series else [spec.metric]
+    published = [p for p in spec.published if "value" in p]
+    ncols = len(panels) + (1 if published else 0)
+    fig, axes = plt.subplots(1, ncols, figsize=(4.2 * ncols, 3.6), squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        chosen = [r for r in records if panel is None or _label(rel.field(r, spec.panel)) == panel]
+        for i, name in enumerate(series):
+            ys = []
+            for x in xs:
+                match = [r for r in chosen if (not spec.x or _label(rel.field(r, spec.x)) == x)
+                         and (not spec.series or _label(rel.field(r, spec.series)) == name)]
+                values = [rel.field(r, spec.metric) for r in match]
+                values = [v for v in values if isinstance(v, (int, float))]
+                ys.append(max(values) if values else float("nan"))
+            base = name.split("+")[0].split("@")[0]
+            colour = COLOURS.get(base, f"C{i % 10}")
+            ax.plot(range(len(xs)), ys, marker="o", color=colour, linestyle=LINES[i % len(LINES)], label=name)
+        ax.set_xticks(range(len(xs)), xs, rotation=30 if max(map(len, xs)) > 6 else 0)
+        ax.set_xlabel(spec.x or "")
+        ax.set_ylabel(spec.metric)
+        ax.set_ylim(bottom=0)
+        ax.set_title(str(panel) if panel is not None else spec.title, fontsize=9)
+        ax.grid(alpha=0.3)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    if published:
+        ax = axes[0][-1]
+        names = [p.get("label", rel.describe(p.get("where", {}))) for p in published]
+        paper = [float(p["value"]) for p in published]
+        ours = [rel.published_ours(p, records, spec.metric) for p in published]
+        pos = range(len(published))
+        ax.barh([y + 0.2 for y in pos], paper, height=0.4, color="0.75", label="paper")
+        ax.barh([y - 0.2 for y in pos], [o if o is not None else 0 for o in ours], height=0.4, color="tab:blue",
+                label="gradsync")
+        ax.set_yticks(list(pos), names, fontsize=7)
+        ax.invert_yaxis()
+        ax.set_title("paper and gradsync", fontsize=9)
+        ax.legend(fontsize=7, loc="lower right")
+        ax.grid(alpha=0.3, axis="x")
+    fig.suptitle(f"{spec.title}\n{subtitle}", fontsize=9)
+    if spec.series and handles:
+        fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=min(len(labels), 6),
+                   fontsize=8, frameon=False)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
+def table(spec: Spec, records: list[dict]) -> str:
+    """The metric by ``x`` (rows) and ``series`` (columns), within each panel."""
+    rows_key = [k for k in (spec.panel, spec.x) if k]
+    series = list(dict.fromkeys(_label(rel.field(r, spec.series)) for r in records)) if spec.series else [spec.metric]
+    groups: dict[tuple, dict[str, str]] = {}
+    for r in records:
+        key = tuple(_label(rel.field(r, k)) for k in rows_key)
+        name = _label(rel.field(r, spec.series)) if spec.series else spec.metric
+        groups.setdefault(key, {})[name] = _fmt(rel.field(r, spec.metric))
+    head = "| " + " | ".join(rows_key + series) + " |"
+    lines = [head, "|" + "---|" * (len(rows_key) + len(series))]
+    for key, values in groups.items():
+        lines.append("| " + " | ".join(list(key) + [values.get(s, "-") for s in series]) + " |")
+    return "\n".join(lines)
+
+
+def page(spec: Spec, run: dict, cells: list[dict], records: list[dict], previous: dict | None,
+         previous_records: list[dict], image: str | None) -> str:
+    env = run["environment"]
+    checked = verdicts(spec, records)
+    before = {v["says"]: v for v in verdicts(spec, previous_records)} if previous else {}
+    passed = sum(v["ok"] for v in checked)
+    out = [f"## {spec.title}", "",
+           f"{spec.paper}, {spec.figure}. Run {run['id']} on target `{run['target']}`, scale `{run['scale']}`"
+           + (f", overrides {', '.join(f'{k}={v}' for k, v in run['overrides'].items())}" if run["overrides"] else "")
+           + f": **{passed} of {len(checked)} relations hold**.", ""]
+    if spec.notes:
+        out += [spec.notes.strip(), ""]
+    if image:
+        out += [f"![{spec.name}]({image})", ""]
+    if spec.published:
+        out += ["| published | setup | paper | gradsync |", "|---|---|---|---|"]
+        for p in spec.published:
+            ours = rel.published_ours(p, records, spec.metric)
+            label = p.get("label", rel.describe(p.get("where", {})))
+            out.append(f"| {label} | {p.get('setup', '')} | {_fmt(p.get('value'))} | {_fmt(ours)} |")
+        out.append("")
+    if checked:
+        out += ["| relation | measured | verdict |" + (" previous run |" if previous else ""),
+                "|---|---|---|" + ("---|" if previous else "")]
+        for v in checked:
+            row = f"| {v['says']} | {v['measured']} | {'holds' if v['ok'] else '**fails**'} |"
+            if previous:
+                old = before.get(v["says"])
+                row += f" {old['measured'] + (' (holds)' if old['ok'] else ' (fails)') if old else '-'} |"
+            out.append(row)
+        out.append("")
+    if records and spec.x:
+        out += [table(spec, records), ""]
+    failed = [c for c in cells if c["status"] != "done"]
+    out += [f"Commands ({len(cells)} cells, {sum(c['seconds'] for c in cells) / 60:.1f} min):", "", "```sh"]
+    out += [shown(c["command"]) + ("   # FAILED" if c["status"] != "done" else "") for c in cells]
+    out += ["```", ""]
+    for c in failed:
+        out += [f"Failed cell {c['cell']}: {c['message'][:400]}", ""]
+    out += [f"Environment: gradsync {env.get('gradsync')} ({env.get('commit') or 'no git checkout'}), torch "
+            f"{env.get('torch')}, Python {env.get('python')}, {env.get('cpu')} ({env.get('cores')} cores), "
+            f"GPU {env.get('gpu') or 'none'}, {env.get('time')}.", ""]
+    if env.get("netcheck"):
+        out += ["Links as measured before the run:", "", "```", env["netcheck"], "```", ""]
+    if previous:
+        out += [f"Previous run of this experiment: {previous['id']} ({previous['environment'].get('time')}, "
+                f"target `{previous['target']}`).", ""]
+    return "\n".join(out)
+
+
+def index(entries: list[tuple[Spec, dict | None, int, int]]) -> str:
+    """The results page: each experiment's last run and how many of its relations hold."""
+    out = ["# Results", "",
+           "Generated by `gradsync experiment report --all` from the runs in the results store; each section "
+           "below gives the commands and the environment that produced it. How the measurements are made, "
+           "and what limits them on this kind of machine: [methods](methods.md).", "",
+           "| experiment | paper | target | relations holding |", "|---|---|---|---|"]
+    for spec, run, passed, total in entries:
+        where = f"[{spec.name}](#{_anchor(spec.title)})" if run else spec.name
+        out.append(f"| {where} | {spec.figure} | {run['target'] if run else 'not run'} | "
+                   f"{f'{passed} of {total}' if run else '-'} |")
+    out += ["", f"_Written {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}._", ""]
+    return "\n".join(out)
+
+
+def _anchor(title: str) -> str:
+    keep = "".join(c for c in title.lower() if c.isalnum() or c in " -")
+    return keep.replace(" ", "-")
