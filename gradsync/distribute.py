@@ -7,6 +7,9 @@ built the same model, copies rank 0's parameters and buffers to all ranks, and i
 hook points of :class:`gradsync.strategies.Strategy` on the model. On a server rank it serves
 until the workers shut down, then leaves the process (``exit_servers=True``), so one script serves
 both roles.
+
+Why one file of this size: it is the one entry point users call, and every part of it (optimizer
+wrapping, model checks, hook installation, state for checkpoints) is used only from here.
 """
 from __future__ import annotations
 

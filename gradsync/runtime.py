@@ -11,6 +11,9 @@ fails with an error saying so.
 Every rank runs a heartbeat thread (:mod:`gradsync.heartbeat`) that bumps a counter in the
 rendezvous store once a second. When an operation fails, the rank names the ranks whose counter
 stopped: "worker 1 (rank 1) stopped responding" instead of Gloo's "Connection reset by peer".
+
+Why one file of this size: a process's life in gradsync (start, the failure diagnosis, the deadline
+of a wait, shutdown and exit after a failure) is one sequence; the heartbeat lives in its own module.
 """
 from __future__ import annotations
 

@@ -100,10 +100,9 @@ def test_the_check_catches_a_wrong_model():
     (["--strategies", "p3", "--set", "p3.overlap=maybe"], "overlap must be True or False, got 'maybe'"),
     (["--strategies", "p3", "--set", "p3.elementwise_optimizer=yes"], "elementwise_optimizer must be True, False"),
 ])
-def test_bad_arguments_are_argument_errors(args, message):
-    proc = bench(*args, timeout=60, cwd=TESTS)
-    assert proc.returncode == 2
-    assert message in proc.stderr
+def test_bad_arguments_are_argument_errors(cli, args, message):
+    code, _, err = cli("bench", *args, cwd=TESTS)
+    assert code == 2 and message in err, err
 
 
 def test_compression_specs_expand_per_strategy_and_skip_refused_pairs(capsys):

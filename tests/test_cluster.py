@@ -249,9 +249,9 @@ def test_loss_needs_net_and_a_share_below_everything():
     (["--net", "1 parsec"], "bad link rate"),
     (["--compute", "emulated"], "no shipped compute profile"),
 ])
-def test_bad_cluster_arguments_are_argument_errors(args, message):
-    out = subprocess.run(GRADSYNC + ["bench", "--model", "toy", *args], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 2 and message in out.stderr, out.stderr
+def test_bad_cluster_arguments_are_argument_errors(cli, args, message):
+    code, _, err = cli("bench", "--model", "toy", *args)
+    assert code == 2 and message in err, err
 
 
 def _dilation(text: str, rate: float) -> float:

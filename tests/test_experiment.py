@@ -32,6 +32,7 @@ SCRIPT = textwrap.dedent("""
     time.sleep(float(os.environ.get("CELL_SLEEP", "0")))
     with open(out, "w") as f:
         json.dump({"rows": [{"kind": "fast", "rate": speed * 2}, {"kind": "slow", "rate": speed}]}, f)
+    print("[worker 0] " + json.dumps({"kind": "printed", "rate": speed}))  # as gradsync run prefixes it
 """)
 
 
@@ -231,6 +232,18 @@ def test_an_interrupted_run_leaves_the_store_consistent_and_resumes(tmp_path):
     assert s.runs("toy")[0]["status"] == "interrupted" and len(s.done_keys(1)) == 1
     resumed = run(["run", path, "--target", "local"], store)
     assert resumed.returncode == 0 and "1 already done" in resumed.stdout, resumed.stdout
+
+
+def test_records_from_a_line_the_script_prints(tmp_path):
+    path = write_spec(tmp_path, HOLDS, speeds=(4,))
+    text = open(path).read().replace('records = "rows"', 'records = "stdout"').replace('series = "kind"\n', "")
+    open(path, "w").write(text.replace("[[relation]]", "[[relation]]").replace(
+        'says = "fast >= 1.9 x slow at speed 3"\nleft = {kind = "fast", speed = 3}\nop = ">="\n'
+        'right = {kind = "slow", speed = 3}\nfactor = 1.9',
+        'says = "printed 4"\nleft = {kind = "printed"}\nop = ">="\nvalue = 4'))
+    store = tmp_path / "s.sqlite"
+    done = run(["run", path, "--target", "local"], store)
+    assert done.returncode == 0 and "holds: printed 4: 4 >= 4" in done.stdout, done.stdout + done.stderr
 
 
 def test_the_store_refuses_a_newer_version_and_a_file_that_is_no_store(tmp_path):

@@ -67,12 +67,12 @@ def test_a_hang_prints_who_waits_where_and_who_is_behind(tmp_path):
 
 @pytest.mark.parametrize("elastic", [False, True], ids=["run", "elastic"])
 def test_sigusr1_prints_the_summary_and_the_job_goes_on(tmp_path, elastic):
-    job = run(tmp_path, sleep=6, timeout="60", elastic=elastic)
+    job = run(tmp_path, sleep=4, timeout="60", elastic=elastic)
     try:
         for line in job.stdout:
             if "sleeping" in line:
                 break
-        time.sleep(2.0)  # the others reach the all-reduce of step 3 and wait
+        time.sleep(1.0)  # the others reach the all-reduce of step 3 and wait
         job.send_signal(signal.SIGUSR1)
         out, err = job.communicate(timeout=90)
     finally:

@@ -286,6 +286,6 @@ def _train_with_a_pause(work: Workload, strategy: str, steps: int, pause_s: floa
 @pytest.mark.parametrize("strategy", ["p3", "allreduce-priority"])
 def test_a_pause_longer_than_the_timeout_between_steps_is_fine(strategy):
     work = Workload(model="toy", batch_size=6)
-    results = run_ranks(_train_with_a_pause, 2, work, strategy, 4, 5.0, env={"GRADSYNC_TIMEOUT": "2"}, timeout=60)
+    results = run_ranks(_train_with_a_pause, 2, work, strategy, 4, 3.5, env={"GRADSYNC_TIMEOUT": "2"}, timeout=60)
     report = compare(results[0], reference(work, 2, 4), work.tolerance)
     assert report["correct"], report

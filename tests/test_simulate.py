@@ -1,8 +1,6 @@
 """The simulator against small cases computed by hand: the event engine's fair sharing, a
 2-worker ring, one parameter server, P3 slices under credit; and `gradsync simulate` itself."""
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -182,12 +180,11 @@ def test_a_credit_below_one_message_is_refused_as_by_p3_itself():
         simulate("p3", work, 2, NET, options={"slice_params": 250, "credit_mb": 100 / 2**20})
 
 
-def test_simulate_prints_records_and_rejects_bad_input(tmp_path):
+def test_simulate_prints_records_and_rejects_bad_input(tmp_path, cli):
     out = tmp_path / "new" / "r.json"  # its folder is made
-    run = subprocess.run([sys.executable, "-m", "gradsync.cli", "simulate", "--model", "resnet50",
-                          "--strategies", "allreduce,p3", "--np", "4,16", "--net", "1gbit", "--json", str(out)],
-                         capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stderr
+    code, _, err = cli("simulate", "--model", "resnet50", "--strategies", "allreduce,p3", "--np", "4,16",
+                       "--net", "1gbit", "--json", str(out))
+    assert code == 0, err
     records = json.loads(out.read_text())
     assert [(r["strategy"], r["np"]) for r in records] == [("allreduce", 4), ("p3", 4), ("allreduce", 16), ("p3", 16)]
     for r in records:  # communication-bound at 1 Gbit/s: near, never above, the bound
@@ -195,9 +192,8 @@ def test_simulate_prints_records_and_rejects_bad_input(tmp_path):
     for args, message in ((["--np", "0"], "--np must be >= 1"), (["--net=-1gbit"], "bad link rate"),
                           (["--strategies", "nope"], "no simulator model for nope"),
                           (["--model", "resnet50:tiny"], "no shipped compute profile")):
-        bad = subprocess.run([sys.executable, "-m", "gradsync.cli", "simulate", *args], capture_output=True, text=True,
-                             timeout=120)
-        assert bad.returncode == 2 and message in bad.stderr, bad.stderr
+        code, _, err = cli("simulate", *args)
+        assert code == 2 and message in err, err
 
 
 def test_validation_counts_errors_and_orders_and_leaves_out_cpu_bound_cells():

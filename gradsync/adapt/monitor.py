@@ -25,6 +25,9 @@ Built-ins:
 - :class:`Throughput`: samples per second and this worker's achieved send rate.
 
 ``links(...)`` measures the rate of every link from this worker by timing point-to-point probes.
+
+Why one file of this size: the monitors' hook protocol and the three monitors built on it; each
+monitor is short and the protocol is read through them.
 """
 from __future__ import annotations
 

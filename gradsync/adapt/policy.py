@@ -18,6 +18,9 @@ monitor values (reduced over workers, so equal everywhere) or from values the po
 Built-in policies are in :mod:`gradsync.adapt.builtin`. The Controller is one class because every
 action it offers (batch size, learning rate, strategy, workers) changes the same running state,
 which an elastic job must commit and hand to joining workers as one.
+
+Why one file of this size: the Controller alone (the built-in policies are in
+:mod:`gradsync.adapt.builtin`); its elastic regrouping is the part of its loop that restores state.
 """
 from __future__ import annotations
 

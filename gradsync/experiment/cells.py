@@ -125,8 +125,11 @@ def run_cell(spec: Spec, cell: dict, target: str) -> tuple[list[str], list[dict]
 
 def _records(spec: Spec, out: str, lines: list[str]) -> list[dict]:
     if spec.runner == "script" and spec.script["records"] == "stdout":
-        last = next(line for line in reversed(lines) if line.lstrip().startswith("{"))
-        return [json.loads(last)]
+        # the last line holding a JSON object (after the launcher's "[worker 0] " prefix, if any)
+        last = next((line for line in reversed(lines) if "{" in line and line.rstrip().endswith("}")), None)
+        if last is None:
+            raise ValueError("the script printed no JSON line")
+        return [json.loads(last[last.index("{"):])]
     with open(out) as f:
         data = json.load(f)
     if spec.runner == "script":

@@ -34,6 +34,9 @@ worker's (already averaged) gradients into the bucket of everyone's. Everything 
 Wire (no pickle): every message is ``transport.send_bytes``: an ``int64[4]`` header (body length,
 fault code, fault rank, fault parameter) and a body that is one payload in the self-describing format
 of :func:`gradsync.compress.base.to_bytes`.
+
+Why one file of this size: the buckets, the communication thread and the fault path are shared by
+three strategies and change together; each strategy's own exchange lives in its own module.
 """
 from __future__ import annotations
 

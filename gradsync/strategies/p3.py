@@ -40,6 +40,9 @@ it; co-located servers take each step's hyperparameters from their worker's opti
 Parameters are current after the next forward has passed them, or after ``optimizer.flush()``.
 Tune ``slice_params`` (P3: 40,000-50,000) and ``credit_mb`` (enough to keep a link busy; too much
 and late slices can no longer be overtaken).
+
+Why one file of this size: the worker side and the server loop are the two halves of one protocol
+(slice headers, priorities and credit, the forward-order arrivals); each reads best beside the other.
 """
 from __future__ import annotations
 

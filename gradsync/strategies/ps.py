@@ -34,6 +34,9 @@ servers: ``distribute`` refuses it (``grad_edits``).
 
 Must match across ranks: the model and the optimizer's hyperparameters (servers build their own
 from the same script). Optimizer state lives on the servers, one partition each.
+
+Why one file of this size: the worker and server halves of one wire protocol (headers, fused
+groups, pushes and pulls) change together and are read together.
 """
 from __future__ import annotations
 
