@@ -235,14 +235,19 @@ def test_an_interrupted_run_leaves_the_store_consistent_and_resumes(tmp_path):
 
 
 def test_records_from_a_line_the_script_prints(tmp_path):
-    path = write_spec(tmp_path, HOLDS, speeds=(4,))
-    text = open(path).read().replace('records = "rows"', 'records = "stdout"').replace('series = "kind"\n', "")
-    open(path, "w").write(text.replace("[[relation]]", "[[relation]]").replace(
-        'says = "fast >= 1.9 x slow at speed 3"\nleft = {kind = "fast", speed = 3}\nop = ">="\n'
-        'right = {kind = "slow", speed = 3}\nfactor = 1.9',
-        'says = "printed 4"\nleft = {kind = "printed"}\nop = ">="\nvalue = 4'))
-    store = tmp_path / "s.sqlite"
-    done = run(["run", path, "--target", "local"], store)
+    printed = """
+[[relation]]
+says = "printed 4"
+left = {kind = "printed"}
+op = ">="
+value = 4
+"""
+    path = write_spec(tmp_path, printed, speeds=(4,))
+    with open(path) as f:
+        text = f.read().replace('records = "rows"', 'records = "stdout"')
+    with open(path, "w") as f:
+        f.write(text)
+    done = run(["run", path, "--target", "local"], tmp_path / "s.sqlite")
     assert done.returncode == 0 and "holds: printed 4: 4 >= 4" in done.stdout, done.stdout + done.stderr
 
 

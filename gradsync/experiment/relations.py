@@ -109,7 +109,7 @@ def evaluate(relation: dict, records: list[dict], metric: str) -> dict:
         shown = f"{factor:g} x {right:.4g}" if factor != 1 else f"{right:.4g}"
         right *= factor
     ok = OPS[relation["op"]](left, right)
-    ratio = f" (ratio {left / right * float(relation.get('factor', 1.0)):.3g})" if "right" in relation and right else ""
+    ratio = f" (ratio {left / right * float(relation.get('factor', 1.0)):.4g})" if "right" in relation and right else ""
     return {"says": says, "ok": bool(ok), "measured": f"{left:.4g} {relation['op']} {shown}{ratio}"}
 
 
