@@ -203,7 +203,7 @@ def _run(args) -> int:
         store.finish_run(run_id, "done" if ok else "failed")
         failures += not ok
         records = store.records(run_id)
-        previous = [r for r in store.runs(s.name) if r["status"] == "done" and r["id"] != run_id]
+        previous = [r for r in store.runs(s.name) if r["status"] in ("done", "failed") and r["id"] != run_id]
         before = {v["says"]: v for v in verdicts(s, store.records(previous[-1]["id"]))} if previous else {}
         for v in verdicts(s, records):
             old = before.get(v["says"])
@@ -213,7 +213,9 @@ def _run(args) -> int:
 
 
 def _runs_for(store, s, target: str | None):
-    runs = [r for r in store.runs(s.name) if r["status"] == "done" and (target is None or r["target"] == target)]
+    """The latest finished run of ``s`` (every cell tried, some may have failed) and the one before."""
+    runs = [r for r in store.runs(s.name) if r["status"] in ("done", "failed")
+            and (target is None or r["target"] == target)]
     return runs[-1] if runs else None, (runs[-2] if len(runs) > 1 else None)
 
 
