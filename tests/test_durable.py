@@ -50,7 +50,7 @@ def test_bad_schedules_are_refused():
 def run_example(tmp_path, name, launcher_args, timeout=120):
     out = tmp_path / f"{name}.json"
     command = [*GRADSYNC, "run", "--elastic", "-np", "2", *launcher_args, "--", sys.executable, EXAMPLE,
-               "--steps", "40", "--sleep", "0.03", "--out", str(out)]
+               "--steps", "24", "--sleep", "0.03", "--out", str(out)]
     return out, subprocess.Popen(command, cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                  env={**os.environ, "GRADSYNC_TIMEOUT": "20"}, start_new_session=True)
 
@@ -63,14 +63,14 @@ def test_resume_after_the_launcher_is_killed_ends_with_the_uninterrupted_model(t
 
     _, job = run_example(tmp_path, "killed", ["--checkpoint-dir", str(folder), "--checkpoint-every", "1"])
     deadline = time.monotonic() + 60
-    while not any(step >= 12 for step, _ in durable.commits(str(folder))):
+    while not any(step >= 8 for step, _ in durable.commits(str(folder))):
         assert time.monotonic() < deadline and job.poll() is None, job.stderr.read()[-3000:]
         time.sleep(0.01)
     job.send_signal(signal.SIGKILL)  # the launcher only: its workers die with it (PDEATHSIG), mid-write or not
     job.wait()
     time.sleep(0.5)
     killed_at = durable.commits(str(folder))[0][0]
-    assert killed_at < 40
+    assert killed_at < 24
 
     out, resumed = run_example(tmp_path, "resumed", ["--resume", str(folder)])
     stdout, stderr = resumed.communicate(timeout=120)

@@ -219,7 +219,9 @@ def test_an_interrupted_run_leaves_the_store_consistent_and_resumes(tmp_path):
     path, store = write_spec(tmp_path, HOLDS), tmp_path / "results.sqlite"
     proc = subprocess.Popen([*GRADSYNC, "experiment", "run", path, "--target", "local", "--store", str(store)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "CELL_SLEEP": "3"}, start_new_session=True)
+                            env={**os.environ, "CELL_SLEEP": "3"}, start_new_session=True,
+                            # a background job of a shell ignores SIGINT, and its children inherit that
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     log = tmp_path / "calls.log"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and (not log.exists() or len(log.read_text().split()) < 2):

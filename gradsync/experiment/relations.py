@@ -74,7 +74,7 @@ def select(records: list[dict], selector: dict) -> list[dict]:
 
 
 def describe(selector: dict) -> str:
-    return ", ".join(f"{k}={'|'.join(map(str, v)) if isinstance(v, list) else v}" for k, v in selector.items())
+    return ", ".join(f"{k}={' or '.join(map(str, v)) if isinstance(v, list) else v}" for k, v in selector.items())
 
 
 def measure(records: list[dict], selector: dict, metric: str, reduce: str = "max") -> float | None:
