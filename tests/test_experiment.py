@@ -4,6 +4,8 @@ The experiments here run a small script (no torch) so that the machinery is test
 the shipped specs are checked for form, and their commands for every target are built."""
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import signal
@@ -12,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import types
 
 import pytest
 
@@ -70,8 +73,26 @@ def write_spec(tmp_path, relations_toml: str = "", speeds=(1, 2, 3)) -> str:
 
 
 def run(args, store, **env):
-    return subprocess.run([*GRADSYNC, "experiment", *args, "--store", str(store)], capture_output=True, text=True,
-                          timeout=120, env={**os.environ, **env})
+    """``gradsync experiment ARGS --store STORE`` in this process (its cells still run as processes),
+    with ``env`` set meanwhile: ``(returncode, stdout, stderr)`` as from ``subprocess.run``."""
+    from gradsync.cli import main
+
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(["experiment", *args, "--store", str(store)])
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else 1
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return types.SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
 
 
 HOLDS = """
