@@ -36,6 +36,7 @@ class RowServer:
         self.layout: Layout | None = None
         self.pushes: dict[int, dict[int, tuple]] = {}
         self.deferred: list[tuple] = []
+        self.early: list[tuple] = []  # pushes of the next step, from a worker that has nothing to pull here
         self.answers: list = []
         self.failure: BaseException | None = None
         self.flush_bytes = 0
@@ -182,6 +183,9 @@ class RowServer:
                 raise GradsyncError(f"hybrid server {self.me}: unknown request {op} from rank {src}")
 
     def _push(self, src: int, step: int, table: int, ids, values, used: bool, lr: float) -> None:
+        if step == self.step + 1:  # taken once this step's pushes are all in (see _apply)
+            self.early.append((src, step, table, ids, values, used, lr))
+            return
         if step != self.step:
             raise GradsyncError(f"hybrid server {self.me}: rank {src} pushed step {step} while this server is at step "
                                 f"{self.step}; every worker must run the same number of optimizer steps")
@@ -227,6 +231,9 @@ class RowServer:
                 self.deferred.append((src, step, table, ids, op))
             else:
                 self._answer(src, table, ids, op)
+        early, self.early = self.early, []
+        for push in early:  # in arrival order; one may complete this step and apply it in turn
+            self._push(*push)
 
     def rows(self, table: int, ids: torch.Tensor) -> torch.Tensor:
         out = torch.empty(ids.numel(), self.widths[table], dtype=self.dtypes[table])
