@@ -95,23 +95,19 @@ def run(args, store, **env):
     return types.SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
 
 
-HOLDS = """
+def fast_over_slow(factor: float) -> str:
+    """A relation: the fast rows' rate at speed 3 is at least ``factor`` times the slow rows' (it is 2x)."""
+    return f"""
 [[relation]]
-says = "fast >= 1.9 x slow at speed 3"
-left = {kind = "fast", speed = 3}
+says = "fast >= {factor:g} x slow at speed 3"
+left = {{kind = "fast", speed = 3}}
 op = ">="
-right = {kind = "slow", speed = 3}
-factor = 1.9
+right = {{kind = "slow", speed = 3}}
+factor = {factor}
 """
 
-FAILS = """
-[[relation]]
-says = "fast >= 3 x slow at speed 3"
-left = {kind = "fast", speed = 3}
-op = ">="
-right = {kind = "slow", speed = 3}
-factor = 3
-"""
+
+HOLDS, FAILS = fast_over_slow(1.9), fast_over_slow(3)
 
 
 def test_shipped_specs_parse_and_build_commands_for_every_target():
