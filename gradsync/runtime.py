@@ -309,6 +309,9 @@ def _stop_threads(runtime: Runtime) -> None:
         runtime.heartbeat.stop(**({"wait_s": 0.5} if runtime.store_lost else {}))
     if runtime.responder:
         runtime.responder.stop()
+    transport = runtime.transport
+    if transport is not None and transport.waiter is not None:  # blocked for good after a failure: no wait
+        transport.waiter.close(wait_s=0.0 if transport.failure is not None else 1.0)
 
 
 def _warn_live_threads(store_lost: bool = False) -> None:

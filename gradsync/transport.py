@@ -14,7 +14,7 @@ over ``p`` ranks sends ``2 (p-1)/p * n`` bytes per rank, a point-to-point send s
 from __future__ import annotations
 
 import contextlib
-
+import queue
 import threading
 import time
 from datetime import timedelta
@@ -59,9 +59,10 @@ class Handle:
     its last completed operation): there the ``overdue`` check may end the wait early, when a
     peer's heartbeat has stopped too (so the error comes within the timeout of the fault, not of
     the operation's start). A point-to-point wait cannot be resumed once interrupted (Gloo closes
-    the pair), so it blocks until done or Gloo's own timeout."""
+    the pair): the training thread hands it to the transport's :class:`Waiter` and asks ``overdue``
+    while it waits for the waiter's answer; other threads block until done or Gloo's own timeout."""
 
-    __slots__ = ("_work", "_owner", "_what", "_done", "_trace", "_record", "_chunked")
+    __slots__ = ("_work", "_owner", "_what", "_done", "_trace", "_record", "_chunked", "ticket")
 
     def __init__(self, work, owner: "Transport", what: str, trace_token=None,
                  record: flight.Record | None = None, *, chunked: bool = False):
@@ -72,11 +73,21 @@ class Handle:
         self._trace = trace_token  # a point-to-point operation's trace event, ended by wait()
         self._record = record  # its entry in this rank's flight record
         self._chunked = chunked
+        self.ticket: list | None = None
+        """Tickets of a point-to-point wait queued on the :class:`Waiter`, waited for in order (wait_all:
+        the whole list's, then this operation's own)."""
 
-    def _block(self) -> None:
+    def _block(self, main: bool) -> None:
         work = self._work
         if not self._chunked:
-            work.wait()
+            waiter = self._owner.waiter
+            if main and waiter is not None:
+                if self.ticket is None:
+                    self.ticket = waiter.submit([work])[0]
+                for ticket in self.ticket:
+                    waiter.wait(ticket, self._owner, self._what)
+            else:
+                work.wait()
             return
         while True:
             try:
@@ -101,10 +112,10 @@ class Handle:
         token = recorder.block(self._record, main) if recorder is not None else None
         try:
             if tracer is None or background:
-                self._block()
+                self._block(main)
             else:
                 with tracer.waiting(self._what):
-                    self._block()
+                    self._block(main)
         except PeerFailureError:
             raise
         except RuntimeError as exc:
@@ -123,6 +134,65 @@ class Handle:
     def source_rank(self) -> int:
         """For a receive from any source: the rank the message came from."""
         return self._work._source_rank()
+
+
+class Waiter:
+    """One daemon thread that blocks in point-to-point waits for the training thread.
+
+    Gloo's point-to-point ``wait(timeout)`` cannot be resumed once it times out (the pair is
+    closed), so the training thread cannot wait in chunks as it does for collectives. Instead this
+    thread calls the plain ``wait()`` and the training thread sleeps on the operation's event in
+    chunks that end at the transport's deadline, asking ``overdue`` there: a stopped peer is named
+    within the timeout of the fault, not of the receive's start. :func:`wait_all` hands over a whole
+    list at once and sleeps until all of it is done (one thread switch per list, not per message:
+    a parameter server's step waits on dozens). After such an error
+    the thread stays blocked until Gloo's own timeout; the process is leaving by then."""
+
+    def __init__(self):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, works: list) -> tuple[list[list], list]:
+        """Queue ``works`` to be waited on in order: one ticket (``[event, error or None]``) each, and
+        one for the whole list (set when the last is done or the first fails)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="gradsync-p2p-waiter", daemon=True)
+            self._thread.start()
+        tickets, whole = [[threading.Event(), None] for _ in works], [threading.Event(), None]
+        self._jobs.put((works, tickets, whole))
+        return tickets, whole
+
+    def wait(self, ticket: list, owner: "Transport", what: str) -> None:
+        """Block until ``ticket``'s operation is done; raise its error, or ``owner.overdue``'s."""
+        done = ticket[0]
+        while not done.wait(max(RECHECK_S, owner.until_overdue())):
+            error = owner.overdue(what)
+            if error is not None:
+                raise error
+        if ticket[1] is not None:
+            raise ticket[1]
+
+    def close(self, wait_s: float = 1.0) -> None:
+        """Let the thread end once its current wait (if any) is done; wait up to ``wait_s`` for it."""
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join(wait_s)
+            self._thread = None
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            works, tickets, whole = job
+            for work, ticket in zip(works, tickets):
+                try:
+                    work.wait()
+                except BaseException as exc:  # noqa: BLE001 - handed to the training thread as is
+                    ticket[1] = exc
+                    whole[0].set()
+                ticket[0].set()
+            whole[0].set()
 
 
 class Transport:
@@ -147,6 +217,8 @@ class Transport:
         """Asked while a collective waits: the error to raise now, or None to go on waiting
         (:meth:`gradsync.runtime.Runtime.overdue`)."""
         self._chunked = device.type == "cpu"  # Gloo; a CUDA work's wait(timeout) means something else
+        self.waiter = Waiter() if self._chunked else None
+        """Where the training thread's point-to-point waits block (Gloo only; :class:`Waiter`)."""
 
     def until_overdue(self) -> float:
         """Seconds until the timeout has passed since this rank's last completed operation."""
@@ -326,6 +398,17 @@ class Transport:
 
 
 def wait_all(handles) -> None:
+    """Wait for every handle, in order. The training thread queues all point-to-point waits on the
+    transport's :class:`Waiter` at once."""
+    handles = list(handles)
+    if len(handles) > 1 and threading.get_ident() == _MAIN_THREAD:
+        waiter = handles[0]._owner.waiter
+        pending = [h for h in handles if not h._done and not h._chunked and h.ticket is None]
+        if waiter is not None and len(pending) > 1:
+            tickets, whole = waiter.submit([h._work for h in pending])
+            for handle, ticket in zip(pending, tickets):
+                handle.ticket = [ticket]
+            pending[0].ticket.insert(0, whole)
     for handle in handles:
         handle.wait()
 
