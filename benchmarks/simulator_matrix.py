@@ -19,19 +19,24 @@ import time
 EXACT = "ddp,allreduce,ps,p3,ps-sliced,allreduce-priority"
 OTHERS = "ddp,sma,pair-averaging,casync-ring,casync-ps,compressed-allgather"
 SERVED = "ps,ps-async,p3"
+TABLES = "hybrid,allreduce,ps,ddp"
+LM_COMPUTE = "emulated:flops:11.11tflops"  # lstm-lm's shipped V100 rate, on the CPU-sized shape
 CODECS = ["onebit"]  # the compressed strategies' default
-GROUPS = [  # (model, workers, rate, dedicated servers, strategies)
+GROUPS = [  # (model, workers, rate, dedicated servers, strategies[, compute])
     ("resnet50", 2, "1gbit", 0, EXACT), ("resnet50", 4, "1gbit", 0, EXACT),
     ("resnet50", 2, "10gbit", 0, EXACT), ("resnet50", 4, "10gbit", 0, EXACT),
     ("vgg19", 2, "1gbit", 0, EXACT), ("vgg19", 2, "10gbit", 0, EXACT),
     ("resnet50", 2, "1gbit", 0, OTHERS), ("resnet50", 4, "1gbit", 0, OTHERS),
     ("resnet50", 2, "10gbit", 0, OTHERS), ("resnet50", 4, "10gbit", 0, OTHERS),
     ("resnet50", 2, "1gbit", 1, SERVED), ("resnet50", 2, "10gbit", 1, SERVED),
+    ("lstm-lm:cpu", 2, "1gbit", 0, TABLES, LM_COMPUTE), ("lstm-lm:cpu", 4, "1gbit", 0, TABLES, LM_COMPUTE),
+    ("lstm-lm:cpu", 2, "10gbit", 0, TABLES, LM_COMPUTE), ("lstm-lm:cpu", 4, "10gbit", 0, TABLES, LM_COMPUTE),
 ]
 
 
-def command(model: str, np: int, rate: str, servers: int, strategies: str, out: str) -> list[str]:
-    return ["gradsync", "bench", "--model", model, "--compute", "emulated", "--np", str(np), "--net", rate,
+def command(model: str, np: int, rate: str, servers: int, strategies: str, out: str,
+            compute: str = "emulated") -> list[str]:
+    return ["gradsync", "bench", "--model", model, "--compute", compute, "--np", str(np), "--net", rate,
             *(["--servers", str(servers)] if servers else []),
             "--dilation", "auto", "--strategies", strategies, "--steps", "12", "--warmup", "3", "--rounds", "1",
             "--check-steps", "0", "--json", out]
@@ -52,10 +57,10 @@ def main() -> None:
     host_rates = host_rates or calibrate()  # this machine's, where the runs' host work ran
     codecs = codecs or calibrate_codecs(CODECS)
     for index in (int(i) for i in args.groups.split(",")):
-        model, np, rate, servers, strategies = GROUPS[index]
+        model, np, rate, servers, strategies, *compute = GROUPS[index]
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "records.json")
-            argv = command(model, np, rate, servers, strategies, out)
+            argv = command(model, np, rate, servers, strategies, out, *compute)
             started = time.monotonic()
             subprocess.run([sys.executable, "-m", "gradsync.cli", *argv[1:]], check=True)
             with open(out) as f:

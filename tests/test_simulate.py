@@ -1,5 +1,5 @@
 """The simulator against small cases computed by hand: the event engine's fair sharing, a
-2-worker ring, one parameter server, P3 slices under credit; and `gradsync simulate` itself."""
+2-worker ring, one parameter server, P3 slices under credit, hybrid's row pulls and pushes; and `gradsync simulate` itself."""
 import json
 
 import pytest
@@ -170,6 +170,41 @@ def test_compressed_all_gather_encodes_once_and_decodes_every_payload(quarter_co
     # encode 1000 B (1 s), 250 B on the wire (0.25 s), decode 2 payloads (2 s), flags (0.004 s)
     record = simulate("compressed-allgather", work, 2, NET, host=FREE_HOST, steps=4, warmup=1)
     assert record["step_s"] == pytest.approx(3.254)
+
+
+def _with_table(read: float):
+    """Layer 0: a table of 100 rows of 40 B (10 read by default); layer 1: a dense 1000 B tensor."""
+    from gradsync.simulate.workload import Table
+
+    work = synthetic([(0.0, 0.0, [4000]), (0.0, 0.0, [1000])])
+    work.tables = {"layer0.p0": Table(rows=100, row_bytes=40, read=read)}
+    return work
+
+
+def test_hybrid_pulls_before_the_lookup_and_pushes_rows_beside_the_dense_all_reduce():
+    # 2 workers, co-located row servers: half of every row message stays home. The pull sends 10
+    # ids (80 B, 40 B cross: 0.04 s) and gets 10 rows back (400 B, 200 B cross: 0.2 s). Backward:
+    # the dense bucket's ring (1000 B + a 4 B flag: 1004 B each way) and the push (400 B of rows
+    # + 80 B of ids, 240 B cross) share the link until the push is done (0.48 s at 500 B/s each);
+    # the ring's last 764 B go alone (0.764 s).
+    record = simulate("hybrid", _with_table(10), 2, NET, host=FREE_HOST, steps=4, warmup=1)
+    assert record["step_s"] == pytest.approx(0.24 + 0.48 + 0.764)
+    # One dedicated server: every byte crosses, and the server's side carries both workers'.
+    # Pull: 80 B at 500 B/s, 400 B at 500 B/s (0.96 s). Push: 480 B at 500 B/s (server side),
+    # the ring the other 500 B/s of the worker's link meanwhile, then its last 524 B alone.
+    dedicated = simulate("hybrid", _with_table(10), 2, NET, host=FREE_HOST, servers=1, steps=4, warmup=1)
+    assert dedicated["step_s"] == pytest.approx(0.96 + 0.96 + 0.524)
+
+
+def test_hybrid_keeps_a_table_most_of_which_a_step_reads_dense_as_the_strategy_decides():
+    # 60 of 100 rows read by each of 2 workers: above (N-1)/N = 0.5, so the table is all-reduced
+    # like the rest, and hybrid is allreduce; sparse_threshold=0.7 sends it to the servers.
+    work = _with_table(60)
+    dense = simulate("hybrid", work, 2, NET, host=FREE_HOST, steps=4, warmup=1)
+    assert dense["step_s"] == pytest.approx(simulate("allreduce", work, 2, NET, host=FREE_HOST, steps=4, warmup=1)["step_s"])
+    served = simulate("hybrid", work, 2, NET, host=FREE_HOST, options={"sparse_threshold": 0.7}, steps=4, warmup=1)
+    assert served["step_s"] != pytest.approx(dense["step_s"])
+    assert served["bytes_per_step"] < dense["bytes_per_step"]
 
 
 def test_a_credit_below_one_message_is_refused_as_by_p3_itself():

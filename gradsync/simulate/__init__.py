@@ -5,7 +5,8 @@
   profiles the emulated cluster replays);
 - :mod:`gradsync.simulate.models`: the simulated worker, and the schedules of the bucketed,
   parameter-server and sliced strategies, planned by the strategy's own code;
-  :mod:`gradsync.simulate.compressed` and :mod:`gradsync.simulate.averaging` the others';
+  :mod:`gradsync.simulate.compressed`, :mod:`gradsync.simulate.averaging` and
+  :mod:`gradsync.simulate.hybrid` the others';
 - :func:`build`: the model of one strategy; :func:`simulate`: one strategy, one model, one
   cluster shape -> a record with ``gradsync bench``'s fields.
 """
@@ -16,6 +17,7 @@ import statistics
 from gradsync.errors import ConfigError
 from gradsync.simulate import averaging, compressed
 from gradsync.simulate.engine import Sim, SimulationError
+from gradsync.simulate.hybrid import Hybrid
 from gradsync.simulate.models import Buckets, ParameterServers, Slices
 from gradsync.simulate.worker import Host, Network, StrategyModel, Worker
 from gradsync.simulate.workload import Workload, load
@@ -48,7 +50,7 @@ def simulate(strategy: str, workload: Workload, np: int, net: Network, *, host: 
         "comm_overhead_s": step_s - compute_s, "net_bps": net.rate_bps,
         "net": "loopback" if net.rate_bps is None else f"{net.rate_bps / 1e9:g} Gbit/s",
         "compute": "simulated", "source": "gradsync simulate", "events": sim.events,
-        "bytes_per_step": worker.bytes_sent() / len(ends),
+        "bytes_per_step": worker.bytes_sent() / len(ends), "plan": model.describe(),
     }
     if trace:
         record["timeline"] = sim.log
@@ -57,7 +59,7 @@ def simulate(strategy: str, workload: Workload, np: int, net: Network, *, host: 
 
 # -- choosing the model of a strategy ------------------------------------------------------------------
 SIMULATED = ["allreduce", "ddp", "ps", "p3", "ps-sliced", "allreduce-priority", "casync-ring", "casync-ps",
-             "compressed-allgather", "sma", "pair-averaging", "ps-async"]
+             "compressed-allgather", "sma", "pair-averaging", "ps-async", "hybrid"]
 
 
 def build(name: str, options: dict | None = None, servers: int = 0) -> StrategyModel:
@@ -89,6 +91,8 @@ def build(name: str, options: dict | None = None, servers: int = 0) -> StrategyM
         credit = None if strategy.credit_mb is None or not strategy.priority else strategy.credit_mb * 2**20
         model = Slices(strategy, strategy.slice_params, credit, bool(strategy.priority), strategy.overlap,
                        all_reduce=False, servers=servers)
+    elif name == "hybrid":
+        model = Hybrid(strategy, servers)
     elif name == "allreduce-priority":
         model = Slices(strategy, strategy.partition_params, strategy.credit_mb * 2**20, True, True,
                        all_reduce=True, servers=0)

@@ -49,6 +49,7 @@ def buffer_bytes(strategy: str, model_bytes: int, np: int, ratio: float = 1.0) -
         "casync-ring": 1.0 + 2 * ratio, "casync-ps": 1.0 + 2 * ratio,
         "compressed-allgather": 1.0 + np * ratio,  # every worker's payload held at once
         "sma": 1.0, "pair-averaging": 2.0,  # the average; the snapshot served and the peer's model
+        "hybrid": 1.0,  # the dense parameters' buckets (a table's rows are few)
     }
     return extra.get(strategy, 1.0) * model_bytes
 
@@ -104,6 +105,9 @@ def _reason(strategy: str, options: dict, rec: dict, workload, ratio: float) -> 
         parts.append(f"{options['compression']} sends {ratio:.1%} of the bytes (lossy: see gradsync codecs --convergence)")
     if strategy in INEXACT:
         parts.append(INEXACT[strategy])
+    if strategy == "hybrid":
+        parts.append(f"row servers for {rec['plan']}; needs Gloo (tables on the CPU)" if rec.get("plan")
+                     else "no embedding table read sparsely: the same as allreduce")
     return "; ".join(parts)
 
 

@@ -25,17 +25,20 @@ from gradsync.simulate.worker import DUPLEX_BYTES, StrategyModel, Worker
 class Buckets(StrategyModel):
     """Buckets in reverse parameter order (``plan_buckets``), each all-reduced once all its
     gradients exist, strictly in bucket order on one collective stream; the end of backward waits
-    for all; then the local optimizer."""
+    for all; then the local optimizer. ``only``: the parameters (by index) that go through buckets
+    (``hybrid``'s dense ones); None: all."""
 
-    def __init__(self, strategy, cap_bytes: int, first_cap_bytes: int, flags: bool, copy_back: bool = False):
+    def __init__(self, strategy, cap_bytes: int, first_cap_bytes: int, flags: bool, copy_back: bool = False,
+                 only: set[int] | None = None):
         super().__init__(strategy)
         self.cap, self.first, self.flags, self.copy_back = cap_bytes, first_cap_bytes, flags, copy_back
+        self.only = only
 
     def bind(self, worker: Worker) -> None:
         from gradsync.strategies.allreduce import plan_buckets
 
         super().bind(worker)
-        order = list(reversed(range(len(worker.params))))
+        order = [i for i in reversed(range(len(worker.params))) if self.only is None or i in self.only]
         self.buckets = plan_buckets(worker.metas, order, self.cap, self.first)
         self.bucket_of = {i: b for b, members in enumerate(self.buckets) for i in members}
         self.bytes = [sum(worker.params[i].nbytes for i in b) + (4 * len(b) if self.flags else 0) for b in self.buckets]
@@ -51,7 +54,9 @@ class Buckets(StrategyModel):
 
     def on_layer_ready(self, step: int, layer: int) -> None:
         for p in self.wk.w.layers[layer].params:
-            self.missing[self.bucket_of[self.index[p.name]]] -= 1
+            b = self.bucket_of.get(self.index[p.name])
+            if b is not None:
+                self.missing[b] -= 1
         self._launch()
 
     def _launch(self) -> None:

@@ -103,9 +103,10 @@ def replay(path: str = MATRIX, rates: dict | None = None, steps: int = 8, warmup
     cells, workloads = [], {}
     for group in matrix["groups"]:
         for rec in group["records"]:
-            key = (rec["model"], rec["batch_size"], rec.get("profile"))
+            compute = rec.get("compute", "emulated")  # emulated[:PROFILE]
+            key = (rec["model"], rec["batch_size"], compute.split(":", 1)[1] if ":" in compute else None)
             if key not in workloads:
-                workloads[key] = load(rec["model"], rec["batch_size"], rec.get("profile"))
+                workloads[key] = load(*key)
             net = Network(rec["net_bps"], matrix.get("latency_s", 50e-6))
             name, options = options_of(rec["strategy"])
             sim = simulate(name, workloads[key], rec["np"], net, host=_host(rec, rates, cores),

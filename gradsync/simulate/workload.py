@@ -32,12 +32,29 @@ class Layer:
 
 
 @dataclass
+class Table:
+    """An embedding table: the rows a worker's step reads (unique ids of its batch, the mean over
+    a few batches of the model's own data), out of ``rows`` of ``row_bytes`` each."""
+
+    rows: int
+    row_bytes: int
+    read: float
+
+    @property
+    def share(self) -> float:
+        return self.read / max(self.rows, 1)
+
+
+@dataclass
 class Workload:
     model: str
     batch_size: int
     layers: list[Layer]
     device: str = ""
     source: str = ""
+    tables: dict[str, Table] = field(default_factory=dict)
+    """The parameters that are embedding tables read only through their lookup (``hybrid``'s
+    candidates), by parameter name."""
 
     @property
     def params(self) -> list[Param]:
@@ -70,6 +87,7 @@ def load(model: str, batch_size: int, profile: str | None = None) -> Workload:
     check_covers(prof, real)
     owned = layer_modules(real)
     seen: set[int] = set()
+    tables = _tables(spec, real, batch_size)
     layers = []
     for index, entry in enumerate(prof.layers):
         layer = Layer(entry.name, entry.forward_ms / 1e3, entry.backward_ms / 1e3)
@@ -81,7 +99,39 @@ def load(model: str, batch_size: int, profile: str | None = None) -> Workload:
             full = f"{entry.name}.{pname}" if entry.name else pname
             layer.params.append(Param(full, p.numel(), p.numel() * p.element_size(), index))
         layers.append(layer)
-    return Workload(model, batch_size, layers, prof.device, prof.source)
+    return Workload(model, batch_size, layers, prof.device, prof.source,
+                    {name: t for name, t in tables.items() if name in {p.name for p in layers_params(layers)}})
+
+
+TABLE_BATCHES = 4
+"""Batches whose unique ids are averaged for :attr:`Table.read`."""
+
+
+def _tables(spec, model, batch_size: int) -> dict[str, Table]:
+    """The embedding tables the model's own data reads (its spec's ``lookups``), and how many rows
+    a step of ``batch_size`` reads. A weight shared with another module (a tied output layer) is
+    read outside its lookup: not a table here, as ``hybrid`` measures it."""
+    from torch import nn
+
+    users: dict[int, int] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            users[id(p)] = users.get(id(p), 0) + 1
+    found = {}
+    modules = dict(model.named_modules())
+    for name, ids_of in spec.lookups.items():
+        module = modules.get(name)
+        if not isinstance(module, (nn.Embedding, nn.EmbeddingBag)) or users.get(id(module.weight), 0) > 1:
+            continue
+        read = [ids_of(spec.batch(batch_size, seed)[0]).unique().numel() for seed in range(TABLE_BATCHES)]
+        weight = module.weight
+        found[f"{name}.weight"] = Table(weight.shape[0], weight[0].numel() * weight.element_size(),
+                                        sum(read) / len(read))
+    return found
+
+
+def layers_params(layers: list[Layer]) -> list[Param]:
+    return [p for layer in layers for p in layer.params]
 
 
 def synthetic(layers: list[tuple[float, float, list[int]]], batch_size: int = 32, name: str = "synthetic") -> Workload:

@@ -1,0 +1,161 @@
+"""The schedule of ``hybrid`` (Parallax's sparsity-aware hybrid), on the simulated worker.
+
+Which tables go to the row servers is decided as the strategy decides it
+(:mod:`gradsync.strategies.hybrid.plan`): an embedding table read only through its lookup whose
+share of rows read per step (:attr:`~gradsync.simulate.workload.Table.share`, from the model's
+own batches) is at most ``sparse_threshold`` (default ``(N-1)/N``), or named in ``sparse=[...]``
+and not in ``dense=[...]``; nothing at one worker. The rest is ``allreduce``'s buckets with the
+strategy's ``bucket_mb`` and ``first_bucket_mb``.
+
+A step, as :class:`~gradsync.strategies.hybrid.strategy.Hybrid` runs it:
+
+- the forward of a table's layer first pulls the rows it reads: the ids go to the servers (8 bytes
+  each), the rows come back; with co-located servers 1 in N rows are the worker's own. A server
+  answers step k's pulls once it applied step k-1's pushes;
+- the backward of a table's layer coalesces its row gradient (one pass over the rows read) and
+  pushes ids and rows to their servers; the dense parameters' buckets are all-reduced as ready;
+- ``opt.step()`` waits for the dense all-reduce, then runs the optimizer on the dense parameters;
+- a server, once every worker's push of a table is in, builds the partition's gradient (a fresh
+  zeroed partition, the rows added, divided by N) and runs the optimizer on it: the dense update
+  ``hybrid`` uses for momentum SGD (``gradsync bench``'s default optimizer).
+
+Every other strategy gets each table's gradient as ``nn.Embedding`` makes it, a zeroed copy of
+the whole table (:meth:`Worker.table_grad_s`); ``hybrid`` only the rows read.
+
+Rows are spread evenly over the servers: ``partitions="auto"`` measures the partition count that
+balances them (docs/hybrid.md), which the model takes as achieved.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from gradsync.simulate.engine import Barrier, Stream
+from gradsync.simulate.models import Buckets
+from gradsync.simulate.worker import ZEROED_PASSES, StrategyModel, Worker
+
+ID_BYTES = 8
+
+
+class Hybrid(StrategyModel):
+    """``hybrid``: sparse tables through row servers, the other parameters through buckets."""
+
+    def __init__(self, strategy, servers: int):
+        super().__init__(strategy)
+        self.dedicated = servers
+
+    def bind(self, worker: Worker) -> None:
+        super().bind(worker)
+        n, st = worker.np, self.strategy
+        threshold = st.threshold if st.threshold is not None else (n - 1) / n
+        self.sparse = {}
+        for name, table in worker.w.tables.items():
+            if name in st.force_dense:
+                continue
+            if name in st.force_sparse or (n > 1 and table.read > 0 and table.share <= threshold):
+                self.sparse[name] = table
+        self.row_tables = set(self.sparse)
+        index = {p.name: i for i, p in enumerate(worker.params)}
+        dense = {i for i, p in enumerate(worker.params) if p.name not in self.sparse}
+        mb = 2**20
+        self.dense = Buckets(st, int(st.dense_options["bucket_mb"] * mb), int(st.dense_options["first_bucket_mb"] * mb),
+                             flags=True, only=dense)
+        self.dense.bind(worker)
+        self.dense_bytes = sum(worker.params[i].nbytes for i in dense)
+        self.servers = self.dedicated or n
+        self.server = Stream(worker.sim, "row server")  # a server's requests are served in turn
+        self.tables_of_layer: dict[int, list[str]] = {}
+        for name in self.sparse:
+            self.tables_of_layer.setdefault(worker.params[index[name]].layer, []).append(name)
+        self.applied = {name: -1 for name in self.sparse}  # the last step each table's servers applied
+        self.waiting: dict[str, list[tuple[int, Callable[[], None]]]] = {}
+
+    def describe(self) -> str:
+        return ", ".join(f"{name}: {t.share:.2%} of {t.rows} rows read" for name, t in self.sparse.items())
+
+    # -- the wire ------------------------------------------------------------------------------------
+    def _remote(self, nbytes: float) -> float:
+        """Of a worker's messages to all servers, what leaves its host (co-located: its own share stays)."""
+        return nbytes if self.dedicated else nbytes * (self.wk.np - 1) / self.wk.np
+
+    def _to_servers(self, nbytes: float, done: Callable[[], None], name: str) -> None:
+        wk = self.wk
+        if self.dedicated:  # every worker sends to every server: a server's side carries N shares
+            per = nbytes / self.dedicated
+            arrive = Barrier(self.dedicated, done)
+            for s in range(self.dedicated):
+                wk.message(per, [(wk.tx, 1), (wk.servers[s][1], wk.np)], arrive.arrive, name)
+        else:
+            wk.message(self._remote(nbytes), [(wk.tx, 1), (wk.rx, 1)], done, name)
+
+    def _from_servers(self, nbytes: float, done: Callable[[], None], name: str) -> None:
+        wk = self.wk
+        if self.dedicated:
+            per = nbytes / self.dedicated
+            arrive = Barrier(self.dedicated, done)
+            for s in range(self.dedicated):
+                wk.message(per, [(wk.servers[s][0], wk.np), (wk.rx, 1)], arrive.arrive, name)
+        else:
+            wk.message(self._remote(nbytes), [(wk.tx, 1), (wk.rx, 1)], done, name)
+
+    # -- a step ----------------------------------------------------------------------------------------
+    def before_forward(self, step: int, go: Callable[[], None]) -> None:
+        self.dense.before_forward(step, go)
+
+    def before_layer(self, step: int, layer: int, go: Callable[[], None]) -> None:
+        names = self.tables_of_layer.get(layer, [])
+        if not names:
+            go()
+            return
+        pulled = Barrier(len(names), go)
+        for name in names:
+            self._after_applied(name, step - 1, lambda name=name: self._pull(name, pulled.arrive))
+
+    def _pull(self, name: str, done: Callable[[], None]) -> None:
+        table, wk = self.sparse[name], self.wk
+        rows = table.read * table.row_bytes
+
+        def answer() -> None:  # the server gathers the rows, then they cross the wire
+            served = rows * wk.np / self.servers if self.dedicated else rows * (wk.np - 1) / wk.np
+            self.server.run(wk.copy_s(served),
+                            lambda: self._from_servers(rows, lambda: wk.host.run(wk.copy_s(self._remote(rows)), done,
+                                                                                     what=f"rows of {name}"),
+                                                       f"pull {name}"), what=f"gather {name}")
+
+        self._to_servers(table.read * ID_BYTES, answer, f"ids of {name}")
+
+    def on_layer_ready(self, step: int, layer: int) -> None:
+        for name in self.tables_of_layer.get(layer, []):
+            table, wk = self.sparse[name], self.wk
+            rows = table.read * table.row_bytes
+            wk.host.run(wk.copy_s(rows), lambda name=name, rows=rows, table=table: self._to_servers(
+                rows + table.read * ID_BYTES, lambda: self._apply(name, step), f"push {name}"), what=f"coalesce {name}")
+        self.dense.on_layer_ready(step, layer)
+
+    def _apply(self, name: str, step: int) -> None:
+        """Every worker's push of ``name`` is in (they are alike): the servers update their partitions."""
+        table, wk = self.sparse[name], self.wk
+        part = table.rows * table.row_bytes / self.servers
+        # a zeroed partition, the rows added, divided by N, then the optimizer (server.py's _apply)
+        build = (ZEROED_PASSES + 1) * part + table.read * table.row_bytes * wk.np / self.servers
+        self.server.run(wk.copy_s(build) + wk.update_s(part), lambda: self._applied(name, step),
+                        what=f"update {name}")
+
+    def _applied(self, name: str, step: int) -> None:
+        self.applied[name] = step
+        still = []
+        for after, go in self.waiting.pop(name, []):
+            (go() if after <= step else still.append((after, go)))
+        if still:
+            self.waiting[name] = still
+
+    def _after_applied(self, name: str, step: int, go: Callable[[], None]) -> None:
+        if self.applied[name] >= step:
+            go()
+        else:
+            self.waiting.setdefault(name, []).append((step, go))
+
+    def after_backward(self, step: int, go: Callable[[], None]) -> None:
+        self.dense.after_backward(step, go)
+
+    def step(self, step: int, go: Callable[[], None]) -> None:
+        self.wk.host.run(self.wk.update_s(self.dense_bytes), go, what="optimizer (dense)")
