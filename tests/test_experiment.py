@@ -171,6 +171,22 @@ def test_bad_specs_and_overrides_are_refused_with_the_reason(tmp_path):
         specs.load(str(broken))
 
 
+def test_adjust_sets_a_setting_for_the_cells_it_selects_and_is_checked():
+    base = {"name": "x", "title": "t", "paper": "p", "figure": "f", "metric": "samples_per_s", "runner": "bench",
+            "vary": {"model": ["big", "small"], "strategy": ["a", "b"]}, "settings": {"compute": "emulated"}}
+    s = specs.parse({**base, "adjust": [{"where": {"model": "big"}, "compute": "emulated:flops:1tflops"}]})
+    by_model = {c["model"]: c for c in s.cells(*s.scaled("default", {}))}
+    assert by_model["big"]["compute"] == "emulated:flops:1tflops" and by_model["small"]["compute"] == "emulated"
+    assert by_model["big"]["strategy"] == ["a", "b"]
+    for adjust, reason in [({"where": {"np": 2}, "compute": "c"}, "selects on np, which is not varied"),
+                           ({"where": {"strategy": "a"}, "compute": "c"}, "which one run measures together"),
+                           ({"where": {"model": "big"}}, "sets nothing"),
+                           ({"where": {"model": "big"}, "colour": 1}, "colour mean nothing to the bench runner"),
+                           ({"compute": "c"}, "needs where")]:
+        with pytest.raises(ConfigError, match=reason):
+            specs.parse({**base, "adjust": [adjust]})
+
+
 def test_relations_fail_when_they_should():
     records = [{"strategy": "a", "rate": 10.0, "correct": True, "cell": {"net": "1gbit"}},
                {"strategy": "b", "rate": 4.0, "correct": False, "cell": {"net": "1gbit"}}]

@@ -12,6 +12,8 @@ an experiment is adding one file. The fields::
     [vary]                           lists, crossed into cells (bench: "strategy" runs side by side in each)
     [settings]                       fixed values; ``--set KEY=VALUE`` overrides a setting or a varied key
     [paper_scale]                    the paper's cluster shape, replacing vary/settings keys (``--scale paper``)
+    [[adjust]]                       settings for some cells only: where = {varied key = value}, then keys
+                                     (e.g. a model's own compute profile)
     [[published]]                    the paper's values: where (a selector), value, of (ratio: [left, right]), setup
     [[relation]]                     the checks (gradsync.experiment.relations)
     [script]                         runner = "script": command (with {out} and {KEY} placeholders), records
@@ -57,6 +59,7 @@ class Spec:
     script: dict = field(default_factory=dict)
     notes: str = ""
     path: str = ""
+    adjust: list[dict] = field(default_factory=list)
 
     def keys(self) -> set[str]:
         """Every key a cell may carry: the varied and the fixed ones."""
@@ -94,6 +97,9 @@ class Spec:
         out = []
         for combo in itertools.product(*(vary[k] for k in crossed)):
             cell = {**settings, **dict(zip(crossed, combo))}
+            for adjust in self.adjust:
+                if all(cell.get(k) in (v if isinstance(v, list) else [v]) for k, v in adjust["where"].items()):
+                    cell.update({k: v for k, v in adjust.items() if k != "where"})
             if together in vary:
                 cell[together] = list(vary[together])
             out.append(cell)
@@ -138,7 +144,7 @@ def parse(raw: dict, path: str = "<spec>") -> Spec:
         return raw[key]
 
     known = {"name", "title", "paper", "figure", "runner", "metric", "x", "series", "panel", "vary", "settings",
-             "paper_scale", "published", "relation", "script", "notes"}
+             "paper_scale", "published", "relation", "script", "notes", "adjust"}
     unknown = sorted(set(raw) - known)
     if unknown:
         raise ConfigError(f"{path}: unknown field(s) {', '.join(unknown)}")
@@ -157,6 +163,23 @@ def parse(raw: dict, path: str = "<spec>") -> Spec:
         if bad:
             raise ConfigError(f"{path}: key(s) {', '.join(bad)} mean nothing to the {runner} runner; "
                               f"it takes {', '.join(sorted(allowed))}")
+    adjust = raw.get("adjust", [])
+    for i, entry in enumerate(adjust):
+        where = entry.get("where") if isinstance(entry, dict) else None
+        if not isinstance(where, dict) or not where:
+            raise ConfigError(f"{path}: adjust {i + 1} needs where = {{varied key = value}}")
+        if set(where) - set(vary) - {SIDE_BY_SIDE.get(runner)}:
+            raise ConfigError(f"{path}: adjust {i + 1} selects on {', '.join(sorted(set(where) - set(vary)))}, "
+                              f"which is not varied (varied: {', '.join(sorted(vary))})")
+        if SIDE_BY_SIDE.get(runner) in where:
+            raise ConfigError(f"{path}: adjust {i + 1} selects on {SIDE_BY_SIDE[runner]!r}, which one run measures "
+                              "together: a setting cannot differ within it")
+        keys = set(entry) - {"where"}
+        if not keys:
+            raise ConfigError(f"{path}: adjust {i + 1} sets nothing")
+        if allowed is not None and keys - allowed:
+            raise ConfigError(f"{path}: adjust {i + 1}: key(s) {', '.join(sorted(keys - allowed))} mean nothing to "
+                              f"the {runner} runner")
     script = raw.get("script", {})
     if runner == "script" and not ("command" in script and "records" in script):
         raise ConfigError(f"{path}: a script experiment needs [script] command and records")
@@ -167,7 +190,8 @@ def parse(raw: dict, path: str = "<spec>") -> Spec:
     spec = Spec(name=name, title=need("title"), paper=need("paper"), figure=need("figure"), runner=runner,
                 metric=need("metric"), x=raw.get("x"), series=raw.get("series"), panel=raw.get("panel"),
                 vary=vary, settings=settings, paper_scale=paper_scale, published=raw.get("published", []),
-                relations=raw.get("relation", []), script=script, notes=raw.get("notes", ""), path=path)
+                relations=raw.get("relation", []), script=script, notes=raw.get("notes", ""), path=path,
+                adjust=adjust)
     for key in (spec.x, spec.series, spec.panel):  # a script's records bring fields of their own
         if key is not None and key not in spec.keys() and runner != "script" and key != SIDE_BY_SIDE[runner]:
             raise ConfigError(f"{path}: chart key {key!r} is neither varied nor set")
