@@ -116,6 +116,9 @@ def _show(args) -> int:
     print("  fixed:  " + "; ".join(f"{k} = {v}" for k, v in settings.items()))
     if s.paper_scale:
         print("  paper scale: " + "; ".join(f"{k} = {v}" for k, v in s.paper_scale.items()))
+    for adjust in s.adjust:
+        where = ", ".join(f"{k} = {v}" for k, v in adjust["where"].items())
+        print(f"  where {where}: " + "; ".join(f"{k} = {v}" for k, v in adjust.items() if k != "where"))
     for p in s.published:
         print(f"  published: {p.get('label', '')} = {p.get('value')} ({p.get('setup', '')})")
     for r in s.relations:
