@@ -214,11 +214,13 @@ def test_hung_rank_times_out_with_explanation():
     assert elapsed < 25, f"the job took {elapsed:.1f} s to fail"
 
 
-@pytest.mark.parametrize("strategy", ["allreduce", "ps"])
+@pytest.mark.parametrize("strategy", ["allreduce", "ps", "allreduce-priority"])
 def test_a_peer_stopped_before_the_next_operation_is_named_within_the_timeout_of_the_fault(strategy):
     """Gloo's timeout counts from an operation's start; the survivors' next one starts 2 s after
     rank 1 stopped. The error still comes within the timeout (5 s) of the fault: nothing completed
-    for 5 s and the heartbeat watch saw rank 1 stand still."""
+    for 5 s and the heartbeat watch saw rank 1 stand still. ``allreduce`` waits in a collective,
+    ``ps`` in a receive (its waiter thread), ``allreduce-priority``'s training thread for its
+    communication thread (``runtime.check_progress``)."""
     errors = run_ranks_expect_failure(train_until_fault, 2, strategy, "stop-then-compute", {}, timeout=40,
                                       env={"GRADSYNC_TIMEOUT": "5"}, wait_for=[0])
     last = errors[0].strip().splitlines()[-1]
