@@ -34,9 +34,9 @@ def add_parser(subparsers) -> None:
 
 
 def _run_ranks(config: dict, run_dir: str) -> int:
-    from gradsync.errors import ConfigError
     from gradsync.launch import launch_local
     from gradsync.launch.emulated import launch_emulated
+    from gradsync.launch.processes import exit_status
 
     with open(os.path.join(run_dir, "config.json"), "w") as f:
         json.dump(config, f)
@@ -46,7 +46,7 @@ def _run_ranks(config: dict, run_dir: str) -> int:
     # layer's emulated time. Larger blocks (VGG-19's 411 MB fc6) go back to the OS: kept, they
     # fragmented the heap until 4 VGG-19 workers ran out of memory.
     # Tensors of 2 MB and more on transparent huge pages (PyTorch's THP_MEM_ALLOC_ENABLE): a fresh
-    # 64 MB buffer then costs 32 page faults instead of 16384 (docs/benchmarks.md, VGG-19 second run).
+    # 64 MB buffer then costs 32 page faults instead of 16384 (docs/methods.md).
     # Every strategy runs with it; set THP_MEM_ALLOC_ENABLE=0 to measure without.
     env = {"GRADSYNC_TIMEOUT": "600", "OMP_NUM_THREADS": str(config["threads"]),
            "THP_MEM_ALLOC_ENABLE": os.environ.get("THP_MEM_ALLOC_ENABLE", "1")}
@@ -54,18 +54,10 @@ def _run_ranks(config: dict, run_dir: str) -> int:
         env.update(MALLOC_MMAP_THRESHOLD_=str(256 << 20), MALLOC_TRIM_THRESHOLD_=str(1 << 40))
     command = [sys.executable, "-m", "gradsync.bench.worker", run_dir]
     options = {"np": config["np"], "servers": config["servers"], "env": env, "prefix_output": False}
-    try:
-        if config["rate_bps"] is None:
-            result = launch_local(command, **options)
-        else:
-            result = launch_emulated(command, rate_bps=config["rate_bps"] / config["dilation"],
-                                     delay_ms=config["delay_ms"] * config["dilation"], **options)
-    except ConfigError as exc:
-        print(f"gradsync bench: {exc}", file=sys.stderr)
-        return 1
-    if result.returncode:
-        print(result.message, file=sys.stderr)
-    return result.returncode
+    if config["rate_bps"] is None:
+        return exit_status("bench", lambda: launch_local(command, **options))
+    return exit_status("bench", lambda: launch_emulated(command, rate_bps=config["rate_bps"] / config["dilation"],
+                                                        delay_ms=config["delay_ms"] * config["dilation"], **options))
 
 
 def _records(config: dict, run_dir: str) -> list[dict]:

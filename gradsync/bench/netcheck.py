@@ -26,6 +26,7 @@ def add_parser(subparsers) -> None:
 def netcheck(args) -> int:
     from gradsync.cluster import format_rate, parse_rate
     from gradsync.launch.emulated import launch_emulated
+    from gradsync.launch.processes import exit_status
     from gradsync.cluster.netcheck import TARGET, report
     from gradsync.errors import ConfigError
 
@@ -44,16 +45,11 @@ def netcheck(args) -> int:
     with tempfile.TemporaryDirectory(prefix="gradsync-netcheck-") as run_dir:
         with open(os.path.join(run_dir, "config.json"), "w") as f:
             json.dump({"rate_bps": rate, "seconds": args.seconds, "repeats": args.repeats}, f)
-        try:
-            result = launch_emulated([sys.executable, "-m", "gradsync.cluster.netcheck", run_dir], np=args.hosts,
-                                     rate_bps=rate, delay_ms=args.delay, loss=args.loss / 100,
-                                     env={"GRADSYNC_TIMEOUT": "300"})
-        except ConfigError as exc:
-            print(f"gradsync netcheck: {exc}", file=sys.stderr)
-            return 1
-        if result.returncode:
-            print(result.message, file=sys.stderr)
-            return result.returncode
+        status = exit_status("netcheck", lambda: launch_emulated(
+            [sys.executable, "-m", "gradsync.cluster.netcheck", run_dir], np=args.hosts, rate_bps=rate,
+            delay_ms=args.delay, loss=args.loss / 100, env={"GRADSYNC_TIMEOUT": "300"}))
+        if status:
+            return status
         with open(os.path.join(run_dir, "results.json")) as f:
             results = json.load(f)
     text, ok = report(results["rows"], rate)

@@ -327,6 +327,22 @@ def _close(ranks: list[_Rank], timeout_s: float) -> None:
             rank.log.close()
 
 
+def exit_status(command_name: str, start: Callable[[], JobResult]) -> int:
+    """Start a job with ``start`` for ``gradsync COMMAND_NAME`` and return its exit status, having
+    said on stderr why when it is not 0: the launcher's refusal (a ``ConfigError``) or its summary
+    of the failed ranks."""
+    from gradsync.errors import ConfigError
+
+    try:
+        result = start()
+    except ConfigError as exc:
+        print(f"gradsync {command_name}: {exc}", file=sys.stderr)
+        return 1
+    if result.returncode:
+        print(result.message, file=sys.stderr)
+    return result.returncode
+
+
 def launch_local(command: list[str], *, np: int, servers: int = 0, port: int | None = None,
                  logdir: str | None = None, env: dict[str, str] | None = None,
                  grace_s: float = 3.0, prefix_output: bool = True,

@@ -15,12 +15,12 @@ A step, as :class:`~gradsync.strategies.hybrid.strategy.Hybrid` runs it:
 - the backward of a table's layer coalesces its row gradient (one pass over the rows read) and
   pushes ids and rows to their servers; the dense parameters' buckets are all-reduced as ready;
 - ``opt.step()`` waits for the dense all-reduce, then runs the optimizer on the dense parameters;
-- a server, once every worker's push of a table is in, builds the partition's gradient (a fresh
+- a server, once every worker's push of a table is in, builds the partition's gradient (a
   zeroed partition, the rows added, divided by N) and runs the optimizer on it: the dense update
   ``hybrid`` uses for momentum SGD (``gradsync bench``'s default optimizer).
 
 Every other strategy gets each table's gradient as ``nn.Embedding`` makes it, a zeroed copy of
-the whole table (:meth:`Worker.table_grad_s`); ``hybrid`` only the rows read.
+the whole table (:meth:`~gradsync.simulate.worker.Worker.table_grad_s`); ``hybrid`` only the rows read.
 
 Rows are spread evenly over the servers: ``partitions="auto"`` measures the partition count that
 balances them (docs/hybrid.md), which the model takes as achieved.

@@ -71,9 +71,9 @@ class _Meta:
         return self._size
 
 
-ZEROED_PASSES = 2.0
-"""A fresh zeroed buffer (``torch.zeros_like`` of a table) costs about two copies of its size on a
-CPU: the page faults of new memory besides the writes (2.3 against 5.0 GB/s, 101 MB on one core)."""
+ZEROED_PASSES = 1.0
+"""A zeroed buffer the size of a table costs one pass of its memory (a write; in an emulated run
+the allocator keeps freed blocks of up to 256 MB, so no page faults: gradsync.bench.cli)."""
 
 
 class Worker:
