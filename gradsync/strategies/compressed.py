@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from gradsync import runtime
 from gradsync.compress import CompressionError, Compressor, NonFiniteGradientError, PowerSGD, build, parse_spec
 from gradsync.compress.base import Payload, all_finite, from_bytes, message_problem, to_bytes
 from gradsync.errors import ConfigError, GradsyncError
@@ -183,7 +184,8 @@ class CompressedSync(BucketedSync):
                 handle.wait()
         with self.cv:
             while self.done < self.threaded and self.error is None:
-                self.cv.wait()
+                if not self.cv.wait(runtime.poll_s()):  # the thread may be blocked in a receive
+                    runtime.check_progress("wait for the compressed buckets")
         faults = (*map(self._plain_fault, plain), *map(self._summed_finish, summed))
         error = self.error or self.step_fault or next((e for e in faults if e is not None), None)
         self.deferred = self.step_fault = None
