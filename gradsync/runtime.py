@@ -34,7 +34,7 @@ from gradsync.heartbeat import Heartbeat, _within
 from gradsync import store as stores
 from gradsync.errors import ConfigError, GradsyncError, PeerFailureError
 from gradsync.topology import Topology
-from gradsync.transport import Transport
+from gradsync.transport import REPORT_S, Transport
 
 DEFAULT_TIMEOUT_S = 30.0
 RENDEZVOUS_MIN_S = 60.0
@@ -107,17 +107,18 @@ class Runtime:
     def overdue(self, what: str) -> PeerFailureError | None:
         """The error to end a wait with now, or None to go on waiting.
 
-        A wait ends early when nothing this rank waited on has completed for the whole timeout and
-        the heartbeat watch has seen a peer stand still (:meth:`Heartbeat.watched_silent`): that
-        peer has been unreachable since about the last completion, so the error comes within the
-        timeout of the fault even for an operation issued after it (Gloo's own timeout counts from
-        the operation's start). A link that comes back within the timeout is survived as before:
+        A wait ends early when nothing this rank waited on has completed for the timeout (less the
+        :data:`~gradsync.transport.REPORT_S` it takes to say so; a send's completion does not count:
+        it proves only that the message was buffered) and the heartbeat watch has seen a peer stand
+        still (:meth:`Heartbeat.watched_silent`): that peer has been unreachable since about the
+        last completion, so the error comes within the timeout of the fault even for an operation
+        issued after it (Gloo's own timeout counts from the operation's start). A link that comes back within the timeout is survived as before:
         operations complete meanwhile, or the heartbeat moves."""
         heartbeat, transport = self.heartbeat, self.transport
         if heartbeat is None or transport is None or transport.failure is not None:
             return None
         idle_s = time.monotonic() - transport.progress
-        if idle_s < self.timeout_s:
+        if idle_s < self.timeout_s - REPORT_S:
             return None
         silent = heartbeat.watched_silent()
         if not silent:

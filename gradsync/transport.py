@@ -50,6 +50,9 @@ def payload_limit(numel: int) -> int:
 
 RECHECK_S = 0.1
 """Past the deadline (:meth:`Transport.until_overdue`), how often a blocked collective asks again."""
+REPORT_S = 0.3
+"""A wait is ended this long before the timeout: the time to explain the error and for the launcher
+to print it, so that the user reads it within the timeout of the fault."""
 
 
 class Handle:
@@ -62,10 +65,10 @@ class Handle:
     the pair): the training thread hands it to the transport's :class:`Waiter` and asks ``overdue``
     while it waits for the waiter's answer; other threads block until done or Gloo's own timeout."""
 
-    __slots__ = ("_work", "_owner", "_what", "_done", "_trace", "_record", "_chunked", "ticket")
+    __slots__ = ("_work", "_owner", "_what", "_done", "_trace", "_record", "_chunked", "ticket", "_local")
 
     def __init__(self, work, owner: "Transport", what: str, trace_token=None,
-                 record: flight.Record | None = None, *, chunked: bool = False):
+                 record: flight.Record | None = None, *, chunked: bool = False, local: bool = False):
         self._work = work
         self._owner = owner
         self._what = what
@@ -73,6 +76,7 @@ class Handle:
         self._trace = trace_token  # a point-to-point operation's trace event, ended by wait()
         self._record = record  # its entry in this rank's flight record
         self._chunked = chunked
+        self._local = local  # a send: it completes once buffered, which proves no peer alive
         self.ticket: list | None = None
         """Tickets of a point-to-point wait queued on the :class:`Waiter`, waited for in order (wait_all:
         the whole list's, then this operation's own)."""
@@ -125,7 +129,8 @@ class Handle:
             if token is not None:
                 recorder.unblock(token)
         self._done = True
-        self._owner.progress = time.monotonic()
+        if not self._local:
+            self._owner.progress = time.monotonic()
         if self._record is not None:
             self._record.done = time.time()
         if self._trace is not None and tracer is not None:
@@ -221,8 +226,9 @@ class Transport:
         """Where the training thread's point-to-point waits block (Gloo only; :class:`Waiter`)."""
 
     def until_overdue(self) -> float:
-        """Seconds until the timeout has passed since this rank's last completed operation."""
-        return self.progress + self.timeout.total_seconds() - time.monotonic()
+        """Seconds until the timeout, less :data:`REPORT_S`, has passed since this rank's last
+        completed operation."""
+        return self.progress + self.timeout.total_seconds() - REPORT_S - time.monotonic()
 
     # -- collectives -------------------------------------------------------------------------
     def _group(self, world: bool):
@@ -318,7 +324,7 @@ class Transport:
         tracer = trace.current()
         token = None if tracer is None else tracer.begin_async(what, "comm", bytes=nbytes, op="send", peer=dst)
         record = self._record(what, "send", nbytes, peer=dst)
-        return Handle(dist.group.WORLD.send([tensor], dst, tag), self, what, token, record)
+        return Handle(dist.group.WORLD.send([tensor], dst, tag), self, what, token, record, local=True)
 
     def recv_async(self, tensor: torch.Tensor, src: Optional[int], tag: int, *,
                    what: str = "receive", traced: bool = True) -> Handle:
