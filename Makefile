@@ -22,7 +22,7 @@ demo: $(STAMP)
 	$(BIN)/gradsync bench --out bench-out --json bench-out/bench.json
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=15 tests
 
 clean:
 	rm -rf $(VENV) bench-out
