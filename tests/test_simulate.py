@@ -205,6 +205,7 @@ def test_hybrid_keeps_a_table_most_of_which_a_step_reads_dense_as_the_strategy_d
     served = simulate("hybrid", work, 2, NET, host=FREE_HOST, options={"sparse_threshold": 0.7}, steps=4, warmup=1)
     assert served["step_s"] != pytest.approx(dense["step_s"])
     assert served["bytes_per_step"] < dense["bytes_per_step"]
+    assert (served["dense_bytes"], dense["dense_bytes"]) == (1000, 5000)  # what its buckets hold (advise's memory)
 
 
 def test_a_credit_below_one_message_is_refused_as_by_p3_itself():

@@ -52,6 +52,8 @@ def simulate(strategy: str, workload: Workload, np: int, net: Network, *, host: 
         "compute": "simulated", "source": "gradsync simulate", "events": sim.events,
         "bytes_per_step": worker.bytes_sent() / len(ends), "plan": model.describe(),
     }
+    if hasattr(model, "dense_bytes"):
+        record["dense_bytes"] = model.dense_bytes
     if trace:
         record["timeline"] = sim.log
     return record

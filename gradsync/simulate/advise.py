@@ -49,7 +49,7 @@ def buffer_bytes(strategy: str, model_bytes: int, np: int, ratio: float = 1.0) -
         "casync-ring": 1.0 + 2 * ratio, "casync-ps": 1.0 + 2 * ratio,
         "compressed-allgather": 1.0 + np * ratio,  # every worker's payload held at once
         "sma": 1.0, "pair-averaging": 2.0,  # the average; the snapshot served and the peer's model
-        "hybrid": 1.0,  # the dense parameters' buckets (a table's rows are few)
+        "hybrid": 1.0,  # buckets of its dense parameters (model_bytes: those); a table's rows are few
     }
     return extra.get(strategy, 1.0) * model_bytes
 
@@ -89,7 +89,8 @@ def rank(workload, np: int, net, host=None, servers: int = 0, compression: list[
 
             name, opts = parse_spec(options["compression"])
             ratio = codec_cost(name, opts, 1.0).ratio
-        out.append(Advice(label, strategy, options, rec, buffer_bytes(strategy, workload.nbytes, np, ratio),
+        buffered = rec.get("dense_bytes", workload.nbytes)  # hybrid buckets only its dense parameters
+        out.append(Advice(label, strategy, options, rec, buffer_bytes(strategy, buffered, np, ratio),
                           _reason(strategy, options, rec, workload, ratio)))
     out.sort(key=lambda a: -a.record["samples_per_s"])
     return out
