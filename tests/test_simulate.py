@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from gradsync.errors import ConfigError
 from gradsync.simulate import Host, Network, SimulationError, simulate
 from gradsync.simulate.engine import Link, Sim, Stream
 from gradsync.simulate.workload import synthetic
@@ -206,6 +207,10 @@ def test_hybrid_keeps_a_table_most_of_which_a_step_reads_dense_as_the_strategy_d
     assert served["step_s"] != pytest.approx(dense["step_s"])
     assert served["bytes_per_step"] < dense["bytes_per_step"]
     assert (served["dense_bytes"], dense["dense_bytes"]) == (1000, 5000)  # what its buckets hold (advise's memory)
+    with pytest.raises(ConfigError, match="'nope' is not a trainable parameter"):
+        simulate("hybrid", work, 2, NET, host=FREE_HOST, options={"dense": ["nope"]})
+    with pytest.raises(ConfigError, match="'layer1.p0' cannot go to the servers"):
+        simulate("hybrid", work, 2, NET, host=FREE_HOST, options={"sparse": ["layer1.p0"]})
 
 
 def test_a_credit_below_one_message_is_refused_as_by_p3_itself():

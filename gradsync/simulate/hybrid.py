@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from gradsync.errors import ConfigError
 from gradsync.simulate.engine import Barrier, Stream
 from gradsync.simulate.models import Buckets
 from gradsync.simulate.worker import ZEROED_PASSES, StrategyModel, Worker
@@ -47,6 +48,15 @@ class Hybrid(StrategyModel):
         super().bind(worker)
         n, st = worker.np, self.strategy
         threshold = st.threshold if st.threshold is not None else (n - 1) / n
+        params = {p.name for p in worker.params}
+        for name in st.force_sparse + st.force_dense:
+            if name not in params:
+                raise ConfigError(f"hybrid: {name!r} is not a trainable parameter of {worker.w.model}")
+        for name in st.force_sparse:
+            if name not in worker.w.tables:
+                raise ConfigError(f"hybrid: {name!r} cannot go to the servers: it is not an embedding table read "
+                                  f"only through its lookup (tables of {worker.w.model}: "
+                                  f"{', '.join(worker.w.tables) or 'none'})")
         self.sparse = {}
         for name, table in worker.w.tables.items():
             if name in st.force_dense:
