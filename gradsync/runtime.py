@@ -112,8 +112,8 @@ class Runtime:
         it proves only that the message was buffered) and the heartbeat watch has seen a peer stand
         still (:meth:`Heartbeat.watched_silent`): that peer has been unreachable since about the
         last completion, so the error comes within the timeout of the fault even for an operation
-        issued after it (Gloo's own timeout counts from the operation's start). A link that comes back within the timeout is survived as before:
-        operations complete meanwhile, or the heartbeat moves."""
+        issued after it (Gloo's own timeout counts from the operation's start). A link that comes
+        back within the timeout is survived: operations complete meanwhile, or the heartbeat moves."""
         heartbeat, transport = self.heartbeat, self.transport
         if heartbeat is None or transport is None or transport.failure is not None:
             return None

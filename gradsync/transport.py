@@ -76,7 +76,7 @@ class Handle:
         self._trace = trace_token  # a point-to-point operation's trace event, ended by wait()
         self._record = record  # its entry in this rank's flight record
         self._chunked = chunked
-        self._local = local  # a send: it completes once buffered, which proves no peer alive
+        self._local = local  # a send: it completes once buffered, which does not prove the peer alive
         self.ticket: list | None = None
         """Tickets of a point-to-point wait queued on the :class:`Waiter`, waited for in order (wait_all:
         the whole list's, then this operation's own)."""
@@ -150,8 +150,8 @@ class Waiter:
     chunks that end at the transport's deadline, asking ``overdue`` there: a stopped peer is named
     within the timeout of the fault, not of the receive's start. :func:`wait_all` hands over a whole
     list at once and sleeps until all of it is done (one thread switch per list, not per message:
-    a parameter server's step waits on dozens). After such an error
-    the thread stays blocked until Gloo's own timeout; the process is leaving by then."""
+    a parameter server's step waits on dozens). After such an error the thread stays blocked until
+    Gloo's own timeout; the process is leaving by then."""
 
     def __init__(self):
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()

@@ -99,8 +99,10 @@ def load(model: str, batch_size: int, profile: str | None = None) -> Workload:
             full = f"{entry.name}.{pname}" if entry.name else pname
             layer.params.append(Param(full, p.numel(), p.numel() * p.element_size(), index))
         layers.append(layer)
-    return Workload(model, batch_size, layers, prof.device, prof.source,
-                    {name: t for name, t in tables.items() if name in {p.name for p in layers_params(layers)}})
+    workload = Workload(model, batch_size, layers, prof.device, prof.source)
+    trained = {p.name for p in workload.params}  # a frozen table has no gradient to move
+    workload.tables = {name: t for name, t in tables.items() if name in trained}
+    return workload
 
 
 TABLE_BATCHES = 4
@@ -128,10 +130,6 @@ def _tables(spec, model, batch_size: int) -> dict[str, Table]:
         found[f"{name}.weight"] = Table(weight.shape[0], weight[0].numel() * weight.element_size(),
                                         sum(read) / len(read))
     return found
-
-
-def layers_params(layers: list[Layer]) -> list[Param]:
-    return [p for layer in layers for p in layer.params]
 
 
 def synthetic(layers: list[tuple[float, float, list[int]]], batch_size: int = 32, name: str = "synthetic") -> Workload:
