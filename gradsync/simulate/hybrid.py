@@ -87,25 +87,16 @@ class Hybrid(StrategyModel):
         """Of a worker's messages to all servers, what leaves its host (co-located: its own share stays)."""
         return nbytes if self.dedicated else nbytes * (self.wk.np - 1) / self.wk.np
 
-    def _to_servers(self, nbytes: float, done: Callable[[], None], name: str) -> None:
+    def _exchange(self, nbytes: float, done: Callable[[], None], name: str, *, to_servers: bool) -> None:
+        """A worker's messages of ``nbytes`` in all to the servers (``to_servers``) or from them."""
         wk = self.wk
-        if self.dedicated:  # every worker sends to every server: a server's side carries N shares
-            per = nbytes / self.dedicated
-            arrive = Barrier(self.dedicated, done)
-            for s in range(self.dedicated):
-                wk.message(per, [(wk.tx, 1), (wk.servers[s][1], wk.np)], arrive.arrive, name)
-        else:
+        if not self.dedicated:
             wk.message(self._remote(nbytes), [(wk.tx, 1), (wk.rx, 1)], done, name)
-
-    def _from_servers(self, nbytes: float, done: Callable[[], None], name: str) -> None:
-        wk = self.wk
-        if self.dedicated:
-            per = nbytes / self.dedicated
-            arrive = Barrier(self.dedicated, done)
-            for s in range(self.dedicated):
-                wk.message(per, [(wk.servers[s][0], wk.np), (wk.rx, 1)], arrive.arrive, name)
-        else:
-            wk.message(self._remote(nbytes), [(wk.tx, 1), (wk.rx, 1)], done, name)
+            return
+        arrive = Barrier(self.dedicated, done)  # every worker talks to every server: its side carries N shares
+        for tx, rx in wk.servers:
+            uses = [(wk.tx, 1), (rx, wk.np)] if to_servers else [(tx, wk.np), (wk.rx, 1)]
+            wk.message(nbytes / self.dedicated, uses, arrive.arrive, name)
 
     # -- a step ----------------------------------------------------------------------------------------
     def before_forward(self, step: int, go: Callable[[], None]) -> None:
@@ -127,18 +118,19 @@ class Hybrid(StrategyModel):
         def answer() -> None:  # the server gathers the rows, then they cross the wire
             served = rows * wk.np / self.servers if self.dedicated else rows * (wk.np - 1) / wk.np
             self.server.run(wk.copy_s(served),
-                            lambda: self._from_servers(rows, lambda: wk.host.run(wk.copy_s(self._remote(rows)), done,
-                                                                                     what=f"rows of {name}"),
-                                                       f"pull {name}"), what=f"gather {name}")
+                            lambda: self._exchange(rows, lambda: wk.host.run(wk.copy_s(self._remote(rows)), done,
+                                                                                 what=f"rows of {name}"),
+                                                   f"pull {name}", to_servers=False), what=f"gather {name}")
 
-        self._to_servers(table.read * ID_BYTES, answer, f"ids of {name}")
+        self._exchange(table.read * ID_BYTES, answer, f"ids of {name}", to_servers=True)
 
     def on_layer_ready(self, step: int, layer: int) -> None:
         for name in self.tables_of_layer.get(layer, []):
             table, wk = self.sparse[name], self.wk
             rows = table.read * table.row_bytes
-            wk.host.run(wk.copy_s(rows), lambda name=name, rows=rows, table=table: self._to_servers(
-                rows + table.read * ID_BYTES, lambda: self._apply(name, step), f"push {name}"), what=f"coalesce {name}")
+            wk.host.run(wk.copy_s(rows), lambda name=name, rows=rows, table=table: self._exchange(
+                rows + table.read * ID_BYTES, lambda: self._apply(name, step), f"push {name}", to_servers=True),
+                        what=f"coalesce {name}")
         self.dense.on_layer_ready(step, layer)
 
     def _apply(self, name: str, step: int) -> None:
@@ -154,7 +146,10 @@ class Hybrid(StrategyModel):
         self.applied[name] = step
         still = []
         for after, go in self.waiting.pop(name, []):
-            (go() if after <= step else still.append((after, go)))
+            if after <= step:
+                go()
+            else:
+                still.append((after, go))
         if still:
             self.waiting[name] = still
 
