@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -136,10 +137,11 @@ def test_misuse_raises_config_error(misuse_results, case):
 
 
 # -- a rank that dies or hangs in the middle of training ---------------------------------------------
-def train_until_fault(strategy: str, fault: str, options: dict):
+def train_until_fault(strategy: str, fault: str, options: dict, report: str | None = None):
     """Train 5 steps; in step 3, rank 1 dies (``os._exit``) at ``fault``, hangs, or stops (SIGSTOP,
     while the others compute for 2 s first). A survivor's error is re-raised with the seconds it took
-    from the start of step 3."""
+    from the start of step 3; one that the watchdog ends the process with (``ddp``) is written to
+    ``report``, with the same seconds."""
     topo = gradsync.topology()
     model = mlp()
     opt = gradsync.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1), strategy,
@@ -147,10 +149,23 @@ def train_until_fault(strategy: str, fault: str, options: dict):
     if topo.is_server:
         return None
     faulty, current = topo.rank == 1, [0]
+    if report is not None:
+        from gradsync import watchdog
+
+        end, step_started = watchdog._end_process, [0.0]
+
+        def reported(error):
+            seconds = time.monotonic() - step_started[0]
+            Path(report).write_text(f"{type(error).__name__}: {error} [{seconds:.2f} s into step 3]")
+            end(error)
+
+        watchdog._end_process = reported
     if faulty and fault == "mid-backward":  # layer 0 gets its gradient last: later buckets are sent
         model[0].weight.register_hook(lambda grad: os._exit(1) if current[0] == 3 else None)
     for step in range(5):
         start, current[0] = time.monotonic(), step
+        if report is not None:
+            step_started[0] = start
         try:
             if faulty and step == 3 and fault == "hang":
                 time.sleep(3600)
@@ -203,32 +218,68 @@ def test_dead_rank_is_named_by_survivors(strategy, options, workers, servers, fa
 def test_hung_rank_times_out_with_explanation():
     started = time.monotonic()
     errors = run_ranks_expect_failure(train_until_fault, 2, "allreduce", "hang", {}, timeout=40,
-                                      env={"GRADSYNC_TIMEOUT": "5"}, wait_for=[0])
+                                      env={"GRADSYNC_TIMEOUT": "4"}, wait_for=[0])
     elapsed = time.monotonic() - started
     last = errors[0].strip().splitlines()[-1]
     assert "PeerFailureError" in last and "failed on worker 0 (rank 0)" in last, last
-    assert "no peer died" in last and "did not complete within 5 s" in last and "GRADSYNC_TIMEOUT" in last, last
-    # The operation waits the 5 s, and the watch already saw the live peer beating: the error comes
+    assert "no peer died" in last and "did not complete within 4 s" in last and "GRADSYNC_TIMEOUT" in last, last
+    # The operation waits the 4 s, and the watch already saw the live peer beating: the error comes
     # at once (a second of slack for a loaded machine's scheduling).
-    assert 5 <= seconds_into_step(last) <= 6, last
+    assert 4 <= seconds_into_step(last) <= 5, last
     assert elapsed < 25, f"the job took {elapsed:.1f} s to fail"
 
 
-@pytest.mark.parametrize("strategy", ["allreduce", "ps", "casync-ring"])
-def test_a_peer_stopped_before_the_next_operation_is_named_within_the_timeout_of_the_fault(strategy):
+@pytest.mark.parametrize("strategy", ["allreduce", "ps", "casync-ring", "ddp"])
+def test_a_peer_stopped_before_the_next_operation_is_named_within_the_timeout_of_the_fault(strategy, tmp_path):
     """Gloo's timeout counts from an operation's start; the survivors' next one starts 2 s after
-    rank 1 stopped. The error still comes within the timeout (5 s) of the fault: nothing completed
-    for 5 s and the heartbeat watch saw rank 1 stand still. ``allreduce`` waits in a collective,
+    rank 1 stopped. The error still comes within the timeout (4 s) of the fault: nothing completed
+    for 4 s and the heartbeat watch saw rank 1 stand still. ``allreduce`` waits in a collective,
     ``ps`` in a receive (its waiter thread), ``casync-ring``'s training thread for its
-    communication thread, which is blocked in a receive (``runtime.check_progress``)."""
-    errors = run_ranks_expect_failure(train_until_fault, 2, strategy, "stop-then-compute", {}, timeout=40,
-                                      env={"GRADSYNC_TIMEOUT": "5"}, wait_for=[0])
-    last = errors[0].strip().splitlines()[-1]
+    communication thread, which is blocked in a receive (``runtime.check_progress``), ``ddp`` in
+    PyTorch's reducer, which no exception reaches: the watchdog ends the process."""
+    report = tmp_path / "watchdog.txt" if strategy == "ddp" else None
+    errors = run_ranks_expect_failure(train_until_fault, 2, strategy, "stop-then-compute", {},
+                                      None if report is None else str(report), timeout=40,
+                                      env={"GRADSYNC_TIMEOUT": "4"}, wait_for=[0])
+    if report is None:
+        last = errors[0].strip().splitlines()[-1]
+    else:  # the watchdog ended the process: no report, the error is in ``report``
+        assert "exited with code 1 without reporting" in errors[0], errors[0]
+        last = report.read_text()
+        assert "DDP's all-reduce" in last, last
     assert "PeerFailureError" in last and "worker 1 (rank 1) stopped responding" in last, last
     assert "nothing completed for" in last, last  # its next operation (ps: a receive) starts after the fault
     if strategy == "casync-ring":
         assert "wait for the compressed buckets" in last, last
-    assert seconds_into_step(last) <= 5.5, last  # 7 s when an operation started after the fault waits out its timeout
+    assert seconds_into_step(last) <= 4.5, last  # 6 s when an operation started after the fault waits out its timeout
+
+
+def test_the_watchdog_acts_only_inside_a_window(monkeypatch):
+    """Outside a window (an evaluation, a checkpoint, the end of training) an overdue rank is left
+    alone; inside one the watchdog ends the process with the error."""
+    from types import SimpleNamespace
+
+    from gradsync import runtime, watchdog
+
+    error = gradsync.PeerFailureError("rank 1 stopped responding")
+    transport = SimpleNamespace(progress=0.0, until_overdue=lambda: 0.0)
+    monkeypatch.setattr(runtime, "_RUNTIME", SimpleNamespace(transport=transport, overdue=lambda what: error))
+    ended = []
+    monkeypatch.setattr(watchdog, "_end_process", ended.append)
+    monkeypatch.setattr(watchdog, "IDLE_S", 0.01)
+    dog = watchdog.Watchdog("a test's wait")
+    dog.enter()
+    dog.leave()
+    time.sleep(0.3)
+    assert ended == []
+    dog.enter()
+    deadline = time.monotonic() + 5
+    while not ended and time.monotonic() < deadline:
+        time.sleep(0.01)
+    dog.close()
+    assert ended and ended[0] is error
+    dog.completed()
+    assert transport.progress > 0
 
 
 class _Clock:

@@ -47,7 +47,7 @@ def run(tmp_path, sleep: float, timeout: str, logdir=None, elastic: bool = False
 
 
 def test_a_hang_prints_who_waits_where_and_who_is_behind(tmp_path):
-    job = run(tmp_path, sleep=60, timeout="4", logdir=tmp_path / "logs")
+    job = run(tmp_path, sleep=60, timeout="3", logdir=tmp_path / "logs")
     try:
         _, err = job.communicate(timeout=90)
     finally:
@@ -67,12 +67,12 @@ def test_a_hang_prints_who_waits_where_and_who_is_behind(tmp_path):
 
 @pytest.mark.parametrize("elastic", [False, True], ids=["run", "elastic"])
 def test_sigusr1_prints_the_summary_and_the_job_goes_on(tmp_path, elastic):
-    job = run(tmp_path, sleep=4, timeout="60", elastic=elastic)
+    job = run(tmp_path, sleep=2.5, timeout="60", elastic=elastic)
     try:
         for line in job.stdout:
             if "sleeping" in line:
                 break
-        time.sleep(1.0)  # the others reach the all-reduce of step 3 and wait
+        time.sleep(0.5)  # the others reach the all-reduce of step 3 and wait
         job.send_signal(signal.SIGUSR1)
         out, err = job.communicate(timeout=90)
     finally:

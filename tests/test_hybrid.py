@@ -256,7 +256,7 @@ def test_dedicated_servers_serve_for_longer_than_the_timeout():
 
 
 def test_a_dedicated_server_names_the_worker_that_died():
-    failures = run_ranks_expect_failure(_train_slowly, 3, 6, 2, servers=1, timeout=90, wait_for=[2])
+    failures = run_ranks_expect_failure(_train_slowly, 3, 6, 1, servers=1, timeout=90, wait_for=[2])
     assert "stop from worker 1 (rank 1) never came: it stopped responding" in failures.get(2, ""), failures
 
 

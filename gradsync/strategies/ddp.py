@@ -12,17 +12,23 @@ worker per step (counted from the parameter sizes; DDP's own collectives are not
 ``compression=NAME`` (any :mod:`gradsync.compress` spec, e.g. ``"powersgd:rank=2"``) registers
 :func:`gradsync.compress.hook.comm_hook` on the DDP model, with ``error_feedback`` if asked: what a
 user of vanilla DDP would do, and then the wire bytes are the hook's own count.
+
+The reducer waits in C++, where no exception reaches it: a :class:`gradsync.watchdog.Watchdog`
+watches from a forward to the optimizer step, so that a peer that stops is named within the
+timeout of the fault, as gradsync's own strategies name it.
 """
 from __future__ import annotations
 
 import inspect
 from typing import Any, Callable
 
+import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from gradsync.compress import build, hook, parse_spec
 from gradsync.strategies.base import Strategy, SyncContext, ring_bytes
+from gradsync.watchdog import Watchdog
 
 
 # torch 2.13 renamed broadcast_buffers and added init_sync; keep working on torch >= 2.4.
@@ -59,6 +65,7 @@ class DDP(Strategy):
                             gradient_as_bucket_view=gradient_as_bucket_view)
         self.compression, self.error_feedback = compression, error_feedback
         self.hook_state = None
+        self.watchdog: Watchdog | None = None  # made when attached: the strategy is copied before
         if compression is not None:
             name, options = parse_spec(compression)
             self.exact = build(name, **options).lossless  # a bad name or option fails here
@@ -74,6 +81,7 @@ class DDP(Strategy):
         ddp = DistributedDataParallel(_Forward(self.ctx.model, forward), **_NO_INIT_SYNC,
                                       process_group=self.ctx.transport.worker_group, **self.options)
         self.ddp = ddp
+        self.watchdog = Watchdog("DDP's all-reduce (PyTorch's reducer)")
         if self.compression is not None:
             name, options = parse_spec(self.compression)
             self.hook_state, compression_hook = hook.comm_hook(
@@ -84,7 +92,11 @@ class DDP(Strategy):
         def forward_through_ddp(*args, **kwargs):
             # A plain function, not the module: assigning a Module to model.forward would register
             # it as a submodule and leave the class's forward in place.
-            return ddp(*args, **kwargs)
+            self.watchdog.enter()
+            out = ddp(*args, **kwargs)
+            if not torch.is_grad_enabled():  # an evaluation: no backward follows
+                self.watchdog.leave()
+            return out
 
         return forward_through_ddp
 
@@ -94,7 +106,14 @@ class DDP(Strategy):
         else:
             self.ctx.transport.count_external(self.hook_state.bytes_sent)
             self.hook_state.bytes_sent = 0
+        # DDP's reducer waited for every bucket at the end of backward: this step's operations completed.
+        self.watchdog.completed()
+        self.watchdog.leave()
         return apply()
+
+    def close(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.close()
 
     def min_bytes_per_host(self, model_bytes: int) -> float:
         return ring_bytes(model_bytes, self.ctx.topology.num_workers)

@@ -1,0 +1,89 @@
+"""The watchdog: ends a rank whose training thread is blocked where no exception can reach it.
+
+gradsync's own waits end within the timeout of a fault (:meth:`gradsync.runtime.Runtime.overdue`,
+asked by the waiting thread). PyTorch's DDP reducer waits for its buckets in C++, with Gloo's
+timeout counted from each operation's start, and cannot be interrupted: a peer that stops just
+before the survivors' next all-reduce is named only a whole timeout after that all-reduce began.
+
+A strategy whose waits live in such code tells the watchdog when its training thread enters a
+window that may block (:meth:`Watchdog.enter`, e.g. a forward) and when an operation in it
+completed (:meth:`Watchdog.completed`), and when it left the window (:meth:`Watchdog.leave`). While a window is open, a daemon thread asks
+``Runtime.overdue`` at the transport's deadline; when it answers with an error (nothing completed
+for the timeout, less the time to report, and the heartbeat saw a peer stand still) the watchdog
+prints the error, dumps the flight record, and ends the process with status 1, as PyTorch's NCCL
+watchdog tears down a process whose collective hung. Outside a window (evaluation, checkpointing,
+the end of training) it never acts.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+from gradsync import runtime
+from gradsync.transport import RECHECK_S
+
+IDLE_S = 0.5
+"""How often the watchdog looks again while no window is open."""
+
+
+def _end_process(error: BaseException) -> None:
+    """Print ``error`` and end the process with status 1 (the training thread cannot be reached)."""
+    print(f"gradsync: {type(error).__name__}: {error}. This rank's training thread is blocked inside "
+          "PyTorch, where no exception can reach it: gradsync's watchdog ends the process",
+          file=sys.stderr, flush=True)
+    current = runtime._RUNTIME
+    if current is not None and current.hosts_store and current.heartbeat is not None:
+        current.heartbeat.wait_for_peers()  # the others may still be naming the failed rank
+    sys.stdout.flush()
+    os._exit(1)
+
+
+class Watchdog:
+    """Watches the windows a strategy opens; :func:`_end_process` when one is overdue.
+
+    ``what`` names the operation in the error ("DDP's all-reduce"). The thread starts at the first
+    :meth:`enter` and stops at :meth:`close`."""
+
+    def __init__(self, what: str):
+        self.what = what
+        self.open = False
+        self._closed = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def enter(self) -> None:
+        """The training thread may block from now on."""
+        self.open = True
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._watch, name="gradsync-watchdog", daemon=True)
+            self._thread.start()
+
+    def completed(self) -> None:
+        """An operation with the peers completed: they were alive until now (progress)."""
+        current = runtime._RUNTIME
+        if current is not None and current.transport is not None:
+            current.transport.progress = time.monotonic()
+
+    def leave(self) -> None:
+        """The training thread no longer waits on its peers."""
+        self.open = False
+
+    def close(self) -> None:
+        self.open = False
+        self._closed.set()
+
+    def _next_look(self) -> float:
+        current = runtime._RUNTIME
+        if not self.open or current is None or current.transport is None:
+            return IDLE_S
+        return max(RECHECK_S, current.transport.until_overdue())
+
+    def _watch(self) -> None:
+        while not self._closed.wait(self._next_look()):
+            current = runtime._RUNTIME
+            if not self.open or current is None:
+                continue
+            error = current.overdue(self.what)
+            if error is not None and self.open:
+                _end_process(error)
