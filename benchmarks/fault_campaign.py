@@ -158,7 +158,13 @@ def failing_trial(kind: str, strategy: str, rng: random.Random) -> dict:
             "exit": proc.returncode, "failed": proc.returncode != 0, "named": named, "seconds": seconds,
             "error_s": error_s,
             "left_processes": len(left), "left_shm": len(_shm() - shm), "left_netns": 0, "wrong_model": False,
-            "tail": err[-1500:] if (hung or not named or proc.returncode == 0) else ""}
+            "tail": err[-1500:] if (hung or not named or proc.returncode == 0) else "",
+            "late": _timed(lines, injected) if error_s is not None and error_s > TIMEOUT_S else ""}
+
+
+def _timed(lines: list[tuple[float, str]], since: float) -> str:
+    """The job's stderr, each line with its seconds since ``since``: to trace an error that came late."""
+    return "".join(f"{t - since:6.2f} {line}" for t, line in lines)[-6000:]
 
 
 _REFERENCES: dict[tuple[str, int], list] = {}

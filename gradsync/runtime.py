@@ -110,9 +110,11 @@ class Runtime:
         A wait ends early when nothing this rank waited on has completed for the timeout (less the
         :data:`~gradsync.transport.REPORT_S` it takes to say so; a send's completion does not count:
         it proves only that the message was buffered) and the heartbeat watch has seen a peer stand
-        still (:meth:`Heartbeat.watched_silent`): that peer has been unreachable since about the
-        last completion, so the error comes within the timeout of the fault even for an operation
-        issued after it (Gloo's own timeout counts from the operation's start). A link that comes
+        still (:meth:`Heartbeat.watched_silent`), or the store has stopped answering its beats (its
+        host, rank 0, is stopped or cut off, and the watch sees nothing): that peer has been
+        unreachable since about the last completion, so the error comes within the timeout of the
+        fault even for an operation issued after it (Gloo's own timeout counts from the
+        operation's start). A link that comes
         back within the timeout is survived: operations complete meanwhile, or the heartbeat moves."""
         heartbeat, transport = self.heartbeat, self.transport
         if heartbeat is None or transport is None or transport.failure is not None:
@@ -121,6 +123,10 @@ class Runtime:
         if idle_s < self.timeout_s - REPORT_S:
             return None
         silent = heartbeat.watched_silent()
+        if not silent and heartbeat.store_lost():  # the store's host stopped: the watch sees nothing
+            return self.explain(what, TimeoutError(
+                f"nothing completed for {idle_s:.1f} s (the timeout is {self.timeout_s:g} s) while the "
+                "rendezvous store did not answer"))
         if not silent:
             return None
         who = ", ".join(self.topology.describe(r) for r in silent)

@@ -49,7 +49,9 @@ class Watchdog:
     def __init__(self, what: str):
         self.what = what
         self.open = False
-        self._closed = threading.Event()
+        self._closed = False
+        self._wake = threading.Event()  # set by enter and close: look again now
+        self._idle = False  # the thread sleeps IDLE_S, not until the deadline
         self._thread: threading.Thread | None = None
 
     def enter(self) -> None:
@@ -58,6 +60,8 @@ class Watchdog:
         if self._thread is None:
             self._thread = threading.Thread(target=self._watch, name="gradsync-watchdog", daemon=True)
             self._thread.start()
+        elif self._idle:
+            self._wake.set()  # a window opened long after the last progress may be overdue at once
 
     def completed(self) -> None:
         """An operation with the peers completed: they were alive until now (progress)."""
@@ -70,18 +74,21 @@ class Watchdog:
         self.open = False
 
     def close(self) -> None:
-        self.open = False
-        self._closed.set()
+        self.open, self._closed = False, True
+        self._wake.set()
 
     def _next_look(self) -> float:
         current = runtime._RUNTIME
-        if not self.open or current is None or current.transport is None:
-            return IDLE_S
-        return max(RECHECK_S, current.transport.until_overdue())
+        self._idle = not self.open or current is None or current.transport is None
+        return IDLE_S if self._idle else max(RECHECK_S, current.transport.until_overdue())
 
     def _watch(self) -> None:
-        while not self._closed.wait(self._next_look()):
+        while True:
+            self._wake.wait(self._next_look())
+            self._wake.clear()
             current = runtime._RUNTIME
+            if self._closed:
+                return
             if not self.open or current is None:
                 continue
             error = current.overdue(self.what)

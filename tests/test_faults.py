@@ -254,6 +254,30 @@ def test_a_peer_stopped_before_the_next_operation_is_named_within_the_timeout_of
     assert seconds_into_step(last) <= 4.5, last  # 6 s when an operation started after the fault waits out its timeout
 
 
+def stop_the_store_host_at_start():
+    """Rank 0, which serves the store, stops right after joining; rank 1 computes for 2 s, then
+    distributes (its first operation, the model check): the error is re-raised with its seconds."""
+    if gradsync.topology().rank == 0:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    start = time.monotonic()
+    time.sleep(2.0)
+    model = mlp()
+    try:
+        gradsync.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1), "allreduce")
+    except gradsync.PeerFailureError as exc:
+        raise gradsync.PeerFailureError(f"{exc} [{time.monotonic() - start:.2f} s into step 3]") from exc
+
+
+def test_a_store_host_stopped_at_start_is_named_within_the_timeout_of_the_fault():
+    """Rank 0 serves the rendezvous store: stopped before the others' heartbeats saw it beat, it
+    leaves the watch nothing to see; the store's silence is the sign instead."""
+    errors = run_ranks_expect_failure(stop_the_store_host_at_start, 2, timeout=40,
+                                      env={"GRADSYNC_TIMEOUT": "4"}, wait_for=[1])
+    last = errors[1].strip().splitlines()[-1]
+    assert "PeerFailureError" in last and "rank 0, which hosts the rendezvous store, is unreachable" in last, last
+    assert seconds_into_step(last) <= 4.5, last
+
+
 def test_the_watchdog_acts_only_inside_a_window(monkeypatch):
     """Outside a window (an evaluation, a checkpoint, the end of training) an overdue rank is left
     alone; inside one the watchdog ends the process with the error."""
