@@ -34,7 +34,7 @@ from gradsync.heartbeat import Heartbeat, _within
 from gradsync import store as stores
 from gradsync.errors import ConfigError, GradsyncError, PeerFailureError
 from gradsync.topology import Topology
-from gradsync.transport import REPORT_S, Transport
+from gradsync.transport import REPORT_S, Transport, gloo_timeout
 
 DEFAULT_TIMEOUT_S = 30.0
 RENDEZVOUS_MIN_S = 60.0
@@ -275,12 +275,12 @@ def start(topology: Topology, store, *, backend: str, timeout_s: float, heartbea
     owns_group = store is not None
     if owns_group:
         dist.init_process_group(backend, store=store, rank=topology.rank,
-                                world_size=topology.world_size, timeout=timedelta(seconds=timeout_s))
+                                world_size=topology.world_size, timeout=gloo_timeout(timeout_s))
         if topology.world_size > 1 and heartbeat_at[0] is not None:
             heartbeat = Heartbeat(*heartbeat_at, topology, heartbeat_prefix, timeout_s)
     worker_group = dist.group.WORLD
     if topology.num_servers:
-        worker_group = dist.new_group(topology.worker_ranks, timeout=timedelta(seconds=timeout_s))
+        worker_group = dist.new_group(topology.worker_ranks, timeout=gloo_timeout(timeout_s))
     recorder = flight.FlightRecorder(topology.rank, topology.describe(topology.rank))
     flight.install(recorder)
     runtime = Runtime(topology, None, timeout_s, heartbeat, owns_group, store=store,

@@ -55,6 +55,13 @@ REPORT_S = 0.3
 to print it, so that the user reads it within the timeout of the fault."""
 
 
+def gloo_timeout(timeout_s: float) -> timedelta:
+    """The process groups' own timeout for a job timeout of ``timeout_s``: :data:`REPORT_S` shorter
+    (at most half), so that an operation that waits it out (DDP's reducer, a communication
+    thread's receive posted just before the fault) is reported within the timeout too."""
+    return timedelta(seconds=timeout_s - min(REPORT_S, timeout_s / 2))
+
+
 class Handle:
     """An operation in flight. ``wait()`` raises a :class:`PeerFailureError` that names the peer.
 
@@ -256,8 +263,9 @@ class Transport:
         own threads: Gloo and NCCL match collectives by their order on a group, so those must never
         interleave with the ones the training script (or gradsync) issues on the default groups.
         Collective: every rank, servers included, calls it at the same point. Its operations time
-        out after the job's timeout, as the default group's do (torch's default is 30 minutes)."""
-        return dist.new_group(self.topology.worker_ranks, timeout=self.timeout)
+        out with the job's timeout, as the default group's do (:func:`gloo_timeout`; torch's
+        default is 30 minutes)."""
+        return dist.new_group(self.topology.worker_ranks, timeout=gloo_timeout(self.timeout.total_seconds()))
 
     def free_group(self, group) -> None:
         """Release a group from :meth:`new_worker_group` (on a rank outside it, nothing to do)."""
