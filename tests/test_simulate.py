@@ -207,6 +207,9 @@ def test_hybrid_keeps_a_table_most_of_which_a_step_reads_dense_as_the_strategy_d
     assert served["step_s"] != pytest.approx(dense["step_s"])
     assert served["bytes_per_step"] < dense["bytes_per_step"]
     assert (served["dense_bytes"], dense["dense_bytes"]) == (1000, 5000)  # what its buckets hold (advise's memory)
+    # The bound's traffic: the dense ring (1000 B each way) and the rows out and back, half of
+    # which stay home (60 rows x 40 B = 2400 B: 1200 B cross each way).
+    assert served["min_bytes_per_host"] == 1000 + 2 * 1200
     with pytest.raises(ConfigError, match="'nope' is not a trainable parameter"):
         simulate("hybrid", work, 2, NET, host=FREE_HOST, options={"dense": ["nope"]})
     with pytest.raises(ConfigError, match="'layer1.p0' cannot go to the servers"):
@@ -230,6 +233,8 @@ def test_simulate_prints_records_and_rejects_bad_input(tmp_path, cli):
     assert [(r["strategy"], r["np"]) for r in records] == [("allreduce", 4), ("p3", 4), ("allreduce", 16), ("p3", 16)]
     for r in records:  # communication-bound at 1 Gbit/s: near, never above, the bound
         assert 0.5 < r["samples_per_s"] / r["bound_samples_per_s"] <= 1.0 + 1e-9
+    code, out, err = cli("simulate", "--model", "lstm-lm", "--strategies", "hybrid", "--np", "4", "--net", "10gbit")
+    assert code == 0 and "hybrid" in out, err  # its bound comes from the rows it reads
     for args, message in ((["--np", "0"], "--np must be >= 1"), (["--net=-1gbit"], "bad link rate"),
                           (["--strategies", "nope"], "no simulator model for nope"),
                           (["--model", "resnet50:tiny"], "no shipped compute profile")):

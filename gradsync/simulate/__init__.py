@@ -54,6 +54,7 @@ def simulate(strategy: str, workload: Workload, np: int, net: Network, *, host: 
     }
     if hasattr(model, "dense_bytes"):
         record["dense_bytes"] = model.dense_bytes
+        record["min_bytes_per_host"] = model.min_bytes_per_host()
     if trace:
         record["timeline"] = sim.log
     return record

@@ -88,19 +88,22 @@ def _rates(text: str, error) -> list[float | None]:
 
 
 def bound(strategy: str, options: dict, model_bytes: int, np: int, servers: int, rate: float | None,
-          compute_s: float, samples: int) -> float:
-    """The physical bound, from the strategy's own ``min_bytes_per_host`` (as gradsync bench)."""
+          compute_s: float, samples: int, min_bytes: float | None = None) -> float:
+    """The physical bound, from the strategy's own ``min_bytes_per_host`` (as gradsync bench), or
+    ``min_bytes`` where the simulated model knows it (``hybrid``: it depends on the rows read)."""
     from types import SimpleNamespace
 
     from gradsync.strategies import resolve
 
-    obj = resolve(strategy, **options)
-    obj.ctx = SimpleNamespace(topology=SimpleNamespace(num_workers=np, num_servers=servers))
-    if hasattr(obj, "codec_name"):  # a compressed strategy: its wire ratio, as the simulator measured it
-        from gradsync.simulate.compressed import codec_cost
+    if min_bytes is None:
+        obj = resolve(strategy, **options)
+        obj.ctx = SimpleNamespace(topology=SimpleNamespace(num_workers=np, num_servers=servers))
+        if hasattr(obj, "codec_name"):  # a compressed strategy: its wire ratio, as the simulator measured it
+            from gradsync.simulate.compressed import codec_cost
 
-        obj.ratio = codec_cost(obj.codec_name, obj.codec_options, 1.0).ratio
-    comm_s = 0.0 if rate is None else obj.min_bytes_per_host(model_bytes) * 8 / rate
+            obj.ratio = codec_cost(obj.codec_name, obj.codec_options, 1.0).ratio
+        min_bytes = obj.min_bytes_per_host(model_bytes)
+    comm_s = 0.0 if rate is None else min_bytes * 8 / rate
     return samples / max(compute_s, comm_s)
 
 
@@ -152,8 +155,8 @@ def main(args) -> int:
                 record["strategy"] = label
                 samples = np * args.batch_size
                 record["ideal_samples_per_s"] = samples / workload.compute_s
-                record["bound_samples_per_s"] = bound(strategy, options, workload.nbytes, np,
-                                                      args.servers, rate, workload.compute_s, samples)
+                record["bound_samples_per_s"] = bound(strategy, options, workload.nbytes, np, args.servers, rate,
+                                                      workload.compute_s, samples, record.get("min_bytes_per_host"))
                 record["efficiency"] = record["samples_per_s"] / record["bound_samples_per_s"]
                 if "timeline" in record:
                     _write_trace(record.pop("timeline"), record["step_s"], args.trace)

@@ -30,6 +30,7 @@ from __future__ import annotations
 from typing import Callable
 
 from gradsync.errors import ConfigError
+from gradsync.strategies.base import ring_bytes
 from gradsync.simulate.engine import Barrier, Stream
 from gradsync.simulate.models import Buckets
 from gradsync.simulate.worker import ZEROED_PASSES, StrategyModel, Worker
@@ -81,6 +82,12 @@ class Hybrid(StrategyModel):
 
     def describe(self) -> str:
         return ", ".join(f"{name}: {t.share:.2%} of {t.rows} rows read" for name, t in self.sparse.items())
+
+    def min_bytes_per_host(self) -> float:
+        """The physical bound's traffic, as the strategy's own: the dense part's ring all-reduce and
+        each worker's rows out (push) and back (pull)."""
+        rows = sum(t.read * t.row_bytes for t in self.sparse.values())
+        return ring_bytes(self.dense_bytes, self.wk.np) + 2 * self._remote(rows)
 
     # -- the wire ------------------------------------------------------------------------------------
     def _remote(self, nbytes: float) -> float:
