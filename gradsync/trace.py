@@ -8,7 +8,9 @@ While a :class:`Tracer` is active (:func:`start`), gradsync records, per rank:
   what it moves (``bucket 3``, ``push``, ``pull``, ``all-reduce`` ...). All-reduces end when Gloo or
   NCCL completes them; point-to-point operations, which offer no completion callback, end when the
   rank's wait for them returned (an upper bound);
-- ``wait`` track: every time the training thread blocked on communication.
+- ``wait`` track: every time the training thread blocked on communication;
+- ``server`` track: a server's own work (``hybrid``'s row servers: each table's update, each
+  answer to a pull).
 
 Each rank writes its own file (``Tracer.save``); :func:`merge` joins them into one trace with one
 process per rank. Timestamps are ``time.perf_counter()`` (CLOCK_MONOTONIC): comparable across the
@@ -23,7 +25,7 @@ import threading
 import time
 
 _active: "Tracer | None" = None
-TRACKS = {"step": 0, "compute": 1, "wait": 2, "comm": 3}
+TRACKS = {"step": 0, "compute": 1, "wait": 2, "comm": 3, "server": 4}
 """Thread ids of the tracks (Chrome traces want numbers; names go in metadata)."""
 
 

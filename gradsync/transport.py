@@ -10,15 +10,19 @@ Wire format: only tensors cross the wire. Control messages are fixed-format ``in
 
 Byte accounting uses the algorithm's cost, not a packet capture: a ring all-reduce of ``n`` bytes
 over ``p`` ranks sends ``2 (p-1)/p * n`` bytes per rank, a point-to-point send sends ``n``.
+
+Why one file of this size: being the one place that calls ``torch.distributed`` is the point; the
+waits that end within the timeout of a fault (``Handle``, ``Waiter``) are how every call waits.
 """
 from __future__ import annotations
 
 import contextlib
 import queue
+import re
 import threading
 import time
 from datetime import timedelta
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -29,6 +33,8 @@ from gradsync.topology import Topology
 
 HEADER_WORDS = 4
 _MAIN_THREAD = threading.main_thread().ident
+_BROKEN_PAIR = re.compile(r"pair|timeout|timed out|connection|closed", re.IGNORECASE)
+"""What Gloo says when an operation cannot even start because a peer's connection broke."""
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
 
 
@@ -237,6 +243,16 @@ class Transport:
         completed operation."""
         return self.progress + self.timeout.total_seconds() - REPORT_S - time.monotonic()
 
+    def _issue(self, what: str, call: Callable[[], Any]):
+        """``call()``, which starts an operation; a failure to start it (a pair that an earlier
+        timeout closed) is explained, as a failed wait is, so the rank is marked failed."""
+        try:
+            return call()
+        except RuntimeError as exc:
+            if not _BROKEN_PAIR.search(str(exc)):
+                raise  # a bad argument, not a peer: as torch says it
+            raise self._explain(what, exc) from exc
+
     # -- collectives -------------------------------------------------------------------------
     def _group(self, world: bool):
         return dist.group.WORLD if world else self.worker_group
@@ -280,7 +296,7 @@ class Transport:
         self.bytes_sent += int(2 * (p - 1) / p * nbytes)
         record = self._record(what, "all-reduce", nbytes, group=group, world=world)
         group = self._group(world) if group is None else group
-        work = dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=group, async_op=True)
+        work = self._issue(what, lambda: dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=group, async_op=True))
         tracer = trace.current()
         if tracer is not None:
             token = tracer.begin_async(what, "comm", bytes=nbytes, op="all-reduce")
@@ -303,7 +319,7 @@ class Transport:
             self.bytes_sent += tensor.numel() * tensor.element_size()
         staged = tensor.to(self.device)  # NCCL moves device tensors only; a no-op on Gloo/CPU
         record = self._record(what, "broadcast", tensor.numel() * tensor.element_size(), world=world)
-        work = dist.broadcast(staged, src=src, group=self._group(world), async_op=True)
+        work = self._issue(what, lambda: dist.broadcast(staged, src=src, group=self._group(world), async_op=True))
         Handle(work, self, what, record=record, chunked=self._chunked).wait()
         if staged is not tensor:
             tensor.copy_(staged)
@@ -332,7 +348,8 @@ class Transport:
         tracer = trace.current()
         token = None if tracer is None else tracer.begin_async(what, "comm", bytes=nbytes, op="send", peer=dst)
         record = self._record(what, "send", nbytes, peer=dst)
-        return Handle(dist.group.WORLD.send([tensor], dst, tag), self, what, token, record, local=True)
+        work = self._issue(what, lambda: dist.group.WORLD.send([tensor], dst, tag))
+        return Handle(work, self, what, token, record, local=True)
 
     def recv_async(self, tensor: torch.Tensor, src: Optional[int], tag: int, *,
                    what: str = "receive", traced: bool = True) -> Handle:
@@ -341,7 +358,8 @@ class Transport:
         ``traced=False``: a receive posted ahead of its message, whose caller traces the arrival itself.
         """
         world = dist.group.WORLD
-        work = world.recv_anysource([tensor], tag) if src is None else world.recv([tensor], src, tag)
+        work = self._issue(what, lambda: world.recv_anysource([tensor], tag) if src is None
+                           else world.recv([tensor], src, tag))
         tracer = trace.current() if traced else None
         nbytes = tensor.numel() * tensor.element_size()
         token = None if tracer is None else tracer.begin_async(what, "comm", bytes=nbytes, op="receive", peer=src)

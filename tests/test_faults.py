@@ -506,3 +506,36 @@ def test_overlapping_strategies_raise_instead_of_hanging_when_out_of_step(strate
     early = 1 - late
     assert last.startswith("gradsync.errors.GradsyncError: workers are out of step"), last
     assert f"worker {early} (rank {early}) stopped after 2 steps while worker {late} (rank {late}) has taken 3" in last
+
+
+def test_an_operation_that_cannot_start_on_a_broken_pair_names_the_peer(monkeypatch):
+    """Gloo closes a pair whose receive timed out; a send issued on it afterwards fails at once,
+    before any wait. That failure is explained as a failed wait is (the rank is marked failed, so
+    it exits with status 1 instead of aborting with threads blocked), while a bad argument stays
+    torch's own error."""
+    from types import SimpleNamespace
+
+    from gradsync import transport as module
+    from gradsync.topology import Topology
+
+    def send(tensors, dst, tag):
+        raise RuntimeError("Application timeout caused pair closure")
+
+    def recv(tensors, src, tag):
+        raise RuntimeError("Tensors must be contiguous")
+
+    world = SimpleNamespace(send=send, recv=recv)
+    monkeypatch.setattr(module, "dist", SimpleNamespace(group=SimpleNamespace(WORLD=world)))
+    explained = []
+
+    def explain(what, exc):
+        explained.append(what)
+        return gradsync.PeerFailureError(f"{what} failed: rank 1 stopped responding. Original error: {exc}")
+
+    tr = module.Transport(Topology(world_size=2, rank=0, num_servers=0), None, torch.device("cpu"), explain)
+    with pytest.raises(gradsync.PeerFailureError, match="pair closure"):
+        tr.send_async(torch.zeros(2), 1, 0, what="slice 3 to rank 1")
+    assert explained == ["slice 3 to rank 1"]
+    with pytest.raises(RuntimeError, match="contiguous") as raised:
+        tr.recv_async(torch.zeros(2), 1, 0, what="rows from rank 1")
+    assert not isinstance(raised.value, gradsync.PeerFailureError) and explained == ["slice 3 to rank 1"]

@@ -1,4 +1,8 @@
-"""Running one node's ranks: spawn, re-emit output with prefixes, stop everything on the first failure."""
+"""Running one node's ranks: spawn, re-emit output with prefixes, stop everything on the first failure.
+
+Why one file of this size: spawning, forwarding output, watching exits and stopping the group
+share one table of live processes and one poll loop; split, each part would reach into the others.
+"""
 from __future__ import annotations
 
 import collections

@@ -8,7 +8,7 @@ import time
 import torch
 from torch import nn
 
-from gradsync import runtime
+from gradsync import runtime, trace
 from gradsync.errors import GradsyncError, PeerFailureError
 from gradsync.heartbeat import SILENT_S
 from gradsync.strategies.base import Strategy
@@ -210,6 +210,7 @@ class RowServer:
                 group["lr"] = pushes[0][3]
             if not used:
                 continue
+            tracer, started = trace.current(), time.perf_counter()
             ids = torch.cat([i for i, _, _, _ in pushes])
             values = torch.cat([v for _, v, _, _ in pushes])
             for lo, hi, p in parts:
@@ -222,6 +223,8 @@ class RowServer:
             opt.step()
             for _, _, p in parts:
                 p.grad = None
+            if tracer is not None:
+                tracer.span(f"update of table {t} ({ids.numel()} rows pushed)", "server", started, time.perf_counter())
         self.pushes = {}
         self.step += 1
         self.cond.notify_all()
