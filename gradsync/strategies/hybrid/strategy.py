@@ -171,13 +171,16 @@ class Hybrid(Planning, Strategy):
         lr = self.groups[t]["lr"]
         self.stats["pushed_rows"] += ids.numel()
         split = self.layout.split(t, ids)
+        own = None
         for server in self.layout.servers_of(t):
             where = split[server]
             if server == rank:
-                self.server_push(t, ids[where], values[where], used, lr)
+                own = where
             else:
                 self._wire_bytes(ids[where], values[where])
                 self.sends += self._request(server, OP_PUSH, t, self.layout.partitions, ids[where], values[where], used, lr)
+        if own is not None:  # last: the own push may run this server's update here, on this thread,
+            self.server_push(t, ids[own], values[own], used, lr)  # and the other servers must not wait for it
         p.grad = None  # the update happens on the servers; the user's optimizer must skip it
         self.pushed.add(index)
 
