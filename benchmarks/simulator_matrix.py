@@ -46,19 +46,29 @@ def command(model: str, np: int, rate: str, servers: int, strategies: str, out: 
             "--check-steps", "0", "--json", out]
 
 
+def measure_host_rates() -> dict:
+    """``calibrate()`` in a process with the allocator settings of the emulated runs' ranks."""
+    from gradsync.bench.cli import EMULATED_ALLOCATOR
+
+    code = "import json; from gradsync.simulate.validate import calibrate; print(json.dumps(calibrate()))"
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **EMULATED_ALLOCATOR},
+                         check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--groups", default=",".join(str(i) for i in range(len(GROUPS))))
     args = parser.parse_args()
-    from gradsync.simulate.validate import calibrate, calibrate_codecs
+    from gradsync.simulate.validate import calibrate_codecs
 
     groups, host_rates, codecs = [], None, None
     if os.path.exists(args.out):  # keep the groups already recorded
         with open(args.out) as f:
             kept = json.load(f)
         groups, host_rates, codecs = kept["groups"], kept.get("host_rates"), kept.get("codecs")
-    host_rates = host_rates or calibrate()  # this machine's, where the runs' host work ran
+    host_rates = host_rates or measure_host_rates()  # this machine's, where the runs' host work ran
     codecs = codecs or calibrate_codecs(CODECS)
     for index in (int(i) for i in args.groups.split(",")):
         model, np, rate, servers, strategies, *compute = GROUPS[index]

@@ -31,14 +31,17 @@ ADVICE = 0.05
 
 def calibrate(numel: int = 1 << 25, repeats: int = 3) -> dict:
     """This machine's copy and optimizer-update rates (bytes/s, one thread, 128 MB: memory, not cache):
-    the median of ``repeats``."""
+    the median of ``repeats``. The update is the benchmark's own optimizer's (``gradsync bench``'s
+    ``sgd``: momentum and weight decay), so that the two cannot differ."""
     import torch
+
+    from gradsync.bench.workload import OPTIMIZERS
 
     torch.set_num_threads(1)
     src, dst = torch.randn(numel), torch.empty(numel)
     param = torch.nn.Parameter(torch.randn(numel))
     param.grad = torch.randn(numel)
-    opt = torch.optim.SGD([param], lr=0.01, momentum=0.9)
+    opt = OPTIMIZERS["sgd"][0]([param], 0.01)
     opt.step()  # the momentum buffer exists from here
 
     def rate(fn) -> float:
