@@ -114,8 +114,8 @@ class Runtime:
         host, rank 0, is stopped or cut off, and the watch sees nothing): that peer has been
         unreachable since about the last completion, so the error comes within the timeout of the
         fault even for an operation issued after it (Gloo's own timeout counts from the
-        operation's start). A link that comes
-        back within the timeout is survived: operations complete meanwhile, or the heartbeat moves."""
+        operation's start). A link that comes back within the timeout is survived: operations
+        complete meanwhile, or the heartbeat moves."""
         heartbeat, transport = self.heartbeat, self.transport
         if heartbeat is None or transport is None or transport.failure is not None:
             return None

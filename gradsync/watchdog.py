@@ -74,8 +74,12 @@ class Watchdog:
         self.open = False
 
     def close(self) -> None:
+        """Stop the thread (it is gone when this returns: no gradsync thread outlives shutdown)."""
         self.open, self._closed = False, True
         self._wake.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=IDLE_S + 1.0)
 
     def _next_look(self) -> float:
         current = runtime._RUNTIME

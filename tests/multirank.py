@@ -1,8 +1,8 @@
 """The one multi-rank test helper: run a function on N ranks over Gloo and collect the results.
 
-Each rank is a fresh process (``forkserver``, preloaded with torch so a rank starts in a fraction
-of a second) that joins the job through the real ``gradsync.init()`` path: ``RANK``/``WORLD_SIZE``
-/``MASTER_ADDR``/``MASTER_PORT`` on a free loopback port. The first rank to fail stops the others
+Each rank is a fresh process (``forkserver``, preloaded with torch and ``torch._dynamo`` so a rank
+starts in a fraction of a second) that joins the job through the real ``gradsync.init()`` path:
+``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` on a free loopback port. The first rank to fail stops the others
 and its traceback becomes the test failure; a job that outlives ``timeout`` is killed and reported,
 never left hanging.
 """
@@ -18,7 +18,9 @@ import time
 import traceback
 
 _CTX = mp.get_context("forkserver")
-_CTX.set_forkserver_preload(["torch", "gradsync"])
+# torch.optim imports torch._dynamo on the first optimizer a process makes (1.2 s here): imported
+# once in the server, every rank inherits it.
+_CTX.set_forkserver_preload(["torch", "torch._dynamo", "gradsync"])
 
 
 def free_port() -> int:
