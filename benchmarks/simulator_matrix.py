@@ -47,11 +47,12 @@ def command(model: str, np: int, rate: str, servers: int, strategies: str, out: 
 
 
 def measure_host_rates() -> dict:
-    """``calibrate()`` in a process with the allocator settings of the emulated runs' ranks."""
+    """``calibrate()`` in a process with the allocator settings of the emulated runs' ranks (and
+    large tensors on transparent huge pages, the bench's default)."""
     from gradsync.bench.cli import EMULATED_ALLOCATOR
 
     code = "import json; from gradsync.simulate.validate import calibrate; print(json.dumps(calibrate()))"
-    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **EMULATED_ALLOCATOR},
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "THP_MEM_ALLOC_ENABLE": "1", **EMULATED_ALLOCATOR},
                          check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 

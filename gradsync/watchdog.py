@@ -6,8 +6,9 @@ timeout counted from each operation's start, and cannot be interrupted: a peer t
 before the survivors' next all-reduce is named only a whole timeout after that all-reduce began.
 
 A strategy whose waits live in such code tells the watchdog when its training thread enters a
-window that may block (:meth:`Watchdog.enter`, e.g. a forward) and when an operation in it
-completed (:meth:`Watchdog.completed`), and when it left the window (:meth:`Watchdog.leave`). While a window is open, a daemon thread asks
+window that may block (:meth:`Watchdog.enter`, e.g. a forward) and when it left it
+(:meth:`Watchdog.leave`); its completed operations mark the transport's progress as any other
+(``Transport.count_external``). While a window is open, a daemon thread asks
 ``Runtime.overdue`` at the transport's deadline; when it answers with an error (nothing completed
 for the timeout, less the time to report, and the heartbeat saw a peer stand still) the watchdog
 prints the error, dumps the flight record, and ends the process with status 1, as PyTorch's NCCL
@@ -19,7 +20,6 @@ from __future__ import annotations
 import os
 import sys
 import threading
-import time
 
 from gradsync import runtime
 from gradsync.transport import RECHECK_S
@@ -62,12 +62,6 @@ class Watchdog:
             self._thread.start()
         elif self._idle:
             self._wake.set()  # a window opened long after the last progress may be overdue at once
-
-    def completed(self) -> None:
-        """An operation with the peers completed: they were alive until now (progress)."""
-        current = runtime._RUNTIME
-        if current is not None and current.transport is not None:
-            current.transport.progress = time.monotonic()
 
     def leave(self) -> None:
         """The training thread no longer waits on its peers."""

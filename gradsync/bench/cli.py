@@ -33,10 +33,8 @@ def add_parser(subparsers) -> None:
     p.set_defaults(handler=main)
 
 
-EMULATED_ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": str(256 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 40),
-                      "THP_MEM_ALLOC_ENABLE": "1"}
-"""The allocator settings of an emulated run's ranks (see below): freed blocks of up to 256 MB kept,
-large tensors on transparent huge pages."""
+EMULATED_ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": str(256 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}
+"""The allocator settings of an emulated run's ranks (see below): freed blocks of up to 256 MB kept."""
 
 
 def _run_ranks(config: dict, run_dir: str) -> int:
@@ -57,7 +55,7 @@ def _run_ranks(config: dict, run_dir: str) -> int:
     env = {"GRADSYNC_TIMEOUT": "600", "OMP_NUM_THREADS": str(config["threads"]),
            "THP_MEM_ALLOC_ENABLE": os.environ.get("THP_MEM_ALLOC_ENABLE", "1")}
     if config["workload"]["compute"] != "real":
-        env.update({k: v for k, v in EMULATED_ALLOCATOR.items() if k.startswith("MALLOC")})
+        env.update(EMULATED_ALLOCATOR)
     command = [sys.executable, "-m", "gradsync.bench.worker", run_dir]
     options = {"np": config["np"], "servers": config["servers"], "env": env, "prefix_output": False}
     if config["rate_bps"] is None:

@@ -106,8 +106,8 @@ class DDP(Strategy):
         else:
             self.ctx.transport.count_external(self.hook_state.bytes_sent)
             self.hook_state.bytes_sent = 0
-        # DDP's reducer waited for every bucket at the end of backward: this step's operations completed.
-        self.watchdog.completed()
+        # DDP's reducer waited for every bucket at the end of backward (count_external marked that
+        # progress): the training thread waits on no peer until the next forward.
         self.watchdog.leave()
         return apply()
 
