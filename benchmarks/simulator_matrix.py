@@ -64,15 +64,16 @@ def main() -> None:
     args = parser.parse_args()
     from gradsync.simulate.validate import calibrate_codecs
 
-    groups, host_rates, codecs = [], None, None
+    groups, host_rates, codecs, kept = [], None, None, {}
     if os.path.exists(args.out):  # keep the groups already recorded
         with open(args.out) as f:
             kept = json.load(f)
         groups, host_rates, codecs = kept["groups"], kept.get("host_rates"), kept.get("codecs")
-    host_rates = host_rates or measure_host_rates()  # this machine's, where the runs' host work ran
+    host_rates = host_rates or measure_host_rates()  # groups recorded without rates of their own
     codecs = codecs or calibrate_codecs(CODECS)
     for index in (int(i) for i in args.groups.split(",")):
         model, np, rate, servers, strategies, *compute = GROUPS[index]
+        rates = measure_host_rates()  # the machine's host work as this group met it
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "records.json")
             argv = command(model, np, rate, servers, strategies, out, *compute)
@@ -82,9 +83,10 @@ def main() -> None:
                 records = json.load(f)
         shown = " ".join(argv[:-2])  # without the temporary --json
         groups = [g for g in groups if g["command"] != shown]
-        groups.append({"command": shown, "seconds": round(time.monotonic() - started), "records": records})
+        groups.append({"command": shown, "seconds": round(time.monotonic() - started), "host_rates": rates,
+                       "records": records})
         with open(args.out, "w") as f:
-            json.dump({"cores": os.cpu_count(), "latency_s": 50e-6, "host_rates": host_rates, "codecs": codecs,
+            json.dump({**kept, "cores": os.cpu_count(), "latency_s": 50e-6, "host_rates": host_rates, "codecs": codecs,
                        "groups": groups},
                       f, indent=1)
         print(f"group {index} ({model}, {np} workers, {rate}) recorded", flush=True)

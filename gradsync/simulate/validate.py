@@ -100,11 +100,14 @@ def replay(path: str = MATRIX, rates: dict | None = None, steps: int = 8, warmup
 
     with open(path) as f:
         matrix = json.load(f)
+    given = rates
     rates = rates or matrix.get("host_rates") or calibrate()  # those of the machine that recorded it
     _seed_codecs(matrix.get("codecs", {}))
     cores = matrix.get("cores", os.cpu_count() or 1)
     cells, workloads = [], {}
     for group in matrix["groups"]:
+        # a group recorded with the machine's rates of its own time uses them (unless rates are given)
+        here = rates if given else {**rates, **group.get("host_rates", {})}
         for rec in group["records"]:
             compute = rec.get("compute", "emulated")  # emulated[:PROFILE]
             key = (rec["model"], rec["batch_size"], compute.split(":", 1)[1] if ":" in compute else None)
@@ -112,7 +115,7 @@ def replay(path: str = MATRIX, rates: dict | None = None, steps: int = 8, warmup
                 workloads[key] = load(*key)
             net = Network(rec["net_bps"], matrix.get("latency_s", 50e-6))
             name, options = options_of(rec["strategy"])
-            sim = simulate(name, workloads[key], rec["np"], net, host=_host(rec, rates, cores),
+            sim = simulate(name, workloads[key], rec["np"], net, host=_host(rec, here, cores),
                            servers=rec.get("servers", 0), options=options, steps=steps, warmup=warmup)
             cpu = rec.get("host_cpu_busy")
             cells.append({"model": rec["model"], "np": rec["np"], "net_bps": rec["net_bps"],
