@@ -29,6 +29,14 @@ def test_transfers_on_one_link_share_it_and_the_survivor_speeds_up():
     assert link.carried == pytest.approx(400)
 
 
+def test_a_transfer_too_short_for_the_clock_to_count_still_ends():
+    # 40 B at 1e15 B/s, started at t = 1 s: 4e-14 s, below a double's resolution there
+    sim, link, ended = Sim(max_events=1000), Link("fast", 1e15), []
+    sim.after(1.0, lambda: sim.transfer(40, [(link, 1)], lambda: ended.append(sim.now)))
+    sim.run()
+    assert ended == [pytest.approx(1.0)]
+
+
 def test_max_min_fairness_gives_what_a_bottlenecked_flow_leaves_to_the_others():
     sim, shared, narrow = Sim(), Link("shared", 100.0), Link("narrow", 30.0)
     # B is held to 30 B/s by its narrow link, so A gets the 70 left on the shared one.
@@ -195,6 +203,22 @@ def test_hybrid_pulls_before_the_lookup_and_pushes_rows_beside_the_dense_all_red
     # the ring the other 500 B/s of the worker's link meanwhile, then its last 524 B alone.
     dedicated = simulate("hybrid", _with_table(10), 2, NET, host=FREE_HOST, servers=1, steps=4, warmup=1)
     assert dedicated["step_s"] == pytest.approx(0.96 + 0.96 + 0.524)
+
+
+def test_hybrid_servers_apply_every_table_before_answering_the_next_pull():
+    # Only the optimizer costs (1000 B/s) and only forward layer 0 takes time (1 s); the wire is
+    # free. Two tables of 100 rows x 40 B on two co-located servers: each server updates 2000 B of
+    # each table (2 s each). Its pushes all in at t, a server applies both tables (t+4) and only
+    # then answers; the pull of table 0 goes, layer 0 computes (t+5), the rest is instant, and the
+    # pushes are in again: 5 s a step (a server that answered each table as applied would give 4).
+    from gradsync.simulate.workload import Table
+
+    work = synthetic([(1.0, 0.0, [4000]), (0.0, 0.0, [4000]), (0.0, 0.0, [1000])])
+    work.tables = {"layer0.p0": Table(rows=100, row_bytes=40, read=10),
+                   "layer1.p0": Table(rows=100, row_bytes=40, read=10)}
+    host = Host(copy_Bps=1e18, update_Bps=1000.0, handoff_s=0.0)
+    record = simulate("hybrid", work, 2, Network(rate_bps=8e15, latency_s=0.0), host=host, steps=4, warmup=1)
+    assert record["step_s"] == pytest.approx(5.0)
 
 
 def test_hybrid_keeps_a_table_most_of_which_a_step_reads_dense_as_the_strategy_decides():

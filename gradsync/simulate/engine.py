@@ -171,11 +171,16 @@ class Sim:
             return  # rates changed since this was scheduled
         finished = []
         for cls in self._classes.values():
-            while cls.heap and cls.heap[0][0] - cls.served <= 1e-6 * max(1.0, cls.heap[0][0]):
+            while cls.heap and self._done(cls, cls.heap[0][0] - cls.served):
                 finished.append(heapq.heappop(cls.heap)[2])
         self._reshare()
         for done in finished:
             done()
+
+    def _done(self, cls: _Class, remaining: float) -> bool:
+        """Within rounding of its end: a millionth of its bytes left, or a rest so small at its rate
+        that the clock cannot count its time (a fast link late in a long run)."""
+        return remaining <= 1e-6 * max(1.0, cls.heap[0][0]) or (cls.rate > 0 and self.now + remaining / cls.rate <= self.now)
 
 
 class Stream:
@@ -229,3 +234,4 @@ class Barrier:
         self.count -= 1
         if self.count == 0:
             self.done()
+

@@ -15,9 +15,10 @@ A step, as :class:`~gradsync.strategies.hybrid.strategy.Hybrid` runs it:
 - the backward of a table's layer coalesces its row gradient (one pass over the rows read) and
   pushes ids and rows to their servers; the dense parameters' buckets are all-reduced as ready;
 - ``opt.step()`` waits for the dense all-reduce, then runs the optimizer on the dense parameters;
-- a server, once every worker's push of a table is in, builds the partition's gradient (a
-  zeroed partition, the rows added, divided by N) and runs the optimizer on it: the dense update
-  ``hybrid`` uses for momentum SGD (``gradsync bench``'s default optimizer).
+- a server, once every worker's pushes of every table are in, builds each partition's gradient
+  (a zeroed partition, the rows added, divided by N) and runs the optimizer on it, table after
+  table: the dense update ``hybrid`` uses for momentum SGD (``gradsync bench``'s default
+  optimizer). It answers the next step's pulls once all its tables are applied.
 
 Every other strategy gets each table's gradient as ``nn.Embedding`` makes it, a zeroed copy of
 the whole table (:meth:`~gradsync.simulate.worker.Worker.table_grad_s`); ``hybrid`` only the rows read.
@@ -77,8 +78,9 @@ class Hybrid(StrategyModel):
         self.tables_of_layer: dict[int, list[str]] = {}
         for name in self.sparse:
             self.tables_of_layer.setdefault(worker.params[index[name]].layer, []).append(name)
-        self.applied = {name: -1 for name in self.sparse}  # the last step each table's servers applied
-        self.waiting: dict[str, list[tuple[int, Callable[[], None]]]] = {}
+        self.applied = -1  # the last step the servers applied
+        self.waiting: list[tuple[int, Callable[[], None]]] = []
+        self.pushed: dict[int, Barrier] = {}  # step -> every table's pushes in
 
     def describe(self) -> str:
         return ", ".join(f"{name}: {t.share:.2%} of {t.rows} rows read" for name, t in self.sparse.items())
@@ -116,7 +118,7 @@ class Hybrid(StrategyModel):
             return
         pulled = Barrier(len(names), go)
         for name in names:
-            self._after_applied(name, step - 1, lambda name=name: self._pull(name, pulled.arrive))
+            self._after_applied(step - 1, lambda name=name: self._pull(name, pulled.arrive))
 
     def _pull(self, name: str, done: Callable[[], None]) -> None:
         table, wk = self.sparse[name], self.wk
@@ -132,39 +134,43 @@ class Hybrid(StrategyModel):
         self._exchange(table.read * ID_BYTES, answer, f"ids of {name}", to_servers=True)
 
     def on_layer_ready(self, step: int, layer: int) -> None:
+        if self.sparse and step not in self.pushed:
+            self.pushed[step] = Barrier(len(self.sparse), lambda: self._apply(step))
         for name in self.tables_of_layer.get(layer, []):
             table, wk = self.sparse[name], self.wk
             rows = table.read * table.row_bytes
             wk.host.run(wk.copy_s(rows), lambda name=name, rows=rows, table=table: self._exchange(
-                rows + table.read * ID_BYTES, lambda: self._apply(name, step), f"push {name}", to_servers=True),
+                rows + table.read * ID_BYTES, self.pushed[step].arrive, f"push {name}", to_servers=True),
                         what=f"coalesce {name}")
         self.dense.on_layer_ready(step, layer)
 
-    def _apply(self, name: str, step: int) -> None:
-        """Every worker's push of ``name`` is in (they are alike): the servers update their partitions."""
-        table, wk = self.sparse[name], self.wk
-        part = table.rows * table.row_bytes / self.servers
-        # a zeroed partition, the rows added, divided by N, then the optimizer (server.py's _apply)
-        build = (ZEROED_PASSES + 1) * part + table.read * table.row_bytes * wk.np / self.servers
-        self.server.run(wk.copy_s(build) + wk.update_s(part), lambda: self._applied(name, step),
-                        what=f"update {name}")
+    def _apply(self, step: int) -> None:
+        """Every worker's pushes of every table are in (they are alike): each server updates its
+        partitions table by table, and answers the next step's pulls once all are applied
+        (server.py's ``_apply``)."""
+        del self.pushed[step]
+        wk, names = self.wk, list(self.sparse)
+        for i, name in enumerate(names):
+            table = self.sparse[name]
+            part = table.rows * table.row_bytes / self.servers
+            # a zeroed partition, the rows added, divided by N, then the optimizer
+            build = (ZEROED_PASSES + 1) * part + table.read * table.row_bytes * wk.np / self.servers
+            last = i == len(names) - 1
+            self.server.run(wk.copy_s(build) + wk.update_s(part), (lambda: self._applied(step)) if last else (lambda: None),
+                            what=f"update {name}")
 
-    def _applied(self, name: str, step: int) -> None:
-        self.applied[name] = step
-        still = []
-        for after, go in self.waiting.pop(name, []):
-            if after <= step:
-                go()
-            else:
-                still.append((after, go))
-        if still:
-            self.waiting[name] = still
+    def _applied(self, step: int) -> None:
+        self.applied = step
+        ready = [go for after, go in self.waiting if after <= step]
+        self.waiting = [(after, go) for after, go in self.waiting if after > step]
+        for go in ready:
+            go()
 
-    def _after_applied(self, name: str, step: int, go: Callable[[], None]) -> None:
-        if self.applied[name] >= step:
+    def _after_applied(self, step: int, go: Callable[[], None]) -> None:
+        if self.applied >= step:
             go()
         else:
-            self.waiting.setdefault(name, []).append((step, go))
+            self.waiting.append((step, go))
 
     def after_backward(self, step: int, go: Callable[[], None]) -> None:
         self.dense.after_backward(step, go)

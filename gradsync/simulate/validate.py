@@ -123,7 +123,8 @@ def replay(path: str = MATRIX, rates: dict | None = None, steps: int = 8, warmup
                           "cpu_bound": cpu is not None and cpu >= CPU_BOUND, "host_cpu_busy": cpu,
                           "measured": rec["samples_per_s"], "simulated": sim["samples_per_s"],
                           "error": sim["samples_per_s"] / rec["samples_per_s"] - 1, "command": group["command"]})
-    return {"cells": cells, "rates": rates, **summary(cells)}
+    own = [g["host_rates"] for g in matrix["groups"] if "host_rates" in g]
+    return {"cells": cells, "rates": rates, "group_rates": [] if given else own, **summary(cells)}
 
 
 def summary(cells: list[dict]) -> dict:
@@ -176,4 +177,9 @@ def report(result: dict) -> str:
                  f"or within {ADVICE:.0%} of it in {result['advice_good']} of {result['groups']} groups")
     lines.append(f"host rates of the machine that recorded the runs: copy {result['rates']['copy_Bps'] / 1e9:.1f} GB/s, optimizer update "
                  f"{result['rates']['update_Bps'] / 1e9:.1f} GB/s (one thread)")
+    own = result.get("group_rates", [])
+    if own:
+        span = lambda key: f"{min(r[key] for r in own) / 1e9:.1f}-{max(r[key] for r in own) / 1e9:.1f} GB/s"
+        lines[-1] += (f"; {len(own)} groups with the rates measured when they were recorded: copy {span('copy_Bps')}, "
+                      f"update {span('update_Bps')}")
     return "\n".join(lines)
