@@ -126,12 +126,16 @@ class Hybrid(StrategyModel):
 
         def answer() -> None:  # the server gathers the rows, then they cross the wire
             served = rows * wk.np / self.servers if self.dedicated else rows * (wk.np - 1) / wk.np
-            self.server.run(wk.copy_s(served),
-                            lambda: self._exchange(rows, lambda: wk.host.run(wk.copy_s(self._remote(rows)), done,
-                                                                                 what=f"rows of {name}"),
-                                                   f"pull {name}", to_servers=False), what=f"gather {name}")
+            self.server.run(wk.copy_s(served), lambda: self._exchange(
+                rows, self._handoff(lambda: wk.host.run(wk.copy_s(self._remote(rows)), done, what=f"rows of {name}")),
+                f"pull {name}", to_servers=False), what=f"gather {name}")
 
-        self._exchange(table.read * ID_BYTES, answer, f"ids of {name}", to_servers=True)
+        self._exchange(table.read * ID_BYTES, self._handoff(answer), f"ids of {name}", to_servers=True)
+
+    def _handoff(self, then: Callable[[], None]) -> Callable[[], None]:
+        """A message's arrival acted on by another thread: the server thread's receive loop takes a
+        request, the worker's waiting thread wakes for an answer (Host.handoff_s each)."""
+        return lambda: self.wk.sim.after(self.wk.host_rates.handoff_s, then)
 
     def on_layer_ready(self, step: int, layer: int) -> None:
         if self.sparse and step not in self.pushed:
@@ -140,7 +144,7 @@ class Hybrid(StrategyModel):
             table, wk = self.sparse[name], self.wk
             rows = table.read * table.row_bytes
             wk.host.run(wk.copy_s(rows), lambda name=name, rows=rows, table=table: self._exchange(
-                rows + table.read * ID_BYTES, self.pushed[step].arrive, f"push {name}", to_servers=True),
+                rows + table.read * ID_BYTES, self._handoff(self.pushed[step].arrive), f"push {name}", to_servers=True),
                         what=f"coalesce {name}")
         self.dense.on_layer_ready(step, layer)
 
