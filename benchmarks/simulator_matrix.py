@@ -63,10 +63,50 @@ def measure_host_rates(processes: int = 5) -> dict:
     return {key: max(run[key] for run in runs) for key in runs[0]}
 
 
+MESSAGE_RUN = ["gradsync", "bench", "--model", "resnet50", "--compute", "emulated", "--np", "2",
+               "--strategies", "allreduce,ps-sliced", "--steps", "12", "--warmup", "3", "--rounds", "1",
+               "--check-steps", "0"]
+
+
+def measure_message_cost(rates: dict) -> dict:
+    """``Host.message_s`` of this machine, from one loopback run (:data:`MESSAGE_RUN`): there
+    ``ps-sliced`` (512 slices a step) is bound by its Python threads' handling of the slice
+    messages. Gloo over loopback is CPU-bound too, so the simulator's loopback link is first set
+    to the rate at which its ``allreduce`` step equals the measured one; then ``message_s`` to
+    where its ``ps-sliced`` step does. No cell of the matrix is used."""
+    from gradsync.simulate import Host, Network, load, simulate
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "records.json")
+        subprocess.run([sys.executable, "-m", "gradsync.cli", *MESSAGE_RUN[1:], "--json", out], check=True)
+        with open(out) as f:
+            measured = {r["strategy"]: r for r in json.load(f)}
+    work = load("resnet50", 32, None)
+
+    def step(strategy: str, rate_bps: float, message_s: float) -> float:
+        host = Host(rates["copy_Bps"], rates["update_Bps"], handoff_s=rates.get("handoff_s", 20e-6), message_s=message_s)
+        return simulate(strategy, work, 2, Network(rate_bps, 50e-6), host=host, steps=8, warmup=3)["step_s"]
+
+    def solve(f, target: float, lo: float, hi: float) -> float:  # f increasing in its argument
+        for _ in range(40):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if f(mid) < target else (lo, mid)
+        return lo
+
+    rate = 1 / solve(lambda inv: step("allreduce", 1 / inv, 0.0), measured["allreduce"]["step_s"], 1e-12, 1e-8)
+    message_s = solve(lambda c: step("ps-sliced", rate, c), measured["ps-sliced"]["step_s"], 0.0, 5e-3)
+    return {"message_s": message_s, "message_run": {
+        "command": " ".join(MESSAGE_RUN), "loopback_bps": rate,
+        "records": [{k: r.get(k) for k in ("strategy", "step_s", "host_cpu_busy")} for r in measured.values()]}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True)
-    parser.add_argument("--groups", default=",".join(str(i) for i in range(len(GROUPS))))
+    parser.add_argument("--groups", default=",".join(str(i) for i in range(len(GROUPS))),
+                        help="indices of GROUPS to record ('' for none)")
+    parser.add_argument("--message-cost", action="store_true",
+                        help="measure the slice messages' host cost (Host.message_s) and keep it with the matrix's rates")
     args = parser.parse_args()
     from gradsync.simulate.validate import calibrate_codecs
 
@@ -77,7 +117,12 @@ def main() -> None:
         groups, host_rates, codecs = kept["groups"], kept.get("host_rates"), kept.get("codecs")
     host_rates = host_rates or measure_host_rates()  # groups recorded without rates of their own
     codecs = codecs or calibrate_codecs(CODECS)
-    for index in (int(i) for i in args.groups.split(",")):
+    if args.message_cost:
+        found = measure_message_cost({**host_rates, **measure_host_rates()})  # this machine, now
+        host_rates = {**host_rates, "message_s": found["message_s"]}
+        kept = {**kept, "message_run": found["message_run"], "host_rates": host_rates}
+        print(f"message_s {found['message_s'] * 1e6:.0f} us", flush=True)
+    for index in (int(i) for i in args.groups.split(",") if i):
         model, np, rate, servers, strategies, *more = GROUPS[index]
         rates = measure_host_rates()  # the machine's host work as this group met it
         with tempfile.TemporaryDirectory() as tmp:
@@ -96,6 +141,10 @@ def main() -> None:
                        "groups": groups},
                       f, indent=1)
         print(f"group {index} ({model}, {np} workers, {rate}) recorded", flush=True)
+    if args.message_cost:
+        with open(args.out, "w") as f:
+            json.dump({**kept, "cores": os.cpu_count(), "latency_s": 50e-6, "host_rates": host_rates, "codecs": codecs,
+                       "groups": groups}, f, indent=1)
 
 
 if __name__ == "__main__":

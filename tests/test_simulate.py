@@ -107,6 +107,19 @@ def test_p3_sends_lowest_forward_position_first_under_credit():
     assert unlimited["step_s"] == pytest.approx(6 * 0.51)
 
 
+def test_slice_messages_cost_their_python_threads_one_end_at_a_time():
+    # ps-sliced, one slice (250 elements), 2 co-located workers, a free wire and host, 1 s a message end:
+    # by symmetry a worker sends half the pushes and takes half of them in, then sends and takes
+    # half the answers: 4 ends of 0.5 s in a row under the interpreter lock, 2 s a step.
+    work = synthetic([(0.0, 0.0, [1000])])
+    host = Host(copy_Bps=1e18, update_Bps=1e18, handoff_s=0.0, message_s=1.0)
+    free = Network(rate_bps=None, latency_s=0.0)
+    record = simulate("ps-sliced", work, 2, free, host=host, options={"slice_params": 250}, steps=4, warmup=1)
+    assert record["step_s"] == pytest.approx(4 * 0.5)
+    assert simulate("ps-sliced", work, 2, free, host=FREE_HOST, options={"slice_params": 250},
+                    steps=4, warmup=1)["step_s"] == pytest.approx(0.0)
+
+
 def test_sma_hides_its_parameter_all_reduce_behind_the_whole_step():
     # 2 workers, 1000 B of parameters: the all-reduce launched before forward moves 1000 B (1 s).
     # With 2 s of compute it is hidden; with 0.5 s the step waits for it.
@@ -257,11 +270,21 @@ def test_simulate_prints_records_and_rejects_bad_input(tmp_path, cli):
     assert [(r["strategy"], r["np"]) for r in records] == [("allreduce", 4), ("p3", 4), ("allreduce", 16), ("p3", 16)]
     for r in records:  # communication-bound at 1 Gbit/s: near, never above, the bound
         assert 0.5 < r["samples_per_s"] / r["bound_samples_per_s"] <= 1.0 + 1e-9
+    slow = tmp_path / "slow.json"  # 1 ms of Python a message end: ps-sliced slows, allreduce does not
+    code, _, err = cli("simulate", "--model", "resnet50", "--strategies", "allreduce,ps-sliced", "--np", "4",
+                       "--net", "1gbit", "--message-us", "1000", "--json", str(slow))
+    assert code == 0, err
+    fast = {r["strategy"]: r for r in records if r["np"] == 4}
+    slowed = {r["strategy"]: r for r in json.loads(slow.read_text())}
+    # 512 slices, 4 ends each, 3 in 4 of them this worker's: 1536 ms a step under the lock
+    assert slowed["ps-sliced"]["step_s"] >= 512 * 4 * 0.75 * 1e-3
+    assert slowed["allreduce"]["step_s"] == pytest.approx(fast["allreduce"]["step_s"])
     code, out, err = cli("simulate", "--model", "lstm-lm", "--strategies", "hybrid", "--np", "4", "--net", "10gbit")
     assert code == 0 and "hybrid" in out, err  # its bound comes from the rows it reads
     for args, message in ((["--np", "0"], "--np must be >= 1"), (["--net=-1gbit"], "bad link rate"),
                           (["--strategies", "nope"], "no simulator model for nope"),
-                          (["--model", "resnet50:tiny"], "no shipped compute profile")):
+                          (["--model", "resnet50:tiny"], "no shipped compute profile"),
+                          (["--message-us=-5"], "--message-us must be >= 0, got -5")):
         code, _, err = cli("simulate", *args)
         assert code == 2 and message in err, err
 

@@ -51,6 +51,9 @@ def add_parser(subparsers) -> None:
                    help="GB/s of parameters the optimizer updates (default 100: an accelerator's)")
     p.add_argument("--codec-speed", type=float, default=1.0,
                    help="compressors run this many times faster than on this machine's CPU, one thread (default 1)")
+    p.add_argument("--message-us", type=float, default=0.0,
+                   help="host CPU per end of a p3/ps-sliced slice message, one at a time per process (default 0: not "
+                        "counted; about 580 on a 2-core cloud VM, docs/simulate.md)")
     p.add_argument("--json", metavar="FILE", help="write the records to FILE")
     p.add_argument("--out", metavar="DIR", help="write records (simulate.json) and charts to DIR")
     p.add_argument("--validate", nargs="?", const="shipped", metavar="MATRIX",
@@ -127,12 +130,14 @@ def main(args) -> int:
         error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup}) >= 0")
     if min(args.host_copy_gbps, args.host_update_gbps, args.codec_speed, args.intra_gbps) <= 0:
         error("--host-copy-gbps, --host-update-gbps, --codec-speed and --intra-gbps must be > 0")
+    if args.message_us < 0:
+        error(f"--message-us must be >= 0, got {args.message_us:g}")
     overrides = _overrides(args.set, strategies, error)
     try:
         workload = load(args.model, args.batch_size, args.compute or None)
     except GradsyncError as exc:
         error(str(exc))
-    host = Host(args.host_copy_gbps * 1e9, args.host_update_gbps * 1e9, args.codec_speed)
+    host = Host(args.host_copy_gbps * 1e9, args.host_update_gbps * 1e9, args.codec_speed, message_s=args.message_us * 1e-6)
     print(f"gradsync simulate: {args.model} at batch {args.batch_size}, {workload.nbytes / 2**20:.1f} MB of "
           f"parameters, {workload.compute_s * 1e3:.1f} ms of compute per step ({workload.device})", flush=True)
     from gradsync.simulate.compressed import COMPRESSED

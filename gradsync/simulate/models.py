@@ -243,6 +243,8 @@ class Slices(StrategyModel):
         self.arrived_step = [-1] * len(self.plan.slices)  # the last step whose answer arrived
         self.waiters: dict[int, list] = {}
         self.sender = CreditSender(worker.sim, self.credit, worker.host_rates.handoff_s)
+        self.interpreter = Stream(worker.sim, "python threads")
+        self.message_s = 0.0 if self.all_reduce else worker.host_rates.message_s
         if self.dedicated:  # one sender per server, for its answers
             # a dedicated server runs no training thread: its threads hand off without waiting
             self.server_senders = [CreditSender(worker.sim, self.credit) for _ in range(self.dedicated)]
@@ -295,8 +297,18 @@ class Slices(StrategyModel):
         else:  # the owner is a worker: 1 in N pushes stay home
             uses, share = [(wk.tx, 1), (wk.rx, 1)], nbytes * (n - 1) / n
         # The credit counts whole messages (the sender's), the wire this worker's share of them.
-        wk.host.run(copy, lambda: self.sender.put(self._prio(step, k), nbytes, lambda release: wk.message(
-            share, uses, lambda: (release(), self._aggregate(step, k)), f"push {k}")), what=f"copy {k}")
+        ends = 1.0 if self.dedicated else (n - 1) / n  # this worker's share of the sends (and receives)
+        wk.host.run(copy, lambda: self.sender.put(self._prio(step, k), nbytes, lambda release: self._handled(
+            ends, lambda: wk.message(share, uses, lambda: (release(), self._handled(
+                0.0 if self.dedicated else ends, lambda: self._aggregate(step, k))), f"push {k}"))), what=f"copy {k}")
+
+    def _handled(self, ends: float, then: Callable[[], None]) -> None:
+        """``ends`` message ends (a send issued, a receive taken) handled by the process's Python
+        threads, one at a time under the interpreter lock (Host.message_s each), then ``then``."""
+        if self.message_s <= 0 or ends <= 0:
+            then()
+        else:
+            self.interpreter.run(ends * self.message_s, then, what="message ends")
 
     def _update(self, step: int, k: int, release: Callable[[], None]) -> None:
         """All-reduced partition k: divide, update, mark arrived, return the credit (ByteScheduler's
@@ -313,11 +325,13 @@ class Slices(StrategyModel):
                 s = self.plan.slices[k].owner
                 tx, rx = wk.servers[s]
                 self.server_senders[s].put(self._prio(step, k), nbytes * n, lambda release: wk.message(
-                    nbytes, [(tx, n), (wk.rx, 1)], lambda: (release(), self._arrived(step, k)), f"answer {k}"))
+                    nbytes, [(tx, n), (wk.rx, 1)], lambda: (release(), self._handled(1.0, lambda: self._arrived(step, k))),
+                    f"answer {k}"))
             else:  # the owner answers N-1 workers; by symmetry this worker's NIC carries that share
-                share = nbytes * (n - 1) / n
-                self.sender.put(self._prio(step, k), nbytes, lambda release: wk.message(
-                    share, [(wk.tx, 1), (wk.rx, 1)], lambda: (release(), self._arrived(step, k)), f"answer {k}"))
+                share, ends = nbytes * (n - 1) / n, (n - 1) / n
+                self.sender.put(self._prio(step, k), nbytes, lambda release: self._handled(ends, lambda: wk.message(
+                    share, [(wk.tx, 1), (wk.rx, 1)], lambda: (release(), self._handled(
+                        ends, lambda: self._arrived(step, k))), f"answer {k}")))
 
         wk.host.run(wk.update_s(self.plan.slices[k].numel * 4), answer, what=f"update {k}")
 

@@ -91,7 +91,7 @@ def _host(record: dict, rates: dict, cores: int):
     share = max(1.0, (record["np"] + record.get("servers", 0)) / cores)
     k = record.get("dilation", 1.0)
     return Host(rates["copy_Bps"] * k / share, rates["update_Bps"] * k / share, codec_speed=k / share,
-                handoff_s=rates.get("handoff_s", 20e-6) * share / k)
+                handoff_s=rates.get("handoff_s", 20e-6) * share / k, message_s=rates.get("message_s", 0.0) * share / k)
 
 
 def replay(path: str = MATRIX, rates: dict | None = None, steps: int = 8, warmup: int = 3) -> dict:
