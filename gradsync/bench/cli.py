@@ -33,8 +33,8 @@ def add_parser(subparsers) -> None:
     p.set_defaults(handler=main)
 
 
-EMULATED_ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": str(256 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}
-"""The allocator settings of an emulated run's ranks (see below): freed blocks of up to 256 MB kept."""
+EMULATED_ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}
+"""The allocator settings of an emulated run's ranks (see below): freed blocks of up to 1 GB kept."""
 
 
 def _run_ranks(config: dict, run_dir: str) -> int:
@@ -45,10 +45,12 @@ def _run_ranks(config: dict, run_dir: str) -> int:
     with open(os.path.join(run_dir, "config.json"), "w") as f:
         json.dump(config, f)
     # A rank waits in a collective while others run a strategy it skips: allow long waits.
-    # Emulated compute: freed memory up to 256 MB a block is kept for reuse, as a GPU's caching
+    # Emulated compute: freed memory up to 1 GB a block is kept for reuse, as a GPU's caching
     # allocator does; else page faults in every new 100 MB gradient would cost more than the
-    # layer's emulated time. Larger blocks (VGG-19's 411 MB fc6) go back to the OS: kept, they
-    # fragmented the heap until 4 VGG-19 workers ran out of memory.
+    # layer's emulated time. VGG-19's 411 MB fc6 included: with blocks of up to 256 MB kept,
+    # DDP's step took fresh pages for an fc6-sized buffer every step (1.1-1.3 s a step, 18 % of
+    # its throughput on 2 workers at 10 Gbit/s; 2 % behind allreduce with them kept). 4 VGG-19
+    # workers then use 14 GB of a 24 GB machine.
     # Tensors of 2 MB and more on transparent huge pages (PyTorch's THP_MEM_ALLOC_ENABLE): a fresh
     # 64 MB buffer then costs 32 page faults instead of 16384 (docs/methods.md).
     # Every strategy runs with it; set THP_MEM_ALLOC_ENABLE=0 to measure without.
