@@ -4,7 +4,10 @@
 
 Runs one ``gradsync bench --compute emulated`` per (model, workers, link rate) on the emulated
 cluster (root needed), with every simulated strategy side by side, and writes the records, each
-group with its exact command, as the validation matrix. ``--groups`` picks a subset by index.
+group with its exact command and the host rates measured just before it, as the validation
+matrix. ``--groups`` picks a subset by index (``--groups ""``: none); ``--message-cost`` measures
+the host cost of a slice message's end on loopback (:func:`measure_message_cost`) and keeps it
+with the matrix's rates.
 """
 from __future__ import annotations
 
