@@ -20,6 +20,7 @@ import sys
 from dataclasses import dataclass
 
 from gradsync.simulate import SIMULATED
+from gradsync.simulate.cli import add_host_arguments
 from gradsync.simulate.compressed import COMPRESSED
 NEEDS_SERVERS = ("ps-async",)
 INEXACT = {"sma": "averages models, not gradients (not exact)",
@@ -126,27 +127,21 @@ def add_parser(subparsers) -> None:
     p.add_argument("--compute", default="", metavar="PROFILE", help="compute profile (default: the model's shipped one)")
     p.add_argument("--compression", default=DEFAULT_COMPRESSION, metavar="SPEC[;SPEC...]",
                    help=f"compressors to try with the compressed strategies (default {DEFAULT_COMPRESSION})")
-    p.add_argument("--codec-speed", type=float, default=1.0,
-                   help="compressors run this many times faster than on this machine's CPU, one thread (default 1)")
-    p.add_argument("--host-copy-gbps", type=float, default=200.0, help="GB/s of gradient copies (default 200)")
-    p.add_argument("--host-update-gbps", type=float, default=100.0, help="GB/s of optimizer update (default 100)")
-    p.add_argument("--message-us", type=float, default=0.0,
-                   help="host CPU per end of a p3/ps-sliced slice message (default 0: not counted)")
+    add_host_arguments(p)
     p.set_defaults(handler=main)
 
 
 def main(args) -> int:
     from gradsync.errors import GradsyncError
-    from gradsync.simulate import Host, Network, load
-    from gradsync.simulate.cli import _rates
+    from gradsync.simulate import Network, load
+    from gradsync.simulate.cli import _rates, host_of
 
     error = argparse.ArgumentParser(prog="gradsync advise").error
     if args.np < 1 or args.servers < 0 or args.batch_size < 1 or args.gpus_per_host < 1 or args.latency_us < 0:
         error("--np, --batch-size and --gpus-per-host must be >= 1, --servers and --latency-us >= 0")
-    if min(args.codec_speed, args.host_copy_gbps, args.host_update_gbps, args.intra_gbps) <= 0:
-        error("--codec-speed, --host-copy-gbps, --host-update-gbps and --intra-gbps must be > 0")
-    if args.message_us < 0:
-        error(f"--message-us must be >= 0, got {args.message_us:g}")
+    if args.intra_gbps <= 0:
+        error("--intra-gbps must be > 0")
+    host = host_of(args, error)
     rates = _rates(args.net, error)
     if len(rates) != 1:
         error(f"--net takes one rate, got {args.net!r}")
@@ -159,7 +154,6 @@ def main(args) -> int:
             build(name, **opts)
         workload = load(args.model, args.batch_size, args.compute or None)
         net = Network(rates[0], args.latency_us * 1e-6, args.gpus_per_host, args.intra_gbps * 1e9)
-        host = Host(args.host_copy_gbps * 1e9, args.host_update_gbps * 1e9, args.codec_speed, message_s=args.message_us * 1e-6)
         ranked = rank(workload, args.np, net, host, args.servers, compression)
     except GradsyncError as exc:
         print(f"gradsync advise: {exc}", file=sys.stderr)

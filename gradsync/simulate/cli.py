@@ -20,6 +20,30 @@ import time
 DEFAULT_STRATEGIES = ["ddp", "allreduce", "ps", "p3"]
 
 
+def add_host_arguments(p: argparse.ArgumentParser) -> None:
+    """The host's rates (:class:`~gradsync.simulate.Host`), as ``simulate`` and ``advise`` take them."""
+    p.add_argument("--host-copy-gbps", type=float, default=200.0,
+                   help="GB/s of the host work that copies gradients (default 200: an accelerator's)")
+    p.add_argument("--host-update-gbps", type=float, default=100.0,
+                   help="GB/s of parameters the optimizer updates (default 100: an accelerator's)")
+    p.add_argument("--codec-speed", type=float, default=1.0,
+                   help="compressors run this many times faster than on this machine's CPU, one thread (default 1)")
+    p.add_argument("--message-us", type=float, default=0.0,
+                   help="host CPU per end of a p3/ps-sliced slice message, one at a time per process (default 0: not "
+                        "counted; about 580 on a 2-core cloud VM, docs/simulate.md)")
+
+
+def host_of(args, error):
+    """The :class:`~gradsync.simulate.Host` of :func:`add_host_arguments`' options, or ``error`` naming a bad one."""
+    from gradsync.simulate import Host
+
+    if min(args.host_copy_gbps, args.host_update_gbps, args.codec_speed) <= 0:
+        error("--host-copy-gbps, --host-update-gbps and --codec-speed must be > 0")
+    if args.message_us < 0:
+        error(f"--message-us must be >= 0, got {args.message_us:g}")
+    return Host(args.host_copy_gbps * 1e9, args.host_update_gbps * 1e9, args.codec_speed, message_s=args.message_us * 1e-6)
+
+
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("simulate", help="predict strategies' throughput at any scale (event simulator)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -45,15 +69,7 @@ def add_parser(subparsers) -> None:
                    help="a strategy option, as in gradsync bench (repeatable)")
     p.add_argument("--steps", type=int, default=6, help="simulated steps (default 6)")
     p.add_argument("--warmup", type=int, default=2, help="steps left out of the figures (default 2)")
-    p.add_argument("--host-copy-gbps", type=float, default=200.0,
-                   help="GB/s of the host work that copies gradients (default 200: an accelerator's)")
-    p.add_argument("--host-update-gbps", type=float, default=100.0,
-                   help="GB/s of parameters the optimizer updates (default 100: an accelerator's)")
-    p.add_argument("--codec-speed", type=float, default=1.0,
-                   help="compressors run this many times faster than on this machine's CPU, one thread (default 1)")
-    p.add_argument("--message-us", type=float, default=0.0,
-                   help="host CPU per end of a p3/ps-sliced slice message, one at a time per process (default 0: not "
-                        "counted; about 580 on a 2-core cloud VM, docs/simulate.md)")
+    add_host_arguments(p)
     p.add_argument("--json", metavar="FILE", help="write the records to FILE")
     p.add_argument("--out", metavar="DIR", help="write records (simulate.json) and charts to DIR")
     p.add_argument("--validate", nargs="?", const="shipped", metavar="MATRIX",
@@ -113,7 +129,7 @@ def bound(strategy: str, options: dict, model_bytes: int, np: int, servers: int,
 def main(args) -> int:
     from gradsync.bench.args import _overrides
     from gradsync.errors import GradsyncError
-    from gradsync.simulate import SIMULATED, Host, Network, load, simulate
+    from gradsync.simulate import SIMULATED, Network, load, simulate
 
     error = argparse.ArgumentParser(prog="gradsync simulate").error
     if args.validate:
@@ -128,16 +144,14 @@ def main(args) -> int:
         error("--latency-us and --servers must be >= 0, --gpus-per-host and --batch-size >= 1")
     if args.steps <= args.warmup or args.warmup < 0:
         error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup}) >= 0")
-    if min(args.host_copy_gbps, args.host_update_gbps, args.codec_speed, args.intra_gbps) <= 0:
-        error("--host-copy-gbps, --host-update-gbps, --codec-speed and --intra-gbps must be > 0")
-    if args.message_us < 0:
-        error(f"--message-us must be >= 0, got {args.message_us:g}")
+    if args.intra_gbps <= 0:
+        error("--intra-gbps must be > 0")
+    host = host_of(args, error)
     overrides = _overrides(args.set, strategies, error)
     try:
         workload = load(args.model, args.batch_size, args.compute or None)
     except GradsyncError as exc:
         error(str(exc))
-    host = Host(args.host_copy_gbps * 1e9, args.host_update_gbps * 1e9, args.codec_speed, message_s=args.message_us * 1e-6)
     print(f"gradsync simulate: {args.model} at batch {args.batch_size}, {workload.nbytes / 2**20:.1f} MB of "
           f"parameters, {workload.compute_s * 1e3:.1f} ms of compute per step ({workload.device})", flush=True)
     from gradsync.simulate.compressed import COMPRESSED

@@ -234,4 +234,3 @@ class Barrier:
         self.count -= 1
         if self.count == 0:
             self.done()
-

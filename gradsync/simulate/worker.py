@@ -78,8 +78,8 @@ class _Meta:
 
 ZEROED_PASSES = 0.5
 """A zeroed buffer the size of a table costs half a copy of its memory: a write without a read
-(``zero_`` of 50.8 MB: 4.8 ms where ``copy_`` takes 9.6 ms, one thread, on the machine that
-recorded the validation matrix). In an emulated run the allocator keeps freed blocks of up to
+(``zero_`` of 50.8 MB: 4.8 ms where ``copy_`` takes 9.6 ms, one thread, on the 2-core machine
+that recorded the validation's hybrid cells). In an emulated run the allocator keeps freed blocks of up to
 1 GB, so there are no page faults (gradsync.bench.cli)."""
 
 
