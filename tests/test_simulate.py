@@ -89,6 +89,16 @@ def test_one_dedicated_server_takes_every_push_then_answers_every_pull():
     assert record["step_s"] == pytest.approx(4.016 + 4.0)
 
 
+def test_co_located_servers_are_as_slow_as_the_owner_of_the_largest_share():
+    # 3 workers, tensors of 3000 and 1000 B: the partition puts the first on worker 0 and the
+    # second on worker 1 (worker 2 serves nothing). Worker 0's link takes the other two workers'
+    # pushes of 3004 B (values and a flag) at once: 6.008 s at 1000 B/s; then it answers both
+    # with 3000 B each: 6 s. Averaged over the hosts the same bytes would take 5.34 s.
+    work = synthetic([(0.0, 0.0, [3000, 1000])])
+    record = simulate("ps", work, 3, NET, host=FREE_HOST, steps=4, warmup=1)
+    assert record["step_s"] == pytest.approx(6.008 + 6.0)
+
+
 def test_p3_sends_lowest_forward_position_first_under_credit():
     # Three layers of 1000 B, slices of 250 elements: slice k is layer k. Co-located on 2 workers,
     # each message is 16 + (250 + 1) * 4 = 1020 B, half of which crosses this worker's link

@@ -15,10 +15,10 @@ import itertools
 from typing import Callable
 
 from gradsync.errors import ConfigError
-from gradsync.simulate.engine import Barrier, Sim, Stream
+from gradsync.simulate.engine import Barrier, Link, Sim, Stream
 
 
-from gradsync.simulate.worker import DUPLEX_BYTES, StrategyModel, Worker
+from gradsync.simulate.worker import StrategyModel, Worker
 
 
 # -- all-reduce of buckets (allreduce, ddp) ----------------------------------------------------------
@@ -113,6 +113,10 @@ class ParameterServers(StrategyModel):
         self.owned_bytes = [0.0] * len(owners)
         for s, members in self.groups:
             self.owned_bytes[s] += sum(worker.params[i].nbytes for i in members)
+        # Co-located owners are workers' hosts: each one's NIC carries what it serves, so an owner
+        # of more than its share (VGG-19's fc6, a language model's tables) is the step's bottleneck.
+        self.owner_links = [] if self.dedicated else [
+            (Link(f"owner {s} tx", worker.tx.rate), Link(f"owner {s} rx", worker.rx.rate)) for s in owners]
 
     def _send(self, s: int, nbytes: float, push: bool, done: Callable[[], None], name: str) -> None:
         """A push to (or an answer from) owner ``s`` of a group of ``nbytes``."""
@@ -122,17 +126,13 @@ class ParameterServers(StrategyModel):
             uses = [(wk.tx, 1), (rx, wk.np)] if push else [(tx, wk.np), (wk.rx, 1)]
             wk.message(nbytes, uses, done, name)
             return
-        # Co-located: every worker posts all its pushes (then all its answers) at once, both
-        # directions between each pair of hosts. A message of DUPLEX_BYTES or more shares the
-        # send+receive link with its twin coming in (P3 and ps-sliced send slices well under
-        # that and do not meet this).
-        share = self._share(nbytes)
-        uses = [(wk.tx, 1), (wk.rx, 1)] + ([(wk.duplex, 2)] if nbytes >= DUPLEX_BYTES else [])
-        wk.message(share, uses, done, name)
-
-    def _share(self, nbytes: float) -> float:
-        """Co-located: of a group's bytes, what crosses the network (the owner keeps its own)."""
-        return nbytes if self.dedicated else nbytes * (self.wk.np - 1) / self.wk.np
+        # Co-located: the np - 1 other workers push a group to its owner's host (and it answers
+        # them); the representative worker sends (receives) the share of a group that leaves its
+        # own host. Receives are posted before sends, so both directions run at full rate.
+        tx, rx = self.owner_links[s]
+        away = (wk.np - 1) / wk.np
+        uses = [(wk.tx, away), (rx, wk.np - 1)] if push else [(tx, wk.np - 1), (wk.rx, away)]
+        wk.message(nbytes if wk.np > 1 else 0.0, uses, done, name)
 
     def before_forward(self, step: int, go: Callable[[], None]) -> None:
         self.missing = [len(g) for _, g in self.groups]

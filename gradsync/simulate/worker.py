@@ -33,13 +33,6 @@ class Network:
     intra_Bps: float | None = 12e9
 
 
-DUPLEX_BYTES = 2 << 20
-"""Gloo moves one message between a pair of hosts in one direction at a time: messages posted in
-both directions at once get half the rate each way from about this size (docs/emulation.md: a
-12 MB exchange got half the rate each way, 1 MB messages the full rate; the validation matrix's
-``ps`` cells place the step between 1 and 4 MB)."""
-
-
 @dataclass
 class Host:
     """Rates of the work a strategy does beside the layers: copies into and out of buckets
@@ -105,9 +98,10 @@ class Worker:
         else:
             self.ring_links = [(Link("NIC tx (ring)", rate), 1), (Link("NIC rx (ring)", rate), 1),
                                (Link("intra-host", intra), 1)]
-        # Gloo's point-to-point messages posted all at once in both directions between two hosts
-        # get about half the rate each way (docs/emulation.md; its all-reduce uses both directions
-        # at full rate): such exchanges also pass through this one link of the NIC's rate.
+        # Gloo's point-to-point messages between two hosts in both directions get half the rate
+        # each way when each side posts its send before its receive (benchmarks/duplex.py; its
+        # all-reduce uses both directions at full rate): such exchanges also pass through this
+        # one link of the NIC's rate.
         self.duplex = Link("worker send+receive", share)
         self.servers = [(Link(f"server {s} tx", rate), Link(f"server {s} rx", rate)) for s in range(servers)]
         self.gpu = Stream(sim, "accelerator")

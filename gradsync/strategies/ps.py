@@ -225,10 +225,16 @@ class ParameterServer(Strategy):
             self._aggregate(self.ctx.topology.worker_ranks, own=True)
             self._clip()
             result = apply()
+            # Receives before sends: Gloo carries a pair's messages both ways at once only when
+            # each side posted its receive first (benchmarks/duplex.py: the other order halves
+            # each direction of a large exchange).
+            pulls = self._post_pulls()
             self.sends += self._answer(self.ctx.topology.worker_ranks)
-        elif len(self.servers) > 1:
-            self._clip()  # this worker's share of the norm is zero
-        self._pull()
+        else:
+            if len(self.servers) > 1:
+                self._clip()  # this worker's share of the norm is zero
+            pulls = self._post_pulls()
+        self._finish_pulls(pulls)
         wait_all(self.sends)
         self.sends, self.open = [], False
         self._reset_pushes()
@@ -289,14 +295,20 @@ class ParameterServer(Strategy):
         opt, params = self.ctx.optimizer, self.ctx.params
         return [(i, 0, params[i].numel(), opt.state[params[i]]) for i in self.owned if opt.state.get(params[i])]
 
-    def _pull(self) -> None:
+    def _post_pulls(self) -> list:
+        """Receives for the updated parameters of every group this rank does not own (a single
+        tensor lands in place: its owner answers after this rank's own update, which skips it)."""
         t, params = self.ctx.transport, self.ctx.params
         handles = []
         for g in self.outbox:
             target = self.pull_buf[g].wire if g in self.pull_buf else params[self.groups[g][0]].data
             handles.append(t.recv_async(target, self.group_owner[g], 1 + self.groups[g][0],
                                         what=f"pull of {self._label(g)} from rank {self.group_owner[g]}"))
+        return handles
+
+    def _finish_pulls(self, handles: list) -> None:
         wait_all(handles)
+        params = self.ctx.params
         with torch.no_grad():
             for g, buf in self.pull_buf.items():
                 for i, part in zip(self.groups[g], buf.parts):

@@ -1,0 +1,92 @@
+"""How fast one large message moves between two hosts when another crosses it the other way.
+
+    sudo python benchmarks/duplex.py [--net 1gbit] [--sizes 1,4,12,50,200,400]
+
+Two emulated hosts (links of ``--net``, full duplex) run one rank each. For each size (MB) the
+ranks time, through gradsync's transport, one message from rank 0 to rank 1 with the reverse
+idle (one-way), then one message each way at once (exchange), the median of three. Printed: the
+rate each direction gets in the exchange, as a fraction of the one-way rate. On a full-duplex
+link that is 1; it is what ``ps`` meets when co-located servers push (and answer) whole
+tensors both ways between a pair of hosts, and what the simulator's ``Network.duplex_share``
+models.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+RANK = """
+import json, statistics, sys, time, torch
+import gradsync
+from gradsync import runtime
+cfg = json.load(open(sys.argv[1]))
+topo = gradsync.init()
+t = runtime.current().transport
+peer = 1 - topo.rank
+out = {}
+for mb in cfg["sizes"]:
+    n = int(mb * 1e6) // 4
+    send, recv = torch.ones(n), torch.ones(n)  # touched: no page faults while timed
+    def timed(both, recv_first=False):
+        t.barrier(what="duplex start")
+        start = time.perf_counter()
+        hs = []
+        if (both or topo.rank == 1) and recv_first:
+            hs.append(t.recv_async(recv, peer, tag=3, what="duplex receive"))
+        if both or topo.rank == 0:
+            hs.append(t.send_async(send, peer, tag=3, what="duplex send"))
+        if (both or topo.rank == 1) and not recv_first:
+            hs.append(t.recv_async(recv, peer, tag=3, what="duplex receive"))
+        for h in hs:
+            h.wait()
+        t.barrier(what="duplex end")
+        return time.perf_counter() - start
+    timed(True)
+    one = statistics.median(timed(False) for _ in range(cfg["repeats"]))
+    both = statistics.median(timed(True) for _ in range(cfg["repeats"]))
+    first = statistics.median(timed(True, True) for _ in range(cfg["repeats"]))
+    out[str(mb)] = [one, both, first]
+if topo.rank == 0:
+    json.dump(out, open(sys.argv[2], "w"))
+gradsync.shutdown()
+"""
+
+
+def main() -> int:
+    from gradsync.cluster import format_rate, parse_rate
+    from gradsync.launch.emulated import launch_emulated
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--net", default="1gbit")
+    parser.add_argument("--sizes", default="1,4,12,50,200,400", help="message sizes, MB")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    rate = parse_rate(args.net)
+    sizes = [float(s) for s in args.sizes.split(",")]
+    with tempfile.TemporaryDirectory(prefix="gradsync-duplex-") as d:
+        cfg, script, result = (os.path.join(d, n) for n in ("config.json", "rank.py", "result.json"))
+        with open(cfg, "w") as f:
+            json.dump({"sizes": sizes, "repeats": args.repeats}, f)
+        with open(script, "w") as f:
+            f.write(RANK)
+        job = launch_emulated([sys.executable, script, cfg, result], np=2, rate_bps=rate,
+                              env={"GRADSYNC_TIMEOUT": "600"})
+        if job.returncode:
+            print(f"the ranks failed: {job.message}", file=sys.stderr)
+            return 1
+        with open(result) as f:
+            times = json.load(f)
+    print(f"two hosts, links of {format_rate(rate)}; median of {args.repeats}")
+    print("exchange: each rank posts its send, then its receive; receive first: the other order")
+    print(f"{'MB':>6} {'one-way s':>10} {'Mbit/s':>8} {'exchange s':>11} {'share':>6} {'receive first s':>16} {'share':>6}")
+    for mb, (one, both, first) in times.items():
+        print(f"{float(mb):>6g} {one:>10.3f} {float(mb) * 8 / one:>8.0f} {both:>11.3f} {one / both:>6.2f} "
+              f"{first:>16.3f} {one / first:>6.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
