@@ -30,9 +30,9 @@ BUFFER = 64 << 20  # within 10 % of the configured rate
 def _timed_exchange(transport, send_to, recv_from, payload, inbox, chunk: int, nbytes: int) -> float:
     """Seconds until this rank's receive (if any) of ``nbytes`` completed; 0 when it only sends or idles.
 
-    The bytes go as messages of ``chunk`` bytes, cycling over the buffers: Gloo moves one message
-    between a pair in one direction at a time, so a single 12 MB exchange got half the rate each
-    way; messages of about 10 ms of link time each keep both directions busy.
+    The bytes go as messages of ``chunk`` bytes, cycling over the buffers: a single large
+    exchange posted send first gets half the rate each way from Gloo (benchmarks/duplex.py);
+    messages of about 10 ms of link time each, interleaved, keep both directions busy.
     """
     outs, ins = payload.split(chunk // 4), inbox.split(chunk // 4)
     transport.barrier(what="netcheck start")
