@@ -166,7 +166,7 @@ def main() -> None:
     started = time.monotonic()
     lines = ["# The source papers' cluster-scale results, predicted", "",
              "Made by `python benchmarks/published_scales.py --out docs/published-scales.md` (the event "
-             "simulator, docs/simulate.md; deterministic, about two minutes on 2 cores). Each table gives "
+             "simulator, docs/simulate.md; deterministic but for the compressors' costs, measured on this machine's CPU; under a minute on 2 cores). Each table gives "
              "the paper's setup and what gradsync assumes in its place; docs/simulate.md discusses where "
              "the two disagree.", ""]
     for name in args.only.split(","):
