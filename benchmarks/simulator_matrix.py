@@ -51,8 +51,9 @@ SHAPE = ("model", "np", "net_bps", "servers", "batch_size", "compute")
 
 
 def supersede(groups: list[dict], newer: dict) -> None:
-    """Leave out of earlier groups the records that ``newer`` measures again (same shape and
-    strategy), saying so in their ``note``: the strategy changed after them."""
+    """Move out of earlier groups' ``records`` the ones that ``newer`` measures again (same shape
+    and strategy) into their ``superseded`` list, which the replay skips, saying so in their
+    ``note``: the strategy changed after them."""
     again = {tuple(r.get(k, 0) for k in SHAPE) + (r["strategy"],) for r in newer["records"]}
     for group in groups:
         if group is newer:
@@ -60,6 +61,7 @@ def supersede(groups: list[dict], newer: dict) -> None:
         gone = [r for r in group["records"] if tuple(r.get(k, 0) for k in SHAPE) + (r["strategy"],) in again]
         if gone:
             group["records"] = [r for r in group["records"] if r not in gone]
+            group["superseded"] = group.get("superseded", []) + gone
             names = ", ".join(sorted({r["strategy"] for r in gone}))
             group["note"] = (group.get("note", "") + f" {names}: left out here, measured again by "
                              f"`{newer['command']}` after the strategy changed.").strip()
