@@ -80,3 +80,21 @@ def test_matches_single_process_reference(strategy, workers, servers, options, o
     for rank in range(1, workers):
         for name, value in results[rank].items():
             torch.testing.assert_close(value, first[name], rtol=0, atol=0, msg=f"rank {rank} {name}")
+
+
+def pull_order_job():
+    from gradsync import flight
+
+    train("ps", Workload("toy"), 2, {"fuse_kb": 0})
+    ops = [(r["what"], r["op"], r["step"]) for r in flight.current().snapshot()["records"] if r["step"] == 2]
+    receives = [i for i, (what, op, _) in enumerate(ops) if what.startswith("pull of") and op == "receive"]
+    answers = [i for i, (what, op, _) in enumerate(ops) if what.startswith("pull of") and op == "send"]
+    return receives, answers
+
+
+def test_co_located_ps_posts_its_pull_receives_before_its_answers():
+    # Gloo halves each direction of a pair's large exchange when both sides send first
+    # (benchmarks/duplex.py): every receive of a step's pulls is posted before the first answer.
+    for receives, answers in run_ranks(pull_order_job, 2):
+        assert receives and answers
+        assert max(receives) < min(answers)
