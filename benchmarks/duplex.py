@@ -57,6 +57,7 @@ gradsync.shutdown()
 
 def main() -> int:
     from gradsync.cluster import format_rate, parse_rate
+    from gradsync.errors import ConfigError
     from gradsync.launch.emulated import launch_emulated
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -64,8 +65,13 @@ def main() -> int:
     parser.add_argument("--sizes", default="1,4,12,50,200,400", help="message sizes, MB")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    rate = parse_rate(args.net)
-    sizes = [float(s) for s in args.sizes.split(",")]
+    try:
+        rate = parse_rate(args.net)
+        sizes = [float(s) for s in args.sizes.split(",")]
+    except (ValueError, ConfigError) as exc:
+        parser.error(f"--net or --sizes: {exc}")
+    if not sizes or min(sizes) <= 0 or args.repeats < 1:
+        parser.error("--sizes must be positive MB and --repeats >= 1")
     with tempfile.TemporaryDirectory(prefix="gradsync-duplex-") as d:
         cfg, script, result = (os.path.join(d, n) for n in ("config.json", "rank.py", "result.json"))
         with open(cfg, "w") as f:
