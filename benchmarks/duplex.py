@@ -6,9 +6,9 @@ Two emulated hosts (links of ``--net``, full duplex) run one rank each. For each
 ranks time, through gradsync's transport, one message from rank 0 to rank 1 with the reverse
 idle (one-way), then one message each way at once (exchange), the median of three. Printed: the
 rate each direction gets in the exchange, as a fraction of the one-way rate. On a full-duplex
-link that is 1; it is what ``ps`` meets when co-located servers push (and answer) whole
-tensors both ways between a pair of hosts, and what the simulator's ``Network.duplex_share``
-models.
+link that is 1 in both orders; with the send posted first Gloo gives each direction half. It is
+why co-located ``ps`` posts its pulls' receives before its answers, and what the simulator's
+``Worker.duplex`` link stands for where two workers still exchange send-first (``pair-averaging``).
 """
 from __future__ import annotations
 
