@@ -178,6 +178,9 @@ def test_adjust_sets_a_setting_for_the_cells_it_selects_and_is_checked():
     by_model = {c["model"]: c for c in s.cells(*s.scaled("default", {}))}
     assert by_model["big"]["compute"] == "emulated:flops:1tflops" and by_model["small"]["compute"] == "emulated"
     assert by_model["big"]["strategy"] == ["a", "b"]
+    overrides = {"compute": "emulated:flops:2tflops"}  # --set holds for every cell, adjusted or not
+    by_model = {c["model"]: c for c in s.cells(*s.scaled("default", overrides), overrides)}
+    assert by_model["big"]["compute"] == by_model["small"]["compute"] == "emulated:flops:2tflops"
     for adjust, reason in [({"where": {"np": 2}, "compute": "c"}, "selects on np, which is not varied"),
                            ({"where": {"strategy": "a"}, "compute": "c"}, "which one run measures together"),
                            ({"where": {"model": "big"}}, "sets nothing"),

@@ -108,7 +108,8 @@ def _show(args) -> int:
     from gradsync.experiment import cells, spec as specs
 
     s = specs.load(args.name)
-    vary, settings = s.scaled(args.scale, _overrides(args.set))
+    overrides = _overrides(args.set)
+    vary, settings = s.scaled(args.scale, overrides)
     print(f"{s.name}: {s.title}\n  {s.paper}, {s.figure}\n  runner {s.runner}, measures {s.metric}")
     if s.notes:
         print("  " + s.notes.strip().replace("\n", "\n  "))
@@ -124,7 +125,7 @@ def _show(args) -> int:
     for r in s.relations:
         print(f"  relation: {r['says']}")
     print(f"  commands (--target {args.target}):")
-    for cell in s.cells(vary, settings):
+    for cell in s.cells(vary, settings, overrides):
         try:
             print("    " + cells.shown(cells.command(s, cell, _target(args.target), "OUT.json")))
         except ConfigError as exc:
@@ -160,9 +161,9 @@ def _run(args) -> int:
     plans = []
     for s in specs:  # every command is built before anything runs: bad input stops here
         try:
-            vary, settings = s.scaled(args.scale, {k: v for k, v in overrides.items()
-                                                   if len(specs) == 1 or k in s.keys()})
-            todo = s.cells(vary, settings)
+            mine = {k: v for k, v in overrides.items() if len(specs) == 1 or k in s.keys()}
+            vary, settings = s.scaled(args.scale, mine)
+            todo = s.cells(vary, settings, mine)
             for cell in todo:
                 runner.command(s, cell, target, "OUT.json")
         except ConfigError as exc:

@@ -89,9 +89,12 @@ class Spec:
                 settings[key] = _value(raw)
         return vary, settings
 
-    def cells(self, vary: dict[str, list], settings: dict[str, object]) -> list[dict]:
+    def cells(self, vary: dict[str, list], settings: dict[str, object], overridden=()) -> list[dict]:
         """The runs: every combination of the varied keys except the side-by-side one, each with
-        the settings and that key's full list (e.g. every strategy, measured together)."""
+        the settings and that key's full list (e.g. every strategy, measured together).
+
+        ``[[adjust]]`` entries set keys for the cells they select, except the ``overridden`` keys:
+        what the user ``--set`` holds for every cell."""
         together = SIDE_BY_SIDE[self.runner]
         crossed = [k for k in vary if k != together]
         out = []
@@ -99,7 +102,7 @@ class Spec:
             cell = {**settings, **dict(zip(crossed, combo))}
             for adjust in self.adjust:
                 if all(cell.get(k) in (v if isinstance(v, list) else [v]) for k, v in adjust["where"].items()):
-                    cell.update({k: v for k, v in adjust.items() if k != "where"})
+                    cell.update({k: v for k, v in adjust.items() if k != "where" and k not in overridden})
             if together in vary:
                 cell[together] = list(vary[together])
             out.append(cell)
