@@ -44,6 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="steps of the float64 correctness replay (default 5; 0 skips the check)")
     p.add_argument("--net", metavar="RATE[,RATE...]",
                    help="emulate hosts with links of RATE (e.g. 1gbit,10gbit), one rank per host; needs root")
+    p.add_argument("--machine", metavar="NAME",
+                   help="run on the hosts of a registered machine (gradsync machine add NAME --hosts FILE), "
+                        "started over ssh from its first host, which is this one; its links are real, so no --net")
     p.add_argument("--delay", type=float, default=0.0, metavar="MS",
                    help="with --net: one-way host-to-host delay in ms (undilated; a user-space delay line)")
     p.add_argument("--compute", default="real", metavar="real|emulated[:PROFILE]",
@@ -61,10 +64,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _rates(args, parser_error) -> list[float | None]:
-    """``--net`` as undilated bits/s per run; ``[None]`` (loopback) without it."""
+    """``--net`` as undilated bits/s per run; ``[None]`` (loopback) without it; with ``--machine``
+    the machine's own rate (its hosts file's ``net``), not emulated."""
     from gradsync.cluster import parse_rate, require_privileges
     from gradsync.errors import ConfigError
 
+    if args.machine:
+        from gradsync.launch import machines
+
+        if args.net:
+            parser_error(f"--net emulates links on this host; machine {args.machine!r} has real ones: drop --net "
+                         "(the hosts file's \"net\" is the rate the efficiency column uses)")
+        try:
+            args.machine_hosts = {"name": args.machine, **machines.get(args.machine)}
+            machines.require_first_host_here(args.machine_hosts)
+            machines.master_addr(args.machine_hosts)
+        except ConfigError as exc:
+            parser_error(str(exc))
+        net = args.machine_hosts.get("net")
+        return [parse_rate(str(net)) if net else None]
+    args.machine_hosts = None
     if not args.net:
         return [None]
     try:
@@ -100,6 +119,10 @@ def _cluster_args(args, parser_error) -> None:
                      + (f" ({exc})" if isinstance(exc, ConfigError) else ""))
     if not auto and args.dilation < 1:
         parser_error(f"--dilation must be >= 1, got {args.dilation}")
+    if args.machine_hosts is not None:  # real links: nothing to dilate
+        if not auto and args.dilation != 1:
+            parser_error(f"--dilation slows emulated links; machine {args.machine!r} has real ones (drop --dilation)")
+        args.dilation = 1.0
     if (auto or args.dilation != 1) and not args.compute.startswith("emulated"):
         parser_error("--dilation needs --compute emulated: real computation cannot be slowed down")
 
@@ -117,6 +140,10 @@ def _validate(args, parser_error) -> list[str]:
                              ("--tune-steps", args.tune_steps, 1)]:
         if value < low:
             parser_error(f"{flag} must be >= {low}, got {value}")
+    if args.machine_hosts is not None:
+        slots = sum(h["slots"] for h in args.machine_hosts["hosts"])
+        if max(args.np_list) > slots:
+            parser_error(f"--np {max(args.np_list)} exceeds the {slots} slots of machine {args.machine!r}")
     names = [s.strip() for s in args.strategies.split(",") if s.strip()]
     unknown = [s for s in names if s not in STRATEGIES]
     if unknown or not names:
@@ -217,7 +244,7 @@ def _config(args, strategies: list[str], overrides: dict[str, dict], np: int, ra
             "steps": args.steps, "warmup": args.warmup, "threads": args.threads, "check_steps": args.check_steps,
             "rounds": args.rounds, "per_round": -(-args.steps // args.rounds), "rate_bps": rate,
             "delay_ms": args.delay if rate is not None else 0.0,
-            "dilation": dilation, "trace": bool(args.trace), "tune": args.tune, "tune_steps": args.tune_steps,
+            "dilation": dilation, "machine": args.machine_hosts, "trace": bool(args.trace), "tune": args.tune, "tune_steps": args.tune_steps,
             "options": {s: _options(s, hints, overrides) for s in strategies}}
 
 

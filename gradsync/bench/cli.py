@@ -59,6 +59,16 @@ def _run_ranks(config: dict, run_dir: str) -> int:
     if config["workload"]["compute"] != "real":
         env.update(EMULATED_ALLOCATOR)
     command = [sys.executable, "-m", "gradsync.bench.worker", run_dir]
+    if config.get("machine"):  # the other hosts get config.json over ssh and send their traces back
+        from gradsync.launch.remote import PYTHON, launch_hosts
+
+        machine = config["machine"]
+        command[0] = PYTHON  # each host's own interpreter
+        with open(os.path.join(run_dir, "config.json")) as f:
+            files = {os.path.join(run_dir, "config.json"): f.read()}
+        return exit_status("bench", lambda: launch_hosts(command, machine=machine, np=config["np"],
+                                                         servers=config["servers"], env=env, files=files,
+                                                         collect=(run_dir, "trace-*.json")))
     options = {"np": config["np"], "servers": config["servers"], "env": env, "prefix_output": False}
     if config["rate_bps"] is None:
         return exit_status("bench", lambda: launch_local(command, **options))
@@ -138,6 +148,9 @@ def _one_run(config: dict, args, records: list[dict]) -> int:
 
     rate, k = config["rate_bps"], config["dilation"]
     net = "loopback" if rate is None else f"{format_rate(rate)} links" + (f" (really {format_rate(rate / k)})" if k != 1 else "")
+    if config.get("machine"):
+        machine = config["machine"]
+        net = f"machine {machine['name']} ({len(machine['hosts'])} hosts" + ("" if rate is None else f", {net}") + ")"
     if config["delay_ms"]:
         net += f", {config['delay_ms']:g} ms delay"
     print(f"gradsync bench: {args.model}, {config['np']} workers, {args.servers} servers, batch {args.batch_size}, "

@@ -109,7 +109,8 @@ def bound(min_bytes: float, compute_s: float, samples: int, config: dict) -> dic
     workload = config["workload"]
     delay = config.get("delay_ms", 0.0)
     net = "loopback" if rate is None else f"{rate / 1e9:g} Gbit/s" + (f" +{delay:g}ms" if delay else "")
-    return {"net": net, "net_bps": rate, "delay_ms": delay,
+    where = {"machine": config["machine"]["name"]} if config.get("machine") else {}
+    return {**where, "net": net, "net_bps": rate, "delay_ms": delay,
             "compute": workload.get("compute", "real"), "dilation": config.get("dilation", 1.0),
             "t_compute_s": compute_s, "t_comm_min_s": comm_s, "min_bytes_per_host": min_bytes,
             "ideal_samples_per_s": ideal, "bound_samples_per_s": limit}

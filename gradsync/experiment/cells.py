@@ -4,7 +4,9 @@ Each cell runs as one ``gradsync`` command (or one script), in a process of its 
 
 - ``bench``: ``gradsync bench`` with the cell's values; on the ``local`` target on loopback, on
   ``emulated`` on the netns cluster (``--net``, dilated as the spec says), on ``sim`` the same
-  arguments go to ``gradsync simulate``. The strategies of a cell run side by side in one call.
+  arguments go to ``gradsync simulate``; on a registered machine ``gradsync bench --machine NAME``
+  over its hosts, at the rate of its own links (a cell at another rate is an error that says so).
+  The strategies of a cell run side by side in one call.
 - ``codecs``: ``gradsync codecs --json`` (this machine's CPU, whatever the target).
 - ``script``: the spec's command, run from the gradsync checkout (``{out}`` is a JSON file it
   writes; ``{KEY}`` a cell value); its records are a list in that file (``records = "KEY"``) or the
@@ -44,6 +46,9 @@ def command(spec: Spec, cell: dict, target: str, out: str) -> list[str]:
     if target == "sim":
         raise ConfigError(f"experiment {spec.name} measures this machine ({spec.runner}); the simulator cannot "
                           "run it: use --target local or emulated")
+    if target not in TARGETS and spec.runner == "script":
+        raise ConfigError(f"experiment {spec.name} runs a script on one host: use --target local on one of "
+                          f"machine {target!r}'s hosts")
     if spec.runner == "codecs":
         args = [*GRADSYNC, "codecs", "--compressors", ",".join(map(str, cell["compressor"])), "--json", out]
         for key in ("size", "repeats", "threads"):
@@ -75,6 +80,10 @@ def _bench(spec: Spec, cell: dict, target: str, out: str) -> list[str]:
         compute = str(cell.get("compute", ""))
         if compute.startswith("emulated:"):
             args += ["--compute", compute.split(":", 1)[1]]
+    elif target not in TARGETS:  # a registered machine: its links are real
+        cell = _at_machine_rate(spec, cell, target)
+        args = [*GRADSYNC, "bench", "--json", out, "--machine", target] + (["--strategies", strategies] if strategies else [])
+        flags = _BENCH_FLAGS
     else:
         if target == "local" and "net" in cell:
             raise ConfigError(f"experiment {spec.name} varies the link rate (net = {cell['net']}): run it with "
@@ -88,6 +97,22 @@ def _bench(spec: Spec, cell: dict, target: str, out: str) -> list[str]:
     for item in ([] if target == "sim" and "set" not in cell else cell.get("set", [])):
         args += ["--set", item]
     return args
+
+
+def _at_machine_rate(spec: Spec, cell: dict, name: str) -> dict:
+    """``cell`` without its link rate, which must be the machine's own (its hosts file's ``net``)."""
+    from gradsync.cluster import parse_rate
+    from gradsync.launch import machines
+
+    if "net" not in cell:
+        return cell
+    own = machines.get(name).get("net")
+    if own is None or parse_rate(str(cell["net"])) != parse_rate(str(own)):
+        has = f"links of {own}" if own else 'links of a rate its hosts file does not give ("net")'
+        raise ConfigError(f"experiment {spec.name} runs at net = {cell['net']}; machine {name!r} has {has}, which "
+                          f"gradsync does not throttle: run --set net={own or 'RATE'} (and give \"net\" in the "
+                          "hosts file), or --target emulated / sim for other rates")
+    return {k: v for k, v in cell.items() if k != "net"}
 
 
 def run_cell(spec: Spec, cell: dict, target: str) -> tuple[list[str], list[dict], str]:
@@ -187,6 +212,10 @@ def environment(target: str) -> dict:
            "target": target, "time": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     if target == "emulated":
         env["netcheck"] = _netcheck()
+    elif target not in TARGETS:
+        from gradsync.launch import machines
+
+        env["machine"] = machines.get(target)
     return env
 
 

@@ -134,17 +134,17 @@ def _show(args) -> int:
 
 
 def _target(name: str) -> str:
-    """``local``, ``emulated`` or ``sim``; a registered machine runs only where it is this host."""
-    from gradsync.experiment import cells, machines
+    """``local``, ``emulated``, ``sim``, or a registered machine's name (``local`` where it is just this host)."""
+    from gradsync.experiment import cells
+    from gradsync.launch import machines
 
     if name in cells.TARGETS:
         return name
-    machine = machines.get(name)
-    if machines.is_this_host(machine):
-        return "local"
-    raise ConfigError(f"machine {name!r} spans {len(machine['hosts'])} hosts; the experiment runner starts cells "
-                      "on this host only (gradsync bench runs on one host). Use --target sim for the paper's "
-                      "cluster shape, or run on one of its hosts with --target local")
+    try:
+        machine = machines.get(name)
+    except ConfigError as exc:
+        raise ConfigError(f"unknown target {name!r}: neither local, emulated, sim nor a registered machine; {exc}") from None
+    return "local" if machines.is_this_host(machine) else name
 
 
 def _run(args) -> int:
@@ -276,7 +276,7 @@ def _validate(args) -> int:
 
 
 def machine_main(args) -> int:
-    from gradsync.experiment import machines
+    from gradsync.launch import machines
 
     try:
         if args.action == "add":

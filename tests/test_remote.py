@@ -1,0 +1,128 @@
+"""Jobs over the hosts of a registered machine (``gradsync bench --machine``, ``experiment --target``).
+
+The machine's ``ssh`` is a stand-in that runs the command on this host, so the node launchers,
+the rendezvous across them, the files shipped on stdin and sent back are all real; with root it
+also mounts an empty tmpfs over the temporary folder, so the "other host" has its own /tmp.
+"""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+ROOT = os.geteuid() == 0
+GRADSYNC = [sys.executable, "-m", "gradsync.cli"]
+
+FAKE_SSH = textwrap.dedent("""\
+    import os, shlex, subprocess, sys
+    host, command = sys.argv[1], " ".join(sys.argv[2:])
+    with open(os.environ["FAKE_SSH_LOG"], "a") as f:
+        f.write(host + "\\n")
+    if host.endswith(".down"):
+        print(f"ssh: connect to host {host} port 22: Connection refused", file=sys.stderr)
+        sys.exit(255)
+    private = os.environ.get("FAKE_SSH_PRIVATE")  # a folder this host sees empty
+    if private:
+        command = f"mount -t tmpfs fake {shlex.quote(private)} && {command}"
+        sys.exit(subprocess.call(["unshare", "--mount", "--propagation", "private", "sh", "-c", command]))
+    sys.exit(subprocess.call(["sh", "-c", command]))
+    """)
+
+
+def machine(tmp_path, second="nodeb", **extra):
+    """Register ``lab``: this host and ``second``, one slot each, reached through the stand-in ssh."""
+    ssh = tmp_path / "fake_ssh.py"
+    ssh.write_text(FAKE_SSH)
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text(json.dumps({"hosts": [{"host": "localhost", "slots": 1}, {"host": second, "slots": 1}],
+                                 "master_addr": "127.0.0.1", "ssh": [sys.executable, str(ssh)], **extra}))
+    env = {**os.environ, "XDG_DATA_HOME": str(tmp_path / "data"), "FAKE_SSH_LOG": str(tmp_path / "ssh.log")}
+    done = subprocess.run([*GRADSYNC, "machine", "add", "lab", "--hosts", str(hosts), "--no-check"],
+                          capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    return env
+
+
+@pytest.mark.skipif(not ROOT, reason="a private /tmp for the second host needs a mount namespace (root)")
+def test_bench_runs_over_a_machines_hosts_and_gets_their_files_back(tmp_path):
+    env = machine(tmp_path, net="10gbit")
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env.update(TMPDIR=str(tmp), FAKE_SSH_PRIVATE=str(tmp))
+    out, trace = tmp_path / "records.json", tmp_path / "trace.json"
+    done = subprocess.run([*GRADSYNC, "bench", "--machine", "lab", "--model", "toy", "--np", "2", "--batch-size", "4",
+                           "--steps", "2", "--warmup", "1", "--rounds", "1", "--check-steps", "2",
+                           "--strategies", "allreduce,ps", "--json", str(out), "--trace", str(trace)],
+                          capture_output=True, text=True, env=env, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (tmp_path / "ssh.log").read_text().split() == ["nodeb"]  # node 0 ran here, node 1 "over ssh"
+    assert "machine lab (2 hosts, 10 Gbit/s links)" in done.stdout
+    records = {r["strategy"]: r for r in json.loads(out.read_text())}
+    for name in ("allreduce", "ps"):  # the two hosts' ranks trained one model, equal to the reference
+        r = records[name]
+        assert r["correct"] is True and r["workers_max_diff"] == 0.0, r
+        assert r["machine"] == "lab" and r["net_bps"] == 10e9 and r["dilation"] == 1.0
+    # worker 1 wrote its trace in its host's own /tmp; it came back over the node's stdout
+    events = json.loads(trace.read_text())
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    names = {e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    assert any("rank 1" in n for n in names) and any("rank 0" in n for n in names), names
+    assert [n for n in os.listdir(tmp) if n.startswith("gradsync")] == []  # no run or flight folder left
+
+
+def test_a_host_that_ssh_cannot_reach_fails_the_job_at_once_naming_it(tmp_path):
+    env = machine(tmp_path, second="nodeb.down")
+    started = time.monotonic()
+    done = subprocess.run([*GRADSYNC, "bench", "--machine", "lab", "--model", "toy", "--np", "2", "--batch-size", "4",
+                           "--steps", "2", "--warmup", "1", "--rounds", "1", "--check-steps", "0",
+                           "--strategies", "allreduce"], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 255, done.stdout + done.stderr
+    assert "node 1 (nodeb.down) failed with exit status 255" in done.stderr
+    assert "Connection refused" in done.stderr
+    assert time.monotonic() - started < 60  # not node 0 waiting out the rendezvous
+
+
+def test_machine_arguments_that_cannot_work_are_refused(tmp_path):
+    env = machine(tmp_path)
+
+    def bench(*args):
+        return subprocess.run([*GRADSYNC, "bench", "--model", "toy", *args], capture_output=True, text=True, env=env)
+
+    for args, says in [(["--machine", "lab", "--np", "3"], "--np 3 exceeds the 2 slots of machine 'lab'"),
+                       (["--machine", "lab", "--net", "1gbit"], "drop --net"),
+                       (["--machine", "lab", "--compute", "emulated", "--dilation", "4"], "has real ones (drop --dilation)"),
+                       (["--machine", "nope"], "no registered machine 'nope'")]:
+        done = bench(*args)
+        assert done.returncode == 2 and says in done.stderr, (args, done.stderr)
+    hosts = tmp_path / "far.json"  # a machine whose first host is elsewhere starts there, not here
+    hosts.write_text(json.dumps({"hosts": [{"host": "far-away.invalid", "slots": 1}, {"host": "localhost", "slots": 1}]}))
+    assert subprocess.run([*GRADSYNC, "machine", "add", "far", "--hosts", str(hosts), "--no-check"], env=env,
+                          capture_output=True).returncode == 0
+    done = bench("--machine", "far")
+    assert done.returncode == 2 and "starts from its first host, 'far-away.invalid'" in done.stderr
+    for bad, says in [({"ssh": "ssh -p 22"}, '"ssh" is the command before a host'),
+                      ({"net": "fast"}, "net: bad link rate 'fast'"), ({"python": 3}, "'python' must be a non-empty string")]:
+        hosts.write_text(json.dumps({"hosts": [{"host": "localhost"}], **bad}))
+        done = subprocess.run([*GRADSYNC, "machine", "add", "bad", "--hosts", str(hosts), "--no-check"], env=env,
+                              capture_output=True, text=True)
+        assert done.returncode == 2 and says in done.stderr, (bad, done.stderr)
+
+
+def test_an_experiment_on_a_machine_runs_at_the_machines_own_rate(tmp_path):
+    env = machine(tmp_path, net="4gbit")
+    store = tmp_path / "s.sqlite"
+    show = subprocess.run([*GRADSYNC, "experiment", "show", "p3-bandwidth", "--target", "lab", "--set", "net=4gbit",
+                           "--set", "model=resnet50"], capture_output=True, text=True, env=env)
+    assert show.returncode == 0, show.stderr
+    assert "gradsync bench --json OUT.json --machine lab --strategies ps,p3 --model resnet50 --np 2 " in show.stdout
+    assert "--net" not in show.stdout
+    other = subprocess.run([*GRADSYNC, "experiment", "run", "p3-bandwidth", "--target", "lab", "--store", str(store)],
+                           capture_output=True, text=True, env=env)
+    assert other.returncode == 2 and "runs at net = 1gbit; machine 'lab' has links of 4gbit" in other.stderr
+    assert "--set net=4gbit" in other.stderr
+    script = subprocess.run([*GRADSYNC, "experiment", "run", "kungfu-resize", "--target", "lab", "--store", str(store)],
+                            capture_output=True, text=True, env=env)
+    assert script.returncode == 2 and "use --target local on one of machine 'lab''s hosts" in script.stderr
