@@ -46,12 +46,15 @@ def machine(tmp_path, second="nodeb", **extra):
     return env
 
 
-@pytest.mark.skipif(not ROOT, reason="a private /tmp for the second host needs a mount namespace (root)")
-def test_bench_runs_over_a_machines_hosts_and_gets_their_files_back(tmp_path):
+@pytest.mark.parametrize("own_tmp", [False, pytest.param(True, marks=pytest.mark.skipif(
+    not ROOT, reason="a private /tmp for the second host needs a mount namespace (root)"))])
+def test_bench_runs_over_a_machines_hosts_and_gets_their_files_back(tmp_path, own_tmp):
+    """``own_tmp``: the second host has its own temporary folder (config and trace travel); else
+    it shares this one's, as on a shared filesystem (it must not remove what node 0 wrote)."""
     env = machine(tmp_path, net="10gbit")
     tmp = tmp_path / "tmp"
     tmp.mkdir()
-    env.update(TMPDIR=str(tmp), FAKE_SSH_PRIVATE=str(tmp))
+    env.update(TMPDIR=str(tmp), **({"FAKE_SSH_PRIVATE": str(tmp)} if own_tmp else {}))
     out, trace = tmp_path / "records.json", tmp_path / "trace.json"
     done = subprocess.run([*GRADSYNC, "bench", "--machine", "lab", "--model", "toy", "--np", "2", "--batch-size", "4",
                            "--steps", "2", "--warmup", "1", "--rounds", "1", "--check-steps", "2",
@@ -65,7 +68,7 @@ def test_bench_runs_over_a_machines_hosts_and_gets_their_files_back(tmp_path):
         r = records[name]
         assert r["correct"] is True and r["workers_max_diff"] == 0.0, r
         assert r["machine"] == "lab" and r["net_bps"] == 10e9 and r["dilation"] == 1.0
-    # worker 1 wrote its trace in its host's own /tmp; it came back over the node's stdout
+    # worker 1 wrote its trace in its host's /tmp; from its own, it came back over the node's stdout
     events = json.loads(trace.read_text())
     events = events["traceEvents"] if isinstance(events, dict) else events
     names = {e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
