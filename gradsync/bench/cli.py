@@ -64,8 +64,7 @@ def _run_ranks(config: dict, run_dir: str) -> int:
 
         machine = config["machine"]
         command[0] = PYTHON  # each host's own interpreter
-        with open(os.path.join(run_dir, "config.json")) as f:
-            files = {os.path.join(run_dir, "config.json"): f.read()}
+        files = {os.path.join(run_dir, "config.json"): json.dumps(config)}
         return exit_status("bench", lambda: launch_hosts(command, machine=machine, np=config["np"],
                                                          servers=config["servers"], env=env, files=files,
                                                          collect=(run_dir, "trace-*.json")))
