@@ -69,6 +69,7 @@ def _rates(args, parser_error) -> list[float | None]:
     from gradsync.cluster import parse_rate, require_privileges
     from gradsync.errors import ConfigError
 
+    args.machine = getattr(args, "machine", None)  # a Namespace built without it runs here
     if args.machine:
         from gradsync.launch import machines
 
