@@ -4,9 +4,11 @@
 
 What ``hybrid``'s server does once per step and table in an emulated run of ``lstm-lm:cpu`` on two
 workers (two partitions of 198,368 x 64 rows each, the rows of one step pushed): a zeroed
-gradient with the rows added, divided by the workers, then the bench's optimizer (momentum SGD
-with weight decay). Runs under the allocator settings of the emulated runs' ranks, in one process
-and then in two at once, so that what the two cores share (memory bandwidth or the cores) shows.
+gradient with the rows added, divided by the workers (into the buffer kept from the previous
+step, as server.py does), then the bench's optimizer (momentum SGD with weight decay). Runs under
+the allocator settings of the emulated runs' ranks, on a thread other than the main one (as the
+server's thread runs it), in one process and then in two at once, so that what the two cores share
+(memory bandwidth or the cores) shows.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import subprocess
 import sys
 
 CHILD = """
-import time, statistics, torch
+import threading, time, statistics, torch
 from gradsync.bench.workload import OPTIMIZERS
 torch.set_num_threads(1)
 rows, dim, pushed = 198368, 64, 8700
@@ -24,15 +26,19 @@ opt = OPTIMIZERS["sgd"][0](parts, 0.01)
 ids, values = torch.randint(0, rows, (pushed,)), torch.randn(pushed, dim)
 def update():
     for p in parts:
-        p.grad = torch.zeros_like(p).index_add_(0, ids, values).div_(2)
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        p.grad.zero_().index_add_(0, ids, values).div_(2)
     opt.step()
-    for p in parts:
-        p.grad = None
-for _ in range(3):
-    update()
+def serve():
+    for _ in range(3):
+        update()
+    for _ in range(15):
+        start = time.perf_counter(); update(); times.append(time.perf_counter() - start)
 times = []
-for _ in range(15):
-    start = time.perf_counter(); update(); times.append(time.perf_counter() - start)
+server = threading.Thread(target=serve)
+server.start()
+server.join()
 print(f"{statistics.median(times) * 1e3:.1f}")
 """
 

@@ -4,8 +4,9 @@
 
 Runs one ``gradsync bench --compute emulated`` per (model, workers, link rate) on the emulated
 cluster (root needed), with every simulated strategy side by side, and writes the records, each
-group with its exact command and the host rates measured just before it, as the validation
-matrix. ``--groups`` picks a subset by index (``--groups ""``: none); ``--message-cost`` measures
+group with its exact command and the host rates measured just before it (copy and update; for
+a group with ``p3`` or ``ps-sliced`` the cost of a slice message's end too, and for one with
+compressed strategies the compressors' costs), as the validation matrix. ``--groups`` picks a subset by index (``--groups ""``: none); ``--message-cost`` measures
 the host cost of a slice message's end on loopback (:func:`measure_message_cost`) and keeps it
 with the matrix's rates.
 """
@@ -25,6 +26,8 @@ SERVED = "ps,ps-async,p3"
 TABLES = "hybrid,allreduce,ps,ddp"
 LM_COMPUTE = "emulated:flops:11.11tflops"  # lstm-lm's shipped V100 rate, on the CPU-sized shape
 CODECS = ["onebit"]  # the compressed strategies' default
+SLICED = {"p3", "ps-sliced"}  # the strategies whose step Host.message_s can bound
+COMPRESSED = {"casync-ring", "casync-ps", "compressed-allgather"}
 GROUPS = [  # (model, workers, rate, dedicated servers, strategies[, compute[, rounds]])
     ("resnet50", 2, "1gbit", 0, EXACT), ("resnet50", 4, "1gbit", 0, EXACT),
     ("resnet50", 2, "10gbit", 0, EXACT), ("resnet50", 4, "10gbit", 0, EXACT),
@@ -153,6 +156,10 @@ def main() -> None:
     for index in (int(i) for i in args.groups.split(",") if i):
         model, np, rate, servers, strategies, *more = GROUPS[index]
         rates = measure_host_rates()  # the machine's host work as this group met it
+        names = set(strategies.split(","))
+        if names & SLICED:  # and its Python's per-message cost, where slices bound the step
+            rates["message_s"] = measure_message_cost(rates)["message_s"]
+        own_codecs = calibrate_codecs(CODECS) if names & COMPRESSED else None
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "records.json")
             argv = command(model, np, rate, servers, strategies, out, *more)
@@ -163,7 +170,7 @@ def main() -> None:
         shown = " ".join(argv[:-2])  # without the temporary --json
         groups = [g for g in groups if g["command"] != shown]
         groups.append({"command": shown, "seconds": round(time.monotonic() - started), "host_rates": rates,
-                       "records": records})
+                       **({"codecs": own_codecs} if own_codecs else {}), "records": records})
         supersede(groups, groups[-1])
         with open(args.out, "w") as f:
             json.dump({**kept, "cores": os.cpu_count(), "latency_s": 50e-6, "host_rates": host_rates, "codecs": codecs,

@@ -102,12 +102,12 @@ def replay(path: str = MATRIX, rates: dict | None = None, steps: int = 8, warmup
         matrix = json.load(f)
     given = rates
     rates = rates or matrix.get("host_rates") or calibrate()  # those of the machine that recorded it
-    _seed_codecs(matrix.get("codecs", {}))
     cores = matrix.get("cores", os.cpu_count() or 1)
     cells, workloads = [], {}
     for group in matrix["groups"]:
         # a group recorded with the machine's rates of its own time uses them (unless rates are given)
         here = rates if given else {**rates, **group.get("host_rates", {})}
+        _seed_codecs({**matrix.get("codecs", {}), **group.get("codecs", {})})  # and its compressors' costs
         for rec in group["records"]:
             compute = rec.get("compute", "emulated")  # emulated[:PROFILE]
             key = (rec["model"], rec["batch_size"], compute.split(":", 1)[1] if ":" in compute else None)

@@ -218,11 +218,14 @@ class RowServer:
                 local, rows = ids[mask] - lo, values[mask]
                 if self.h.lazy:  # an empty gradient still counts the step (Adam's bias correction)
                     p.grad = torch.sparse_coo_tensor(local.view(1, -1), rows / n, p.shape, check_invariants=False).coalesce()
-                else:
+                elif p.grad is None:  # the buffer is kept: a fresh one would be fresh pages every step
                     p.grad = torch.zeros_like(p).index_add_(0, local, rows).div_(n)
+                else:
+                    p.grad.zero_().index_add_(0, local, rows).div_(n)
             opt.step()
-            for _, _, p in parts:
-                p.grad = None
+            if self.h.lazy:
+                for _, _, p in parts:
+                    p.grad = None
             if tracer is not None:
                 tracer.span(f"update of table {t} ({ids.numel()} rows pushed)", "server", started, time.perf_counter())
         self.pushes = {}
