@@ -315,3 +315,23 @@ def test_validation_counts_errors_and_orders_and_leaves_out_cpu_bound_cells():
     assert result["advice_good"] == 1
     assert result["median_abs_error"] == pytest.approx((1 - 95 / 102 + 0.1) / 2)  # of 0.04, 0.069, 0.1, 0.1
     assert result["max_abs_error"] == pytest.approx(0.1)
+
+
+def test_shipped_matrix_covers_every_strategy_with_its_commands_and_rates():
+    """The validation matrix as shipped: at least 60 cells, every simulated strategy measured, each
+    group with the command that made it and the host rates it is replayed with; a group with slice
+    messages or compressors carries their costs as measured with it."""
+    from gradsync.simulate import SIMULATED
+    from gradsync.simulate.validate import MATRIX, options_of
+
+    with open(MATRIX) as f:
+        matrix = json.load(f)
+    records = [(g, r) for g in matrix["groups"] for r in g["records"]]
+    assert len(records) >= 60
+    assert {options_of(r["strategy"])[0] for _, r in records} == set(SIMULATED)
+    for group, _ in records:
+        assert group["command"].startswith("gradsync bench ") and "--compute emulated" in group["command"]
+        rates = {**matrix["host_rates"], **group.get("host_rates", {})}
+        assert rates["copy_Bps"] > 0 and rates["update_Bps"] > 0 and rates["message_s"] > 0
+    for spec, costs in {**matrix["codecs"], **{k: v for g in matrix["groups"] for k, v in g.get("codecs", {}).items()}}.items():
+        assert len(costs) == 5 and 0 < costs[4] <= 1, spec  # encode and decode lines, the wire ratio
