@@ -1,27 +1,29 @@
 """One hybrid row server's update of a table, alone and with a second server beside it.
 
-    python benchmarks/server_update.py
+    python benchmarks/server_update.py [--partitions 1] [--rows 396736] [--own-arenas]
 
 What ``hybrid``'s server does once per step and table in an emulated run of ``lstm-lm:cpu`` on two
-workers (two partitions of 198,368 x 64 rows each, the rows of one step pushed): a zeroed
-gradient with the rows added, divided by the workers (into the buffer kept from the previous
+workers (by default one partition of 396,736 x 64 rows, 101.6 MB, the rows of one step pushed): a
+zeroed gradient with the rows added, divided by the workers (into the buffer kept from the previous
 step, as server.py does), then the bench's optimizer (momentum SGD with weight decay). Runs under
 the allocator settings of the emulated runs' ranks, on a thread other than the main one (as the
 server's thread runs it), in one process and then in two at once, so that what the two cores share
-(memory bandwidth or the cores) shows.
+(memory bandwidth or the cores) shows. ``--own-arenas`` leaves out the ranks' single malloc arena:
+the thread then allocates from an arena of its own, whose blocks over 64 MB are fresh pages.
 """
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
 
 CHILD = """
-import threading, time, statistics, torch
+import sys, threading, time, statistics, torch
 from gradsync.bench.workload import OPTIMIZERS
 torch.set_num_threads(1)
-rows, dim, pushed = 198368, 64, 8700
-parts = [torch.nn.Parameter(torch.randn(rows, dim)) for _ in range(2)]
+count, rows, dim, pushed = int(sys.argv[1]), int(sys.argv[2]), 64, 8700
+parts = [torch.nn.Parameter(torch.randn(rows, dim)) for _ in range(count)]
 opt = OPTIMIZERS["sgd"][0](parts, 0.01)
 ids, values = torch.randint(0, rows, (pushed,)), torch.randn(pushed, dim)
 def update():
@@ -46,11 +48,21 @@ print(f"{statistics.median(times) * 1e3:.1f}")
 def main() -> None:
     from gradsync.bench.cli import EMULATED_ALLOCATOR
 
-    env = {**os.environ, "THP_MEM_ALLOC_ENABLE": "1", **EMULATED_ALLOCATOR}
-    run = lambda: subprocess.Popen([sys.executable, "-c", CHILD], env=env, stdout=subprocess.PIPE, text=True)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--partitions", type=int, default=1, help="partitions of the table on this server")
+    parser.add_argument("--rows", type=int, default=396736, help="rows of 64 floats per partition")
+    parser.add_argument("--own-arenas", action="store_true", help="without the ranks' single malloc arena")
+    args = parser.parse_args()
+    allocator = {k: v for k, v in EMULATED_ALLOCATOR.items() if not (args.own_arenas and k == "MALLOC_ARENA_MAX")}
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_ARENA_MAX"}
+    env.update({"THP_MEM_ALLOC_ENABLE": "1", **allocator})
+    child = [sys.executable, "-c", CHILD, str(args.partitions), str(args.rows)]
+    run = lambda: subprocess.Popen(child, env=env, stdout=subprocess.PIPE, text=True)
     alone = run().communicate()[0].strip()
     pair = [p.communicate()[0].strip() for p in [run(), run()]]
-    print(f"update of one table's partitions (2 x 50.8 MB), median of 15: alone {alone} ms; "
+    size = args.partitions * args.rows * 64 * 4 / 1e6
+    print(f"update of {args.partitions} partition(s), {size:.1f} MB, on a server thread"
+          f"{' (an arena of its own)' if args.own_arenas else ''}, median of 15: alone {alone} ms; "
           f"two servers at once {pair[0]} and {pair[1]} ms")
 
 

@@ -66,8 +66,8 @@ def supersede(groups: list[dict], newer: dict) -> None:
             group["records"] = [r for r in group["records"] if r not in gone]
             group["superseded"] = group.get("superseded", []) + gone
             names = ", ".join(sorted({r["strategy"] for r in gone}))
-            group["note"] = (group.get("note", "") + f" {names}: left out here, measured again by "
-                             f"`{newer['command']}` after the strategy changed.").strip()
+            group["note"] = (group.get("note", "") + f" {names}: left out here, measured again later by "
+                             f"`{newer['command']}`.").strip()
 
 
 def command(model: str, np: int, rate: str, servers: int, strategies: str, out: str,
@@ -168,9 +168,13 @@ def main() -> None:
             with open(out) as f:
                 records = json.load(f)
         shown = " ".join(argv[:-2])  # without the temporary --json
-        groups = [g for g in groups if g["command"] != shown]
+        earlier = [g for g in groups if g["command"] == shown]  # this command recorded before: replaced,
+        groups = [g for g in groups if g["command"] != shown]  # but what it had superseded is kept
+        kept_old = [r for g in earlier for r in g.get("superseded", [])]
         groups.append({"command": shown, "seconds": round(time.monotonic() - started), "host_rates": rates,
-                       **({"codecs": own_codecs} if own_codecs else {}), "records": records})
+                       **({"codecs": own_codecs} if own_codecs else {}), "records": records,
+                       **({"superseded": kept_old, "note": "The superseded records come from an earlier run of this "
+                           "command, before the strategy changed."} if kept_old else {})})
         supersede(groups, groups[-1])
         with open(args.out, "w") as f:
             json.dump({**kept, "cores": os.cpu_count(), "latency_s": 50e-6, "host_rates": host_rates, "codecs": codecs,
