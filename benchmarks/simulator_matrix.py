@@ -6,9 +6,9 @@ Runs one ``gradsync bench --compute emulated`` per (model, workers, link rate) o
 cluster (root needed), with every simulated strategy side by side, and writes the records, each
 group with its exact command and the host rates measured just before it (copy and update; for
 a group with ``p3`` or ``ps-sliced`` the cost of a slice message's end too, and for one with
-compressed strategies the compressors' costs), as the validation matrix. ``--groups`` picks a subset by index (``--groups ""``: none); ``--message-cost`` measures
-the host cost of a slice message's end on loopback (:func:`measure_message_cost`) and keeps it
-with the matrix's rates.
+compressed strategies the compressors' costs), as the validation matrix. ``--groups`` picks a
+subset by index (``--groups ""``: none); ``--message-cost`` measures the host cost of a slice
+message's end on loopback (:func:`measure_message_cost`) and keeps it with the matrix's rates.
 """
 from __future__ import annotations
 
