@@ -1,6 +1,6 @@
 """One hybrid row server's update of a table, alone and with a second server beside it.
 
-    python benchmarks/server_update.py [--partitions 1] [--rows 396736] [--own-arenas]
+    python benchmarks/server_update.py [--partitions 1] [--rows 396736] [--own-arenas | --glibc-defaults] [--fresh]
 
 What ``hybrid``'s server does once per step and table in an emulated run of ``lstm-lm:cpu`` on two
 workers (by default one partition of 396,736 x 64 rows, 101.6 MB, the rows of one step pushed): a
@@ -9,7 +9,10 @@ step, as server.py does), then the bench's optimizer (momentum SGD with weight d
 the allocator settings of the emulated runs' ranks, on a thread other than the main one (as the
 server's thread runs it), in one process and then in two at once, so that what the two cores share
 (memory bandwidth or the cores) shows. ``--own-arenas`` leaves out the ranks' single malloc arena:
-the thread then allocates from an arena of its own, whose blocks over 64 MB are fresh pages.
+the thread then allocates from an arena of its own, whose blocks over 64 MB are fresh pages;
+``--glibc-defaults`` leaves out every allocator setting of the ranks (what a process gets without
+them). ``--fresh`` makes a new zeroed gradient each step and drops it after the optimizer, as the
+server did before it kept its buffers.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ CHILD = """
 import sys, threading, time, statistics, torch
 from gradsync.bench.workload import OPTIMIZERS
 torch.set_num_threads(1)
-count, rows, dim, pushed = int(sys.argv[1]), int(sys.argv[2]), 64, 8700
+count, rows, dim, pushed, fresh = int(sys.argv[1]), int(sys.argv[2]), 64, 8700, sys.argv[3] == "1"
 parts = [torch.nn.Parameter(torch.randn(rows, dim)) for _ in range(count)]
 opt = OPTIMIZERS["sgd"][0](parts, 0.01)
 ids, values = torch.randint(0, rows, (pushed,)), torch.randn(pushed, dim)
@@ -32,6 +35,9 @@ def update():
             p.grad = torch.zeros_like(p)
         p.grad.zero_().index_add_(0, ids, values).div_(2)
     opt.step()
+    if fresh:
+        for p in parts:
+            p.grad = None
 def serve():
     for _ in range(3):
         update()
@@ -51,18 +57,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--partitions", type=int, default=1, help="partitions of the table on this server")
     parser.add_argument("--rows", type=int, default=396736, help="rows of 64 floats per partition")
-    parser.add_argument("--own-arenas", action="store_true", help="without the ranks' single malloc arena")
+    how = parser.add_mutually_exclusive_group()
+    how.add_argument("--own-arenas", action="store_true", help="without the ranks' single malloc arena")
+    how.add_argument("--glibc-defaults", action="store_true", help="without any of the ranks' allocator settings")
+    parser.add_argument("--fresh", action="store_true", help="a new gradient buffer every step")
     args = parser.parse_args()
-    allocator = {k: v for k, v in EMULATED_ALLOCATOR.items() if not (args.own_arenas and k == "MALLOC_ARENA_MAX")}
-    env = {k: v for k, v in os.environ.items() if k != "MALLOC_ARENA_MAX"}
+    allocator = {} if args.glibc_defaults else {
+        k: v for k, v in EMULATED_ALLOCATOR.items() if not (args.own_arenas and k == "MALLOC_ARENA_MAX")}
+    env = {k: v for k, v in os.environ.items() if k not in EMULATED_ALLOCATOR}
     env.update({"THP_MEM_ALLOC_ENABLE": "1", **allocator})
-    child = [sys.executable, "-c", CHILD, str(args.partitions), str(args.rows)]
+    child = [sys.executable, "-c", CHILD, str(args.partitions), str(args.rows), "1" if args.fresh else "0"]
     run = lambda: subprocess.Popen(child, env=env, stdout=subprocess.PIPE, text=True)
     alone = run().communicate()[0].strip()
     pair = [p.communicate()[0].strip() for p in [run(), run()]]
     size = args.partitions * args.rows * 64 * 4 / 1e6
-    print(f"update of {args.partitions} partition(s), {size:.1f} MB, on a server thread"
-          f"{' (an arena of its own)' if args.own_arenas else ''}, median of 15: alone {alone} ms; "
+    how = " (an arena of its own)" if args.own_arenas else " (glibc's defaults)" if args.glibc_defaults else ""
+    print(f"update of {args.partitions} partition(s), {size:.1f} MB, on a server thread{how}, "
+          f"{'a fresh' if args.fresh else 'a kept'} gradient buffer, median of 15: alone {alone} ms; "
           f"two servers at once {pair[0]} and {pair[1]} ms")
 
 

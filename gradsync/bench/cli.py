@@ -37,9 +37,9 @@ EMULATED_ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRES
                       "MALLOC_ARENA_MAX": "1"}
 """The allocator settings of an emulated run's ranks (see below): freed blocks of up to 1 GB kept,
 on every thread. (glibc gives other threads arenas of their own, whose heaps hold at most 64 MB:
-a larger block there is always fresh pages, whatever the thresholds. A hybrid row server's update
-of a 101.6 MB partition on its own thread took 105 ms against 88 ms on the main thread, the
-optimizer's temporary buffer faulting in every step; with one arena, 88 ms on both.)"""
+a larger block there is always fresh pages, whatever the thresholds: a hybrid row server's update
+of a 101.6 MB partition, whose optimizer makes a partition-sized temporary every step, takes 1.14-1.19x
+as long on a thread of its own arena, ``python benchmarks/server_update.py [--own-arenas]``.)"""
 
 
 def _run_ranks(config: dict, run_dir: str) -> int:
