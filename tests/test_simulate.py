@@ -130,6 +130,27 @@ def test_slice_messages_cost_their_python_threads_one_end_at_a_time():
                     steps=4, warmup=1)["step_s"] == pytest.approx(0.0)
 
 
+def test_a_slice_message_waits_for_a_receive_its_receiver_has_posted(monkeypatch):
+    # ps-sliced, 2 workers, 1 dedicated server, one layer of 3000 B: 3 slices of 250 elements, each
+    # message 16 + (250 + 1) * 4 = 1020 B; both workers push into the server's link at once, so
+    # this worker's push moves at 500 B/s (2.04 s), as does each answer. An update takes 1 s.
+    # With one receive posted per peer a push goes only once the previous one is handled (its
+    # slice updated): push 0 [0, 2.04], update [2.04, 3.04], push 1 [3.04, 5.08], update
+    # [5.08, 6.08], push 2 [6.08, 8.12], update [8.12, 9.12], answer 2 [9.12, 11.16].
+    import gradsync.strategies.p3 as p3
+
+    work = synthetic([(0.0, 0.0, [3000])])
+    host = Host(copy_Bps=1e18, update_Bps=1000.0, handoff_s=0.0)
+    monkeypatch.setattr(p3, "POSTED", 1)
+    one = simulate("ps-sliced", work, 2, NET, host=host, servers=1, options={"slice_params": 250}, steps=4, warmup=1)
+    assert one["step_s"] == pytest.approx(11.16)
+    monkeypatch.setattr(p3, "POSTED", 3)  # all three pushes leave at once and share the link until 6.12 s
+    three = simulate("ps-sliced", work, 2, NET, host=host, servers=1, options={"slice_params": 250}, steps=4,
+                     warmup=1, trace=True)
+    pushes = [(start, end) for lane, what, start, end in three["timeline"] if what.startswith("push")][-3:]
+    assert [round(end - start, 3) for start, end in pushes] == [6.12] * 3
+
+
 def test_sma_hides_its_parameter_all_reduce_behind_the_whole_step():
     # 2 workers, 1000 B of parameters: the all-reduce launched before forward moves 1000 B (1 s).
     # With 2 s of compute it is hidden; with 0.5 s the step waits for it.

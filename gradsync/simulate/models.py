@@ -16,8 +16,6 @@ from typing import Callable
 
 from gradsync.errors import ConfigError
 from gradsync.simulate.engine import Barrier, Link, Sim, Stream
-
-
 from gradsync.simulate.worker import StrategyModel, Worker
 
 
@@ -212,10 +210,43 @@ class CreditSender:
         self._issue()
 
 
+class ReceiveWindow:
+    """The receives a process keeps posted for a stream of messages, as slots.
+
+    Gloo moves a point-to-point message's bytes only once the receiver has posted a matching
+    receive (a rendezvous: the sender waits for the receiver's notice), and ``p3``'s receiving
+    threads keep :data:`gradsync.strategies.p3.POSTED` receives posted per peer, posting the next
+    only once a message has been handled (a push aggregated and, if it was the last, its slice
+    updated; an answer copied into the parameters). So at most ``slots`` messages travel into a
+    process at once, and a receiving thread that falls behind stops its peers' links: a message
+    takes a slot before it goes on the wire and returns it once handled. ``take(weight, go)``
+    calls ``go(give_back)`` when ``weight`` slots are free (a model's message may stand for a
+    share of one), in the order asked."""
+
+    def __init__(self, slots: float):
+        self.slots, self.used = slots, 0.0
+        self.waiting: list[tuple[float, Callable]] = []
+
+    def take(self, weight: float, go: Callable[[Callable[[], None]], None]) -> None:
+        if not self.waiting and self.used + weight <= self.slots + 1e-9:
+            self.used += weight
+            go(lambda: self._give_back(weight))
+        else:
+            self.waiting.append((weight, go))
+
+    def _give_back(self, weight: float) -> None:
+        self.used -= weight
+        while self.waiting and self.used + self.waiting[0][0] <= self.slots + 1e-9:
+            weight, go = self.waiting.pop(0)
+            self.used += weight
+            go(lambda w=weight: self._give_back(w))
+
+
 class Slices(StrategyModel):
     """``p3`` / ``ps-sliced`` (``all_reduce=False``): slices pushed under priority and credit to
     their owners, each updated once all N pushes are in and answered; the forward of a layer waits
-    for its slices (overlap) or ``step()`` waits for all. ``allreduce-priority``
+    for its slices (overlap) or ``step()`` waits for all. A message crosses the wire only into a
+    receive its receiver has posted (:class:`ReceiveWindow`). ``allreduce-priority``
     (``all_reduce=True``): partitions all-reduced in priority order under credit, each updated on
     every worker; the forward of a layer waits for its partitions."""
 
@@ -248,6 +279,13 @@ class Slices(StrategyModel):
         if self.dedicated:  # one sender per server, for its answers
             # a dedicated server runs no training thread: its threads hand off without waiting
             self.server_senders = [CreditSender(worker.sim, self.credit) for _ in range(self.dedicated)]
+        if not self.all_reduce:  # the receives posted for this worker's pushes, and for its answers
+            from gradsync.strategies.p3 import POSTED
+
+            senders = self.dedicated or max(worker.np - 1, 1)
+            self.pushes_in = ReceiveWindow(POSTED * senders)  # at its owners (by symmetry: at this worker)
+            # co-located, pushes and answers from a peer share its receives
+            self.answers_in = ReceiveWindow(POSTED * senders) if self.dedicated else self.pushes_in
         self.pending: list[int] = []
         self.flushing: tuple | None = None  # (step, go): step() waits for every answer of that step
         if self.credit is not None and self.credit < max(self.nbytes, default=0):
@@ -298,9 +336,12 @@ class Slices(StrategyModel):
             uses, share = [(wk.tx, 1), (wk.rx, 1)], nbytes * (n - 1) / n
         # The credit counts whole messages (the sender's), the wire this worker's share of them.
         ends = 1.0 if self.dedicated else (n - 1) / n  # this worker's share of the sends (and receives)
+        def push(release: Callable[[], None], handled: Callable[[], None]) -> None:
+            wk.message(share, uses, lambda: (release(), self._handled(
+                0.0 if self.dedicated else ends, lambda: self._aggregate(step, k, handled))), f"push {k}")
+
         wk.host.run(copy, lambda: self.sender.put(self._prio(step, k), nbytes, lambda release: self._handled(
-            ends, lambda: wk.message(share, uses, lambda: (release(), self._handled(
-                0.0 if self.dedicated else ends, lambda: self._aggregate(step, k))), f"push {k}"))), what=f"copy {k}")
+            ends, lambda: self.pushes_in.take(ends, lambda handled: push(release, handled)))), what=f"copy {k}")
 
     def _handled(self, ends: float, then: Callable[[], None]) -> None:
         """``ends`` message ends (a send issued, a receive taken) handled by the process's Python
@@ -316,24 +357,26 @@ class Slices(StrategyModel):
         self.wk.host.run(self.wk.update_s(self.plan.slices[k].numel * 4),
                          lambda: (self._arrived(step, k), release()), what=f"update {k}")
 
-    def _aggregate(self, step: int, k: int) -> None:
-        """Every worker's push of slice k is in at its owner: update it and answer the workers."""
+    def _aggregate(self, step: int, k: int, handled: Callable[[], None]) -> None:
+        """Every worker's push of slice k is in at its owner: update it (the push is ``handled`` then:
+        its receive is posted again) and answer the workers."""
         wk, nbytes, n = self.wk, self.nbytes[k], self.wk.np
 
         def answer() -> None:
             if self.dedicated:
                 s = self.plan.slices[k].owner
                 tx, rx = wk.servers[s]
-                self.server_senders[s].put(self._prio(step, k), nbytes * n, lambda release: wk.message(
-                    nbytes, [(tx, n), (wk.rx, 1)], lambda: (release(), self._handled(1.0, lambda: self._arrived(step, k))),
-                    f"answer {k}"))
+                self.server_senders[s].put(self._prio(step, k), nbytes * n, lambda release: self.answers_in.take(
+                    1.0, lambda handled: wk.message(nbytes, [(tx, n), (wk.rx, 1)], lambda: (release(), self._handled(
+                        1.0, lambda: (handled(), self._arrived(step, k)))), f"answer {k}")))
             else:  # the owner answers N-1 workers; by symmetry this worker's NIC carries that share
                 share, ends = nbytes * (n - 1) / n, (n - 1) / n
-                self.sender.put(self._prio(step, k), nbytes, lambda release: self._handled(ends, lambda: wk.message(
-                    share, [(wk.tx, 1), (wk.rx, 1)], lambda: (release(), self._handled(
-                        ends, lambda: self._arrived(step, k))), f"answer {k}")))
+                self.sender.put(self._prio(step, k), nbytes, lambda release: self._handled(
+                    ends, lambda: self.answers_in.take(ends, lambda handled: wk.message(
+                        share, [(wk.tx, 1), (wk.rx, 1)], lambda: (release(), self._handled(
+                            ends, lambda: (handled(), self._arrived(step, k)))), f"answer {k}"))))
 
-        wk.host.run(wk.update_s(self.plan.slices[k].numel * 4), answer, what=f"update {k}")
+        wk.host.run(wk.update_s(self.plan.slices[k].numel * 4), lambda: (handled(), answer()), what=f"update {k}")
 
     def _arrived(self, step: int, k: int) -> None:
         self.arrived_step[k] = max(self.arrived_step[k], step)
