@@ -336,6 +336,7 @@ class Slices(StrategyModel):
             uses, share = [(wk.tx, 1), (wk.rx, 1)], nbytes * (n - 1) / n
         # The credit counts whole messages (the sender's), the wire this worker's share of them.
         ends = 1.0 if self.dedicated else (n - 1) / n  # this worker's share of the sends (and receives)
+
         def push(release: Callable[[], None], handled: Callable[[], None]) -> None:
             wk.message(share, uses, lambda: (release(), self._handled(
                 0.0 if self.dedicated else ends, lambda: self._aggregate(step, k, handled))), f"push {k}")
