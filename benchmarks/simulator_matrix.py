@@ -4,11 +4,13 @@
 
 Runs one ``gradsync bench --compute emulated`` per (model, workers, link rate) on the emulated
 cluster (root needed), with every simulated strategy side by side, and writes the records, each
-group with its exact command and the host rates measured just before it (copy and update; for
-a group with ``p3`` or ``ps-sliced`` the cost of a slice message's end too, and for one with
-compressed strategies the compressors' costs), as the validation matrix. ``--groups`` picks a
-subset by index (``--groups ""``: none); ``--message-cost`` measures the host cost of a slice
-message's end on loopback (:func:`measure_message_cost`) and keeps it with the matrix's rates.
+group with its exact command and the host rates measured just before it (copy and update, alone
+and as a fraction of that with every core at it; for a group with ``p3`` or ``ps-sliced`` the
+cost of a slice message's end too, and for one with compressed strategies the compressors'
+costs), as the validation matrix. ``--groups`` picks a subset by index (``--groups ""``: none);
+``--message-cost`` measures the host cost of a slice message's end on loopback
+(:func:`measure_message_cost`) and ``--concurrency`` the rates with every core at it
+(:func:`measure_concurrency`), and keep them with the matrix's rates.
 """
 from __future__ import annotations
 
@@ -78,6 +80,38 @@ def command(model: str, np: int, rate: str, servers: int, strategies: str, out: 
             "--check-steps", "0", "--json", out]
 
 
+def _calibrated(count: int) -> list[dict]:
+    """``calibrate()`` in ``count`` processes at once, under the emulated ranks' allocator settings
+    (and large tensors on transparent huge pages, the bench's default): each process's rates."""
+    from gradsync.bench.cli import EMULATED_ALLOCATOR
+
+    code = "import json; from gradsync.simulate.validate import calibrate; print(json.dumps(calibrate()))"
+    env = {**os.environ, "THP_MEM_ALLOC_ENABLE": "1", **EMULATED_ALLOCATOR}
+    runs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
+            for _ in range(count)]
+    outs = [run.communicate()[0] for run in runs]
+    if any(run.returncode for run in runs):
+        raise RuntimeError("calibrate() failed in a child process")
+    return [json.loads(out.strip().splitlines()[-1]) for out in outs]
+
+
+def measure_concurrency(rounds: int = 3) -> dict:
+    """How fast host work runs while every core of this machine does it at once, as a fraction of
+    one process alone: ``calibrate()`` in one process, then in one process per core at once (the
+    fastest of ``rounds`` each; a round at once counts its processes' mean). What the cores share
+    (memory bandwidth) shows here; the emulated ranks do their host work together, in lock step.
+    On the 2-core machine that recorded the matrix, the optimizer's update of 101.6 MB took 68 ms
+    alone, 71-75 ms in each of two processes at once and 145-151 ms in each of four (two per core)."""
+    cores = os.cpu_count() or 1
+    alone = [_calibrated(1)[0] for _ in range(rounds)]
+    together = [_calibrated(cores) for _ in range(rounds)]
+    found = {"processes": cores}
+    for key in ("copy_Bps", "update_Bps"):
+        busy = max(sum(run[key] for run in rnd) / len(rnd) for rnd in together)
+        found[key] = min(busy / max(run[key] for run in alone), 1.0)
+    return found
+
+
 def measure_host_rates(processes: int = 5) -> dict:
     """``calibrate()`` in processes with the allocator settings of the emulated runs' ranks (and
     large tensors on transparent huge pages, the bench's default): the fastest of ``processes``.
@@ -85,13 +119,9 @@ def measure_host_rates(processes: int = 5) -> dict:
     on fresh pages and the update runs at a fifth of its usual rate (0.3 instead of 1.6 GB/s),
     while the emulated ranks' updates run at the usual rate (``gradsync bench --trace``: a
     hybrid server's optimizer step over 101.6 MB takes 63-70 ms, 1.5-1.6 GB/s)."""
-    from gradsync.bench.cli import EMULATED_ALLOCATOR
-
-    code = "import json; from gradsync.simulate.validate import calibrate; print(json.dumps(calibrate()))"
-    runs = [json.loads(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
-                                      env={**os.environ, "THP_MEM_ALLOC_ENABLE": "1", **EMULATED_ALLOCATOR})
-                       .stdout.strip().splitlines()[-1]) for _ in range(processes)]
-    return {key: max(run[key] for run in runs) for key in runs[0]}
+    runs = [_calibrated(1)[0] for _ in range(processes)]
+    rates = {key: max(run[key] for run in runs) for key in runs[0]}
+    return {**rates, "concurrent": measure_concurrency()}
 
 
 MESSAGE_RUN = ["gradsync", "bench", "--model", "resnet50", "--compute", "emulated", "--np", "2",
@@ -138,6 +168,9 @@ def main() -> None:
                         help="indices of GROUPS to record ('' for none)")
     parser.add_argument("--message-cost", action="store_true",
                         help="measure the slice messages' host cost (Host.message_s) and keep it with the matrix's rates")
+    parser.add_argument("--concurrency", action="store_true",
+                        help="measure how fast host work runs with every core at it (measure_concurrency) and keep "
+                             "it with the matrix's rates, for the groups recorded without their own")
     args = parser.parse_args()
     from gradsync.simulate.validate import calibrate_codecs
 
@@ -153,6 +186,10 @@ def main() -> None:
         host_rates = {**host_rates, "message_s": found["message_s"]}
         kept = {**kept, "message_run": found["message_run"], "host_rates": host_rates}
         print(f"message_s {found['message_s'] * 1e6:.0f} us", flush=True)
+    if args.concurrency:
+        host_rates = {**host_rates, "concurrent": measure_concurrency()}
+        kept = {**kept, "host_rates": host_rates}
+        print(f"with every core at it: {host_rates['concurrent']}", flush=True)
     for index in (int(i) for i in args.groups.split(",") if i):
         model, np, rate, servers, strategies, *more = GROUPS[index]
         rates = measure_host_rates()  # the machine's host work as this group met it
@@ -181,7 +218,7 @@ def main() -> None:
                        "groups": groups},
                       f, indent=1)
         print(f"group {index} ({model}, {np} workers, {rate}) recorded", flush=True)
-    if args.message_cost:
+    if args.message_cost or args.concurrency:
         with open(args.out, "w") as f:
             json.dump({**kept, "cores": os.cpu_count(), "latency_s": 50e-6, "host_rates": host_rates, "codecs": codecs,
                        "groups": groups}, f, indent=1)

@@ -338,6 +338,19 @@ def test_validation_counts_errors_and_orders_and_leaves_out_cpu_bound_cells():
     assert result["max_abs_error"] == pytest.approx(0.1)
 
 
+def test_a_recorded_run_meets_the_host_rates_its_ranks_had():
+    from gradsync.simulate.validate import _host
+
+    rates = {"copy_Bps": 8e9, "update_Bps": 2e9, "message_s": 1e-3,
+             "concurrent": {"processes": 2, "copy_Bps": 0.9, "update_Bps": 0.8}}
+    # 4 ranks on 2 cores, dilation 10: half a core each, every time divided by 10, both cores at once
+    host = _host({"np": 4, "dilation": 10.0}, rates, cores=2)
+    assert host.copy_Bps == pytest.approx(8e9 * 0.9 * 10 / 2) and host.update_Bps == pytest.approx(2e9 * 0.8 * 10 / 2)
+    assert host.message_s == pytest.approx(1e-3 * 2 / 10)
+    alone = _host({"np": 1}, rates, cores=2)  # one rank: no other core at work beside it
+    assert alone.copy_Bps == pytest.approx(8e9) and alone.update_Bps == pytest.approx(2e9)
+
+
 def test_shipped_matrix_covers_every_strategy_with_its_commands_and_rates():
     """The validation matrix as shipped: at least 60 cells, every simulated strategy measured, each
     group with the command that made it and the host rates it is replayed with; a group with slice
@@ -354,5 +367,7 @@ def test_shipped_matrix_covers_every_strategy_with_its_commands_and_rates():
         assert group["command"].startswith("gradsync bench ") and "--compute emulated" in group["command"]
         rates = {**matrix["host_rates"], **group.get("host_rates", {})}
         assert rates["copy_Bps"] > 0 and rates["update_Bps"] > 0 and rates["message_s"] > 0
+        together = rates["concurrent"]  # the rates' fraction with every core at it
+        assert together["processes"] == matrix["cores"] and 0 < together["update_Bps"] <= 1
     for spec, costs in {**matrix["codecs"], **{k: v for g in matrix["groups"] for k, v in g.get("codecs", {}).items()}}.items():
         assert len(costs) == 5 and 0 < costs[4] <= 1, spec  # encode and decode lines, the wire ratio

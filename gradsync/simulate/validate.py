@@ -86,11 +86,18 @@ def options_of(label: str) -> tuple[str, dict]:
 
 
 def _host(record: dict, rates: dict, cores: int):
+    """The host of one recorded run: the recording machine's rates, divided by the dilation (which
+    divides every time) and shared by the ranks on its cores; where two or more ranks work at once,
+    at the fraction of a lone process's rates measured with every core at it (``concurrent``:
+    memory bandwidth the cores share)."""
     from gradsync.simulate import Host
 
-    share = max(1.0, (record["np"] + record.get("servers", 0)) / cores)
+    ranks = record["np"] + record.get("servers", 0)
+    share = max(1.0, ranks / cores)
     k = record.get("dilation", 1.0)
-    return Host(rates["copy_Bps"] * k / share, rates["update_Bps"] * k / share, codec_speed=k / share,
+    together = rates.get("concurrent", {}) if min(ranks, cores) > 1 else {}
+    copy, update = (rates[key] * together.get(key, 1.0) for key in ("copy_Bps", "update_Bps"))
+    return Host(copy * k / share, update * k / share, codec_speed=k / share,
                 handoff_s=rates.get("handoff_s", 20e-6) * share / k, message_s=rates.get("message_s", 0.0) * share / k)
 
 
@@ -177,6 +184,10 @@ def report(result: dict) -> str:
                  f"or within {ADVICE:.0%} of it in {result['advice_good']} of {result['groups']} groups")
     lines.append(f"host rates of the machine that recorded the runs: copy {result['rates']['copy_Bps'] / 1e9:.1f} GB/s, optimizer update "
                  f"{result['rates']['update_Bps'] / 1e9:.1f} GB/s (one thread)")
+    together = result["rates"].get("concurrent")
+    if together:
+        lines[-1] += (f", {together['copy_Bps']:.2f}x and {together['update_Bps']:.2f}x of that in each of "
+                      f"{together['processes']} processes at once")
     own = result.get("group_rates", [])
     if own:
         span = lambda key: f"{min(r[key] for r in own) / 1e9:.1f}-{max(r[key] for r in own) / 1e9:.1f} GB/s"
