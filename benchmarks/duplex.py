@@ -13,10 +13,7 @@ why co-located ``ps`` posts its pulls' receives before its answers, and what the
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
-import tempfile
 
 RANK = """
 import json, statistics, sys, time, torch
@@ -56,9 +53,9 @@ gradsync.shutdown()
 
 
 def main() -> int:
+    from _two_hosts import run_on_two_hosts
     from gradsync.cluster import format_rate, parse_rate
     from gradsync.errors import ConfigError
-    from gradsync.launch.emulated import launch_emulated
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--net", default="1gbit")
@@ -72,19 +69,9 @@ def main() -> int:
         parser.error(f"--net or --sizes: {exc}")
     if not sizes or min(sizes) <= 0 or args.repeats < 1:
         parser.error("--sizes must be positive MB and --repeats >= 1")
-    with tempfile.TemporaryDirectory(prefix="gradsync-duplex-") as d:
-        cfg, script, result = (os.path.join(d, n) for n in ("config.json", "rank.py", "result.json"))
-        with open(cfg, "w") as f:
-            json.dump({"sizes": sizes, "repeats": args.repeats}, f)
-        with open(script, "w") as f:
-            f.write(RANK)
-        job = launch_emulated([sys.executable, script, cfg, result], np=2, rate_bps=rate,
-                              env={"GRADSYNC_TIMEOUT": "600"})
-        if job.returncode:
-            print(f"the ranks failed: {job.message}", file=sys.stderr)
-            return 1
-        with open(result) as f:
-            times = json.load(f)
+    times = run_on_two_hosts(RANK, {"sizes": sizes, "repeats": args.repeats}, rate, "gradsync-duplex-")
+    if times is None:
+        return 1
     print(f"two hosts, links of {format_rate(rate)}; median of {args.repeats}")
     print("exchange: each rank posts its send, then its receive; receive first: the other order")
     print(f"{'MB':>6} {'one-way s':>10} {'Mbit/s':>8} {'exchange s':>11} {'share':>6} {'receive first s':>16} {'share':>6}")

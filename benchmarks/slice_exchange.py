@@ -17,11 +17,8 @@ needed to explain an idle link in a ``p3`` or ``ps-sliced`` run.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
-import tempfile
 
 RANK = r"""
 import json, sys, threading, time, torch
@@ -79,9 +76,9 @@ gradsync.shutdown()
 
 
 def main() -> int:
+    from _two_hosts import run_on_two_hosts
     from gradsync.cluster import format_rate, parse_rate
     from gradsync.errors import ConfigError
-    from gradsync.launch.emulated import launch_emulated
     from gradsync.strategies.p3 import POSTED
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -100,19 +97,9 @@ def main() -> int:
     variants = [("one way", False, POSTED, None), (f"both ways, {POSTED} posted", True, POSTED, None),
                 ("both ways, all posted", True, args.messages, None),
                 (f"both ways, {POSTED} posted, 1 MB credit", True, POSTED, 2**20)]
-    with tempfile.TemporaryDirectory(prefix="gradsync-slices-") as d:
-        cfg, script, result = (os.path.join(d, n) for n in ("config.json", "rank.py", "result.json"))
-        with open(cfg, "w") as f:
-            json.dump({"messages": args.messages, "bytes": size, "repeats": args.repeats, "variants": variants}, f)
-        with open(script, "w") as f:
-            f.write(RANK)
-        job = launch_emulated([sys.executable, script, cfg, result], np=2, rate_bps=rate,
-                              env={"GRADSYNC_TIMEOUT": "600"})
-        if job.returncode:
-            print(f"the ranks failed: {job.message}", file=sys.stderr)
-            return 1
-        with open(result) as f:
-            times = json.load(f)
+    times = run_on_two_hosts(RANK, {"messages": args.messages, "bytes": size, "repeats": args.repeats, "variants": variants}, rate, "gradsync-slices-")
+    if times is None:
+        return 1
     line = args.messages * size * 8 / rate
     print(f"two hosts, links of {format_rate(rate)}; {args.messages} messages of {size / 1e3:g} KB each way; "
           f"median of {args.repeats}; at the link rate: {line:.3f} s")
