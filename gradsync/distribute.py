@@ -16,13 +16,14 @@ from __future__ import annotations
 import contextlib
 import copy
 import sys
+import time
 import warnings
 from typing import Any
 
 import torch
 from torch import nn
 
-from gradsync import flight, runtime
+from gradsync import flight, runtime, trace
 from gradsync.consistency import broadcast_model, check_models_match
 from gradsync.errors import ConfigError, GradientEditedError, GradsyncError
 from gradsync.strategies import Strategy, SyncContext, resolve
@@ -79,6 +80,22 @@ class _Sync:
         def run():
             torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], clip)
             return apply()
+        return run
+
+    @staticmethod
+    def traced(apply):
+        """``apply`` recorded as an ``optimizer step`` span on the compute track of the active
+        tracer (``gradsync bench --trace``), where the strategy runs the user's optimizer."""
+        tracer = trace.current()
+        if tracer is None:
+            return apply
+
+        def run():
+            start = time.perf_counter()
+            try:
+                return apply()
+            finally:
+                tracer.span("optimizer step", "compute", start, time.perf_counter())
         return run
 
     def set_observer(self, observer) -> None:
@@ -203,7 +220,7 @@ def _wrap_optimizer(optimizer: torch.optim.Optimizer, sync: _Sync) -> torch.opti
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        apply = own_step if own_step is not None else lambda: base.step(self)
+        apply = sync.traced(own_step if own_step is not None else lambda: base.step(self))
         sync.check_unedited()
         if sync.clip is not None and sync.strategy.grad_edits != "refused":
             apply = sync.clipped(apply)

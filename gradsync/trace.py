@@ -3,7 +3,9 @@
 While a :class:`Tracer` is active (:func:`start`), gradsync records, per rank:
 
 - ``compute`` track: each layer's forward and backward (real models: module hooks and gradient-ready
-  hooks; emulated models: the emulated accelerator's own timeline);
+  hooks; emulated models: the emulated accelerator's own timeline), and the user's optimizer step
+  wherever the strategy runs it (``optimizer step``; strategies that apply the updates themselves,
+  such as ``p3`` and ``allreduce-priority`` with an optimizer per slice or partition, run none);
 - ``comm`` tracks: every communication operation from launch to completion with its bytes, named by
   what it moves (``bucket 3``, ``push``, ``pull``, ``all-reduce`` ...). All-reduces end when Gloo or
   NCCL completes them; point-to-point operations, which offer no completion callback, end when the
@@ -152,7 +154,8 @@ def render(path: str, png: str, *, steps: tuple[str, int, int] | None = None, ti
     spans = _spans(_load(path))
     window = _window(spans, steps)
     ranks = sorted({s[0] for s in spans})
-    colors = {"forward": "tab:blue", "backward": "tab:green", "step": "tab:gray", "wait": "tab:red", "comm": "tab:orange"}
+    colors = {"forward": "tab:blue", "backward": "tab:green", "optimizer": "tab:brown", "step": "tab:gray",
+              "wait": "tab:red", "comm": "tab:orange"}
     fig, ax = plt.subplots(figsize=(12, 1.1 + 1.0 * len(ranks)))
     names = {v: k for k, v in TRACKS.items()}
     for pid, tid, start, end, name in spans:

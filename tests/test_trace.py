@@ -96,6 +96,30 @@ def test_p3_traces_every_pulled_slice_with_its_priority_and_draws_arrivals(tmp_p
         trace.render_arrivals(str(merged), str(png), steps=("ps", 1, 2))
 
 
+def traced_training(path_prefix, strategy):
+    from gradsync.bench.workload import Workload, train_step
+
+    topo = gradsync.topology()
+    work = Workload(model="toy", batch_size=6)
+    spec = work.spec()
+    model, opt = work.build()
+    opt = gradsync.distribute(model, opt, strategy)
+    tracer = trace.start(topo.rank, f"worker {topo.rank}")
+    for step in range(3):
+        inputs, target = work.batch(spec, step, topo.rank, topo.num_workers)
+        train_step(model, opt, spec, inputs, target)
+    opt.flush()
+    trace.stop()
+    return [(e["name"], e["tid"], e["dur"]) for e in tracer.events if e["ph"] == "X" and e["name"] == "optimizer step"]
+
+
+@pytest.mark.parametrize("strategy, steps", [("allreduce", 3), ("p3", 0)])
+def test_the_users_optimizer_step_is_traced_where_the_strategy_runs_it(tmp_path, strategy, steps):
+    for spans in run_ranks(traced_training, 2, str(tmp_path / "trace"), strategy):
+        assert len(spans) == steps  # p3 updates its slices with optimizers of its own
+        assert all(tid == trace.TRACKS["compute"] and dur >= 0 for _, tid, dur in spans)
+
+
 def test_arrivals_need_a_trace_with_pulled_slices(tmp_path):
     paths = run_ranks(traced_allreduce, 2, str(tmp_path / "trace"))
     merged = tmp_path / "merged.json"
