@@ -5,18 +5,20 @@
 Runs one ``gradsync bench --compute emulated`` per (model, workers, link rate) on the emulated
 cluster (root needed), with every simulated strategy side by side, and writes the records, each
 group with its exact command and the host rates measured just before it (copy and update, alone
-and as a fraction of that with every core at it; for a group with ``p3`` or ``ps-sliced`` the
+and as a fraction of that with every core at it; a thread handoff; for a group with ``p3`` or ``ps-sliced`` the
 cost of a slice message's end too, and for one with compressed strategies the compressors'
 costs), as the validation matrix. ``--groups`` picks a subset by index (``--groups ""``: none);
 ``--message-cost`` measures the host cost of a slice message's end on loopback
-(:func:`measure_message_cost`) and ``--concurrency`` the rates with every core at it
-(:func:`measure_concurrency`), and keep them with the matrix's rates.
+(:func:`measure_message_cost`), ``--concurrency`` the rates with every core at it
+(:func:`measure_concurrency`) and ``--handoff`` a thread handoff
+(:func:`gradsync.simulate.validate.measure_handoff`), and keep them with the matrix's rates.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -92,12 +94,16 @@ def command(model: str, np: int, rate: str, servers: int, strategies: str, out: 
             "--check-steps", "0", "--json", out]
 
 
-def _calibrated(count: int) -> list[dict]:
+def _calibrated(count: int, seconds: float | None = None) -> list[dict]:
     """``calibrate()`` in ``count`` processes at once, under the emulated ranks' allocator settings
-    (and large tensors on transparent huge pages, the bench's default): each process's rates."""
+    (and large tensors on transparent huge pages, the bench's default): each process's rates.
+    With ``seconds``, every process measures each rate for that long from one common start (a few
+    seconds ahead: the processes import torch first), so that their work overlaps."""
     from gradsync.bench.cli import EMULATED_ALLOCATOR
 
-    code = "import json; from gradsync.simulate.validate import calibrate; print(json.dumps(calibrate()))"
+    timing = "" if seconds is None else f"start_at={time.time() + 8.0!r}, seconds={seconds!r}"
+    code = ("import json; from gradsync.simulate.validate import calibrate; "
+            f"print(json.dumps(calibrate({timing})))")
     env = {**os.environ, "THP_MEM_ALLOC_ENABLE": "1", **EMULATED_ALLOCATOR}
     runs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
             for _ in range(count)]
@@ -107,32 +113,37 @@ def _calibrated(count: int) -> list[dict]:
     return [json.loads(out.strip().splitlines()[-1]) for out in outs]
 
 
-def measure_concurrency(rounds: int = 3) -> dict:
+def measure_concurrency(rounds: int = 3, seconds: float = 1.5) -> dict:
     """How fast host work runs while every core of this machine does it at once, as a fraction of
-    one process alone: ``calibrate()`` in one process, then in one process per core at once (the
-    fastest of ``rounds`` each; a round at once counts its processes' mean). What the cores share
-    (memory bandwidth) shows here; the emulated ranks do their host work together, in lock step.
-    On the 2-core machine that recorded the matrix, the optimizer's update of 101.6 MB took 68 ms
-    alone, 71-75 ms in each of two processes at once and 145-151 ms in each of four (two per core)."""
+    one process alone: ``calibrate()`` for ``seconds`` per rate in one process, then in one process
+    per core over the same seconds (the median of ``rounds`` each; a round at once counts its
+    processes' mean). What the cores share (memory bandwidth) shows here; the emulated ranks do
+    their host work together, in lock step. On the 2-core machine that recorded the latest groups
+    it moves from minute to minute: measurements within one hour gave 0.59-0.95x for copies and
+    for updates alike (two ``hybrid`` servers' update of 101.6 MB: 34-36 ms or 55-62 ms each at
+    once, 32-41 ms alone, ``python benchmarks/server_update.py``); on the machine that recorded
+    the earlier ones, that update took 68 ms alone and 71-75 ms in each of two at once."""
     cores = os.cpu_count() or 1
-    alone = [_calibrated(1)[0] for _ in range(rounds)]
-    together = [_calibrated(cores) for _ in range(rounds)]
+    alone = [_calibrated(1, seconds)[0] for _ in range(rounds)]
+    together = [_calibrated(cores, seconds) for _ in range(rounds)]
     found = {"processes": cores}
     for key in ("copy_Bps", "update_Bps"):
-        busy = max(sum(run[key] for run in rnd) / len(rnd) for rnd in together)
-        found[key] = min(busy / max(run[key] for run in alone), 1.0)
+        busy = statistics.median(sum(run[key] for run in rnd) / len(rnd) for rnd in together)
+        found[key] = min(busy / statistics.median(run[key] for run in alone), 1.0)
     return found
 
 
 def measure_host_rates(processes: int = 5) -> dict:
     """``calibrate()`` in processes with the allocator settings of the emulated runs' ranks (and
-    large tensors on transparent huge pages, the bench's default): the fastest of ``processes``.
+    large tensors on transparent huge pages, the bench's default): the fastest of ``processes``
+    (the median thread handoff).
     One process alone can mislead: in some, every optimizer step's 128 MB temporary buffer lands
     on fresh pages and the update runs at a fifth of its usual rate (0.3 instead of 1.6 GB/s),
     while the emulated ranks' updates run at the usual rate (``gradsync bench --trace``: a
     hybrid server's optimizer step over 101.6 MB takes 63-70 ms, 1.5-1.6 GB/s)."""
     runs = [_calibrated(1)[0] for _ in range(processes)]
-    rates = {key: max(run[key] for run in runs) for key in runs[0]}
+    rates = {key: max(run[key] for run in runs) for key in ("copy_Bps", "update_Bps")}
+    rates["handoff_s"] = statistics.median(run["handoff_s"] for run in runs)
     return {**rates, "concurrent": measure_concurrency()}
 
 
@@ -180,6 +191,9 @@ def main() -> None:
                         help="indices of GROUPS to record ('' for none)")
     parser.add_argument("--message-cost", action="store_true",
                         help="measure the slice messages' host cost (Host.message_s) and keep it with the matrix's rates")
+    parser.add_argument("--handoff", action="store_true",
+                        help="measure a thread handoff (validate.measure_handoff) and keep it with the matrix's rates, "
+                             "for the groups recorded without their own")
     parser.add_argument("--concurrency", action="store_true",
                         help="measure how fast host work runs with every core at it (measure_concurrency) and keep "
                              "it with the matrix's rates, for the groups recorded without their own")
@@ -198,6 +212,11 @@ def main() -> None:
         host_rates = {**host_rates, "message_s": found["message_s"]}
         kept = {**kept, "message_run": found["message_run"], "host_rates": host_rates}
         print(f"message_s {found['message_s'] * 1e6:.0f} us", flush=True)
+    if args.handoff:
+        found = statistics.median(_calibrated(1)[0]["handoff_s"] for _ in range(5))
+        host_rates = {**host_rates, "handoff_s": found}
+        kept = {**kept, "host_rates": host_rates}
+        print(f"handoff {found * 1e6:.0f} us", flush=True)
     if args.concurrency:
         host_rates = {**host_rates, "concurrent": measure_concurrency()}
         kept = {**kept, "host_rates": host_rates}
@@ -230,7 +249,7 @@ def main() -> None:
                        "groups": groups},
                       f, indent=1)
         print(f"group {index} ({model}, {np} workers, {rate}) recorded", flush=True)
-    if args.message_cost or args.concurrency:
+    if args.message_cost or args.concurrency or args.handoff:
         with open(args.out, "w") as f:
             json.dump({**kept, "cores": os.cpu_count(), "latency_s": 50e-6, "host_rates": host_rates, "codecs": codecs,
                        "groups": groups}, f, indent=1)

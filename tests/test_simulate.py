@@ -351,6 +351,21 @@ def test_a_recorded_run_meets_the_host_rates_its_ranks_had():
     assert alone.copy_Bps == pytest.approx(8e9) and alone.update_Bps == pytest.approx(2e9)
 
 
+def test_calibration_measures_a_thread_handoff_and_starts_on_a_common_clock():
+    """``calibrate(start_at=..., seconds=...)``: processes started apart measure their rates over
+    the same seconds (measure_concurrency's processes overlap), and a thread handoff comes with them."""
+    import time
+
+    from gradsync.simulate.validate import calibrate, measure_handoff
+
+    assert 0 < measure_handoff(repeats=5) < 0.05
+    began = time.time()
+    start_at = began + 0.3
+    rates = calibrate(numel=1 << 12, start_at=start_at, seconds=0.02, handoff_repeats=5)
+    assert time.time() - start_at >= 2 * 0.02  # it waited for the start, then measured each rate for its seconds
+    assert rates["copy_Bps"] > 0 and rates["update_Bps"] > 0 and 0 < rates["handoff_s"] < 0.05
+
+
 def test_shipped_matrix_covers_every_strategy_with_its_commands_and_rates():
     """The validation matrix as shipped: at least 60 cells, every simulated strategy measured, each
     group with the command that made it and the host rates it is replayed with; a group with slice
@@ -367,6 +382,7 @@ def test_shipped_matrix_covers_every_strategy_with_its_commands_and_rates():
         assert group["command"].startswith("gradsync bench ") and "--compute emulated" in group["command"]
         rates = {**matrix["host_rates"], **group.get("host_rates", {})}
         assert rates["copy_Bps"] > 0 and rates["update_Bps"] > 0 and rates["message_s"] > 0
+        assert 0 < rates["handoff_s"] < 1e-3  # measured (validate.measure_handoff): tens of microseconds
         together = rates["concurrent"]  # the rates' fraction with every core at it
         assert together["processes"] == matrix["cores"] and 0 < together["update_Bps"] <= 1
     for spec, costs in {**matrix["codecs"], **{k: v for g in matrix["groups"] for k, v in g.get("codecs", {}).items()}}.items():

@@ -29,10 +29,13 @@ TIE = 0.03
 ADVICE = 0.05
 
 
-def calibrate(numel: int = 1 << 25, repeats: int = 3) -> dict:
+def calibrate(numel: int = 1 << 25, repeats: int = 3, *, start_at: float | None = None,
+              seconds: float | None = None, handoff_repeats: int = 100) -> dict:
     """This machine's copy and optimizer-update rates (bytes/s, one thread, 128 MB: memory, not cache):
-    the median of ``repeats``. The update is the benchmark's own optimizer's (``gradsync bench``'s
-    ``sgd``: momentum and weight decay), so that the two cannot differ."""
+    the median of ``repeats``, or of as many as fit in ``seconds`` each (from the wall-clock time
+    ``start_at``, so that processes started apart measure at the same time). The update is the
+    benchmark's own optimizer's (``gradsync bench``'s ``sgd``: momentum and weight decay), so that
+    the two cannot differ. With them, :func:`measure_handoff` (``handoff_repeats``)."""
     import torch
 
     from gradsync.bench.workload import OPTIMIZERS
@@ -45,14 +48,49 @@ def calibrate(numel: int = 1 << 25, repeats: int = 3) -> dict:
     opt.step()  # the momentum buffer exists from here
 
     def rate(fn) -> float:
-        times = []
-        for _ in range(repeats):
+        times, until = [], None if seconds is None else time.time() + seconds
+        while len(times) < repeats if until is None else time.time() < until or not times:
             start = time.perf_counter()
             fn()
             times.append(time.perf_counter() - start)
         return numel * 4 / statistics.median(times)
 
-    return {"copy_Bps": rate(lambda: dst.copy_(src)), "update_Bps": rate(opt.step)}
+    handoff = measure_handoff(handoff_repeats)
+    if start_at is not None:
+        time.sleep(max(0.0, start_at - time.time()))
+
+    return {"copy_Bps": rate(lambda: dst.copy_(src)), "update_Bps": rate(opt.step), "handoff_s": handoff}
+
+
+def measure_handoff(repeats: int = 100) -> float:
+    """This machine's ``Host.handoff_s``: from one Python thread setting an event to another thread,
+    blocked on it, running again, while a third thread keeps running Python (the strategies'
+    processes have several threads wanting the interpreter lock); the median of ``repeats``."""
+    import threading
+
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            pass
+
+    busy = threading.Thread(target=spin, daemon=True)
+    busy.start()
+    latencies = []
+    try:
+        for _ in range(repeats):
+            event, woke = threading.Event(), []
+            waiter = threading.Thread(target=lambda: (event.wait(), woke.append(time.perf_counter())))
+            waiter.start()
+            time.sleep(0.001)  # the waiter is blocked by now
+            start = time.perf_counter()
+            event.set()
+            waiter.join()
+            latencies.append(woke[0] - start)
+    finally:
+        stop.set()
+        busy.join()
+    return statistics.median(latencies)
 
 
 def calibrate_codecs(specs: list[str]) -> dict:
