@@ -5,7 +5,7 @@
 Runs one ``gradsync bench --compute emulated`` per (model, workers, link rate) on the emulated
 cluster (root needed), with every simulated strategy side by side, and writes the records, each
 group with its exact command and the host rates measured just before it (copy and update, alone
-and as a fraction of that with every core at it; a thread handoff; for a group with ``p3`` or ``ps-sliced`` the
+and as a fraction of that with every core at it, that fraction again just after it; a thread handoff; for a group with ``p3`` or ``ps-sliced`` the
 cost of a slice message's end too, and for one with compressed strategies the compressors'
 costs), as the validation matrix. ``--groups`` picks a subset by index (``--groups ""``: none);
 ``--message-cost`` measures the host cost of a slice message's end on loopback
@@ -235,11 +235,13 @@ def main() -> None:
             subprocess.run([sys.executable, "-m", "gradsync.cli", *argv[1:]], check=True)
             with open(out) as f:
                 records = json.load(f)
+        seconds = round(time.monotonic() - started)
+        rates["concurrent_after"] = measure_concurrency()  # it moves over minutes: once more, after the run
         shown = " ".join(argv[:-2])  # without the temporary --json
         earlier = [g for g in groups if g["command"] == shown]  # this command recorded before: its
         groups = [g for g in groups if g["command"] != shown]  # records are kept, superseded
         kept_old = [r for g in earlier for r in g.get("superseded", []) + g["records"]]
-        groups.append({"command": shown, "seconds": round(time.monotonic() - started), "host_rates": rates,
+        groups.append({"command": shown, "seconds": seconds, "host_rates": rates,
                        **({"codecs": own_codecs} if own_codecs else {}), "records": records,
                        **({"superseded": kept_old, "note": "The superseded records come from earlier runs of this "
                            "command."} if kept_old else {})})

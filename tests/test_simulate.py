@@ -347,6 +347,8 @@ def test_a_recorded_run_meets_the_host_rates_its_ranks_had():
     host = _host({"np": 4, "dilation": 10.0}, rates, cores=2)
     assert host.copy_Bps == pytest.approx(8e9 * 0.9 * 10 / 2) and host.update_Bps == pytest.approx(2e9 * 0.8 * 10 / 2)
     assert host.message_s == pytest.approx(1e-3 * 2 / 10)
+    after = _host({"np": 2}, {**rates, "concurrent_after": {"processes": 2, "copy_Bps": 0.5, "update_Bps": 0.6}}, cores=2)
+    assert after.copy_Bps == pytest.approx(8e9 * 0.7) and after.update_Bps == pytest.approx(2e9 * 0.7)  # the mean of both
     alone = _host({"np": 1}, rates, cores=2)  # one rank: no other core at work beside it
     assert alone.copy_Bps == pytest.approx(8e9) and alone.update_Bps == pytest.approx(2e9)
 

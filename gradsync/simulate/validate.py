@@ -127,14 +127,15 @@ def _host(record: dict, rates: dict, cores: int):
     """The host of one recorded run: the recording machine's rates, divided by the dilation (which
     divides every time) and shared by the ranks on its cores; where two or more ranks work at once,
     at the fraction of a lone process's rates measured with every core at it (``concurrent``:
-    memory bandwidth the cores share)."""
+    memory bandwidth the cores share; the mean of it and ``concurrent_after`` where the group
+    measured it once more after its run)."""
     from gradsync.simulate import Host
 
     ranks = record["np"] + record.get("servers", 0)
     share = max(1.0, ranks / cores)
     k = record.get("dilation", 1.0)
-    together = rates.get("concurrent", {}) if min(ranks, cores) > 1 else {}
-    copy, update = (rates[key] * together.get(key, 1.0) for key in ("copy_Bps", "update_Bps"))
+    measured = [rates[key] for key in ("concurrent", "concurrent_after") if key in rates] if min(ranks, cores) > 1 else []
+    copy, update = (rates[key] * statistics.fmean([m[key] for m in measured] or [1.0]) for key in ("copy_Bps", "update_Bps"))
     return Host(copy * k / share, update * k / share, codec_speed=k / share,
                 handoff_s=rates.get("handoff_s", 20e-6) * share / k, message_s=rates.get("message_s", 0.0) * share / k)
 
