@@ -5,9 +5,9 @@
 Runs one ``gradsync bench --compute emulated`` per (model, workers, link rate) on the emulated
 cluster (root needed), with every simulated strategy side by side, and writes the records, each
 group with its exact command and the host rates measured just before it (copy and update, alone
-and as a fraction of that with every core at it, that fraction again just after it; a thread handoff; for a group with ``p3`` or ``ps-sliced`` the
-cost of a slice message's end too, and for one with compressed strategies the compressors'
-costs), as the validation matrix. ``--groups`` picks a subset by index (``--groups ""``: none);
+and as a fraction of that with every core at it, the fraction again just after the run; a thread
+handoff; for a group with ``p3`` or ``ps-sliced`` the cost of a slice message's end too, and for
+one with compressed strategies the compressors' costs), as the validation matrix. ``--groups`` picks a subset by index (``--groups ""``: none);
 ``--message-cost`` measures the host cost of a slice message's end on loopback
 (:func:`measure_message_cost`), ``--concurrency`` the rates with every core at it
 (:func:`measure_concurrency`) and ``--handoff`` a thread handoff
@@ -135,9 +135,8 @@ def measure_concurrency(rounds: int = 3, seconds: float = 1.5) -> dict:
 
 def measure_host_rates(processes: int = 5) -> dict:
     """``calibrate()`` in processes with the allocator settings of the emulated runs' ranks (and
-    large tensors on transparent huge pages, the bench's default): the fastest of ``processes``
-    (the median thread handoff).
-    One process alone can mislead: in some, every optimizer step's 128 MB temporary buffer lands
+    large tensors on transparent huge pages, the bench's default): the fastest of ``processes``,
+    and their median thread handoff. One process alone can mislead: in some, every optimizer step's 128 MB temporary buffer lands
     on fresh pages and the update runs at a fifth of its usual rate (0.3 instead of 1.6 GB/s),
     while the emulated ranks' updates run at the usual rate (``gradsync bench --trace``: a
     hybrid server's optimizer step over 101.6 MB takes 63-70 ms, 1.5-1.6 GB/s)."""

@@ -35,7 +35,7 @@ def calibrate(numel: int = 1 << 25, repeats: int = 3, *, start_at: float | None 
     the median of ``repeats``, or of as many as fit in ``seconds`` each (from the wall-clock time
     ``start_at``, so that processes started apart measure at the same time). The update is the
     benchmark's own optimizer's (``gradsync bench``'s ``sgd``: momentum and weight decay), so that
-    the two cannot differ. With them, :func:`measure_handoff` (``handoff_repeats``)."""
+    the two cannot differ. Also this machine's thread handoff (:func:`measure_handoff`)."""
     import torch
 
     from gradsync.bench.workload import OPTIMIZERS
@@ -49,7 +49,11 @@ def calibrate(numel: int = 1 << 25, repeats: int = 3, *, start_at: float | None 
 
     def rate(fn) -> float:
         times, until = [], None if seconds is None else time.time() + seconds
-        while len(times) < repeats if until is None else time.time() < until or not times:
+
+        def more() -> bool:
+            return len(times) < repeats if until is None else not times or time.time() < until
+
+        while more():
             start = time.perf_counter()
             fn()
             times.append(time.perf_counter() - start)
