@@ -240,6 +240,20 @@ def test_a_cpu_bound_run_is_named():
     assert cpu_bound_note([{**hot, "compute": "real", "net": "loopback"}]) is None  # the model runs on the CPU
 
 
+def test_ranks_outnumbering_the_cores_at_too_little_dilation_are_named():
+    from gradsync.bench.report import shared_cores_note
+
+    run = {"strategy": "allreduce", "np": 4, "servers": 0, "net": "1 Gbit/s", "net_bps": 1e9,
+           "compute": "emulated", "dilation": 1.0}
+    note = shared_cores_note([run, {**run, "net": "10 Gbit/s", "net_bps": 1e10, "dilation": 10.0}], cores=2)
+    assert "4 ranks at 1 Gbit/s (dilation 1)" in note and "10 Gbit/s" not in note and "--dilation 2 " in note
+    assert shared_cores_note([{**run, "dilation": 2.0}], cores=2) is None  # a core's time each
+    assert shared_cores_note([{**run, "servers": 1, "dilation": 2.0}], cores=2) is not None  # 5 ranks: 2.5
+    assert shared_cores_note([{**run, "net": "loopback", "net_bps": None}], cores=2) is None  # no dilation there
+    assert shared_cores_note([{**run, "compute": "real"}], cores=2) is None  # the model runs on the CPU
+    assert shared_cores_note([run], cores=4) is None
+
+
 def test_rounds_rotate_the_order_of_the_strategies():
     """Each strategy takes every place in the order once over as many rounds as strategies."""
     from gradsync.bench.worker import rotated

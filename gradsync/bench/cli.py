@@ -187,7 +187,7 @@ def _save_trace(run_dir: str, path: str, config: dict | None) -> None:
 
 
 def _report(records: list[dict], args) -> int:
-    from gradsync.bench.report import chart, cpu_bound_note, save_records, sweep_charts, table
+    from gradsync.bench.report import chart, cpu_bound_note, save_records, shared_cores_note, sweep_charts, table
 
     print()
     print(table(records))
@@ -205,9 +205,9 @@ def _report(records: list[dict], args) -> int:
             if stats.get("steps"):
                 print(f"  rows per step and worker: pushed {stats['pushed_rows'] / stats['steps']:.0f}, "
                       f"pulled from other servers {stats['pulled_rows'] / stats['steps']:.0f}")
-    note = cpu_bound_note(records)
-    if note:
-        print(note)
+    for note in (cpu_bound_note(records), None if args.machine_hosts else shared_cores_note(records)):
+        if note:
+            print(note)
     if args.json:
         save_records(records, args.json)
     if args.out:

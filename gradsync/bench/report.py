@@ -100,6 +100,23 @@ def cpu_bound_note(records: list[dict]) -> str | None:
             "machine, not the emulated cluster; raise --dilation (e.g. --dilation auto:500mbit).")
 
 
+def shared_cores_note(records: list[dict], cores: int | None = None) -> str | None:
+    """A warning naming the emulated runs whose ranks outnumbered this machine's cores at a dilation
+    below that ratio (None if none did): each emulated host then had less than a core's time for
+    the host work it does for real (making gradients, copies, Gloo, the optimizer), which slows its
+    communication beyond the emulated cluster's (docs/emulation.md)."""
+    cores = cores or os.cpu_count() or 1
+    short = [r for r in records if r["compute"] != "real" and r.get("net_bps")
+             and r.get("dilation", 1.0) < (r["np"] + r.get("servers", 0)) / cores]
+    if not short:
+        return None
+    ranks = max(r["np"] + r.get("servers", 0) for r in short)
+    runs = ", ".join(sorted({f"{r['np'] + r.get('servers', 0)} ranks at {r['net']} (dilation {r.get('dilation', 1.0):g})"
+                             for r in short}))
+    return (f"note: {runs} on {cores} cores: each emulated host had less than a core's time for its host work; "
+            f"--dilation {ranks / cores:g} or more gives each one.")
+
+
 def bound(min_bytes: float, compute_s: float, samples: int, config: dict) -> dict:
     """The physical bound of one strategy's run (see the module docstring)."""
     rate = config.get("rate_bps")
