@@ -7,7 +7,8 @@ cluster (root needed), with every simulated strategy side by side, and writes th
 group with its exact command and the host rates measured just before it (copy and update, alone
 and as a fraction of that with every core at it, the fraction again just after the run; a thread
 handoff; for a group with ``p3`` or ``ps-sliced`` the cost of a slice message's end too, and for
-one with compressed strategies the compressors' costs), as the validation matrix. ``--groups`` picks a subset by index (``--groups ""``: none);
+one with compressed strategies the compressors' costs), as the validation matrix. ``--groups``
+picks a subset by index (``--groups ""``: none);
 ``--message-cost`` measures the host cost of a slice message's end on loopback
 (:func:`measure_message_cost`), ``--concurrency`` the rates with every core at it
 (:func:`measure_concurrency`) and ``--handoff`` a thread handoff
@@ -90,7 +91,8 @@ def command(model: str, np: int, rate: str, servers: int, strategies: str, out: 
             compute: str = "emulated", rounds: int = 1) -> list[str]:
     return ["gradsync", "bench", "--model", model, "--compute", compute, "--np", str(np), "--net", rate,
             *(["--servers", str(servers)] if servers else []),
-            "--dilation", dilation(np, rate, servers), "--strategies", strategies, "--steps", str(12 * rounds), "--warmup", "3", "--rounds", str(rounds),
+            "--dilation", dilation(np, rate, servers), "--strategies", strategies,
+            "--steps", str(12 * rounds), "--warmup", "3", "--rounds", str(rounds),
             "--check-steps", "0", "--json", out]
 
 
@@ -101,7 +103,7 @@ def _calibrated(count: int, seconds: float | None = None) -> list[dict]:
     seconds ahead: the processes import torch first), so that their work overlaps."""
     from gradsync.bench.cli import EMULATED_ALLOCATOR
 
-    timing = "" if seconds is None else f"start_at={time.time() + 8.0!r}, seconds={seconds!r}"
+    timing = "" if seconds is None else f"start_at={time.time() + 8.0!r}, seconds={seconds!r}, handoff_repeats=0"
     code = ("import json; from gradsync.simulate.validate import calibrate; "
             f"print(json.dumps(calibrate({timing})))")
     env = {**os.environ, "THP_MEM_ALLOC_ENABLE": "1", **EMULATED_ALLOCATOR}
@@ -136,7 +138,8 @@ def measure_concurrency(rounds: int = 3, seconds: float = 1.5) -> dict:
 def measure_host_rates(processes: int = 5) -> dict:
     """``calibrate()`` in processes with the allocator settings of the emulated runs' ranks (and
     large tensors on transparent huge pages, the bench's default): the fastest of ``processes``,
-    and their median thread handoff. One process alone can mislead: in some, every optimizer step's 128 MB temporary buffer lands
+    and their median thread handoff. One process alone can mislead: in some, every optimizer
+    step's 128 MB temporary buffer lands
     on fresh pages and the update runs at a fifth of its usual rate (0.3 instead of 1.6 GB/s),
     while the emulated ranks' updates run at the usual rate (``gradsync bench --trace``: a
     hybrid server's optimizer step over 101.6 MB takes 63-70 ms, 1.5-1.6 GB/s)."""

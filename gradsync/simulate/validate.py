@@ -35,7 +35,8 @@ def calibrate(numel: int = 1 << 25, repeats: int = 3, *, start_at: float | None 
     the median of ``repeats``, or of as many as fit in ``seconds`` each (from the wall-clock time
     ``start_at``, so that processes started apart measure at the same time). The update is the
     benchmark's own optimizer's (``gradsync bench``'s ``sgd``: momentum and weight decay), so that
-    the two cannot differ. Also this machine's thread handoff (:func:`measure_handoff`)."""
+    the two cannot differ. Also this machine's thread handoff (:func:`measure_handoff`, unless
+    ``handoff_repeats`` is 0)."""
     import torch
 
     from gradsync.bench.workload import OPTIMIZERS
@@ -46,6 +47,7 @@ def calibrate(numel: int = 1 << 25, repeats: int = 3, *, start_at: float | None 
     param.grad = torch.randn(numel)
     opt = OPTIMIZERS["sgd"][0]([param], 0.01)
     opt.step()  # the momentum buffer exists from here
+    dst.copy_(src)  # and the copy's destination is touched: no page faults while timed
 
     def rate(fn) -> float:
         times, until = [], None if seconds is None else time.time() + seconds
@@ -59,11 +61,10 @@ def calibrate(numel: int = 1 << 25, repeats: int = 3, *, start_at: float | None 
             times.append(time.perf_counter() - start)
         return numel * 4 / statistics.median(times)
 
-    handoff = measure_handoff(handoff_repeats)
+    handoff = {"handoff_s": measure_handoff(handoff_repeats)} if handoff_repeats else {}
     if start_at is not None:
         time.sleep(max(0.0, start_at - time.time()))
-
-    return {"copy_Bps": rate(lambda: dst.copy_(src)), "update_Bps": rate(opt.step), "handoff_s": handoff}
+    return {"copy_Bps": rate(lambda: dst.copy_(src)), "update_Bps": rate(opt.step), **handoff}
 
 
 def measure_handoff(repeats: int = 100) -> float:
@@ -138,8 +139,9 @@ def _host(record: dict, rates: dict, cores: int):
     ranks = record["np"] + record.get("servers", 0)
     share = max(1.0, ranks / cores)
     k = record.get("dilation", 1.0)
-    measured = [rates[key] for key in ("concurrent", "concurrent_after") if key in rates] if min(ranks, cores) > 1 else []
-    copy, update = (rates[key] * statistics.fmean([m[key] for m in measured] or [1.0]) for key in ("copy_Bps", "update_Bps"))
+    together = [rates[key] for key in ("concurrent", "concurrent_after") if key in rates and min(ranks, cores) > 1]
+    copy, update = (rates[key] * statistics.fmean([t[key] for t in together] or [1.0])
+                    for key in ("copy_Bps", "update_Bps"))
     return Host(copy * k / share, update * k / share, codec_speed=k / share,
                 handoff_s=rates.get("handoff_s", 20e-6) * share / k, message_s=rates.get("message_s", 0.0) * share / k)
 
