@@ -49,7 +49,7 @@ def topology():
 
 
 def device():
-    """This rank's device: ``cuda:LOCAL_RANK`` (wrapped onto the host's GPUs) under NCCL, else ``cpu``."""
+    """This rank's device: ``cuda:LOCAL_RANK`` under NCCL, else ``cpu``."""
     from gradsync import runtime
 
     return runtime.current().transport.device

@@ -208,6 +208,16 @@ def _install_hooks(model: nn.Module, params: list[nn.Parameter], sync: _Sync) ->
         sync.handles.append(_ForwardRestore(model))
 
 
+def _refuse_grad_scaler(sync: _Sync) -> None:
+    raise GradientEditedError(
+        f"rank {runtime.current().topology.rank}: a torch.amp.GradScaler calls optimizer.step(), but strategy "
+        f"{sync.strategy.name!r} sent the gradients during backward, still multiplied by the loss scale, and "
+        "updates elsewhere: the update would use them scaled, and could not skip a step whose gradients "
+        "overflowed. For mixed precision use "
+        "bf16 autocast, which needs no GradScaler, or a strategy that synchronizes at the end of backward "
+        "(allreduce, ddp, casync-ring, casync-ps, compressed-allgather)")
+
+
 def _wrap_optimizer(optimizer: torch.optim.Optimizer, sync: _Sync) -> torch.optim.Optimizer:
     base = type(optimizer)
     # A torch LR scheduler created before distribute has replaced ``step`` on the instance by a
@@ -221,6 +231,8 @@ def _wrap_optimizer(optimizer: torch.optim.Optimizer, sync: _Sync) -> torch.opti
             with torch.enable_grad():
                 loss = closure()
         apply = sync.traced(own_step if own_step is not None else lambda: base.step(self))
+        if getattr(self, "found_inf", None) is not None and sync.strategy.grad_edits == "refused":
+            _refuse_grad_scaler(sync)
         sync.check_unedited()
         if sync.clip is not None and sync.strategy.grad_edits != "refused":
             apply = sync.clipped(apply)
@@ -332,6 +344,9 @@ def _wrap_optimizer(optimizer: torch.optim.Optimizer, sync: _Sync) -> torch.opti
                "consolidate_state_dict": consolidate_state_dict, "state_dict": state_dict,
                "load_state_dict": load_state_dict, "switch_strategy": switch_strategy,
                "strategy": property(lambda self: sync.strategy),
+               # torch.amp.GradScaler then hands step() the overflow flag (``found_inf``) instead of
+               # unscaling: its unscale does not bump the version counters check_unedited reads.
+               "_step_supports_amp_scaling": property(lambda self: sync.strategy.grad_edits == "refused"),
                "__module__": base.__module__, "__doc__": base.__doc__}
     optimizer.__class__ = type(base.__name__, (base,), members)
     optimizer._gradsync = sync

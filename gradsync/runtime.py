@@ -225,7 +225,9 @@ def init(*, backend: str | None = None, timeout_s: float | None = None,
     """Join the job described by the environment. Idempotent; returns the :class:`Topology`.
 
     With no ``WORLD_SIZE``/``MASTER_ADDR`` in the environment it starts a one-process job, so
-    the same script runs alone or under a launcher.
+    the same script runs alone or under a launcher. ``backend`` (or ``GRADSYNC_BACKEND``):
+    ``"gloo"`` or ``"nccl"``; by default NCCL where CUDA is available, else Gloo, and the user's own
+    process group's backend when one exists.
     """
     if _RUNTIME is not None:
         return _RUNTIME.topology
@@ -238,7 +240,9 @@ def init(*, backend: str | None = None, timeout_s: float | None = None,
     if not 0 < timeout_s < float("inf"):
         raise ConfigError(f"{source}={raw_timeout!r}: the timeout must be a positive, finite number of seconds")
     servers = _env_int("GRADSYNC_NUM_SERVERS", 0) if servers is None else servers
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend is None and dist.is_initialized():  # the user's group: NCCL alone, or Gloo for host tensors
+        backend = "nccl" if dist.get_backend() == "nccl" else "gloo"
+    backend = _backend(backend)
     if os.environ.get("GRADSYNC_ELASTIC") == "1" and not dist.is_initialized():
         if ELASTIC_JOIN is None:
             raise ConfigError("this rank belongs to an elastic job (GRADSYNC_ELASTIC=1): call gradsync.init() "
@@ -262,14 +266,41 @@ def init(*, backend: str | None = None, timeout_s: float | None = None,
     return start(topology, store, backend=backend, timeout_s=timeout_s, heartbeat_at=(addr, port)).topology
 
 
+def _backend(backend: str | None) -> str:
+    """The backend asked for (argument, then ``GRADSYNC_BACKEND``), else NCCL where CUDA is available."""
+    source = "backend" if backend is not None else "GRADSYNC_BACKEND"
+    backend = backend if backend is not None else (os.environ.get("GRADSYNC_BACKEND") or None)
+    if backend is None:
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if backend not in ("gloo", "nccl"):
+        raise ConfigError(f"{source}={backend!r}: gradsync runs on 'gloo' or 'nccl'")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ConfigError(f"{source}='nccl' but this process sees no CUDA device (torch {torch.__version__}, "
+                          f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); use 'gloo' on CPUs")
+    return backend
+
+
+def _nccl_device(topology: Topology) -> torch.device:
+    """This rank's GPU under NCCL: ``cuda:LOCAL_RANK``. NCCL refuses two ranks on one GPU, so a host
+    with fewer GPUs than ranks (parameter servers count) is an error here, not NCCL's later."""
+    gpus = torch.cuda.device_count()
+    local = max(_env_int("LOCAL_WORLD_SIZE", 0), topology.local_rank + 1)
+    if local > gpus:
+        raise ConfigError(
+            f"{topology.describe(topology.rank)}, local rank {topology.local_rank}: NCCL needs a GPU for every "
+            f"rank on a host, parameter servers included; this host runs {local} ranks and has {gpus} "
+            f"GPU{'s' if gpus != 1 else ''}. Start at most {gpus} ranks per host, or use Gloo (GRADSYNC_BACKEND=gloo "
+            "or gradsync.init(backend='gloo'); tensors on a GPU are then staged through host memory)")
+    return torch.device("cuda", topology.local_rank)
+
+
 def start(topology: Topology, store, *, backend: str, timeout_s: float, heartbeat_at=(None, None),
           heartbeat_prefix: str = "") -> Runtime:
     """Create the process group on ``store`` (None: adopt the user's) and make it the runtime."""
     global _RUNTIME
     device = torch.device("cpu")
     if backend == "nccl":
-        # LOCAL_RANK counts servers too (workers first), so wrap onto the GPUs this host has.
-        device = torch.device("cuda", topology.local_rank % torch.cuda.device_count())
+        device = _nccl_device(topology)
         torch.cuda.set_device(device)
     heartbeat = None
     owns_group = store is not None

@@ -78,10 +78,11 @@ class Handle:
     the pair): the training thread hands it to the transport's :class:`Waiter` and asks ``overdue``
     while it waits for the waiter's answer; other threads block until done or Gloo's own timeout."""
 
-    __slots__ = ("_work", "_owner", "_what", "_done", "_trace", "_record", "_chunked", "ticket", "_local")
+    __slots__ = ("_work", "_owner", "_what", "_done", "_trace", "_record", "_chunked", "ticket", "_local", "_landing")
 
     def __init__(self, work, owner: "Transport", what: str, trace_token=None,
-                 record: flight.Record | None = None, *, chunked: bool = False, local: bool = False):
+                 record: flight.Record | None = None, *, chunked: bool = False, local: bool = False,
+                 landing: tuple[torch.Tensor, torch.Tensor] | None = None):
         self._work = work
         self._owner = owner
         self._what = what
@@ -93,6 +94,9 @@ class Handle:
         self.ticket: list | None = None
         """Tickets of a point-to-point wait queued on the :class:`Waiter`, waited for in order (wait_all:
         the whole list's, then this operation's own)."""
+        self._landing = landing
+        """``(staged, tensor)``: the operation wrote a copy on the backend's device (:meth:`Transport.staged`),
+        copied into the caller's tensor once done."""
 
     def _block(self, main: bool) -> None:
         work = self._work
@@ -142,6 +146,9 @@ class Handle:
             if token is not None:
                 recorder.unblock(token)
         self._done = True
+        if self._landing is not None:
+            staged, tensor = self._landing
+            tensor.copy_(staged)
         if not self._local:
             self._owner.progress = time.monotonic()
         if self._record is not None:
@@ -243,6 +250,17 @@ class Transport:
         completed operation."""
         return self.progress + self.timeout.total_seconds() - REPORT_S - time.monotonic()
 
+    def staged(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` where the backend reads and writes it: itself, or a copy on :attr:`device`.
+        Gloo moves host memory (its point-to-point calls take no GPU tensors) and NCCL device
+        memory, so a strategy's CPU control words under NCCL and a GPU model's buffers under Gloo
+        both travel; an operation that writes (a receive, an all-reduce) lands in the caller's
+        tensor when its handle's wait returns."""
+        return tensor if tensor.device.type == self.device.type else tensor.to(self.device)
+
+    def _landing(self, staged: torch.Tensor, tensor: torch.Tensor):
+        return None if staged is tensor else (staged, tensor)
+
     def _issue(self, what: str, call: Callable[[], Any]):
         """``call()``, which starts an operation; a failure to start it (a pair that an earlier
         timeout closed) is explained, as a failed wait is, so the rank is marked failed."""
@@ -296,20 +314,18 @@ class Transport:
         self.bytes_sent += int(2 * (p - 1) / p * nbytes)
         record = self._record(what, "all-reduce", nbytes, group=group, world=world)
         group = self._group(world) if group is None else group
-        work = self._issue(what, lambda: dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=group, async_op=True))
+        staged = self.staged(tensor)
+        work = self._issue(what, lambda: dist.all_reduce(staged, op=_REDUCE_OPS[op], group=group, async_op=True))
         tracer = trace.current()
         if tracer is not None:
             token = tracer.begin_async(what, "comm", bytes=nbytes, op="all-reduce")
             work.get_future().add_done_callback(lambda _future: tracer.end_async(token))
-        return Handle(work, self, what, record=record, chunked=self._chunked)
+        return Handle(work, self, what, record=record, chunked=self._chunked, landing=self._landing(staged, tensor))
 
     def allreduce(self, tensor: torch.Tensor, *, op: str = "sum", world: bool = False,
                   what: str = "all-reduce", group=None) -> torch.Tensor:
-        """Blocking all-reduce; CPU tensors are staged through the device under NCCL."""
-        staged = tensor.to(self.device)
-        self.allreduce_async(staged, op=op, world=world, what=what, group=group).wait()
-        if staged is not tensor:
-            tensor.copy_(staged)
+        """Blocking :meth:`allreduce_async`."""
+        self.allreduce_async(tensor, op=op, world=world, what=what, group=group).wait()
         return tensor
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, *, world: bool = False,
@@ -317,12 +333,10 @@ class Transport:
         """In-place broadcast from global rank ``src``."""
         if self.topology.rank == src:
             self.bytes_sent += tensor.numel() * tensor.element_size()
-        staged = tensor.to(self.device)  # NCCL moves device tensors only; a no-op on Gloo/CPU
+        staged = self.staged(tensor)
         record = self._record(what, "broadcast", tensor.numel() * tensor.element_size(), world=world)
         work = self._issue(what, lambda: dist.broadcast(staged, src=src, group=self._group(world), async_op=True))
-        Handle(work, self, what, record=record, chunked=self._chunked).wait()
-        if staged is not tensor:
-            tensor.copy_(staged)
+        Handle(work, self, what, record=record, chunked=self._chunked, landing=self._landing(staged, tensor)).wait()
         return tensor
 
     def barrier(self, *, world: bool = True, what: str = "barrier") -> None:
@@ -348,7 +362,8 @@ class Transport:
         tracer = trace.current()
         token = None if tracer is None else tracer.begin_async(what, "comm", bytes=nbytes, op="send", peer=dst)
         record = self._record(what, "send", nbytes, peer=dst)
-        work = self._issue(what, lambda: dist.group.WORLD.send([tensor], dst, tag))
+        staged = self.staged(tensor)  # the work holds it until sent
+        work = self._issue(what, lambda: dist.group.WORLD.send([staged], dst, tag))
         return Handle(work, self, what, token, record, local=True)
 
     def recv_async(self, tensor: torch.Tensor, src: Optional[int], tag: int, *,
@@ -358,13 +373,14 @@ class Transport:
         ``traced=False``: a receive posted ahead of its message, whose caller traces the arrival itself.
         """
         world = dist.group.WORLD
-        work = self._issue(what, lambda: world.recv_anysource([tensor], tag) if src is None
-                           else world.recv([tensor], src, tag))
+        staged = self.staged(tensor)
+        work = self._issue(what, lambda: world.recv_anysource([staged], tag) if src is None
+                           else world.recv([staged], src, tag))
         tracer = trace.current() if traced else None
         nbytes = tensor.numel() * tensor.element_size()
         token = None if tracer is None else tracer.begin_async(what, "comm", bytes=nbytes, op="receive", peer=src)
         record = self._record(what, "receive", nbytes, peer=-1 if src is None else src)
-        return Handle(work, self, what, token, record)
+        return Handle(work, self, what, token, record, landing=self._landing(staged, tensor))
 
     def recv_any(self, tensor: torch.Tensor, tag: int, *, what: str) -> Optional[int]:
         """A server thread's wait for the next request: receive into ``tensor`` from whichever rank
@@ -392,16 +408,16 @@ class Transport:
             handles.append(self.send_async(message, dst, tag, what=what))
         return handles
 
-    def recv_bytes(self, src: int, tag: int, *, limit: int,
-                   what: str = "receive") -> tuple[torch.Tensor, tuple[int, int, int]]:
-        """Receive one :meth:`send_bytes` message of at most ``limit`` bytes from ``src``:
+    def recv_bytes(self, src: int, tag: int, *, limit: int, what: str = "receive",
+                   device: torch.device | str = "cpu") -> tuple[torch.Tensor, tuple[int, int, int]]:
+        """Receive one :meth:`send_bytes` message of at most ``limit`` bytes from ``src`` onto ``device``:
         ``(message, info)``. A header announcing more is refused (:func:`check_peer`) before the
         body is allocated. Blocks (a communication thread calls it)."""
         header = torch.empty(HEADER_WORDS, dtype=torch.int64)
         self.recv_async(header, src, tag, what=what).wait(background=True)
         length, *info = header.tolist()
         check_peer(0 <= length <= limit, src, what, f"a length of {length} bytes (at most {limit} expected)")
-        message = torch.empty(length, dtype=torch.uint8)
+        message = torch.empty(length, dtype=torch.uint8, device=device)
         if length:
             self.recv_async(message, src, tag, what=what).wait(background=True)
         return message, tuple(info)
@@ -409,8 +425,9 @@ class Transport:
     def allgather_bytes(self, message: torch.Tensor, *, limit: int, info: tuple[int, int, int] = (0, -1, -1),
                         group=None, what: str = "all-gather"
                         ) -> tuple[list[torch.Tensor], list[tuple[int, int, int]]]:
-        """Every worker's ``uint8`` message (at most ``limit`` bytes each) and ``info``, in rank
-        order (see :func:`allgather_with_info`)."""
+        """Every worker's ``uint8`` message (at most ``limit`` bytes each, on ``message``'s device) and
+        ``info``, in rank order (see :func:`allgather_with_info`)."""
+        home, message = message.device, self.staged(message)
         self.bytes_sent += (self.topology.num_workers - 1) * message.numel()
         record = self._record(what, "all-gather", message.numel(), group=group)
         recorder = flight.current()
@@ -426,6 +443,8 @@ class Transport:
         if record is not None:
             record.done = time.time()
         self.progress = time.monotonic()
+        if home.type != message.device.type:
+            gathered = ([m.to(home) for m in gathered[0]], gathered[1])
         return gathered
 
 

@@ -17,6 +17,10 @@ import socket
 import time
 import traceback
 
+DEVICE = os.environ.get("GRADSYNC_TEST_DEVICE", "cpu")
+"""Where the parity and loop tests put their models: ``cpu``, or ``cuda`` on a GPU machine (ranks
+there run NCCL, one per GPU, or share the GPUs over Gloo with ``GRADSYNC_BACKEND=gloo``)."""
+
 _CTX = mp.get_context("forkserver")
 # torch.optim imports torch._dynamo on the first optimizer a process makes (1.2 s here): imported
 # once in the server, every rank inherits it.

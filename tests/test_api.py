@@ -274,3 +274,36 @@ def test_ps_partition_is_balanced():
 def test_import_does_not_load_torch():
     code = "import sys, gradsync, gradsync.launch; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_the_backend_is_chosen_by_argument_or_environment_and_checked(monkeypatch):
+    from gradsync.runtime import _backend
+
+    monkeypatch.setenv("GRADSYNC_BACKEND", "gloo")
+    assert _backend(None) == "gloo"
+    assert _backend("gloo") == "gloo"
+    monkeypatch.setenv("GRADSYNC_BACKEND", "mpi")
+    with pytest.raises(ConfigError, match="GRADSYNC_BACKEND='mpi': gradsync runs on 'gloo' or 'nccl'"):
+        _backend(None)
+    monkeypatch.delenv("GRADSYNC_BACKEND")
+    assert _backend(None) == ("nccl" if torch.cuda.is_available() else "gloo")
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="backend='nccl' but this process sees no CUDA device"):
+            _backend("nccl")
+
+
+def test_nccl_refuses_a_host_with_fewer_gpus_than_ranks(monkeypatch):
+    # NCCL itself fails later ("Duplicate GPU detected") when two ranks share a GPU.
+    from gradsync.runtime import _nccl_device
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert _nccl_device(Topology(1, 0, 0, 0)) == torch.device("cuda", 0)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    for rank in (0, 1):  # every rank says so, the one that has a GPU too
+        with pytest.raises(ConfigError, match=r"this host runs 2 ranks and has 1 GPU\. Start at most 1 ranks per "
+                                              r"host, or use Gloo \(GRADSYNC_BACKEND=gloo"):
+            _nccl_device(Topology(2, rank, 1, rank))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")  # a launcher that does not say: a rank past the GPUs
+    with pytest.raises(ConfigError, match=r"server 0 \(rank 1\), local rank 1: NCCL needs a GPU for every rank"):
+        _nccl_device(Topology(2, 1, 1, 1))

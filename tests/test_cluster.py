@@ -39,6 +39,15 @@ def test_without_privileges_the_error_says_what_is_needed(monkeypatch):
         EmulatedCluster(2, 1e9).create()
 
 
+def test_without_iproute2_the_error_says_what_to_install(monkeypatch, cli):
+    # A machine without `ip` (a container image, a GPU VM) must not end in a FileNotFoundError traceback.
+    monkeypatch.setattr(netns.shutil, "which", lambda tool: None if tool == "ip" else f"/usr/sbin/{tool}")
+    with pytest.raises(ConfigError, match=r"need iproute2's ip and tc; ip not found on PATH here: install iproute2"):
+        EmulatedCluster(2, 1e9).create()
+    code, _, err = cli("bench", "--model", "toy", "--np", "2", "--net", "1gbit")
+    assert code == 2 and "install iproute2" in err, err
+
+
 @needs_root
 def test_a_cluster_shapes_both_ends_and_leaves_nothing_behind():
     rate = 20e6

@@ -10,6 +10,7 @@ from gradsync.compress import (COMPRESSORS, DGC, QSGD, TBQ, CompressionError, Er
 from gradsync.compress.base import Compressor, all_finite
 from gradsync.compress.cast import Identity
 from gradsync.errors import ConfigError
+from multirank import DEVICE
 
 ALL = sorted(COMPRESSORS)
 
@@ -31,6 +32,20 @@ def test_output_has_the_input_shape_and_dtype(name, dtype):
     y, payload = roundtrip(build(name, key="w"), x)
     assert y.shape == x.shape and y.dtype == dtype and torch.isfinite(y).all()
     assert all(p.is_contiguous() for p in payload)
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="a GPU check: GRADSYNC_TEST_DEVICE=cuda (benchmarks/gpu_check.sh)")
+@pytest.mark.parametrize("name", ALL)
+def test_every_codec_runs_on_the_gradients_device_as_on_the_cpu(name):
+    x = gradient(64, 48)
+    on_cpu, _ = roundtrip(build(name, key="w"), x)
+    y, payload = roundtrip(build(name, key="w"), x.to(DEVICE))
+    assert y.device == x.to(DEVICE).device and all(p.device == y.device for p in payload), name
+    assert y.shape == x.shape and y.dtype == x.dtype
+    # The same draws (host generators) and the same arithmetic, up to rounding: a stochastic code
+    # may round the other way at a boundary, which moves one element, not the tensor.
+    err = float((y.cpu() - on_cpu).norm() / on_cpu.norm().clamp_min(1e-12))
+    assert err < 1e-2, (name, err)
 
 
 @pytest.mark.parametrize("name", ALL)

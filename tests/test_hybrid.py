@@ -15,7 +15,7 @@ import gradsync
 from gradsync.bench.workload import Workload, compare, reference, train_step
 from gradsync.errors import ConfigError
 from gradsync.strategies.hybrid import Hybrid, Layout, lazy_update
-from multirank import run_ranks, run_ranks_expect_failure
+from multirank import DEVICE, run_ranks, run_ranks_expect_failure
 
 STEPS = 4
 
@@ -52,7 +52,7 @@ def check(work: Workload, workers: int, servers: int = 0, options: dict | None =
     (1, 0, {"sparse": ["embedding.weight"]}),  # one worker serving itself, no messages
 ])
 def test_language_model_matches_reference(workers, servers, options):
-    described = check(Workload(model="lstm-lm:tiny", batch_size=4), workers, servers, options)
+    described = check(Workload(model="lstm-lm:tiny", batch_size=4, device=DEVICE), workers, servers, options)
     assert re.search(r"embedding\.weight: sparse \(\d", described), described
     assert "softmax.weight" not in described  # a Linear: never a candidate, always all-reduced
     assert "1 sparse tables" in described
@@ -66,7 +66,7 @@ def test_one_worker_keeps_everything_dense():
 
 def test_recommendation_model_splits_its_tables():
     """DLRM's 26 tables: the large ones go to the servers, the ones a batch mostly covers stay dense."""
-    described = check(Workload(model="recsys:tiny", batch_size=8), 3)
+    described = check(Workload(model="recsys:tiny", batch_size=8, device=DEVICE), 3)
     decisions = dict(re.findall(r"(tables\.\d+)\.weight: (sparse|dense)", described))
     assert decisions["tables.2"] == "sparse" and decisions["tables.8"] == "dense", described  # 1000 rows vs 3
 

@@ -10,7 +10,7 @@ import torch
 
 import gradsync
 from gradsync.bench.workload import Workload, compare, reference, train_step
-from multirank import run_ranks
+from multirank import DEVICE, run_ranks
 
 STEPS = 4
 
@@ -71,7 +71,7 @@ CASES = [c + ("sgd",) for c in CASES] + [  # Adam: per-parameter state, at 2 wor
 @pytest.mark.parametrize("strategy,workers,servers,options,optimizer", CASES,
                          ids=[f"{c[0]}-w{c[1]}-s{c[2]}-{c[4]}" + "".join(f"-{k}{v}" for k, v in c[3].items() if k != "find_unused_parameters") for c in CASES])
 def test_matches_single_process_reference(strategy, workers, servers, options, optimizer):
-    work = Workload(model="toy", batch_size=6, optimizer=optimizer)
+    work = Workload(model="toy", batch_size=6, optimizer=optimizer, device=DEVICE)
     results = run_ranks(train, workers + servers, strategy, work, STEPS, options, servers=servers)
     ref = reference(work, workers, STEPS)
     first = results[0]

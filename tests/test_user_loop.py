@@ -23,7 +23,7 @@ from torch import nn
 import gradsync
 from gradsync.compress import CompressionError
 from gradsync.errors import ConfigError, GradientEditedError
-from multirank import run_ranks, run_ranks_expect_failure
+from multirank import DEVICE, run_ranks, run_ranks_expect_failure
 
 WORKERS, STEPS, LR, CLIP = 2, 3, 0.05, 0.05
 FP32_TOL, BF16_TOL = (1e-5, 1e-4), (1e-4, 1e-3)
@@ -47,20 +47,25 @@ STRATEGIES = {
 }
 
 
+# Autocast as a user's loop runs it: bf16 on the CPU, fp16 (with the GradScaler) on CUDA.
+KIND = torch.device(DEVICE).type
+AMP_DTYPE = torch.float16 if KIND == "cuda" else torch.bfloat16
+
+
 def build():
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3)).to(DEVICE)
     return model, torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
 
 
 def batch(step: int, worker: int, micro: int = 0):
     g = torch.Generator().manual_seed(1000 * step + 10 * worker + micro)
-    return torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
+    return torch.randn(8, 6, generator=g).to(DEVICE), torch.randn(8, 3, generator=g).to(DEVICE)
 
 
 def loss_of(model, step, worker, micro=0, amp=False, poison=False):
     x, y = batch(step, worker, micro)
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+    with torch.autocast(KIND, dtype=AMP_DTYPE, enabled=amp):
         loss = nn.functional.mse_loss(model(x).float(), y)
     return loss * math.inf if poison else loss
 
@@ -81,7 +86,7 @@ def run_phase(phase: str, strategy: str, options: dict):
         return None
     me = topo.rank
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5) if phase == "schedule" else None
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10) if phase == "scaler" else None
+    scaler = torch.amp.GradScaler(KIND, init_scale=2.0 ** 10) if phase == "scaler" else None
     scales = []
     for step in range(STEPS):
         if phase == "accumulate":
@@ -133,7 +138,7 @@ def reference(phase: str):
     model, opt = build()
     params = list(model.parameters())
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5) if phase == "schedule" else None
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10) if phase == "scaler" else None
+    scaler = torch.amp.GradScaler(KIND, init_scale=2.0 ** 10) if phase == "scaler" else None
     scales = []
     for step in range(STEPS):
         total = [torch.zeros_like(p) for p in params]
@@ -238,6 +243,34 @@ def test_a_gradient_edited_after_it_was_sent_is_an_error_on_every_rank(strategy)
     for rank, text in errors.items():
         assert "GradientEditedError" in text and f"rank {rank}:" in text, text
         assert "changed in place between backward() and optimizer.step()" in text, text
+
+
+def scaled_steps(strategy: str, options: dict, overflow: bool):
+    """The standard GradScaler loop; with ``overflow`` every worker's first loss is Inf (a skipped step)."""
+    topo = gradsync.topology()
+    model, opt = build()
+    opt = gradsync.distribute(model, opt, strategy, exit_servers=False, **options)
+    if topo.is_server:
+        return None
+    scaler = torch.amp.GradScaler(KIND, init_scale=2.0 ** 10)
+    for step in range(2):
+        scaler.scale(loss_of(model, step, topo.rank, amp=True, poison=overflow and step == 0)).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("strategy,overflow", [("ps", False), ("p3", True)])
+def test_a_gradscaler_under_a_strategy_that_sent_the_scaled_gradients_is_an_error(strategy, overflow):
+    # Its unscale_ leaves the version counters alone, so only the scaler's own hand-over shows it:
+    # without the error, ps would update with 1024x the gradient, and p3 fail at the next backward.
+    options, servers, _ = STRATEGIES[strategy]
+    errors = run_ranks_expect_failure(scaled_steps, WORKERS + servers, strategy, options, overflow,
+                                      servers=servers, wait_for=range(WORKERS), timeout=60)
+    assert sorted(errors) == list(range(WORKERS)), errors
+    for rank, text in errors.items():
+        assert "GradientEditedError" in text and f"rank {rank}: a torch.amp.GradScaler calls optimizer.step()" in text
+        assert "use bf16 autocast" in text, text
 
 
 def test_the_refused_strategies_are_those_that_update_elsewhere():

@@ -54,6 +54,8 @@ class Workload:
     """``real`` (run the model) or ``emulated[:PROFILE]`` (layers take profiled time; :mod:`gradsync.emulate`)."""
     dilation: float = 1.0
     """Emulated compute only: every profiled time is multiplied by this factor."""
+    device: str = "cpu"
+    """Where the model and its batches live (``cuda`` for the GPU checks of the parity tests)."""
 
     def spec(self) -> ModelSpec:
         return _spec(self.model, self.batch_size, self.compute, self.dilation)
@@ -62,7 +64,7 @@ class Workload:
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"unknown optimizer {self.optimizer!r}; valid: {', '.join(OPTIMIZERS)}")
         torch.manual_seed(self.seed)
-        model = self.spec().build().to(getattr(torch, self.dtype))
+        model = self.spec().build().to(getattr(torch, self.dtype)).to(self.device)
         params = [p for p in model.parameters() if p.requires_grad]
         return model, OPTIMIZERS[self.optimizer][0](params, self.lr)
 
@@ -80,6 +82,8 @@ class Workload:
         if self.dtype != "float32":
             dtype = getattr(torch, self.dtype)
             inputs = tuple(x.to(dtype) if x.is_floating_point() else x for x in inputs)
+        if self.device != "cpu":
+            inputs, target = tuple(x.to(self.device) for x in inputs), target.to(self.device)
         return inputs, target
 
 

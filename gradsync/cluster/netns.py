@@ -62,7 +62,12 @@ def format_rate(bps: float) -> str:
 
 
 def require_privileges() -> None:
-    """ConfigError unless this process may create namespaces and qdiscs (root or CAP_NET_ADMIN)."""
+    """ConfigError unless this process may create namespaces and qdiscs: root or CAP_NET_ADMIN, and
+    iproute2's ``ip`` and ``tc`` on the PATH."""
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        raise ConfigError(f"shaped links (--net) need iproute2's ip and tc; {' and '.join(missing)} not found on "
+                          "PATH here: install iproute2 (apt install iproute2), or leave out --net to use loopback")
     if os.geteuid() == 0 or _has_net_admin():
         return
     raise ConfigError("shaped links (--net) need root or CAP_NET_ADMIN to create network namespaces "

@@ -180,7 +180,8 @@ def to_bytes(payload: Payload) -> torch.Tensor:
     header = [len(payload)]
     for part in payload:
         header += [part.numel(), _DTYPES.index(part.dtype)]
-    parts = [torch.tensor(header, dtype=torch.int64).view(torch.uint8)]
+    device = payload[0].device if payload else None
+    parts = [torch.tensor(header, dtype=torch.int64, device=device).view(torch.uint8)]
     parts += [p.reshape(-1).contiguous().view(torch.uint8) for p in payload]
     return torch.cat(parts)
 

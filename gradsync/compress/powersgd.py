@@ -77,7 +77,7 @@ class PowerSGD(Compressor):
         rank = min(self.rank, n, m)
         if self._q is None or self._q.shape != (m, rank) or not self.warm_start:
             gen = torch.Generator().manual_seed(self.seed)
-            self._q = torch.randn(m, rank, generator=gen)
+            self._q = torch.randn(m, rank, generator=gen).to(matrix.device)
         return self._q
 
     def compress(self, tensor: torch.Tensor) -> tuple[Payload, Context]:

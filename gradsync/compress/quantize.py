@@ -39,7 +39,7 @@ def _ternary_codes(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
 
 def _ternary_values(payload: Payload, ctx: Context) -> torch.Tensor:
     codes = bits.unpack(payload[0], 2, ctx.numel).long()
-    return _TERNARY[codes] * payload[1].float()[0]
+    return _TERNARY.to(codes.device)[codes] * payload[1].float()[0]
 
 
 @dataclass
@@ -48,10 +48,11 @@ class _Seeded:
     """Seed of this instance's random generator (strategies derive one per rank and gradient)."""
     _gen: torch.Generator = field(init=False, repr=False, compare=False, default=None)
 
-    def uniform(self, n: int) -> torch.Tensor:
+    def uniform(self, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """``n`` draws in [0, 1) from the host generator (the same sequence on every device), on ``device``."""
         if self._gen is None:
             self._gen = torch.Generator().manual_seed(self.seed)
-        return torch.rand(n, generator=self._gen)
+        return torch.rand(n, generator=self._gen).to(device)
 
 
 @dataclass
@@ -74,8 +75,9 @@ class TBQ(Compressor):
             x = x + self.residual
         keep = x.abs() > self.threshold
         codes = _ternary_codes(x, keep)
-        self.residual = x - _TERNARY[codes.long()] * self.threshold
-        return [bits.pack(codes, 2), torch.tensor([self.threshold])], Context(tensor.shape, tensor.dtype)
+        self.residual = x - _TERNARY.to(x.device)[codes.long()] * self.threshold
+        threshold = torch.tensor([self.threshold], device=x.device)
+        return [bits.pack(codes, 2), threshold], Context(tensor.shape, tensor.dtype)
 
     def decompress(self, payload: Payload, ctx: Context) -> torch.Tensor:
         return _ternary_values(payload, ctx).to(ctx.dtype).view(ctx.shape)
@@ -96,7 +98,7 @@ class TernGrad(_Seeded, Compressor):
             x = x.clamp(-bound, bound)
         size = x.abs()
         scale = size.max() if x.numel() else x.new_zeros(())
-        keep = self.uniform(x.numel()).mul_(scale) < size
+        keep = self.uniform(x.numel(), x.device).mul_(scale) < size
         return [bits.pack(_ternary_codes(x, keep), 2), scale.reshape(1)], Context(tensor.shape, tensor.dtype)
 
     def decompress(self, payload: Payload, ctx: Context) -> torch.Tensor:
@@ -129,7 +131,7 @@ class QSGD(_Seeded, Compressor):
         norms = buckets.norm(dim=1, keepdim=True)
         scaled = (buckets.abs() / norms.clamp(min=torch.finfo(torch.float32).tiny) * self.levels).view(-1)
         level = scaled.floor()
-        level += self.uniform(level.numel()) < scaled - level
+        level += self.uniform(level.numel(), level.device) < scaled - level
         codes = (torch.where(buckets.view(-1) >= 0, level, -level) + self.levels)[: x.numel()]
         return [bits.pack(codes, self.width), norms.view(-1)], Context(tensor.shape, tensor.dtype)
 

@@ -45,8 +45,8 @@ def _count(ratio: float, n: int) -> int:
 
 
 def _scatter(payload: Payload, ctx: Context, indices: torch.Tensor) -> torch.Tensor:
-    out = torch.zeros(ctx.numel, dtype=torch.float32)
-    out.index_put_((indices.long(),), payload[0].float(), accumulate=True)
+    out = torch.zeros(ctx.numel, dtype=torch.float32, device=payload[0].device)
+    out.index_put_((indices.long().to(out.device),), payload[0].float(), accumulate=True)
     return out.to(ctx.dtype).view(ctx.shape)
 
 
@@ -113,7 +113,7 @@ class RandomK(Compressor):
         x = flat(tensor)
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.calls)
         self.calls += 1
-        indices = torch.randperm(x.numel(), generator=gen)[: _count(self.ratio, x.numel())]
+        indices = torch.randperm(x.numel(), generator=gen)[: _count(self.ratio, x.numel())].to(x.device)
         self._last = SparseContext(tensor.shape, tensor.dtype, indices)
         return [x[indices]], self._last
 

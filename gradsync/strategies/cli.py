@@ -33,5 +33,5 @@ def main(args) -> int:
     for name, summary, exact, backends in table:
         print(f"{name:<{widths[0]}}  {exact:<{widths[1]}}  {backends:<{widths[2]}}  {summary}")
     print("\nexact: equal to one process training on every worker's batch (fp32 rounding aside). "
-          "NCCL paths are untested on hardware here (docs/gpu.md).")
+          "NCCL between several GPUs is not tested yet (docs/gpu.md).")
     return 0

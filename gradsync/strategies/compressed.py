@@ -395,6 +395,7 @@ class CompressedSync(BucketedSync):
     def recv(self, worker: int, k: int) -> torch.Tensor:
         message, info = self.ctx.transport.recv_bytes(self.workers[worker], TAG_BASE + k,
                                                       limit=payload_limit(self.buckets[k].numel),
+                                                      device=self.ctx.params[0].device,
                                                       what=f"compressed bucket {k} from rank {self.workers[worker]}")
         if info[0] and self.fault is None:
             self.fault = Fault(*info)

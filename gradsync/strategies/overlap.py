@@ -160,6 +160,7 @@ class SliceOptimizers:
         views, opt, groups = self.of[k]
         if opt is None:
             return
+        mean = mean.to(self.params[0].device)  # slices travel in host memory over Gloo
         for seg, view, count in zip(self.plan.slices[k].segments, views, used):
             if view is not None:
                 view.grad = mean[seg.offset:seg.offset + seg.length] if count else None

@@ -100,6 +100,8 @@ class ParameterServer(Strategy):
         if fuse_kb < 0:
             raise ConfigError(f"fuse_kb must be >= 0 (0: one message per tensor), got {fuse_kb}")
         self.mode = mode
+        if mode == "async":
+            self.backends = ("gloo",)  # a server takes each push from whichever worker sends first
         self.fuse_bytes = int(fuse_kb * 1024)
         self.exact = mode == "sync"
         self.clips = mode == "sync"  # a synchronous server holds its share of the step's mean gradient
@@ -113,6 +115,9 @@ class ParameterServer(Strategy):
         if self.mode == "async" and not self.dedicated:
             raise ConfigError("ps in async mode needs dedicated server ranks: run with `gradsync run "
                               "--servers 1` or more (GRADSYNC_NUM_SERVERS under another launcher)")
+        if self.mode == "async" and ctx.transport.device.type != "cpu":
+            raise ConfigError("ps-async needs Gloo (its servers receive from any worker); NCCL has no such receive. "
+                              "Start the job with GRADSYNC_BACKEND=gloo, or use ps")
         self.servers = topo.server_ranks if self.dedicated else topo.worker_ranks
         self.owner = partition([p.numel() for p in ctx.params], self.servers)
         self._plan_groups()
@@ -345,7 +350,7 @@ class ParameterServer(Strategy):
             return
         t, params, me = self.ctx.transport, self.ctx.params, self.ctx.topology.rank
         grads = [params[i].grad for i in self.owned if params[i].grad is not None] if me in self.servers else []
-        total = torch.zeros(1, dtype=torch.float64, device=t.device)
+        total = torch.zeros(1, dtype=torch.float64, device=params[0].device)
         for grad in grads:
             total += grad.detach().double().square().sum()
         if len(self.servers) > 1:

@@ -44,11 +44,11 @@ class Layout:
         return cls(partitions, tuple(bounds), tuple(owner))
 
     def part_of(self, t: int, ids: torch.Tensor) -> torch.Tensor:
-        return torch.bucketize(ids, self.bounds[t][1:-1], right=True)
+        return torch.bucketize(ids, self.bounds[t][1:-1].to(ids.device), right=True)
 
     def split(self, t: int, ids: torch.Tensor) -> dict[int, torch.Tensor]:
         """The positions in ``ids`` that each server holds: ``{server: index tensor}``."""
-        owners = self.owner[t][self.part_of(t, ids)]
+        owners = self.owner[t].to(ids.device)[self.part_of(t, ids)]
         return {int(s): (owners == s).nonzero().view(-1) for s in torch.unique(self.owner[t])}
 
     def servers_of(self, t: int) -> list[int]:

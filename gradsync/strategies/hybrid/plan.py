@@ -72,7 +72,7 @@ class Planning:
                 self.server.configure(self.layout)
                 if not topo.is_worker:  # a dedicated server holds only its partitions
                     for p in ctx.params:
-                        p.data = torch.empty(0, dtype=p.dtype)
+                        p.data = torch.empty(0, dtype=p.dtype, device=p.device)
             for i in self.sparse:
                 self.restore_sparse[i] = self.modules[i].sparse
                 self.modules[i].sparse = True
@@ -142,7 +142,7 @@ class Planning:
                         continue
                     handles += self._request(server, OP_PROBE_PUSH, t, layout.partitions, ids[where], values[where])
                     handles += self._request(server, OP_PROBE_PULL, t, layout.partitions, ids[where])
-                    answer = torch.empty(where.numel(), values.shape[1], dtype=values.dtype)
+                    answer = torch.empty(where.numel(), values.shape[1], dtype=values.dtype, device=values.device)
                     answers.append(self.ctx.transport.recv_async(answer, server, TAG_ANSWER, what="probe rows"))
             wait_all(answers)
             wait_all(handles)

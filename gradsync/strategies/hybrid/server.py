@@ -27,6 +27,7 @@ class RowServer:
     def __init__(self, owner: Strategy, tables: list[nn.Parameter], workers: list[int], local: bool):
         self.h, self.tables, self.workers = owner, tables, workers
         self.widths, self.dtypes = [p.shape[1] for p in tables], [p.dtype for p in tables]
+        self.devices = [p.device for p in tables]  # where the rows live (the tables may be released later)
         self.row_counts = [p.shape[0] for p in tables]  # a dedicated server later keeps only its partitions
         self.me = owner.ctx.topology.rank
         self.remote = set(w for w in workers if w != self.me)
@@ -118,13 +119,14 @@ class RowServer:
                         self.remote.discard(src)
                         self.cond.notify_all()
                     continue
-                ids = torch.empty(n, dtype=torch.int64)
+                device = self.devices[table]  # the transport stages what Gloo moves through host memory
+                ids = torch.empty(n, dtype=torch.int64, device=device)
                 if n:
                     t.recv_async(ids, src, TAG_REQUEST, what=f"row ids from rank {src}", traced=False).wait(background=True)
                     self._check_ids(src, table, ids)
                 values = None
                 if op in (OP_PUSH, OP_PROBE_PUSH):
-                    values = torch.empty(n, self.widths[table], dtype=self.dtypes[table])
+                    values = torch.empty(n, self.widths[table], dtype=self.dtypes[table], device=device)
                     if n:
                         t.recv_async(values, src, TAG_REQUEST, what=f"rows from rank {src}", traced=False).wait(background=True)
                 self.handle(src, op, step, table, partitions, ids, values, bool(used), _lr(lr_bits))
@@ -146,7 +148,7 @@ class RowServer:
         """Row ids a worker sent: within the table (``owned``: within this server's partitions)."""
         rows = self.row_counts[table]
         if owned:
-            inside = torch.zeros(ids.shape, dtype=torch.bool)
+            inside = torch.zeros(ids.shape, dtype=torch.bool, device=ids.device)
             for lo, hi, _ in self.parts[table]:
                 inside |= (ids >= lo) & (ids < hi)
         else:
@@ -159,7 +161,8 @@ class RowServer:
     def handle(self, src: int, op: int, step: int, table: int, partitions: int, ids: torch.Tensor,
                values: torch.Tensor | None, used: bool, lr: float) -> None:
         if op == OP_PROBE_PUSH:  # the aggregation's cost, not its result
-            torch.zeros(ids.numel(), values.shape[1], dtype=values.dtype).index_add_(0, torch.arange(ids.numel()), values)
+            torch.zeros(ids.numel(), values.shape[1], dtype=values.dtype, device=values.device).index_add_(
+                0, torch.arange(ids.numel(), device=values.device), values)
             return
         if op == OP_PROBE_PULL:
             self._send(src, self.tables[table].data[ids], "probe rows")
@@ -242,7 +245,7 @@ class RowServer:
             self._push(*push)
 
     def rows(self, table: int, ids: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(ids.numel(), self.widths[table], dtype=self.dtypes[table])
+        out = torch.empty(ids.numel(), self.widths[table], dtype=self.dtypes[table], device=self.devices[table])
         for lo, hi, p in self.parts[table]:
             mask = (ids >= lo) & (ids < hi)
             out[mask] = p.data[ids[mask] - lo]

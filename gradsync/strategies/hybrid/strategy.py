@@ -118,7 +118,7 @@ class Hybrid(Planning, Strategy):
                 continue
             wanted = uniq[where]
             self.sends += self._request(server, OP_PULL, t, self.layout.partitions, wanted)
-            rows = torch.empty(wanted.numel(), p.shape[1], dtype=p.dtype)
+            rows = torch.empty(wanted.numel(), p.shape[1], dtype=p.dtype, device=p.device)
             answers.append((wanted, rows, self.ctx.transport.recv_async(
                 rows, server, TAG_ANSWER, what=f"rows of {name!r} from rank {server}")))
         with torch.no_grad():
@@ -151,7 +151,8 @@ class Hybrid(Planning, Strategy):
         p, name = self.ctx.params[index], self.ctx.names[index]
         grad = p.grad
         if grad is None:
-            return torch.empty(0, dtype=torch.int64), torch.empty(0, p.shape[1], dtype=p.dtype)
+            return (torch.empty(0, dtype=torch.int64, device=p.device),
+                    torch.empty(0, p.shape[1], dtype=p.dtype, device=p.device))
         if not grad.is_sparse:
             if self.decided and self.step_no > 0:
                 raise GradsyncError(
