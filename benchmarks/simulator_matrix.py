@@ -202,6 +202,9 @@ def main() -> None:
     parser.add_argument("--concurrency", action="store_true",
                         help="measure how fast host work runs with every core at it (measure_concurrency) and keep "
                              "it with the matrix's rates, for the groups recorded without their own")
+    parser.add_argument("--codecs", default="",
+                        help="indices of GROUPS (recorded on this machine) whose compressors' costs to measure again, "
+                             "as the ranks meet them (calibrate_codecs), without running them again")
     args = parser.parse_args()
     from gradsync.simulate.validate import calibrate_codecs
 
@@ -256,7 +259,14 @@ def main() -> None:
                        "groups": groups},
                       f, indent=1)
         print(f"group {index} ({model}, {np} workers, {rate}) recorded", flush=True)
-    if args.message_cost or args.concurrency or args.handoff:
+    for index in (int(i) for i in args.codecs.split(",") if i):
+        shown = " ".join(command(*GROUPS[index][:5], "", *GROUPS[index][5:])[:-2])
+        group = next(g for g in groups if g["command"] == shown)
+        group["codecs"], group["codecs_note"] = calibrate_codecs(CODECS), (
+            "compressors' costs measured again after the run, on the same machine, under the ranks' allocator "
+            "settings (the first measurement, in the recording process, paid fresh pages on every decode)")
+        print(f"group {index}: codecs {group['codecs']}", flush=True)
+    if args.message_cost or args.concurrency or args.handoff or args.codecs:
         with open(args.out, "w") as f:
             json.dump({**kept, "cores": os.cpu_count(), "latency_s": 50e-6, "host_rates": host_rates, "codecs": codecs,
                        "groups": groups}, f, indent=1)

@@ -213,9 +213,8 @@ def _refuse_grad_scaler(sync: _Sync) -> None:
         f"rank {runtime.current().topology.rank}: a torch.amp.GradScaler calls optimizer.step(), but strategy "
         f"{sync.strategy.name!r} sent the gradients during backward, still multiplied by the loss scale, and "
         "updates elsewhere: the update would use them scaled, and could not skip a step whose gradients "
-        "overflowed. For mixed precision use "
-        "bf16 autocast, which needs no GradScaler, or a strategy that synchronizes at the end of backward "
-        "(allreduce, ddp, casync-ring, casync-ps, compressed-allgather)")
+        "overflowed. For mixed precision use bf16 autocast, which needs no GradScaler, or a strategy that "
+        "synchronizes at the end of backward (allreduce, ddp, casync-ring, casync-ps, compressed-allgather)")
 
 
 def _wrap_optimizer(optimizer: torch.optim.Optimizer, sync: _Sync) -> torch.optim.Optimizer:

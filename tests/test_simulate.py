@@ -1,6 +1,7 @@
 """The simulator against small cases computed by hand: the event engine's fair sharing, a
 2-worker ring, one parameter server, P3 slices under credit, hybrid's row pulls and pushes; and `gradsync simulate` itself."""
 import json
+import sys
 
 import pytest
 
@@ -200,6 +201,31 @@ def quarter_codec(monkeypatch):
                             (Linear(0.0, encode_s_per_byte), Linear(0.0, decode_s_per_byte), 0.25))
     use()
     return use
+
+
+def test_compressors_are_timed_in_a_child_with_the_ranks_allocator(monkeypatch):
+    # As a rank meets them: in this process a decode's fresh output above glibc's mmap ceiling is
+    # fresh pages every call, which a rank (freed blocks kept) never pays.
+    from gradsync.bench.cli import EMULATED_ALLOCATOR
+    from gradsync.simulate import compressed
+
+    monkeypatch.delitem(compressed._CODECS, ("onebit", ()), raising=False)
+    seen = {}
+    real_run = compressed.subprocess.run
+
+    def run(argv, env, **kwargs):
+        seen.update(env)
+        return real_run(argv, env=env, **kwargs)
+
+    monkeypatch.setattr(compressed.subprocess, "run", run)
+    cost = compressed.codec_cost("onebit", {}, 1.0)
+    assert all(seen[k] == v for k, v in EMULATED_ALLOCATOR.items()) and seen["THP_MEM_ALLOC_ENABLE"] == "1"
+    assert abs(cost.ratio - 1 / 32) < 1e-3 and cost.encode(32 << 20) > 0 and cost.decode(32 << 20) > 0
+    monkeypatch.setattr(compressed.subprocess, "run", lambda *a, **k: real_run(
+        [sys.executable, "-c", "raise SystemExit('no such compressor here')"], capture_output=True, text=True))
+    compressed._CODECS.pop(("onebit", ()))
+    with pytest.raises(RuntimeError, match="measuring compressor 'onebit' failed in a child process: no such"):
+        compressed.codec_cost("onebit", {}, 1.0)
 
 
 def test_compressed_strategies_move_their_patterns_bytes(quarter_codec):

@@ -15,7 +15,8 @@ The costs come from the strategy and the compressor themselves:
   (:func:`gradsync.strategies.costmodel.decide_ring` / ``decide_ps``) fed the simulated network's
   latency and rate and the compressor's measured costs, or ``default_parts`` without ``selective``;
 - encode and decode times and the wire ratio: :func:`gradsync.strategies.costmodel.measure_codec`
-  on this machine (one thread), divided by :attr:`Host.codec_speed`;
+  on this machine (one thread, in a child process with the emulated ranks' allocator settings, as
+  a rank meets its codec), divided by :attr:`Host.codec_speed`;
 - the message pattern per bucket of ``s`` bytes, ``N`` workers, ratio ``r``: as each strategy's
   docstring gives it (a ring: ``2 (N-1)`` hops of ``r s / N``, each hop's decode-merge-encode after
   its message; CaSync-PS: pushes, the aggregator's decode-merge-encode, answers; all-gather:
@@ -24,6 +25,10 @@ The costs come from the strategy and the compressor themselves:
 """
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
 from typing import Callable
 
@@ -52,22 +57,45 @@ def codec_cost(name: str, options: dict, speed: float) -> CodecCost:
     """Measured once per process and compressor on this machine's CPU (one thread), scaled by ``speed``
     (or taken from :data:`_CODECS`, where :mod:`gradsync.simulate.validate` puts the rates of the
     machine that recorded its matrix)."""
-    import torch
-
     from gradsync.compress import build
 
     key = (name, tuple(sorted(options.items())))
     if key not in _CODECS:
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            _CODECS[key] = costmodel.measure_codec(lambda: build(name, **options), torch.float32, PROBE_NUMEL)
-        finally:
-            torch.set_num_threads(threads)
+        _CODECS[key] = _measured_as_a_rank(name, options)
     enc, dec, ratio = _CODECS[key]
     probe = build(name, **options)
     scale = lambda line: costmodel.Linear(line.a / speed, line.b / speed)  # noqa: E731
     return CodecCost(scale(enc), scale(dec), ratio, bool(probe.summable))
+
+
+def _measured_as_a_rank(name: str, options: dict) -> tuple:
+    """``measure_codec`` in a child process under the allocator settings of the ranks (freed blocks
+    kept, large tensors on transparent huge pages: ``gradsync.bench.cli.EMULATED_ALLOCATOR``). In a
+    plain process a decode's fresh output above glibc's 32 MB mmap ceiling is fresh pages on every
+    call, which the ranks never pay (onebit's decode on a 2-core EPYC: 0.73 against 0.05 ns a byte)."""
+    from gradsync.bench.cli import EMULATED_ALLOCATOR
+    from gradsync.strategies.costmodel import Linear
+
+    code = ("import json, sys; from gradsync.simulate.compressed import measure_here; "
+            "print(json.dumps(measure_here(*json.loads(sys.argv[1]))))")
+    env = {**os.environ, "THP_MEM_ALLOC_ENABLE": "1", **EMULATED_ALLOCATOR}
+    run = subprocess.run([sys.executable, "-c", code, json.dumps([name, options])], env=env,
+                         capture_output=True, text=True)
+    if run.returncode:
+        raise RuntimeError(f"measuring compressor {name!r} failed in a child process: {run.stderr.strip()[-2000:]}")
+    ea, eb, da, db, ratio = json.loads(run.stdout.strip().splitlines()[-1])
+    return Linear(ea, eb), Linear(da, db), ratio
+
+
+def measure_here(name: str, options: dict) -> list[float]:
+    """Encode and decode cost lines and ratio of compressor ``name`` in this process, one thread."""
+    import torch
+
+    from gradsync.compress import build
+
+    torch.set_num_threads(1)
+    enc, dec, ratio = costmodel.measure_codec(lambda: build(name, **options), torch.float32, PROBE_NUMEL)
+    return [enc.a, enc.b, dec.a, dec.b, ratio]
 
 
 class CompressedBuckets(StrategyModel):

@@ -133,16 +133,17 @@ def _host(record: dict, rates: dict, cores: int):
     divides every time) and shared by the ranks on its cores; where two or more ranks work at once,
     at the fraction of a lone process's rates measured with every core at it (``concurrent``:
     memory bandwidth the cores share; the mean of it and ``concurrent_after`` where the group
-    measured it once more after its run)."""
+    measured it once more after its run). The compressors' work, a pass or two over each bucket,
+    runs at the copies' fraction."""
     from gradsync.simulate import Host
 
     ranks = record["np"] + record.get("servers", 0)
     share = max(1.0, ranks / cores)
     k = record.get("dilation", 1.0)
     together = [rates[key] for key in ("concurrent", "concurrent_after") if key in rates and min(ranks, cores) > 1]
-    copy, update = (rates[key] * statistics.fmean([t[key] for t in together] or [1.0])
-                    for key in ("copy_Bps", "update_Bps"))
-    return Host(copy * k / share, update * k / share, codec_speed=k / share,
+    fraction = {key: statistics.fmean([t[key] for t in together] or [1.0]) for key in ("copy_Bps", "update_Bps")}
+    copy, update = (rates[key] * fraction[key] for key in ("copy_Bps", "update_Bps"))
+    return Host(copy * k / share, update * k / share, codec_speed=fraction["copy_Bps"] * k / share,
                 handoff_s=rates.get("handoff_s", 20e-6) * share / k, message_s=rates.get("message_s", 0.0) * share / k)
 
 
