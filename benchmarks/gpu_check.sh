@@ -59,7 +59,7 @@ want nccl && step nccl 90 env GRADSYNC_TEST_DEVICE=cuda \
     python3 -m pytest -q -p no:cacheprovider -n 4 tests/test_parity.py::test_matches_single_process_reference -k "$select"
 # 3. The example on NCCL, and more ranks than GPUs.
 if want examples; then
-    for s in allreduce ddp casync-ring compressed-allgather sma p3 ps-sliced allreduce-priority ps; do
+    for s in allreduce ddp casync-ring casync-ps compressed-allgather sma p3 ps-sliced allreduce-priority ps; do
         step example 40 gradsync run -np "$gpus" -- python3 examples/train.py --device cuda --amp --strategy "$s" --steps 20
     done
     for s in allreduce ddp; do
