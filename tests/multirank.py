@@ -54,13 +54,13 @@ def _child(fn, rank, world_size, servers, port, env, args, results):
         results.put((rank, "ok", buffer.getvalue()))
     except BaseException as exc:  # noqa: BLE001 - every failure, SystemExit included, goes to the parent
         results.put((rank, "error", traceback.format_exc()))
+        results.close()
+        results.join_thread()  # the report reaches the parent now, even if the clean-up below blocks
         try:  # what a script's exit does: rank 0 keeps the store up while the others name the failed rank
             gradsync.runtime.abandon(exc)
             gradsync.shutdown()
         except BaseException:  # noqa: BLE001 - already failed; the report above is what counts
             pass
-        results.close()
-        results.join_thread()  # flush the report: os._exit skips the queue's own flush at exit
         os._exit(1)
 
 

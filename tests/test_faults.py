@@ -256,10 +256,16 @@ def test_a_peer_stopped_before_the_next_operation_is_named_within_the_timeout_of
 
 
 def stop_the_store_host_at_start():
-    """Rank 0, which serves the store, stops right after joining; rank 1 computes for 2 s, then
-    distributes (its first operation, the model check): the error is re-raised with its seconds."""
+    """Rank 0, which serves the store, stops right after every rank joined; rank 1 computes for 2 s,
+    then distributes (its first operation, the model check): the error is re-raised with its seconds.
+    Rank 0 waits for rank 1's word that its gradsync.init() returned: stopped earlier, it would
+    leave rank 1 in the rendezvous, which waits for a late store host far longer (RENDEZVOUS_MIN_S)."""
+    store = gradsync.runtime.current().store
     if gradsync.topology().rank == 0:
+        store.wait(["rank 1 joined"])
         os.kill(os.getpid(), signal.SIGSTOP)
+    else:
+        store.set("rank 1 joined", "1")
     start = time.monotonic()
     time.sleep(2.0)
     model = mlp()
