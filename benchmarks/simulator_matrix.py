@@ -104,12 +104,12 @@ def _calibrated(count: int, seconds: float | None = None) -> list[dict]:
     (and large tensors on transparent huge pages, the bench's default): each process's rates.
     With ``seconds``, every process measures each rate for that long from one common start (a few
     seconds ahead: the processes import torch first), so that their work overlaps."""
-    from gradsync.bench.cli import EMULATED_ALLOCATOR
+    from gradsync.bench.cli import emulated_rank_env
 
     timing = "" if seconds is None else f"start_at={time.time() + 8.0!r}, seconds={seconds!r}, handoff_repeats=0"
     code = ("import json; from gradsync.simulate.validate import calibrate; "
             f"print(json.dumps(calibrate({timing})))")
-    env = {**os.environ, "THP_MEM_ALLOC_ENABLE": "1", **EMULATED_ALLOCATOR}
+    env = {**os.environ, **emulated_rank_env()}
     runs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
             for _ in range(count)]
     outs = [run.communicate()[0] for run in runs]

@@ -42,6 +42,14 @@ of a 101.6 MB partition, whose optimizer makes a partition-sized temporary every
 as long on a thread of its own arena, ``python benchmarks/server_update.py [--own-arenas]``.)"""
 
 
+def emulated_rank_env() -> dict[str, str]:
+    """The environment an emulated run's ranks do their host work under (:data:`EMULATED_ALLOCATOR`,
+    tensors of 2 MB and more on transparent huge pages unless ``THP_MEM_ALLOC_ENABLE`` says
+    otherwise): a measurement of that work (the simulator's host rates and compressor costs) runs
+    under it too."""
+    return {"THP_MEM_ALLOC_ENABLE": os.environ.get("THP_MEM_ALLOC_ENABLE", "1"), **EMULATED_ALLOCATOR}
+
+
 def _run_ranks(config: dict, run_dir: str) -> int:
     from gradsync.launch import launch_local
     from gradsync.launch.emulated import launch_emulated
@@ -62,7 +70,7 @@ def _run_ranks(config: dict, run_dir: str) -> int:
     env = {"GRADSYNC_TIMEOUT": "600", "OMP_NUM_THREADS": str(config["threads"]),
            "THP_MEM_ALLOC_ENABLE": os.environ.get("THP_MEM_ALLOC_ENABLE", "1")}
     if config["workload"]["compute"] != "real":
-        env.update(EMULATED_ALLOCATOR)
+        env.update(emulated_rank_env())
     command = [sys.executable, "-m", "gradsync.bench.worker", run_dir]
     if config.get("machine"):  # the other hosts get config.json over ssh and send their traces back
         from gradsync.launch.remote import PYTHON, launch_hosts

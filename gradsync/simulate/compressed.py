@@ -54,7 +54,8 @@ class CodecCost:
 
 
 def codec_cost(name: str, options: dict, speed: float) -> CodecCost:
-    """Measured once per process and compressor on this machine's CPU (one thread), scaled by ``speed``
+    """Measured once per process and compressor on this machine's CPU (one thread, as a rank meets
+    it: :func:`_measured_as_a_rank`), scaled by ``speed``
     (or taken from :data:`_CODECS`, where :mod:`gradsync.simulate.validate` puts the rates of the
     machine that recorded its matrix)."""
     from gradsync.compress import build
@@ -70,15 +71,15 @@ def codec_cost(name: str, options: dict, speed: float) -> CodecCost:
 
 def _measured_as_a_rank(name: str, options: dict) -> tuple:
     """``measure_codec`` in a child process under the allocator settings of the ranks (freed blocks
-    kept, large tensors on transparent huge pages: ``gradsync.bench.cli.EMULATED_ALLOCATOR``). In a
+    kept, large tensors on transparent huge pages: ``gradsync.bench.cli.emulated_rank_env``). In a
     plain process a decode's fresh output above glibc's 32 MB mmap ceiling is fresh pages on every
     call, which the ranks never pay (onebit's decode on a 2-core EPYC: 0.73 against 0.05 ns a byte)."""
-    from gradsync.bench.cli import EMULATED_ALLOCATOR
+    from gradsync.bench.cli import emulated_rank_env
     from gradsync.strategies.costmodel import Linear
 
     code = ("import json, sys; from gradsync.simulate.compressed import measure_here; "
             "print(json.dumps(measure_here(*json.loads(sys.argv[1]))))")
-    env = {**os.environ, "THP_MEM_ALLOC_ENABLE": "1", **EMULATED_ALLOCATOR}
+    env = {**os.environ, **emulated_rank_env()}
     run = subprocess.run([sys.executable, "-c", code, json.dumps([name, options])], env=env,
                          capture_output=True, text=True)
     if run.returncode:
