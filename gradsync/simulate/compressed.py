@@ -73,7 +73,7 @@ def _measured_as_a_rank(name: str, options: dict) -> tuple:
     """``measure_codec`` in a child process under the allocator settings of the ranks (freed blocks
     kept, large tensors on transparent huge pages: ``gradsync.bench.cli.emulated_rank_env``). In a
     plain process a decode's fresh output above glibc's 32 MB mmap ceiling is fresh pages on every
-    call, which the ranks never pay (onebit's decode on a 2-core EPYC: 0.73 against 0.05 ns a byte)."""
+    call, which the ranks never pay (onebit's decode on a 2-core EPYC: 0.65-0.73 against 0.05-0.10 ns a byte)."""
     from gradsync.bench.cli import emulated_rank_env
     from gradsync.strategies.costmodel import Linear
 
