@@ -276,6 +276,7 @@ def _wrap_optimizer(optimizer: torch.optim.Optimizer, sync: _Sync) -> torch.opti
         with the same strategy. Parameters in flight are finished first; state spread over the
         workers (``ps``, ``p3``) is gathered and handed to the new strategy."""
         new = resolve(strategy, **options)
+        _check_backend(new, runtime.current().transport)
         old = sync.strategy
         topo = runtime.current().topology
         if topo.num_servers and (old.uses_servers or new.uses_servers):
@@ -388,6 +389,19 @@ def reattach(optimizer, strategy: Strategy) -> None:
     runtime.on_shutdown(sync.close)
 
 
+def _check_backend(strategy: Strategy, transport) -> None:
+    """Refuse a strategy on a backend it does not run on (``Strategy.backends``): NCCL has no
+    receive from whichever peer sends first, which the servers of ``ps-async``, ``hybrid`` and
+    ``pair-averaging`` wait on."""
+    backend = "nccl" if transport.device.type == "cuda" else "gloo"
+    if backend not in strategy.backends:
+        names = " or ".join(b.upper() if b == "nccl" else b.capitalize() for b in strategy.backends)
+        raise ConfigError(f"rank {runtime.current().topology.rank}: strategy {strategy.name!r} runs on {names} only (its servers "
+                          f"receive from whichever peer sends first, which {backend.upper()} cannot); start the job "
+                          "with GRADSYNC_BACKEND=gloo (tensors on a GPU are then staged through host memory) or "
+                          "pick a strategy that runs on NCCL (`gradsync strategies` lists them)")
+
+
 def _check_clip(clip: float | None, strategy: Strategy) -> None:
     if clip is None:
         return
@@ -428,6 +442,7 @@ def distribute(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str
     strategy = resolve(strategy, **options)
     _check_clip(clip_grad_norm, strategy)
     rt = runtime.current()
+    _check_backend(strategy, rt.transport)
     topology = rt.topology
     if getattr(optimizer, "_gradsync", None) is not None:
         raise ConfigError("this optimizer was already passed to gradsync.distribute")

@@ -307,3 +307,21 @@ def test_nccl_refuses_a_host_with_fewer_gpus_than_ranks(monkeypatch):
     monkeypatch.delenv("LOCAL_WORLD_SIZE")  # a launcher that does not say: a rank past the GPUs
     with pytest.raises(ConfigError, match=r"server 0 \(rank 1\), local rank 1: NCCL needs a GPU for every rank"):
         _nccl_device(Topology(2, 1, 1, 1))
+
+
+@pytest.mark.parametrize("name", ["ps-async", "hybrid", "pair-averaging"])
+def test_a_strategy_on_a_backend_it_does_not_run_on_is_refused(monkeypatch, name):
+    # Their servers receive from whichever peer sends first; NCCL has no such receive.
+    from types import SimpleNamespace
+
+    from gradsync import runtime
+    from gradsync.distribute import _check_backend
+    from gradsync.strategies import resolve
+
+    monkeypatch.setattr(runtime, "current", lambda: SimpleNamespace(topology=SimpleNamespace(rank=3)))
+    strategy = resolve(name)
+    _check_backend(strategy, SimpleNamespace(device=torch.device("cpu")))  # Gloo: fine
+    with pytest.raises(ConfigError, match=rf"rank 3: strategy '{name}' runs on Gloo only .* NCCL cannot\); "
+                                          r"start the job with GRADSYNC_BACKEND=gloo"):
+        _check_backend(strategy, SimpleNamespace(device=torch.device("cuda", 0)))
+    _check_backend(resolve("ps"), SimpleNamespace(device=torch.device("cuda", 0)))  # runs on both

@@ -58,9 +58,11 @@ def resolve(strategy: str | Strategy, **options: Any) -> Strategy:
     if strategy not in STRATEGIES:
         raise ConfigError(f"unknown strategy {strategy!r}; valid strategies: {', '.join(strategy_names())}")
     try:
-        return STRATEGIES[strategy](**options)
+        made = STRATEGIES[strategy](**options)
     except TypeError as exc:
         raise ConfigError(f"invalid options for strategy {strategy!r}: {exc}") from None
+    made.name = strategy  # the name it was asked by ("ps-async", not its class's "ps"), which errors quote
+    return made
 
 
 __all__ = ["STRATEGIES", "AllReduce", "CaSyncPS", "CaSyncRing", "CompressedAllGather", "DDP", "Hybrid", "P3", "PairAveraging", "ParameterServer", "SMA", "PriorityAllReduce", "Strategy", "SyncContext",

@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch
 
 from gradsync import runtime
-from gradsync.errors import ConfigError, GradsyncError
+from gradsync.errors import GradsyncError
 from gradsync.strategies.base import Strategy, SyncContext
 from gradsync.transport import check_peer
 
@@ -43,8 +43,6 @@ class PairAveraging(Strategy):
 
     def attach(self, ctx: SyncContext) -> None:
         super().attach(ctx)
-        if ctx.transport.device.type != "cpu":
-            raise ConfigError("pair-averaging needs Gloo (receives from any source); NCCL has none")
         topo = ctx.topology
         self.me, self.peers = topo.rank, [r for r in topo.worker_ranks if r != topo.rank]
         self.rng = random.Random(self.seed * 7919 + topo.rank)

@@ -115,9 +115,6 @@ class ParameterServer(Strategy):
         if self.mode == "async" and not self.dedicated:
             raise ConfigError("ps in async mode needs dedicated server ranks: run with `gradsync run "
                               "--servers 1` or more (GRADSYNC_NUM_SERVERS under another launcher)")
-        if self.mode == "async" and ctx.transport.device.type != "cpu":
-            raise ConfigError("ps-async needs Gloo (its servers receive from any worker); NCCL has no such receive. "
-                              "Start the job with GRADSYNC_BACKEND=gloo, or use ps")
         self.servers = topo.server_ranks if self.dedicated else topo.worker_ranks
         self.owner = partition([p.numel() for p in ctx.params], self.servers)
         self._plan_groups()

@@ -63,8 +63,6 @@ class Hybrid(Planning, Strategy):
                                   "nn.Embedding or nn.EmbeddingBag (the lookups whose row ids hybrid sees)")
         forced_dense = {names[n] for n in self.force_dense}
         self.candidates = [i for i in sorted(self.modules) if i not in forced_dense]
-        if self.candidates and ctx.transport.device.type != "cpu":
-            raise ConfigError("hybrid's parameter servers need Gloo (they receive from any source); NCCL has none")
         self.optimizer_class = type(ctx.optimizer)  # before distribute wraps it
         self.servers = topo.server_ranks if topo.num_servers else topo.worker_ranks
         self.step_no = 0
