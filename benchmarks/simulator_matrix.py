@@ -6,7 +6,7 @@ Runs one ``gradsync bench --compute emulated`` per (model, workers, link rate) o
 cluster (root needed), with every simulated strategy side by side, and writes the records, each
 group with its exact command and the host rates measured just before it (copy and update, alone
 and as a fraction of that with every core at it, the fraction again just after the run; a thread
-handoff; for a group with ``p3`` or ``ps-sliced`` the cost of a slice message's end too, and for
+handoff; for a group with ``p3``, ``ps-sliced`` or ``hybrid`` the cost of a message's end too, and for
 one with compressed strategies the compressors' costs), as the validation matrix. ``--groups``
 picks a subset by index (``--groups ""``: none);
 ``--message-cost`` measures the host cost of a slice message's end on loopback
@@ -31,7 +31,7 @@ SERVED = "ps,ps-async,p3"
 TABLES = "allreduce,ps,ddp"  # beside hybrid, which has groups of its own (below)
 LM_COMPUTE = "emulated:flops:11.11tflops"  # lstm-lm's shipped V100 rate, on the CPU-sized shape
 CODECS = ["onebit"]  # the compressed strategies' default
-SLICED = {"p3", "ps-sliced"}  # the strategies whose step Host.message_s can bound
+MESSAGED = {"p3", "ps-sliced", "hybrid"}  # the strategies whose Python threads handle each message (Host.message_s)
 COMPRESSED = {"casync-ring", "casync-ps", "compressed-allgather"}
 GROUPS = [  # (model, workers, rate, dedicated servers, strategies[, compute[, rounds]])
     ("resnet50", 2, "1gbit", 0, EXACT), ("resnet50", 4, "1gbit", 0, EXACT),
@@ -233,7 +233,7 @@ def main() -> None:
         model, np, rate, servers, strategies, *more = GROUPS[index]
         rates = measure_host_rates()  # the machine's host work as this group met it
         names = set(strategies.split(","))
-        if names & SLICED:  # and its Python's per-message cost, where slices bound the step
+        if names & MESSAGED:  # and its Python's per-message cost, where messages can bound the step
             rates["message_s"] = measure_message_cost(rates)["message_s"]
         own_codecs = calibrate_codecs(CODECS) if names & COMPRESSED else None
         with tempfile.TemporaryDirectory() as tmp:

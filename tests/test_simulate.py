@@ -291,6 +291,22 @@ def test_hybrid_servers_apply_every_table_before_answering_the_next_pull():
     assert record["step_s"] == pytest.approx(5.0)
 
 
+def test_hybrid_messages_cost_their_python_threads_one_end_at_a_time():
+    # One table, 2 co-located workers, a free wire and host, 1 s a message end (Host.message_s),
+    # as the strategy's code sends them. Pull: the worker sends a header and the ids to the other
+    # server (2 s), that server takes them (2 s) and sends the rows (1 s), the worker takes them
+    # (1 s). Push: header, ids and rows sent (3 s) and taken (3 s). The next pull waits for the
+    # push to be applied: 12 s a step, all under one interpreter lock per process.
+    host = Host(copy_Bps=1e18, update_Bps=1e18, handoff_s=0.0, message_s=1.0)
+    free = Network(rate_bps=None, latency_s=0.0)
+    assert simulate("hybrid", _with_table(10), 2, free, host=host, steps=4, warmup=1)["step_s"] == pytest.approx(12.0)
+    # One dedicated server hears from both workers on its own interpreter: a pull is 2 + 4 + 2 + 1
+    # ends, a push 3 + 6: 18 s a step.
+    assert simulate("hybrid", _with_table(10), 2, free, host=host, servers=1, steps=4,
+                    warmup=1)["step_s"] == pytest.approx(18.0)
+    assert simulate("hybrid", _with_table(10), 2, free, host=FREE_HOST, steps=4, warmup=1)["step_s"] == pytest.approx(0.0)
+
+
 def test_hybrid_keeps_a_table_most_of_which_a_step_reads_dense_as_the_strategy_decides():
     # 60 of 100 rows read by each of 2 workers: above (N-1)/N = 0.5, so the table is all-reduced
     # like the rest, and hybrid is allreduce; sparse_threshold=0.7 sends it to the servers.

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from gradsync.cli import output_file
+
 DEFAULT_STRATEGIES = ["ddp", "allreduce", "ps", "ps-async"]
 AUTO_REAL_RATE = 1e9  # bits/s: the fastest real link rate --dilation auto allows (see docs/emulation.md)
 
@@ -38,7 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "noise-scale, variance (exact) or variance-sampled (gradsync.adapt)")
     p.add_argument("--set", action="append", default=[], metavar="STRATEGY.KEY=VALUE",
                    help="a strategy option, e.g. ps.fuse_kb=0 or allreduce.bucket_mb=4 (repeatable)")
-    p.add_argument("--json", metavar="FILE", help="write one record per strategy to FILE")
+    p.add_argument("--json", metavar="FILE", type=output_file, help="write one record per strategy to FILE")
     p.add_argument("--out", metavar="DIR", help="write the chart (bench.png) and records (bench.json) to DIR")
     p.add_argument("--check-steps", type=int, default=5,
                    help="steps of the float64 correctness replay (default 5; 0 skips the check)")
@@ -60,7 +62,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="before measuring, search each tunable strategy's knobs (p3: slice size and credit; "
                         "allreduce-priority: partition size and credit) on the live cluster, and report every probe")
     p.add_argument("--tune-steps", type=int, default=6, help="measured steps per tuning probe (default 6)")
-    p.add_argument("--trace", metavar="FILE", help="write a Chrome trace of the last round (open in ui.perfetto.dev)")
+    p.add_argument("--trace", metavar="FILE", type=output_file, help="write a Chrome trace of the last round (open in ui.perfetto.dev)")
 
 
 def _rates(args, parser_error) -> list[float | None]:

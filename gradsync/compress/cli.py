@@ -15,6 +15,8 @@ import statistics
 import sys
 import time
 
+from gradsync.cli import output_file
+
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("codecs", help="measure compressors' encode/decode speed, ratio and error",
@@ -27,14 +29,14 @@ def add_parser(subparsers) -> None:
                    help="matrix view for PowerSGD: rows=N (default 1024; the tensor is N x size/N)")
     p.add_argument("--repeats", type=int, default=5, help="timed calls per compressor (default 5)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1, like one bench rank)")
-    p.add_argument("--json", metavar="FILE", help="write one record per compressor to FILE")
+    p.add_argument("--json", metavar="FILE", type=output_file, help="write one record per compressor to FILE")
     p.add_argument("--convergence", action="store_true",
                    help="instead: train a seeded teacher task with each compressor, with and without error "
                         "feedback, against exact averaging (see gradsync.compress.convergence)")
     p.add_argument("--steps", type=int, default=600, help="--convergence: SGD steps (default 600)")
     p.add_argument("--lr", type=float, default=0.3, help="--convergence: learning rate (default 0.3)")
     p.add_argument("--workers", type=int, default=4, help="--convergence: simulated workers (default 4)")
-    p.add_argument("--plot", metavar="FILE", help="--convergence: write the loss curves to FILE (png)")
+    p.add_argument("--plot", metavar="FILE", type=output_file, help="--convergence: write the loss curves to FILE (png)")
     p.set_defaults(handler=main)
 
 

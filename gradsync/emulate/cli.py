@@ -16,6 +16,8 @@ import os
 import subprocess
 import sys
 
+from gradsync.cli import output_file
+
 SUMMARY_ROWS = 20
 
 
@@ -37,7 +39,7 @@ def add_parser(subparsers) -> None:
                    help="derive from FLOPs, then scale so that a step takes batch-size/SAMPLES_PER_S seconds")
     p.add_argument("--device-name", help="with --flops/--throughput: what the times stand for (the profile's device)")
     p.add_argument("--note", help="appended to the profile's source (e.g. where a throughput was published)")
-    p.add_argument("--out", metavar="FILE", help="write the profile here (default: JSON on stdout)")
+    p.add_argument("--out", metavar="FILE", type=output_file, help="write the profile here (default: JSON on stdout)")
     p.set_defaults(handler=main)
 
 

@@ -17,6 +17,8 @@ import os
 import sys
 import time
 
+from gradsync.cli import output_file
+
 DEFAULT_STRATEGIES = ["ddp", "allreduce", "ps", "p3"]
 
 
@@ -29,8 +31,9 @@ def add_host_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--codec-speed", type=float, default=1.0,
                    help="compressors run this many times faster than on this machine's CPU, one thread (default 1)")
     p.add_argument("--message-us", type=float, default=0.0,
-                   help="host CPU per end of a p3/ps-sliced slice message, one at a time per process (default 0: not "
-                        "counted; about 580 on a 2-core cloud VM, docs/simulate.md)")
+                   help="host CPU per end of a point-to-point message sent from Python (p3's and ps-sliced's slices, "
+                        "hybrid's row requests and answers), one at a time per process (default 0: not counted; "
+                        "380-630 on a 2-core cloud VM, docs/simulate.md)")
 
 
 def host_of(args, error):
@@ -70,12 +73,12 @@ def add_parser(subparsers) -> None:
     p.add_argument("--steps", type=int, default=6, help="simulated steps (default 6)")
     p.add_argument("--warmup", type=int, default=2, help="steps left out of the figures (default 2)")
     add_host_arguments(p)
-    p.add_argument("--json", metavar="FILE", help="write the records to FILE")
+    p.add_argument("--json", metavar="FILE", type=output_file, help="write the records to FILE")
     p.add_argument("--out", metavar="DIR", help="write records (simulate.json) and charts to DIR")
     p.add_argument("--validate", nargs="?", const="shipped", metavar="MATRIX",
                    help="replay the recorded emulated runs (the shipped matrix, or MATRIX.json) and report the "
                         "error of every cell; exits 1 when the targets are missed")
-    p.add_argument("--trace", metavar="FILE",
+    p.add_argument("--trace", metavar="FILE", type=output_file,
                    help="write a Chrome trace of the first strategy's last simulated step (ui.perfetto.dev)")
     p.set_defaults(handler=main)
 

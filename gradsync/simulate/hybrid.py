@@ -9,11 +9,16 @@ strategy's ``bucket_mb`` and ``first_bucket_mb``.
 
 A step, as :class:`~gradsync.strategies.hybrid.strategy.Hybrid` runs it:
 
-- the forward of a table's layer first pulls the rows it reads: the ids go to the servers (8 bytes
-  each), the rows come back; with co-located servers 1 in N rows are the worker's own. A server
-  answers step k's pulls once it applied step k-1's pushes;
+- the forward of a table's layer first pulls the rows it reads: a header and the ids go to each
+  server (8 bytes an id), the rows come back; with co-located servers 1 in N rows are the worker's
+  own. A server answers step k's pulls once it applied step k-1's pushes;
 - the backward of a table's layer coalesces its row gradient (one pass over the rows read) and
-  pushes ids and rows to their servers; the dense parameters' buckets are all-reduced as ready;
+  pushes a header, the ids and the rows to each server; the dense parameters' buckets are
+  all-reduced as ready;
+- every one of those messages is sent and taken by Python threads (the worker's, the server's
+  receive loop), each end at :attr:`~gradsync.simulate.worker.Host.message_s` of host time under
+  the process's interpreter lock, the cost ``p3``'s slices pay: co-located, a process's worker
+  and server share one lock;
 - ``opt.step()`` waits for the dense all-reduce, then runs the optimizer on the dense parameters;
 - a server, once every worker's pushes of every table are in, builds each partition's gradient
   (a zeroed partition, the rows added, divided by N) and runs the optimizer on it, table after
@@ -75,6 +80,12 @@ class Hybrid(StrategyModel):
         self.dense_bytes = sum(worker.params[i].nbytes for i in dense)
         self.servers = self.dedicated or n
         self.server = Stream(worker.sim, "row server")  # a server's requests are served in turn
+        # Each message end (a send issued, a receive taken) is Python under the interpreter lock
+        # (Host.message_s): the worker's and, co-located, its server's, one at a time.
+        self.interpreter = Stream(worker.sim, "python threads")
+        self.server_interpreter = Stream(worker.sim, "server python threads") if self.dedicated else self.interpreter
+        self.peers = self.dedicated or n - 1  # the servers a worker sends to (co-located: 1 in N is its own)
+        self.clients = n if self.dedicated else n - 1  # the workers a server hears from
         self.tables_of_layer: dict[int, list[str]] = {}
         for name in self.sparse:
             self.tables_of_layer.setdefault(worker.params[index[name]].layer, []).append(name)
@@ -124,13 +135,26 @@ class Hybrid(StrategyModel):
         table, wk = self.sparse[name], self.wk
         rows = table.read * table.row_bytes
 
-        def answer() -> None:  # the server gathers the rows, then they cross the wire
+        def answer() -> None:  # the server takes the requests, gathers the rows, then they cross the wire
             served = rows * wk.np / self.servers if self.dedicated else rows * (wk.np - 1) / wk.np
-            self.server.run(wk.copy_s(served), lambda: self._exchange(
-                rows, self._handoff(lambda: wk.host.run(wk.copy_s(self._remote(rows)), done, what=f"rows of {name}")),
-                f"pull {name}", to_servers=False), what=f"gather {name}")
+            self._ends(self.server_interpreter, 2 * self.clients, lambda: self.server.run(wk.copy_s(served), lambda: (
+                self._ends(self.server_interpreter, self.clients, lambda: self._exchange(
+                    rows, self._handoff(lambda: self._ends(self.interpreter, self.peers, lambda: wk.host.run(
+                        wk.copy_s(self._remote(rows)), done, what=f"rows of {name}"))),
+                    f"pull {name}", to_servers=False))), what=f"gather {name}"))
 
-        self._exchange(table.read * ID_BYTES, self._handoff(answer), f"ids of {name}", to_servers=True)
+        # a request is a header and the ids (two sends to each server), answered by the rows
+        self._ends(self.interpreter, 2 * self.peers, lambda: self._exchange(
+            table.read * ID_BYTES, self._handoff(answer), f"ids of {name}", to_servers=True))
+
+    def _ends(self, interpreter: Stream, count: int, then: Callable[[], None]) -> None:
+        """``count`` message ends handled by a process's Python threads, one at a time under the
+        interpreter lock (Host.message_s each), then ``then``."""
+        cost = count * self.wk.host_rates.message_s
+        if cost <= 0:
+            then()
+        else:
+            interpreter.run(cost, then, what="message ends")
 
     def _handoff(self, then: Callable[[], None]) -> Callable[[], None]:
         """A message's arrival acted on by another thread: the server thread's receive loop takes a
@@ -143,8 +167,11 @@ class Hybrid(StrategyModel):
         for name in self.tables_of_layer.get(layer, []):
             table, wk = self.sparse[name], self.wk
             rows = table.read * table.row_bytes
-            wk.host.run(wk.copy_s(rows), lambda name=name, rows=rows, table=table: self._exchange(
-                rows + table.read * ID_BYTES, self._handoff(self.pushed[step].arrive), f"push {name}", to_servers=True),
+            arrived = self.pushed[step].arrive  # a push is a header, the ids and the rows (three sends)
+            wk.host.run(wk.copy_s(rows), lambda name=name, rows=rows, table=table, arrived=arrived: self._ends(
+                self.interpreter, 3 * self.peers, lambda: self._exchange(
+                    rows + table.read * ID_BYTES, self._handoff(lambda: self._ends(
+                        self.server_interpreter, 3 * self.clients, arrived)), f"push {name}", to_servers=True)),
                         what=f"coalesce {name}")
         self.dense.on_layer_ready(step, layer)
 

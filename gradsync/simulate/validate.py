@@ -71,6 +71,11 @@ def measure_handoff(repeats: int = 100) -> float:
     """This machine's ``Host.handoff_s``: from one Python thread setting an event to another thread,
     blocked on it, running again, while a third thread keeps running Python (the strategies'
     processes have several threads wanting the interpreter lock); the median of ``repeats``."""
+    return statistics.median(handoff_latencies(repeats))
+
+
+def handoff_latencies(repeats: int) -> list[float]:
+    """``repeats`` thread handoffs as :func:`measure_handoff` times them, in seconds."""
     import threading
 
     stop = threading.Event()
@@ -95,7 +100,7 @@ def measure_handoff(repeats: int = 100) -> float:
     finally:
         stop.set()
         busy.join()
-    return statistics.median(latencies)
+    return latencies
 
 
 def calibrate_codecs(specs: list[str]) -> dict:

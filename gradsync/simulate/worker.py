@@ -48,10 +48,11 @@ class Host:
     """From one host thread noticing an event to another acting on it (a credit returned by
     the thread that waits for sends to the thread that issues them)."""
     message_s: float = 0.0
-    """Host CPU per end of a point-to-point slice message (a send issued, a receive taken, with
-    what the strategy's Python does around it), one end at a time per process (the interpreter
-    lock): what bounds ``p3`` and ``ps-sliced``, thousands of messages a step, on a busy CPU.
-    0: not counted (the default). The validation measures it on loopback (benchmarks/simulator_matrix.py)."""
+    """Host CPU per end of a point-to-point message sent from Python (a send issued, a receive
+    taken, with what the strategy's Python does around it), one end at a time per process (the
+    interpreter lock): what bounds ``p3`` and ``ps-sliced``, thousands of slice messages a step,
+    and ``hybrid``'s row requests and answers on a busy CPU. 0: not counted (the default). The
+    validation measures it on loopback (benchmarks/simulator_matrix.py)."""
 
 
 class _Meta:
