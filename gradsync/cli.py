@@ -8,7 +8,6 @@ module of the subcommand being run is imported (most import torch, which takes s
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import sys
 from importlib import import_module
@@ -42,14 +41,6 @@ def plain(text: str | None) -> str | None:
         return None
     text = re.sub(r":[a-z]+:`~?([^`]+)`", r"\1", text)
     return re.sub(r"``([^`]+)``", r"\1", text)
-
-
-def output_file(path: str) -> str:
-    """The argparse type of a file a command writes (``--json``, ``--trace``): a folder is refused
-    when the command starts, not after its run."""
-    if os.path.isdir(path):
-        raise argparse.ArgumentTypeError(f"{path!r} is a folder; name a file in it, e.g. {os.path.join(path, 'out.json')!r}")
-    return path
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:

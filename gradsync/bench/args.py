@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from gradsync.cli import output_file
+from gradsync.argtypes import output_file
 
 DEFAULT_STRATEGIES = ["ddp", "allreduce", "ps", "ps-async"]
 AUTO_REAL_RATE = 1e9  # bits/s: the fastest real link rate --dilation auto allows (see docs/emulation.md)

@@ -15,7 +15,7 @@ import statistics
 import sys
 import time
 
-from gradsync.cli import output_file
+from gradsync.argtypes import output_file
 
 
 def add_parser(subparsers) -> None:

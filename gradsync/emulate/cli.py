@@ -16,7 +16,7 @@ import os
 import subprocess
 import sys
 
-from gradsync.cli import output_file
+from gradsync.argtypes import output_file
 
 SUMMARY_ROWS = 20
 

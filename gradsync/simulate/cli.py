@@ -17,7 +17,7 @@ import os
 import sys
 import time
 
-from gradsync.cli import output_file
+from gradsync.argtypes import output_file
 
 DEFAULT_STRATEGIES = ["ddp", "allreduce", "ps", "p3"]
 
