@@ -334,6 +334,15 @@ def test_a_credit_below_one_message_is_refused_as_by_p3_itself():
         simulate("p3", work, 2, NET, options={"slice_params": 250, "credit_mb": 100 / 2**20})
 
 
+def test_a_compute_profile_is_named_as_bench_names_it_or_without_its_prefix():
+    from gradsync.simulate import load
+
+    plain, benchs = load("resnet50", 32, "flops:15tflops"), load("resnet50", 32, "emulated:flops:15tflops")
+    assert benchs.compute_s == pytest.approx(plain.compute_s) and benchs.nbytes == plain.nbytes
+    assert load("resnet50", 32, "emulated").compute_s == pytest.approx(load("resnet50", 32).compute_s)
+    assert plain.compute_s != pytest.approx(load("resnet50", 32).compute_s)  # flops:15tflops is not the shipped V100 profile
+
+
 def test_simulate_prints_records_and_rejects_bad_input(tmp_path, cli):
     out = tmp_path / "new" / "r.json"  # its folder is made
     code, _, err = cli("simulate", "--model", "resnet50", "--strategies", "allreduce,p3", "--np", "4,16",

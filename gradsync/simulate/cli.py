@@ -64,7 +64,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--servers", type=int, default=0, help="dedicated parameter-server hosts (default 0: co-located)")
     p.add_argument("--batch-size", type=int, default=32, help="samples per worker per step (default 32)")
     p.add_argument("--compute", default="", metavar="PROFILE",
-                   help="compute profile: a shipped name or file, or flops:RATE (default: the model's shipped one)")
+                   help="compute profile: a shipped name or file, or flops:RATE, with or without bench's "
+                        "'emulated:' (default: the model's shipped one)")
     p.add_argument("--compression", default="", metavar="SPEC[;SPEC...]",
                    help="compressors: casync-ring, casync-ps and compressed-allgather run once per compressor, "
                         "as STRATEGY+SPEC (as in gradsync bench)")

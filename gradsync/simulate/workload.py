@@ -73,7 +73,8 @@ class Workload:
 
 def load(model: str, batch_size: int, profile: str | None = None) -> Workload:
     """The workload of ``model`` at ``batch_size`` under compute profile ``profile`` (as
-    ``--compute emulated:PROFILE``; None: the shipped one for the model)."""
+    ``--compute emulated:PROFILE``, spelled either way; None or ``emulated``: the shipped one for
+    the model)."""
     import torch
 
     from gradsync.emulate.derive import resolve
@@ -81,6 +82,8 @@ def load(model: str, batch_size: int, profile: str | None = None) -> Workload:
     from gradsync.models import get_model
 
     spec = get_model(model)
+    if profile is not None:  # gradsync bench's spelling of the same profile
+        profile = None if profile == "emulated" else profile.removeprefix("emulated:")
     prof = resolve(model, batch_size, profile)
     with torch.device("meta"):
         real = spec.build()
