@@ -366,8 +366,16 @@ def test_simulate_prints_records_and_rejects_bad_input(tmp_path, cli):
     for args, message in ((["--np", "0"], "--np must be >= 1"), (["--net=-1gbit"], "bad link rate"),
                           (["--strategies", "nope"], "no simulator model for nope"),
                           (["--model", "resnet50:tiny"], "no shipped compute profile"),
-                          (["--message-us=-5"], "--message-us must be >= 0, got -5")):
+                          (["--message-us=-5"], "--message-us must be >= 0, got -5"),
+                          (["--model", "nope"], "unknown model 'nope'; valid models:"),
+                          (["--servers=-1"], "--servers must be >= 0, got -1"),
+                          (["--gpus-per-host", "0"], "--gpus-per-host must be >= 1, got 0"),
+                          (["--intra-gbps", "0"], "--intra-gbps must be > 0, got 0")):
         code, _, err = cli("simulate", *args)
+        assert code == 2 and message in err, err
+    for args, message in ((["--model", "nope", "--np", "4", "--net", "1gbit"], "unknown model 'nope'"),
+                          (["--model", "resnet50", "--np", "0", "--net", "1gbit"], "--np must be >= 1, got 0")):
+        code, _, err = cli("advise", *args)
         assert code == 2 and message in err, err
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from gradsync.errors import ConfigError
 from gradsync.models.spec import SIZES, ModelSpec
 
 __all__ = ["ModelSpec", "SIZES", "get_model", "model_names"]
@@ -51,8 +52,8 @@ def get_model(name: str, **options: Any) -> ModelSpec:
 
         if user.is_user_model(name) and size not in SIZES:
             if options:
-                raise ValueError(f"model {name!r}: your own models take no options")
+                raise ConfigError(f"model {name!r}: your own models take no options")
             return user.load(name)
-        raise ValueError(f"unknown model {base!r}; valid models: {', '.join(sorted(registry))}, or "
+        raise ConfigError(f"unknown model {base!r}; valid models: {', '.join(sorted(registry))}, or "
                          "package.module:function for your own (see gradsync.models.user)")
     return registry[base](size, **options)  # each model checks its own sizes

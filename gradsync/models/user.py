@@ -21,6 +21,7 @@ import sys
 import torch
 from torch import nn
 
+from gradsync.errors import ConfigError
 from gradsync.models.spec import ModelSpec
 
 
@@ -37,11 +38,11 @@ def _function(name: str):
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ValueError(f"model {name!r}: cannot import module {module_name!r} ({exc}); run from the directory "
+        raise ConfigError(f"model {name!r}: cannot import module {module_name!r} ({exc}); run from the directory "
                          "that holds it, or install it") from None
     function = getattr(module, function_name, None)
     if not callable(function):
-        raise ValueError(f"model {name!r}: module {module_name!r} has no function {function_name!r}")
+        raise ConfigError(f"model {name!r}: module {module_name!r} has no function {function_name!r}")
     return function
 
 
@@ -50,14 +51,14 @@ def _triple(name: str, function) -> tuple:
     if isinstance(result, ModelSpec):
         return result
     if not (isinstance(result, tuple) and len(result) == 3):
-        raise ValueError(f"model {name!r}: the function must return (model, make_batch, loss) or a ModelSpec, "
+        raise ConfigError(f"model {name!r}: the function must return (model, make_batch, loss) or a ModelSpec, "
                          f"got {type(result).__name__}")
     model, make_batch, loss = result
     if not isinstance(model, nn.Module):
-        raise ValueError(f"model {name!r}: the first value returned must be an nn.Module, got {type(model).__name__}")
+        raise ConfigError(f"model {name!r}: the first value returned must be an nn.Module, got {type(model).__name__}")
     for what, value in (("make_batch", make_batch), ("loss", loss)):
         if not callable(value):
-            raise ValueError(f"model {name!r}: {what} (returned by the function) is not callable")
+            raise ConfigError(f"model {name!r}: {what} (returned by the function) is not callable")
     return result
 
 
@@ -83,11 +84,11 @@ def _check(name: str, model: nn.Module, spec: ModelSpec) -> None:
     try:
         inputs, target = spec.batch(2, seed=0)
     except Exception as exc:  # noqa: BLE001 - any failure of the user's code, named
-        raise ValueError(f"model {name!r}: make_batch(2, generator) failed: {exc!r}") from None
+        raise ConfigError(f"model {name!r}: make_batch(2, generator) failed: {exc!r}") from None
     try:
         value = spec.loss(model(*inputs), target)
     except Exception as exc:  # noqa: BLE001
-        raise ValueError(f"model {name!r}: loss(model(*inputs), target) on a batch of 2 failed: {exc!r}") from None
+        raise ConfigError(f"model {name!r}: loss(model(*inputs), target) on a batch of 2 failed: {exc!r}") from None
     if not (isinstance(value, torch.Tensor) and value.dim() == 0 and value.is_floating_point()):
-        raise ValueError(f"model {name!r}: loss must return a scalar float tensor, got "
+        raise ConfigError(f"model {name!r}: loss must return a scalar float tensor, got "
                          f"{type(value).__name__}{'' if not isinstance(value, torch.Tensor) else list(value.shape)}")

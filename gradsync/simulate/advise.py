@@ -134,13 +134,12 @@ def add_parser(subparsers) -> None:
 def main(args) -> int:
     from gradsync.errors import GradsyncError
     from gradsync.simulate import Network, load
-    from gradsync.simulate.cli import _rates, host_of
+    from gradsync.simulate.cli import _rates, at_least, host_of
 
     error = argparse.ArgumentParser(prog="gradsync advise").error
-    if args.np < 1 or args.servers < 0 or args.batch_size < 1 or args.gpus_per_host < 1 or args.latency_us < 0:
-        error("--np, --batch-size and --gpus-per-host must be >= 1, --servers and --latency-us >= 0")
+    at_least(args, error, np=1, batch_size=1, gpus_per_host=1, servers=0, latency_us=0)
     if args.intra_gbps <= 0:
-        error("--intra-gbps must be > 0")
+        error(f"--intra-gbps must be > 0, got {args.intra_gbps:g}")
     host = host_of(args, error)
     rates = _rates(args.net, error)
     if len(rates) != 1:

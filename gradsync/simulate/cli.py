@@ -36,6 +36,14 @@ def add_host_arguments(p: argparse.ArgumentParser) -> None:
                         "380-630 on a 2-core cloud VM, docs/simulate.md)")
 
 
+def at_least(args, error, **lowest) -> None:
+    """Refuse the first of ``args``' numbers below its lowest value, naming its flag and value."""
+    for name, low in lowest.items():
+        value = getattr(args, name)
+        if value < low:
+            error(f"--{name.replace('_', '-')} must be >= {low}, got {value:g}")
+
+
 def host_of(args, error):
     """The :class:`~gradsync.simulate.Host` of :func:`add_host_arguments`' options, or ``error`` naming a bad one."""
     from gradsync.simulate import Host
@@ -144,12 +152,11 @@ def main(args) -> int:
         error(f"no simulator model for {', '.join(unknown)}; simulated: {', '.join(SIMULATED)}")
     nps = _ints(args.np, "--np", error)
     rates = _rates(args.net, error)
-    if args.latency_us < 0 or args.gpus_per_host < 1 or args.servers < 0 or args.batch_size < 1:
-        error("--latency-us and --servers must be >= 0, --gpus-per-host and --batch-size >= 1")
+    at_least(args, error, latency_us=0, servers=0, gpus_per_host=1, batch_size=1)
     if args.steps <= args.warmup or args.warmup < 0:
         error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup}) >= 0")
     if args.intra_gbps <= 0:
-        error("--intra-gbps must be > 0")
+        error(f"--intra-gbps must be > 0, got {args.intra_gbps:g}")
     host = host_of(args, error)
     overrides = _overrides(args.set, strategies, error)
     try:
