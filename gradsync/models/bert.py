@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gradsync.errors import ConfigError
 from gradsync.models.spec import ModelSpec
 from gradsync.models.layers import TransformerLayer, resolve_options
 
@@ -127,7 +128,7 @@ def spec(size: str, **options) -> ModelSpec:
     shape = _SHAPE[size]
     if opts["seq_len"] > shape["max_positions"]:
         limit = shape["max_positions"]
-        raise ValueError(f"seq_len {opts['seq_len']} exceeds the {limit} learned positions")
+        raise ConfigError(f"seq_len {opts['seq_len']} exceeds the {limit} learned positions")
     return ModelSpec(
         "bert-base",
         size,

@@ -20,20 +20,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gradsync.errors import ConfigError
 from gradsync.models.spec import ModelSpec
 
 Options = dict[str, Any]
 
 
 def resolve_options(model: str, size: str, given: Options, defaults: dict[str, Options]) -> Options:
-    """Merge ``given`` over ``defaults[size]``; an unknown size or option raises ValueError."""
+    """Merge ``given`` over ``defaults[size]``; an unknown size or option raises ConfigError."""
     if size not in defaults:
-        raise ValueError(
+        raise ConfigError(
             f"unknown size {size!r} for model {model!r}; valid sizes: {', '.join(defaults)}"
         )
     unknown = sorted(set(given) - set(defaults[size]))
     if unknown:
-        raise ValueError(
+        raise ConfigError(
             f"unknown option(s) {', '.join(unknown)} for model {model!r}; "
             f"valid options: {', '.join(sorted(defaults[size]))}"
         )

@@ -43,6 +43,7 @@ import functools
 import torch
 from torch import nn
 
+from gradsync.errors import ConfigError
 from gradsync.models.spec import ModelSpec
 from gradsync.models.layers import resolve_options, token_cross_entropy
 
@@ -94,7 +95,7 @@ class LSTMLanguageModel(nn.Module):
         elif softmax == "sampled":
             self.softmax = SampledSoftmax(vocab_size, embed_dim, sparse)
         else:
-            raise ValueError(f"lstm-lm softmax must be 'full' or 'sampled', got {softmax!r}")
+            raise ConfigError(f"lstm-lm softmax must be 'full' or 'sampled', got {softmax!r}")
 
     def forward(self, tokens: torch.Tensor, *sampled: torch.Tensor) -> torch.Tensor:
         outputs, _ = self.lstm(self.embedding(tokens))

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from gradsync.errors import ConfigError
 from gradsync.models.spec import ModelSpec
 
 
@@ -43,9 +44,9 @@ class Toy(nn.Module):
 def spec(size: str = "full", **options) -> ModelSpec:
     vocab, seq_len = 50, 8
     if size not in ("full", "tiny"):
-        raise ValueError(f"unknown size {size!r} for model 'toy'; valid sizes: full, tiny (the same model)")
+        raise ConfigError(f"unknown size {size!r} for model 'toy'; valid sizes: full, tiny (the same model)")
     if options:
-        raise ValueError(f"the toy model takes no options, got {sorted(options)}")
+        raise ConfigError(f"the toy model takes no options, got {sorted(options)}")
 
     def make_batch(batch_size: int, g: torch.Generator):
         tokens = torch.randint(0, vocab, (batch_size, seq_len), generator=g)
