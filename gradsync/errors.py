@@ -26,3 +26,22 @@ class GradientEditedError(GradsyncError):
 
 class ConfigError(GradsyncError, ValueError):
     """An option has an invalid value (unknown name, out-of-range number)."""
+
+
+def options_error(kind: str, name: str, constructor, options: dict, exc: TypeError) -> ConfigError:
+    """The error for ``constructor(**options)`` of a ``kind`` (strategy, compressor) that raised
+    ``exc``: the options it does not take, with those it does, or the values of the wrong type."""
+    import inspect
+
+    try:
+        params = inspect.signature(constructor).parameters
+    except (TypeError, ValueError):
+        params = None
+    if params is not None and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        known = [p for p in params if p != "self"]
+        unknown = [key for key in options if key not in known]
+        if unknown:
+            return ConfigError(f"{kind} {name!r} has no option {', '.join(map(repr, unknown))}; its options: "
+                               f"{', '.join(known) or 'none'}")
+    given = ", ".join(f"{key}={value!r} (a {type(value).__name__})" for key, value in options.items())
+    return ConfigError(f"invalid options for {kind} {name!r}: {given}: {exc}")

@@ -93,7 +93,7 @@ def test_the_check_catches_a_wrong_model():
     (["-np", "0"], "--np must be >= 1"),
     (["--model", "resnet50:huge"], "valid sizes: full, tiny"),
     (["--set", "ps.fuse_kb=-1"], "fuse_kb must be >= 0"),
-    (["--set", "ps.nope=1"], "invalid options for strategy 'ps'"),
+    (["--set", "ps.nope=1"], "strategy 'ps' has no option 'nope'; its options: mode, fuse_kb"),
     (["--set", "fuse_kb=1"], "expected STRATEGY.KEY=VALUE"),
     (["--strategies", "p3", "--set", "p3.slice_params=0"], "slice_params must be an integer >= 1"),
     (["--tune", "--tune-steps", "0"], "--tune-steps must be >= 1"),

@@ -314,8 +314,10 @@ def test_reduce_reports_a_half_precision_sum_that_overflows():
 def test_registry_and_options():
     with pytest.raises(ConfigError, match="unknown compressor 'zip'; valid compressors: bf16, dgc"):
         build("zip")
-    with pytest.raises(ConfigError, match="invalid options for compressor 'topk'"):
+    with pytest.raises(ConfigError, match="compressor 'topk' has no option 'levels'; its options: ratio"):
         build("topk", levels=3)
+    with pytest.raises(ConfigError, match=r"invalid options for compressor 'topk': ratio='abc' \(a str\)"):
+        build("topk", ratio="abc")
     for bad in (lambda: TopK(ratio=0), lambda: RandomK(ratio=1.5), lambda: QSGD(levels=0), lambda: QSGD(levels=200),
                 lambda: TBQ(threshold=0), lambda: DGC(momentum=1.0), lambda: GradDrop(drop_ratio=1.0),
                 lambda: PowerSGD(rank=0)):

@@ -115,7 +115,7 @@ def misuse() -> dict:
 MISUSE = {  # case -> parts of the ConfigError's message
     "unknown strategy": ["unknown strategy 'allreduse'", "valid strategies: allreduce, allreduce-priority, casync-ps, casync-ring, compressed-allgather, ddp, hybrid, p3, pair-averaging, ps, ps-async, ps-sliced, sma"],
     "bucket_mb=0": ["bucket sizes must be > 0 MB", "bucket_mb=0"],
-    "unknown option": ["invalid options for strategy 'allreduce'", "bucket_megabytes"],
+    "unknown option": ["strategy 'allreduce' has no option 'bucket_megabytes'", "its options: bucket_mb"],
     "ps mode": ["ps mode must be 'sync' or 'async'", "'nope'"],
     "ps-async without servers": ["needs dedicated server ranks", "--servers 1", "GRADSYNC_NUM_SERVERS"],
     "foreign tensor": ["param_groups[0]['params'][4] (shape [3])", "not a parameter of the model"],

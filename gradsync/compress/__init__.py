@@ -38,7 +38,7 @@ from gradsync.compress.powersgd import PowerSGD
 from gradsync.compress.quantize import QSGD, TBQ, TernGrad
 from gradsync.compress.sign import OneBit, ScaledSign, SignSGD
 from gradsync.compress.sparsify import DGC, GradDrop, RandomK, TopK
-from gradsync.errors import ConfigError
+from gradsync.errors import ConfigError, options_error
 
 
 def _with_feedback(cls: Callable[..., Compressor], **options: Any) -> Compressor:
@@ -116,7 +116,7 @@ def build(name: str, *, key: str = "", worker: int = 0, error_feedback: bool = F
     try:
         compressor = constructor(**options)
     except TypeError as exc:
-        raise ConfigError(f"invalid options for compressor {name!r}: {exc}") from None
+        raise options_error("compressor", name, constructor, options, exc) from None
     if not compressor.shared_seed and hasattr(compressor, "seed"):
         compressor.seed += 7919 * worker
     return ErrorFeedback(compressor) if error_feedback else compressor

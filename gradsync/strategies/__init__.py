@@ -9,7 +9,7 @@ from __future__ import annotations
 from functools import partial
 from typing import Any, Callable
 
-from gradsync.errors import ConfigError
+from gradsync.errors import ConfigError, options_error
 from gradsync.strategies.allreduce import AllReduce
 from gradsync.strategies.allreduce_priority import PriorityAllReduce
 from gradsync.strategies.base import Strategy, SyncContext
@@ -60,7 +60,7 @@ def resolve(strategy: str | Strategy, **options: Any) -> Strategy:
     try:
         made = STRATEGIES[strategy](**options)
     except TypeError as exc:
-        raise ConfigError(f"invalid options for strategy {strategy!r}: {exc}") from None
+        raise options_error("strategy", strategy, STRATEGIES[strategy], options, exc) from None
     made.name = strategy  # the name it was asked by ("ps-async", not its class's "ps"), which errors quote
     return made
 
