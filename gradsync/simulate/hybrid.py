@@ -134,27 +134,25 @@ class Hybrid(StrategyModel):
     def _pull(self, name: str, done: Callable[[], None]) -> None:
         table, wk = self.sparse[name], self.wk
         rows = table.read * table.row_bytes
+        served = rows * wk.np / self.servers if self.dedicated else rows * (wk.np - 1) / wk.np
 
-        def answer() -> None:  # the server takes the requests, gathers the rows, then they cross the wire
-            served = rows * wk.np / self.servers if self.dedicated else rows * (wk.np - 1) / wk.np
-            self._ends(self.server_interpreter, 2 * self.clients, lambda: self.server.run(wk.copy_s(served), lambda: (
-                self._ends(self.server_interpreter, self.clients, lambda: self._exchange(
-                    rows, self._handoff(lambda: self._ends(self.interpreter, self.peers, lambda: wk.host.run(
-                        wk.copy_s(self._remote(rows)), done, what=f"rows of {name}"))),
-                    f"pull {name}", to_servers=False))), what=f"gather {name}"))
+        def request() -> None:  # a header and the ids: two sends to each server
+            wk.message_ends(self.interpreter, 2 * self.peers, lambda: self._exchange(
+                table.read * ID_BYTES, self._handoff(take), f"ids of {name}", to_servers=True))
 
-        # a request is a header and the ids (two sends to each server), answered by the rows
-        self._ends(self.interpreter, 2 * self.peers, lambda: self._exchange(
-            table.read * ID_BYTES, self._handoff(answer), f"ids of {name}", to_servers=True))
+        def take() -> None:  # the server's receive loop takes both, gathers the rows, sends them
+            wk.message_ends(self.server_interpreter, 2 * self.clients, lambda: self.server.run(
+                wk.copy_s(served), answer, what=f"gather {name}"))
 
-    def _ends(self, interpreter: Stream, count: int, then: Callable[[], None]) -> None:
-        """``count`` message ends handled by a process's Python threads, one at a time under the
-        interpreter lock (Host.message_s each), then ``then``."""
-        cost = count * self.wk.host_rates.message_s
-        if cost <= 0:
-            then()
-        else:
-            interpreter.run(cost, then, what="message ends")
+        def answer() -> None:
+            wk.message_ends(self.server_interpreter, self.clients, lambda: self._exchange(
+                rows, self._handoff(receive), f"pull {name}", to_servers=False))
+
+        def receive() -> None:  # the worker takes the rows and copies them into the table
+            wk.message_ends(self.interpreter, self.peers, lambda: wk.host.run(
+                wk.copy_s(self._remote(rows)), done, what=f"rows of {name}"))
+
+        request()
 
     def _handoff(self, then: Callable[[], None]) -> Callable[[], None]:
         """A message's arrival acted on by another thread: the server thread's receive loop takes a
@@ -167,13 +165,17 @@ class Hybrid(StrategyModel):
         for name in self.tables_of_layer.get(layer, []):
             table, wk = self.sparse[name], self.wk
             rows = table.read * table.row_bytes
-            arrived = self.pushed[step].arrive  # a push is a header, the ids and the rows (three sends)
-            wk.host.run(wk.copy_s(rows), lambda name=name, rows=rows, table=table, arrived=arrived: self._ends(
-                self.interpreter, 3 * self.peers, lambda: self._exchange(
-                    rows + table.read * ID_BYTES, self._handoff(lambda: self._ends(
-                        self.server_interpreter, 3 * self.clients, arrived)), f"push {name}", to_servers=True)),
+            wk.host.run(wk.copy_s(rows), lambda name=name, table=table: self._push(step, name, table),
                         what=f"coalesce {name}")
         self.dense.on_layer_ready(step, layer)
+
+    def _push(self, step: int, name: str, table) -> None:
+        """A header, the ids and the rows (three sends to each server), taken by the servers'
+        receive loops; the table's push then counts as in."""
+        wk, arrived = self.wk, self.pushed[step].arrive
+        wk.message_ends(self.interpreter, 3 * self.peers, lambda: self._exchange(
+            table.read * (table.row_bytes + ID_BYTES), self._handoff(lambda: wk.message_ends(
+                self.server_interpreter, 3 * self.clients, arrived)), f"push {name}", to_servers=True))
 
     def _apply(self, step: int) -> None:
         """Every worker's pushes of every table are in (they are alike): each server updates its

@@ -345,12 +345,8 @@ class Slices(StrategyModel):
             ends, lambda: self.pushes_in.take(ends, lambda handled: push(release, handled)))), what=f"copy {k}")
 
     def _handled(self, ends: float, then: Callable[[], None]) -> None:
-        """``ends`` message ends (a send issued, a receive taken) handled by the process's Python
-        threads, one at a time under the interpreter lock (Host.message_s each), then ``then``."""
-        if self.message_s <= 0 or ends <= 0:
-            then()
-        else:
-            self.interpreter.run(ends * self.message_s, then, what="message ends")
+        """``ends`` message ends handled by the process's Python threads (none for ``allreduce-priority``)."""
+        self.wk.message_ends(self.interpreter, ends, then, self.message_s)
 
     def _update(self, step: int, k: int, release: Callable[[], None]) -> None:
         """All-reduced partition k: divide, update, mark arrived, return the credit (ByteScheduler's

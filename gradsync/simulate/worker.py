@@ -137,6 +137,16 @@ class Worker:
     def message(self, nbytes: float, uses, done: Callable[[], None], name: str = "message") -> None:
         self.sim.transfer(nbytes, uses, done, latency=self.net.latency_s, name=name, lane="network")
 
+    def message_ends(self, interpreter: Stream, ends: float, then: Callable[[], None], message_s: float | None = None) -> None:
+        """``ends`` message ends (a send issued, a receive taken) handled by a process's Python
+        threads, one at a time under its interpreter lock (``message_s`` each, by default
+        :attr:`Host.message_s`), then ``then``."""
+        cost = ends * (self.host_rates.message_s if message_s is None else message_s)
+        if cost <= 0:
+            then()
+        else:
+            interpreter.run(cost, then, what="message ends")
+
     def copy_s(self, nbytes: float) -> float:
         return nbytes / self.host_rates.copy_Bps
 
