@@ -1,9 +1,10 @@
-"""Argument types the ``gradsync`` commands share: a bad value is refused when the command starts,
-with the flag named by argparse, not after a run."""
+"""What the ``gradsync`` commands share in their arguments: types that refuse a bad value when the
+command starts, with the flag named by argparse, not after a run; help text from docstrings."""
 from __future__ import annotations
 
 import argparse
 import os
+import re
 
 
 def output_file(path: str) -> str:
@@ -11,3 +12,11 @@ def output_file(path: str) -> str:
     if os.path.isdir(path):
         raise argparse.ArgumentTypeError(f"{path!r} is a folder; name a file in it, e.g. {os.path.join(path, 'out.json')!r}")
     return path
+
+
+def plain(text: str | None) -> str | None:
+    """A docstring as a terminal shows it: ``code`` and :role:`name` without their markup."""
+    if text is None:
+        return None
+    text = re.sub(r":[a-z]+:`~?([^`]+)`", r"\1", text)
+    return re.sub(r"``([^`]+)``", r"\1", text)

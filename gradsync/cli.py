@@ -8,9 +8,10 @@ module of the subcommand being run is imported (most import torch, which takes s
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from importlib import import_module
+
+from gradsync.argtypes import plain
 
 # name -> (module that adds its parser, one line for `gradsync --help`)
 COMMANDS = {
@@ -33,14 +34,6 @@ def _version() -> str:
     from gradsync import __version__
 
     return f"gradsync {__version__}"
-
-
-def plain(text: str | None) -> str | None:
-    """A docstring as a terminal shows it: ``code`` and :role:`name` without their markup."""
-    if text is None:
-        return None
-    text = re.sub(r":[a-z]+:`~?([^`]+)`", r"\1", text)
-    return re.sub(r"``([^`]+)``", r"\1", text)
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:

@@ -346,6 +346,19 @@ def test_strategies_lists_every_strategy_with_exactness_and_backends():
     assert "Gloo/NCCL" in rows["allreduce"] and "Gloo " in rows["hybrid"] and "NCCL" not in rows["hybrid"]
 
 
+def test_strategies_name_shows_one_strategys_paper_and_options(cli):
+    code, out, err = cli("strategies", "p3")
+    assert code == 0, err
+    assert "Jayarajan et al., SysML 2019" in out and "``" not in out
+    assert "slice_params           50000" in out and "credit_mb              1.0" in out
+    code, out, _ = cli("strategies", "ps-async")
+    assert "mode     'async'  (fixed by this name)" in out
+    code, out, _ = cli("strategies", "casync-ps")  # its own options, its bases', then the compressor's
+    assert "partition_mb" in out and "bucket_mb" in out and "the compressor's own options" in out
+    code, _, err = cli("strategies", "nope")
+    assert code == 2 and "unknown strategy 'nope'; valid strategies: allreduce" in err
+
+
 # --- hosts ------------------------------------------------------------------------------------------
 
 def test_plan_ranks_two_hosts_with_servers():

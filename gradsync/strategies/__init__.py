@@ -57,8 +57,14 @@ def resolve(strategy: str | Strategy, **options: Any) -> Strategy:
         return strategy
     if strategy not in STRATEGIES:
         raise ConfigError(f"unknown strategy {strategy!r}; valid strategies: {', '.join(strategy_names())}")
+    constructor = STRATEGIES[strategy]
+    fixed = getattr(constructor, "keywords", {})  # ps-async is ps with mode="async": not to be undone
+    for key, value in options.items():
+        if key in fixed and value != fixed[key]:
+            raise ConfigError(f"strategy {strategy!r} is {constructor.func.__name__} with {key}={fixed[key]!r}; "
+                              f"{key}={value!r} is another strategy (gradsync strategies lists them)")
     try:
-        made = STRATEGIES[strategy](**options)
+        made = constructor(**options)
     except TypeError as exc:
         raise options_error("strategy", strategy, STRATEGIES[strategy], options, exc) from None
     made.name = strategy  # the name it was asked by ("ps-async", not its class's "ps"), which errors quote
