@@ -100,6 +100,8 @@ def misuse() -> dict:
         "ps mode": lambda: attempt("ps", mode="nope"),
         "ps-async made sync": lambda: attempt("ps-async", mode="sync"),
         "unknown compressed-strategy option": lambda: attempt("casync-ring", bucket_megabytes=4),
+        "ddp bucket_mb not a number": lambda: attempt("ddp", bucket_mb="big"),
+        "hybrid sparse as one name": lambda: attempt("hybrid", sparse="nope.weight"),
         "ps-async without servers": lambda: attempt("ps-async"),
         "foreign tensor": lambda: attempt(extra_params=[torch.zeros(3, requires_grad=True)]),
         "distributed twice": twice,
@@ -121,6 +123,8 @@ MISUSE = {  # case -> parts of the ConfigError's message
     "ps mode": ["ps mode must be 'sync' or 'async'", "'nope'"],
     "ps-async made sync": ["strategy 'ps-async' is ParameterServer with mode='async'", "mode='sync' is another strategy"],
     "unknown compressed-strategy option": ["has no option 'bucket_megabytes'"],
+    "ddp bucket_mb not a number": ["ddp bucket_mb must be a number > 0 (MB), got 'big'"],
+    "hybrid sparse as one name": ["hybrid: 'nope.weight' is not a trainable parameter"],  # the name, not its letters
     "ps-async without servers": ["needs dedicated server ranks", "--servers 1", "GRADSYNC_NUM_SERVERS"],
     "foreign tensor": ["param_groups[0]['params'][4] (shape [3])", "not a parameter of the model"],
     "distributed twice": ["already passed to gradsync.distribute"],

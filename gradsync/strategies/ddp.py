@@ -27,6 +27,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from gradsync.compress import build, hook, parse_spec
+from gradsync.errors import ConfigError
 from gradsync.strategies.base import Strategy, SyncContext, ring_bytes
 from gradsync.watchdog import Watchdog
 
@@ -60,6 +61,8 @@ class DDP(Strategy):
     def __init__(self, bucket_mb: float = 25.0, find_unused_parameters: bool = False,
                  broadcast_buffers: bool = True, gradient_as_bucket_view: bool = False,
                  compression: str | None = None, error_feedback: bool = False):
+        if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not bucket_mb > 0:
+            raise ConfigError(f"ddp bucket_mb must be a number > 0 (MB), got {bucket_mb!r}")
         self.options = dict(bucket_cap_mb=bucket_mb, find_unused_parameters=find_unused_parameters,
                             **{_BUFFERS_ARG: broadcast_buffers},
                             gradient_as_bucket_view=gradient_as_bucket_view)

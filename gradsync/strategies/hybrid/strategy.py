@@ -31,6 +31,8 @@ class Hybrid(Planning, Strategy):
     def __init__(self, sparse: list[str] | None = None, dense: list[str] | None = None,
                  sparse_threshold: float | None = None, partitions: int | str = "auto",
                  probe_rounds: int = 3, bucket_mb: float = 25.0, first_bucket_mb: float = 1.0):
+        # one name on its own, as `--set hybrid.sparse=embedding.weight` gives it, is a list of one
+        sparse, dense = ([names] if isinstance(names, str) else names for names in (sparse, dense))
         if partitions != "auto" and (not isinstance(partitions, int) or partitions < 1):
             raise ConfigError(f"hybrid partitions must be 'auto' or an int >= 1 (per server), got {partitions!r}")
         if sparse_threshold is not None and not 0 <= sparse_threshold <= 1:
