@@ -288,6 +288,7 @@ class Slices(StrategyModel):
             self.answers_in = ReceiveWindow(POSTED * senders) if self.dedicated else self.pushes_in
         self.pending: list[int] = []
         self.flushing: tuple | None = None  # (step, go): step() waits for every answer of that step
+        self.unanswered = 0  # while flushing: the slices whose answer of that step has not arrived
         if self.credit is not None and self.credit < max(self.nbytes, default=0):
             raise ConfigError(f"credit_mb={self.credit / 2**20:g} is less than one message "
                               f"({max(self.nbytes) / 2**20:.3g} MB): nothing could be sent; raise credit_mb")
@@ -376,11 +377,16 @@ class Slices(StrategyModel):
         wk.host.run(wk.update_s(self.plan.slices[k].numel * 4), lambda: (handled(), answer()), what=f"update {k}")
 
     def _arrived(self, step: int, k: int) -> None:
-        self.arrived_step[k] = max(self.arrived_step[k], step)
+        before = self.arrived_step[k]
+        self.arrived_step[k] = max(before, step)
         for arrive in self.waiters.pop(k, []):
             arrive()
-        if self.flushing is not None and all(a >= self.flushing[0] for a in self.arrived_step):
-            _, go = self.flushing
+        if self.flushing is None:
+            return
+        flushed, go = self.flushing
+        if before < flushed <= step:
+            self.unanswered -= 1
+        if self.unanswered == 0:
             self.flushing = None
             go()
 
@@ -391,7 +397,8 @@ class Slices(StrategyModel):
         if self.overlap and step > 0:
             go()
             return
-        if all(a >= step for a in self.arrived_step):
+        self.unanswered = sum(1 for a in self.arrived_step if a < step)
+        if self.unanswered == 0:
             go()
         else:
             self.flushing = (step, go)
