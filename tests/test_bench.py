@@ -99,6 +99,8 @@ def test_the_check_catches_a_wrong_model():
     (["--tune", "--tune-steps", "0"], "--tune-steps must be >= 1"),
     (["--strategies", "p3", "--set", "p3.overlap=maybe"], "overlap must be True or False, got 'maybe'"),
     (["--strategies", "p3", "--set", "p3.elementwise_optimizer=yes"], "elementwise_optimizer must be True, False"),
+    (["--lr", "-1"], "--lr must be > 0, got -1"),
+    (["--model", "resnet50", "--np", "9999"], "9999 ranks of resnet50 (97 MB of parameters) need at least"),
     (["--trace", TESTS], "is a folder; name a file in it"),  # refused before the run, not after it
     (["--json", TESTS], "is a folder; name a file in it"),
 ])

@@ -153,11 +153,15 @@ def _validate(args, parser_error) -> list[str]:
         parser_error(f"unknown strategy {', '.join(unknown) or '(none)'}; valid strategies: {', '.join(strategy_names())}")
     if args.optimizer not in OPTIMIZERS:
         parser_error(f"unknown optimizer {args.optimizer!r}; valid: {', '.join(OPTIMIZERS)}")
+    if not 0 < args.lr < float("inf"):
+        parser_error(f"--lr must be > 0, got {args.lr:g}")
     try:
         get_model(args.model)
         Workload(model=args.model, batch_size=args.batch_size, compute=args.compute, dilation=args.dilation or 1.0).spec()
     except (ValueError, ConfigError) as exc:
         parser_error(str(exc))
+    if args.machine_hosts is None:
+        _check_memory(args, parser_error)
     if args.compression:
         names = _with_compression(names, args.compression, parser_error)
     if args.monitors:
@@ -166,6 +170,46 @@ def _validate(args, parser_error) -> list[str]:
         names.remove("ps-async")
         print("note: skipping ps-async, which needs dedicated servers (--servers 1 or more)", flush=True)
     return names
+
+
+RANK_BASE_BYTES = 200 * 2**20  # a rank's process with torch and gradsync imported (about 220 MB measured)
+
+
+def _check_memory(args, parser_error) -> None:
+    """Refuse a run on this machine that cannot fit in its memory: every rank holds the model's
+    parameters, gradients and optimizer state (at least 3x its parameters; 3-6x measured) beside
+    a process's own 200 MB. Larger scales are what ``gradsync simulate`` predicts."""
+    import torch
+
+    from gradsync.models import get_model
+
+    available = _available_bytes()
+    if available is None:
+        return
+    try:
+        with torch.device("meta"):
+            params = sum(p.numel() * p.element_size() for p in get_model(args.model).build().parameters())
+    except Exception:  # noqa: BLE001 - a model that cannot be built on the meta device is not checked here
+        return
+    ranks = max(args.np_list) + args.servers
+    need = ranks * (RANK_BASE_BYTES + 3 * params)
+    if need > available:
+        parser_error(f"--np {max(args.np_list)}" + (f" with --servers {args.servers}" if args.servers else "")
+                     + f": {ranks} ranks of {args.model} ({params / 2**20:.0f} MB of parameters) need at least "
+                     f"{need / 2**30:.1f} GB on this machine, which has {available / 2**30:.1f} GB available; run "
+                     "fewer workers, or predict this scale with gradsync simulate")
+
+
+def _available_bytes() -> int | None:
+    """This machine's available memory (Linux's MemAvailable), or None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
 
 
 def _with_compression(names: list[str], specs: str, parser_error) -> list[str]:
