@@ -36,7 +36,10 @@ def accepted_options(constructor) -> tuple[list, str | None]:
     import inspect
 
     cls = constructor.func if isinstance(constructor, functools.partial) else constructor
-    params = list(inspect.signature(constructor).parameters.values())
+    try:
+        params = list(inspect.signature(constructor).parameters.values())
+    except (TypeError, ValueError):  # a callable Python cannot inspect: its options are unknown
+        return [], "options"
     bases = iter(cls.__mro__[1:]) if isinstance(cls, type) else iter(())
     found: list = []
     while True:

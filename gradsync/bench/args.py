@@ -220,7 +220,8 @@ def _with_compression(names: list[str], specs: str, parser_error) -> list[str]:
     out = []
     for name in names:
         labels, plain = [], name in ("allreduce", "ddp")  # these also run uncompressed, as the baseline
-        if all(p.name != "compression" for p in accepted_options(STRATEGIES[name])[0]):
+        known, rest = accepted_options(STRATEGIES[name])
+        if rest is None and all(p.name != "compression" for p in known):
             out += [] if name in out else [name]  # the strategy takes no compressor: it runs plain, once
             continue
         for spec in filter(None, (s.strip() for s in specs.split(";"))):

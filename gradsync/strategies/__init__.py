@@ -66,7 +66,7 @@ def resolve(strategy: str | Strategy, **options: Any) -> Strategy:
     try:
         made = constructor(**options)
     except TypeError as exc:
-        raise options_error("strategy", strategy, STRATEGIES[strategy], options, exc) from None
+        raise options_error("strategy", strategy, constructor, options, exc) from None
     made.name = strategy  # the name it was asked by ("ps-async", not its class's "ps"), which errors quote
     return made
 
