@@ -263,6 +263,13 @@ def test_port_in_use_exits_2_before_spawning(capsys):
     (["--nproc-per-node", "1", "--nnodes", "2", "-H", "a:1,b:1", "--master-addr", "a", "--", "x"],
      "drop -H/--hostfile"),
     (["--", "x"], "the number of workers is required"),
+    (["--nproc-per-node", "1", "--max-restarts", "3", "x.py"], "does not restart a failed job"),
+    (["--nproc-per-node", "1", "--nnodes", "1:2", "x.py"], "--elastic --min-np A --max-np B"),
+    (["--nproc-per-node", "1", "--rdzv-endpoint", "a:1", "--master-addr", "a", "x.py"], "drop --master-addr"),
+    (["--nproc-per-node", "1", "--rdzv-endpoint", "a:port", "x.py"], "--rdzv-endpoint a:port: the port"),
+    (["--nproc-per-node", "1", "--rdzv-backend", "etcd", "x.py"], "invalid choice: 'etcd'"),
+    (["--nproc-per-node", "1", "-m", "--no-python", "x"], "give one"),
+    (["--nproc-per-node", "1", "--logdir", __file__, "x.py"], "is a file: name a folder"),
 ])
 def test_argument_errors(argv, fragment, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -279,6 +286,25 @@ def test_torchruns_names_start_the_same_job(capsys, monkeypatch):
     threads = max(1, (os.cpu_count() or 1) // 2)
     assert sorted(line.split("] ")[1] for line in out.splitlines()) == [f"0 2 {threads}", f"1 2 {threads}"]
     assert f"OMP_NUM_THREADS={threads} for each of 2 local ranks" in err
+
+
+def test_torchruns_command_forms_and_rendezvous_flags_work(capsys, tmp_path, monkeypatch):
+    """As torchrun runs them: a .py script and -m MODULE with this Python, --standalone,
+    --rdzv-endpoint as the rendezvous address and port, --nproc-per-node cpu."""
+    script = tmp_path / "train.py"  # not executable: torchrun runs it with Python
+    script.write_text("import os, sys; print('script', os.environ['RANK'], os.environ['WORLD_SIZE'], sys.argv[1:])\n")
+    (tmp_path / "trainmod.py").write_text("import os; print('module', os.environ['RANK'])\n")
+    port = launch.find_free_port()
+    argv = ["--standalone", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-id", "job",
+            "--rdzv-endpoint", f"127.0.0.1:{port}", str(script), "--lr", "0.1"]
+    assert run_cli(argv) == 0
+    out = capsys.readouterr().out
+    assert sorted(line.split("] ")[1] for line in out.splitlines()) == [
+        "script 0 2 ['--lr', '0.1']", "script 1 2 ['--lr', '0.1']"]
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    assert run_cli(["--nproc-per-node", "cpu", "-m", "trainmod"]) == 0
+    out = capsys.readouterr().out
+    assert sorted(line.split("] ")[1] for line in out.splitlines()) == [f"module {r}" for r in range(os.cpu_count() or 1)]
 
 
 def test_second_machine_of_a_torchrun_style_job_runs_its_own_ranks(capsys, monkeypatch):

@@ -33,18 +33,51 @@ def _float_at_least(low: float):
     return parse
 
 
+def _per_node(text: str) -> int:
+    """torchrun's ``--nproc-per-node``: a count, or ``gpu`` (this machine's GPUs), ``cpu`` (its
+    cores), ``auto`` (its GPUs if it has any, else its cores)."""
+    if text in ("auto", "gpu", "cpu"):
+        gpus = 0
+        if text != "cpu":
+            import torch
+
+            gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if text == "gpu" and not gpus:
+            raise argparse.ArgumentTypeError("gpu: this machine has no GPU that torch can see")
+        return gpus or os.cpu_count() or 1
+    return _int_in(1)(text)
+
+
+def _nnodes(text: str) -> int:
+    if ":" in text:
+        raise argparse.ArgumentTypeError(f"{text}: a range of machines is torchrun's elastic form; gradsync's "
+                                         "elastic jobs run on one machine: --elastic --min-np A --max-np B")
+    return _int_in(1)(text)
+
+
+def _max_restarts(text: str) -> int:
+    value = _int_in(0)(text)
+    if value:
+        raise argparse.ArgumentTypeError(f"{value}: gradsync run does not restart a failed job; train through "
+                                         "gradsync.adapt.Controller with --checkpoint-dir and start again with "
+                                         "--resume, or run --elastic, where workers may die and join")
+    return value
+
+
 def add_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "run", help="start the workers and servers of a job",
         usage="gradsync run -np N [--servers S] [-H h1:n,h2:n | --hostfile F] [options] -- COMMAND ...",
         description="Start ranks 0..N-1 as workers and N..N+S-1 as parameter servers, all running COMMAND. "
                     "torchrun's names work too: --nproc-per-node K [--nnodes M --node-rank R --master-addr A "
-                    "--master-port P] runs K workers on each of M machines.")
+                    "--master-port P] runs K workers on each of M machines, and as with torchrun a COMMAND that "
+                    "is a .py script (or -m MODULE) runs with this Python.")
     parser.add_argument("-np", "--np", "--num-workers", dest="np", type=_int_in(1),
                         help="workers in the whole job")
-    parser.add_argument("--nproc-per-node", "--nproc_per_node", type=_int_in(1),
-                        help="torchrun's name: workers on each machine (the job has this times --nnodes)")
-    parser.add_argument("--nnodes", type=_int_in(1),
+    parser.add_argument("--nproc-per-node", "--nproc_per_node", type=_per_node,
+                        help="torchrun's name: workers on each machine (the job has this times --nnodes); "
+                             "auto, gpu or cpu: this machine's GPUs or cores, as torchrun counts them")
+    parser.add_argument("--nnodes", type=_nnodes,
                         help="torchrun's name: machines, each running --nproc-per-node workers (needs --master-addr)")
     parser.add_argument("--servers", type=_int_in(0), default=0, help="parameter servers (default 0)")
     hosts = parser.add_mutually_exclusive_group()
@@ -58,7 +91,20 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--bind", metavar="ADDR",
                         help="address rank 0's store listens on (default: the rendezvous address, so loopback "
                              "for one machine; 0.0.0.0: every interface, trusted networks only)")
-    parser.add_argument("--logdir", help="also write each rank's unprefixed output to DIR/worker-K.log")
+    parser.add_argument("--logdir", "--log-dir", "--log_dir",
+                        help="also write each rank's unprefixed output to DIR/worker-K.log")
+    torchrun = parser.add_argument_group("torchrun's other flags, taken as torchrun means them")
+    torchrun.add_argument("--standalone", action="store_true", help="one machine, a free rendezvous port (the default)")
+    torchrun.add_argument("--rdzv-endpoint", "--rdzv_endpoint", metavar="HOST[:PORT]",
+                          help="the rendezvous address and port: --master-addr and --master-port")
+    torchrun.add_argument("--rdzv-backend", "--rdzv_backend", choices=["c10d", "static"],
+                          help="c10d or static: gradsync's rank 0 serves the rendezvous store either way")
+    torchrun.add_argument("--rdzv-id", "--rdzv_id", metavar="ID", help="accepted: each job has its own store")
+    torchrun.add_argument("--max-restarts", "--max_restarts", type=_max_restarts, default=0,
+                          help="0 only: gradsync run does not restart a failed job (see --resume, --elastic)")
+    torchrun.add_argument("-m", "--module", action="store_true", help="COMMAND is a module: python -m COMMAND ...")
+    torchrun.add_argument("--no-python", "--no_python", action="store_true",
+                          help="run COMMAND as it is, even a .py script")
     parser.add_argument("--grace", type=_float_at_least(0), default=3.0, help="seconds between SIGTERM and SIGKILL (default 3)")
     parser.add_argument("--net", metavar="RATE", help="emulated hosts joined by links of RATE (e.g. 1gbit); needs root")
     parser.add_argument("--delay", type=_float_at_least(0), default=0.0, metavar="MS", help="with --net: one-way host-to-host delay")
@@ -156,12 +202,44 @@ def _hosts_and_node_rank(args, parser) -> tuple[list[tuple[str, int]] | None, in
     return hosts, node_rank
 
 
-def main(args: argparse.Namespace) -> int:
-    parser = args.run_parser
+def _command(args, parser) -> list[str]:
+    """The command every rank runs: as given, or, as torchrun runs them, a ``.py`` script or a module
+    (``-m``) with this Python (``--no-python``: as given)."""
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("missing the command to run, e.g. gradsync run -np 2 -- python train.py")
+    if args.module and args.no_python:
+        parser.error("-m runs a module with Python and --no-python runs the command without it: give one")
+    if args.module:
+        return [sys.executable, "-m", *command]
+    if command[0].endswith(".py") and not args.no_python:
+        return [sys.executable, *command]
+    return command
+
+
+def _rendezvous(args, parser) -> None:
+    """torchrun's ``--rdzv-endpoint`` and ``--standalone`` as gradsync's ``--master-addr``/``--port``."""
+    if args.rdzv_endpoint is not None:
+        if args.master_addr is not None or args.port is not None:
+            parser.error("--rdzv-endpoint names the rendezvous already: drop --master-addr/--master-port")
+        host, _, port = args.rdzv_endpoint.rpartition(":") if ":" in args.rdzv_endpoint else (args.rdzv_endpoint, "", "")
+        args.master_addr = host.strip("[]") or None
+        if port:
+            try:
+                args.port = _int_in(1, 65535)(port)
+            except (ValueError, argparse.ArgumentTypeError) as exc:
+                parser.error(f"--rdzv-endpoint {args.rdzv_endpoint}: the port {exc}")
+    if args.standalone and (args.nnodes or 1) > 1:
+        parser.error("--standalone is one machine: drop it, or --nnodes")
+
+
+def main(args: argparse.Namespace) -> int:
+    parser = args.run_parser
+    command = _command(args, parser)
+    _rendezvous(args, parser)
     _workers(args, parser)
+    if args.logdir is not None and os.path.exists(args.logdir) and not os.path.isdir(args.logdir):
+        parser.error(f"--logdir {args.logdir} is a file: name a folder (it is made if missing)")
     if args.delay and args.net is None:
         parser.error("--delay needs --net: it is the delay of the emulated links")
     if args.loss and args.net is None:
