@@ -1,9 +1,13 @@
-"""Frameworks: Lightning's Trainer with GradsyncStrategy, and a model that is already DDP.
+"""Frameworks: Lightning's Trainer with GradsyncStrategy (both Lightning packages), and a model
+that is already DDP.
 
 Lightning runs in each rank of the multi-rank helper (LOCAL_RANK in the environment makes it use
 the processes it finds instead of launching its own). The reference is one process that averages
 the two workers' gradients of the batches Lightning's DistributedSampler gives them.
 """
+import importlib
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -28,26 +32,31 @@ def net():
     return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 2))
 
 
-class Module(pl.LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.net = net()
+def module_of(lightning):
+    class Module(lightning.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = net()
 
-    def training_step(self, batch, _index):
-        x, y = batch
-        return nn.functional.mse_loss(self.net(x), y)
+        def training_step(self, batch, _index):
+            x, y = batch
+            return nn.functional.mse_loss(self.net(x), y)
 
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=LR, momentum=0.9)
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=LR, momentum=0.9)
+
+    return Module()
 
 
-def fit(strategy: str, options: dict, clip: float | None):
-    from gradsync.integrations.lightning import GradsyncStrategy
+def fit(strategy: str, options: dict, clip: float | None, package: str = "pytorch_lightning"):
+    from gradsync.integrations.lightning import strategy_class
 
-    module = Module()
+    lightning = importlib.import_module(package)
+    module = module_of(lightning)
     calls = []  # the module's own forward pre-hooks (gradsync's among them) run for each training_step
     module.register_forward_pre_hook(lambda *_: calls.append(1))
-    trainer = pl.Trainer(accelerator="cpu", devices=WORKERS, strategy=GradsyncStrategy(strategy, options=options),
+    GradsyncStrategy = strategy_class(package)
+    trainer = lightning.Trainer(accelerator="cpu", devices=WORKERS, strategy=GradsyncStrategy(strategy, options=options),
                          max_epochs=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, gradient_clip_val=clip, use_distributed_sampler=False)
     loader = torch.utils.data.DataLoader(data(), batch_size=BATCH, sampler=gradsync.sampler(data(), shuffle=False))
@@ -83,10 +92,12 @@ def reference(clip: float | None):
     return train_on_means(per_epoch * 2, clip)
 
 
-@pytest.mark.parametrize("strategy,options,clip", [("allreduce", {}, None), ("p3", {"slice_params": 30}, None),
-                                                   ("allreduce", {}, 0.05)])
-def test_lightning_trains_the_reference_model(strategy, options, clip):
-    results = run_ranks(fit, WORKERS, strategy, options, clip, timeout=240)
+@pytest.mark.parametrize("strategy,options,clip,package", [
+    ("allreduce", {}, None, "pytorch_lightning"), ("p3", {"slice_params": 30}, None, "pytorch_lightning"),
+    ("allreduce", {}, 0.05, "pytorch_lightning"), ("p3", {"slice_params": 30}, None, "lightning.pytorch")])
+def test_lightning_trains_the_reference_model(strategy, options, clip, package):
+    pytest.importorskip(package)
+    results = run_ranks(fit, WORKERS, strategy, options, clip, package, timeout=240)
     ref = reference(clip)
     steps = 2 * SAMPLES // (WORKERS * BATCH)
     assert [r["forward calls"] for r in results] == [steps] * WORKERS, "training_step bypassed the module's hooks"
@@ -101,6 +112,24 @@ def test_lightning_clipping_under_p3_is_a_clear_error():
     errors = run_ranks_expect_failure(fit, WORKERS, "p3", {}, 0.05, timeout=240)
     assert sorted(errors) == [0, 1], errors
     assert all("GradientEditedError" in text and "clip_grad_norm" in text for text in errors.values()), errors
+
+
+@pytest.mark.parametrize("imported, trainer_package, built_on", [
+    ("lightning", "lightning.pytorch", "GradsyncStrategyLightning"),
+    ("pytorch_lightning", "pytorch_lightning", "GradsyncStrategyPL")])
+def test_gradsync_strategy_is_built_on_the_lightning_the_program_imported(imported, trainer_package, built_on):
+    """Each Lightning's Trainer takes only its own strategies: the program that imported
+    ``lightning`` gets one built on ``lightning.pytorch``, the one that imported ``pytorch_lightning``
+    one built on that."""
+    pytest.importorskip(imported)
+    code = (f"import {imported} as L\n"
+            "from gradsync.integrations.lightning import GradsyncStrategy\n"
+            "s = GradsyncStrategy('allreduce')\n"
+            f"from {trainer_package}.strategies import Strategy\n"
+            "assert isinstance(s, Strategy) and L.Trainer, type(s).__mro__\n"
+            "print(type(s).__name__)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.split() == [built_on], proc.stdout + proc.stderr
 
 
 def test_an_unknown_strategy_fails_at_construction():
