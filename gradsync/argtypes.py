@@ -14,6 +14,14 @@ def output_file(path: str) -> str:
     return path
 
 
+def output_dir(path: str) -> str:
+    """A folder a command writes into (``--out``, ``--logdir``; made if missing): refused if a file
+    is there."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"{path!r} is a file; name a folder (it is made if missing)")
+    return path
+
+
 def plain(text: str | None) -> str | None:
     """A docstring as a terminal shows it: ``code`` and :role:`name` without their markup."""
     if text is None:

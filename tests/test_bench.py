@@ -103,6 +103,7 @@ def test_the_check_catches_a_wrong_model():
     (["--model", "resnet50", "--np", "9999"], "9999 ranks of resnet50 (97 MB of parameters) need at least"),
     (["--trace", TESTS], "is a folder; name a file in it"),  # refused before the run, not after it
     (["--json", TESTS], "is a folder; name a file in it"),
+    (["--out", __file__], "is a file; name a folder"),
 ])
 def test_bad_arguments_are_argument_errors(cli, args, message):
     code, _, err = cli("bench", *args, cwd=TESTS)

@@ -269,7 +269,8 @@ def test_port_in_use_exits_2_before_spawning(capsys):
     (["--nproc-per-node", "1", "--rdzv-endpoint", "a:port", "x.py"], "--rdzv-endpoint a:port: the port"),
     (["--nproc-per-node", "1", "--rdzv-backend", "etcd", "x.py"], "invalid choice: 'etcd'"),
     (["--nproc-per-node", "1", "-m", "--no-python", "x"], "give one"),
-    (["--nproc-per-node", "1", "--logdir", __file__, "x.py"], "is a file: name a folder"),
+    (["--nproc-per-node", "1", "--logdir", __file__, "x.py"], "is a file; name a folder"),
+    (["--nproc-per-node", "1", "--checkpoint-dir", __file__, "x.py"], "is a file; name a folder"),
 ])
 def test_argument_errors(argv, fragment, capsys):
     with pytest.raises(SystemExit) as exit_info:

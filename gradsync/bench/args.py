@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from gradsync.argtypes import output_file
+from gradsync.argtypes import output_dir, output_file
 
 DEFAULT_STRATEGIES = ["ddp", "allreduce", "ps", "ps-async"]
 AUTO_REAL_RATE = 1e9  # bits/s: the fastest real link rate --dilation auto allows (see docs/emulation.md)
@@ -41,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", action="append", default=[], metavar="STRATEGY.KEY=VALUE",
                    help="a strategy option, e.g. ps.fuse_kb=0 or allreduce.bucket_mb=4 (repeatable)")
     p.add_argument("--json", metavar="FILE", type=output_file, help="write one record per strategy to FILE")
-    p.add_argument("--out", metavar="DIR", help="write the chart (bench.png) and records (bench.json) to DIR")
+    p.add_argument("--out", metavar="DIR", type=output_dir, help="write the chart (bench.png) and records (bench.json) to DIR")
     p.add_argument("--check-steps", type=int, default=5,
                    help="steps of the float64 correctness replay (default 5; 0 skips the check)")
     p.add_argument("--net", metavar="RATE[,RATE...]",

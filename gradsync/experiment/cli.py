@@ -18,6 +18,7 @@ import os
 import sys
 import time
 
+from gradsync.argtypes import output_dir
 from gradsync.errors import ConfigError
 
 
@@ -48,7 +49,7 @@ def add_parser(subparsers) -> None:
                            help="override a key of the spec (a varied key takes a comma-separated list)")
             a.add_argument("--fresh", action="store_true", help="start a new run instead of resuming an unfinished one")
         if action == "report":
-            a.add_argument("--out", default="experiment-report", help="folder for the pages and charts")
+            a.add_argument("--out", default="experiment-report", type=output_dir, help="folder for the pages and charts")
     p.set_defaults(handler=main)
     m = subparsers.add_parser("machine", help="register clusters for gradsync experiment --target",
                               description="Register a cluster (a JSON hosts file) as a target for experiments.")

@@ -5,6 +5,7 @@ import argparse
 import os
 import sys
 
+from gradsync.argtypes import output_dir
 from gradsync.launch.hosts import detect_node_rank, parse_hosts, plan_ranks, read_hostfile
 from gradsync.launch.processes import launch_local
 
@@ -91,7 +92,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--bind", metavar="ADDR",
                         help="address rank 0's store listens on (default: the rendezvous address, so loopback "
                              "for one machine; 0.0.0.0: every interface, trusted networks only)")
-    parser.add_argument("--logdir", "--log-dir", "--log_dir",
+    parser.add_argument("--logdir", "--log-dir", "--log_dir", type=output_dir,
                         help="also write each rank's unprefixed output to DIR/worker-K.log")
     torchrun = parser.add_argument_group("torchrun's other flags, taken as torchrun means them")
     torchrun.add_argument("--standalone", action="store_true", help="one machine, a free rendezvous port (the default)")
@@ -118,7 +119,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     elastic.add_argument("--min-np", type=_int_in(1), help="with --elastic: fewest workers (default -np)")
     elastic.add_argument("--max-np", type=_int_in(1), help="with --elastic: most workers (default -np)")
     durable = parser.add_argument_group("checkpoints (a script that trains through gradsync.adapt.Controller)")
-    durable.add_argument("--checkpoint-dir", metavar="DIR",
+    durable.add_argument("--checkpoint-dir", metavar="DIR", type=output_dir,
                          help="worker 0 writes the Controller's commits to DIR, atomically, off the step's path")
     durable.add_argument("--checkpoint-every", type=_int_in(1), metavar="N",
                          help="write every N-th step's commit (default 10)")
@@ -238,8 +239,6 @@ def main(args: argparse.Namespace) -> int:
     command = _command(args, parser)
     _rendezvous(args, parser)
     _workers(args, parser)
-    if args.logdir is not None and os.path.exists(args.logdir) and not os.path.isdir(args.logdir):
-        parser.error(f"--logdir {args.logdir} is a file: name a folder (it is made if missing)")
     if args.delay and args.net is None:
         parser.error("--delay needs --net: it is the delay of the emulated links")
     if args.loss and args.net is None:

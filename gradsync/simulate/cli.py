@@ -17,7 +17,7 @@ import os
 import sys
 import time
 
-from gradsync.argtypes import output_file
+from gradsync.argtypes import output_dir, output_file
 
 DEFAULT_STRATEGIES = ["ddp", "allreduce", "ps", "p3"]
 
@@ -83,7 +83,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--warmup", type=int, default=2, help="steps left out of the figures (default 2)")
     add_host_arguments(p)
     p.add_argument("--json", metavar="FILE", type=output_file, help="write the records to FILE")
-    p.add_argument("--out", metavar="DIR", help="write records (simulate.json) and charts to DIR")
+    p.add_argument("--out", metavar="DIR", type=output_dir, help="write records (simulate.json) and charts to DIR")
     p.add_argument("--validate", nargs="?", const="shipped", metavar="MATRIX",
                    help="replay the recorded emulated runs (the shipped matrix, or MATRIX.json) and report the "
                         "error of every cell; exits 1 when the targets are missed")
