@@ -22,6 +22,19 @@ def output_dir(path: str) -> str:
     return path
 
 
+def available_bytes() -> int | None:
+    """This machine's available memory (Linux's MemAvailable), or None where it cannot be read:
+    what a command checks a run's size against before it starts."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 def plain(text: str | None) -> str | None:
     """A docstring as a terminal shows it: ``code`` and :role:`name` without their markup."""
     if text is None:

@@ -413,6 +413,7 @@ def test_codecs_command_measures_each_compressor(tmp_path, capsys):
 @pytest.mark.parametrize("argv,message", [
     (["--size", "-1"], "--size must be > 0"),
     (["--size", "0"], "--size must be > 0"),
+    (["--size", "1e9"], "GB available"),  # refused before torch tries to allocate it
     (["--shape", "rows=0"], "--shape must be rows=N with N >= 1"),
     (["--shape", "columns=4"], "--shape must be rows=N with N >= 1"),
     (["--size", "0.0001"], "fewer than one row of 1024"),

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from gradsync.argtypes import output_dir, output_file
+from gradsync.argtypes import available_bytes, output_dir, output_file
 
 DEFAULT_STRATEGIES = ["ddp", "allreduce", "ps", "ps-async"]
 AUTO_REAL_RATE = 1e9  # bits/s: the fastest real link rate --dilation auto allows (see docs/emulation.md)
@@ -183,7 +183,7 @@ def _check_memory(args, parser_error) -> None:
 
     from gradsync.models import get_model
 
-    available = _available_bytes()
+    available = available_bytes()
     if available is None:
         return
     try:
@@ -198,18 +198,6 @@ def _check_memory(args, parser_error) -> None:
                      + f": {ranks} ranks of {args.model} ({params / 2**20:.0f} MB of parameters) need at least "
                      f"{need / 2**30:.1f} GB on this machine, which has {available / 2**30:.1f} GB available; run "
                      "fewer workers, or predict this scale with gradsync simulate")
-
-
-def _available_bytes() -> int | None:
-    """This machine's available memory (Linux's MemAvailable), or None where it cannot be read."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
 
 
 def _with_compression(names: list[str], specs: str, parser_error) -> list[str]:

@@ -15,7 +15,7 @@ import statistics
 import sys
 import time
 
-from gradsync.argtypes import output_file
+from gradsync.argtypes import available_bytes, output_file
 
 
 def add_parser(subparsers) -> None:
@@ -120,6 +120,10 @@ def _check_numbers(args) -> str | None:
     """What is wrong with the sizes and counts given, or None."""
     if not 0 < args.size < float("inf"):
         return f"--size must be > 0 (millions of elements), got {args.size:g}"
+    available = available_bytes()
+    if available is not None and 16e6 * args.size > available:  # the input, its round trip, a compressor's state
+        return (f"--size {args.size:g} (million float32 elements) needs about {16e6 * args.size / 2**30:.1f} GB; "
+                f"this machine has {available / 2**30:.1f} GB available")
     kind, _, rows = args.shape.partition("=")
     if kind != "rows" or not rows.isdigit() or int(rows) < 1:
         return f"--shape must be rows=N with N >= 1, got {args.shape!r}"
