@@ -130,6 +130,14 @@ def test_run_net_puts_each_rank_on_its_own_host():
     assert set(leftovers(include_live=True)) <= before, "gradsync run left namespaces behind"
 
 
+@pytest.mark.parametrize("args, message", [(["--seconds", "0"], "--seconds must be > 0, got 0"),
+                                           (["--repeats", "0"], "--repeats must be >= 1, got 0"),
+                                           (["--delay", "-1"], "--delay must be >= 0 ms, got -1")])
+def test_netcheck_refuses_bad_numbers_before_making_hosts(cli, args, message):
+    code, _, err = cli("netcheck", "--net", "1gbit", *args)
+    assert code == 2 and message in err, err
+
+
 @needs_root
 def test_netcheck_reports_every_host_near_the_configured_rate():
     out = subprocess.run(GRADSYNC + ["netcheck", "--hosts", "2", "--net", "100mbit", "--seconds", "0.5", "--repeats", "1"],

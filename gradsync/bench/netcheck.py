@@ -33,8 +33,14 @@ def netcheck(args) -> int:
     parser_error = argparse.ArgumentParser(prog="gradsync netcheck").error
     if args.hosts < 2:
         parser_error(f"--hosts must be >= 2, got {args.hosts}")
-    if not 0 <= args.loss < 100 or args.delay < 0:
-        parser_error("--loss must be in [0, 100) percent and --delay >= 0")
+    if not 0 <= args.loss < 100:
+        parser_error(f"--loss must be in [0, 100) percent, got {args.loss:g}")
+    if not 0 <= args.delay < float("inf"):
+        parser_error(f"--delay must be >= 0 ms, got {args.delay:g}")
+    if not 0 < args.seconds < float("inf"):
+        parser_error(f"--seconds must be > 0, got {args.seconds:g}")
+    if args.repeats < 1:
+        parser_error(f"--repeats must be >= 1, got {args.repeats}")
     try:
         rate = parse_rate(args.net)
     except ConfigError as exc:
