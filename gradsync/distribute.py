@@ -141,6 +141,21 @@ class _ForwardRestore:
         self.model.__dict__.pop("forward", None)
 
 
+def _check_arguments(model, optimizer) -> None:
+    """``distribute(model, optimizer, ...)``: the two objects it needs, with the model's tensors in memory."""
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"distribute(model, optimizer, ...): model must be a torch.nn.Module, got "
+                          f"{type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(f"distribute(model, optimizer, ...): optimizer must be a torch.optim.Optimizer over the "
+                          f"model's parameters, got {type(optimizer).__name__}")
+    meta = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if meta:
+        raise ConfigError(f"distribute: {meta[0]!r}" + (f" and {len(meta) - 1} more" if len(meta) > 1 else "")
+                          + " of the model are on the meta device, without values: materialize the model first "
+                          "(model.to_empty(device=...) and initialize or load its weights)")
+
+
 def _trainable(model: nn.Module) -> tuple[list[nn.Parameter], list[str]]:
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     return [p for _, p in named], [n for n, _ in named]
@@ -439,6 +454,7 @@ def distribute(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str
     Call ``optimizer.step()`` once per backward, or use ``with optimizer.no_sync():`` for all
     but the last backward of an accumulation.
     """
+    _check_arguments(model, optimizer)
     strategy = resolve(strategy, **options)
     _check_clip(clip_grad_norm, strategy)
     rt = runtime.current()

@@ -93,7 +93,15 @@ def misuse() -> dict:
         model, opt = attempt()
         gradsync.distribute(model, opt, "allreduce")
 
+    def on_meta():
+        with torch.device("meta"):
+            model = mlp()
+        gradsync.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1), "allreduce", exit_servers=False)
+
     cases = {
+        "optimizer not an optimizer": lambda: gradsync.distribute(mlp(), "sgd", exit_servers=False),
+        "model not a module": lambda: gradsync.distribute("model", torch.optim.SGD(mlp().parameters(), lr=0.1)),
+        "model on the meta device": on_meta,
         "unknown strategy": lambda: attempt("allreduse"),
         "bucket_mb=0": lambda: attempt(bucket_mb=0),
         "unknown option": lambda: attempt(bucket_megabytes=4),
@@ -117,6 +125,9 @@ def misuse() -> dict:
 
 
 MISUSE = {  # case -> parts of the ConfigError's message
+    "optimizer not an optimizer": ["optimizer must be a torch.optim.Optimizer", "got str"],
+    "model not a module": ["model must be a torch.nn.Module, got str"],
+    "model on the meta device": ["on the meta device", "model.to_empty(device=...)"],
     "unknown strategy": ["unknown strategy 'allreduse'", "valid strategies: allreduce, allreduce-priority, casync-ps, casync-ring, compressed-allgather, ddp, hybrid, p3, pair-averaging, ps, ps-async, ps-sliced, sma"],
     "bucket_mb=0": ["bucket sizes must be > 0 MB", "bucket_mb=0"],
     "unknown option": ["strategy 'allreduce' has no option 'bucket_megabytes'", "its options: bucket_mb"],
