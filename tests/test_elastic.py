@@ -89,8 +89,10 @@ def test_gradsync_resize_from_another_shell_and_hostile_writes_to_the_store(tmp_
     out = tmp_path / "result.json"
     env = {**os.environ, "GRADSYNC_STATE_DIR": str(tmp_path / "state")}
     env.pop("GRADSYNC_JOB_SECRET", None)
+    # 150 steps of 50 ms: the resize below starts a worker (torch's import alone takes seconds on a
+    # loaded machine) well before the job's last step
     job = subprocess.Popen([*GRADSYNC, "run", "--elastic", "-np", "1", "--max-np", "2", "--", sys.executable, EXAMPLE,
-                            "--steps", "60", "--sleep", "0.05", "--out", str(out)],
+                            "--steps", "150", "--sleep", "0.05", "--out", str(out)],
                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, cwd=ROOT, env=env)
     try:
         port = None
@@ -134,7 +136,7 @@ def test_gradsync_resize_from_another_shell_and_hostile_writes_to_the_store(tmp_
     assert "elastic/gen was overwritten from outside the job" in rest and "elastic/members/0 was overwritten" in rest
     assert not secret.exists()  # removed when the job ends
     result = json.loads(out.read_text())
-    sizes = [result["sizes"][str(s)] for s in range(60)]
+    sizes = [result["sizes"][str(s)] for s in range(150)]
     assert sizes[0] == 1 and sizes[-1] == 2 and sorted(sizes) == sizes
     assert_matches_reference(result)
 
