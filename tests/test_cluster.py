@@ -172,6 +172,15 @@ def test_bench_on_an_emulated_cluster_records_the_bound_and_a_trace(tmp_path):
         assert {"forward", "backward", "allreduce", "ps"} <= names, names
         assert any(e["ph"] == "b" and e["args"]["bytes"] > 0 for e in events if e.get("pid") == rank)
         assert any(e.get("tid") == 2 for e in events if e.get("pid") == rank), "no waits recorded"
+        # the step track: each step, and the training loop's calls inside it, one after the other
+        track = sorted((e for e in events if e.get("pid") == rank and e.get("tid") == 0 and e["ph"] == "X"),
+                       key=lambda e: (e["ts"], -e["dur"]))
+        steps = [e for e in track if " step " in e["name"]]
+        calls = [e for e in track if " step " not in e["name"]]
+        assert len(calls) == 4 * len(steps) > 0
+        for step, four in zip(steps, zip(*[iter(calls)] * 4)):
+            assert [c["name"] for c in four] == ["forward + loss", "backward()", "optimizer.step()", "zero_grad()"]
+            assert step["ts"] <= four[0]["ts"] and four[-1]["ts"] + four[-1]["dur"] <= step["ts"] + step["dur"] + 1
     assert set(leftovers(include_live=True)) <= before, "gradsync bench left namespaces behind"
 
 

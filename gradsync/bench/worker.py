@@ -104,16 +104,23 @@ def timed_steps(model, optimizer, work: Workload, total: int, label: str = "comp
         inputs, target = work.batch(spec, step, topo.rank, topo.num_workers)
         before = host_cpu() if cpu is not None else None
         start = time.perf_counter()
-        spec.loss(model(*inputs), target).backward()
+        loss = spec.loss(model(*inputs), target)
+        forward = time.perf_counter()
+        loss.backward()
+        backward = time.perf_counter()
         optimizer.step()
+        stepped = time.perf_counter()
         optimizer.zero_grad()
         end = time.perf_counter()
         times.append(end - start)
         if before is not None:
             after = host_cpu()
             cpu.append([after[0] - before[0], after[1] - before[1]])
-        if tracer is not None:
+        if tracer is not None:  # the step, and the training loop's calls within it (the host's view)
             tracer.span(f"{label} step {step}", "step", start, end)
+            for name, a, b in (("forward + loss", start, forward), ("backward()", forward, backward),
+                               ("optimizer.step()", backward, stepped), ("zero_grad()", stepped, end)):
+                tracer.span(name, "step", a, b)
     return times
 
 
