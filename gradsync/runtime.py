@@ -76,6 +76,9 @@ class Runtime:
     """This rank serves the job's rendezvous store (rank 0 under ``gradsync run``)."""
     elastic: object = None
     """In an elastic job (``gradsync run --elastic``): its :class:`gradsync.adapt.elastic.Membership`."""
+    stoppers: list = field(default_factory=list)
+    """Callables that stop threads of this process without a word to any peer (a watchdog's):
+    :func:`shutdown` runs them even for a rank going down with an error, which runs no closer."""
 
     def explain(self, what: str, exc: BaseException) -> PeerFailureError:
         """Turn a failed communication into an error naming the rank(s) at fault."""
@@ -342,7 +345,17 @@ def leave() -> Runtime | None:
     return runtime
 
 
+def on_stop(stopper) -> None:
+    """Register ``stopper`` (see :attr:`Runtime.stoppers`), if a runtime is up."""
+    stoppers = getattr(_RUNTIME, "stoppers", None)
+    if stoppers is not None:
+        stoppers.append(stopper)
+
+
 def _stop_threads(runtime: Runtime) -> None:
+    stoppers = getattr(runtime, "stoppers", [])
+    while stoppers:
+        stoppers.pop()()
     if runtime.heartbeat:
         runtime.heartbeat.stop(**({"wait_s": 0.5} if runtime.store_lost else {}))
     if runtime.responder:

@@ -60,6 +60,7 @@ class Watchdog:
         if self._thread is None:
             self._thread = threading.Thread(target=self._watch, name="gradsync-watchdog", daemon=True)
             self._thread.start()
+            runtime.on_stop(self.close)  # also when the rank goes down with an error (no closer runs)
         elif self._idle:
             self._wake.set()  # a window opened long after the last progress may be overdue at once
 
@@ -71,6 +72,9 @@ class Watchdog:
         """Stop the thread (it is gone when this returns: no gradsync thread outlives shutdown)."""
         self.open, self._closed = False, True
         self._wake.set()
+        stoppers = getattr(runtime._RUNTIME, "stoppers", [])
+        if self.close in stoppers:
+            stoppers.remove(self.close)
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=IDLE_S + 1.0)

@@ -450,3 +450,77 @@ def nan_outside_the_sample() -> str:
 def test_a_nan_outside_a_sparse_codecs_sample_reaches_every_worker():
     for message in run_ranks(nan_outside_the_sample, WORKERS, timeout=60):
         assert "randomk all-reduce of bucket 0 ('weight'..) holds NaN/Inf" in message, message
+
+
+# -- a parameter the forward does not use ------------------------------------------------------------
+class _HalfUsed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used, self.unused = nn.Linear(4, 2), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+def train_half_used(strategy: str, options: dict):
+    """Three steps of a model whose ``unused`` layer gets no gradient. Returns what was raised (or
+    None), and, after the rank gave up on it as a script's uncaught error does (``abandon``), the
+    warnings of ``shutdown`` and the gradsync threads still alive."""
+    import warnings
+
+    from gradsync import runtime
+
+    torch.manual_seed(0)
+    model = _HalfUsed().to(DEVICE)
+    opt = gradsync.distribute(model, torch.optim.SGD(model.parameters(), lr=LR), strategy, **options)
+    error = None
+    try:
+        for step in range(STEPS):
+            opt.zero_grad()
+            model(batch(step, gradsync.topology().rank)[0][:, :4]).sum().backward()
+            opt.step()
+        opt.flush()  # the last step's parameters, where they arrive at the next forward (p3)
+    except ConfigError as exc:
+        error = str(exc)
+        runtime.abandon(exc)
+    params = {name: p.detach().cpu().clone() for name, p in model.named_parameters()}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gradsync.shutdown()
+    alive = [t.name for t in threading.enumerate() if t.name.startswith("gradsync") and t.is_alive()]
+    return error, [str(w.message) for w in caught], alive, params
+
+
+def half_used_reference() -> dict:
+    """One process: each step's mean gradient over the workers' batches, then the same SGD step."""
+    torch.manual_seed(0)
+    model = _HalfUsed()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for step in range(STEPS):
+        opt.zero_grad()
+        for w in range(WORKERS):
+            (model(batch(step, w)[0].cpu()[:, :4]).sum() / WORKERS).backward()
+        opt.step()
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def test_ddp_with_an_unused_parameter_names_it_and_the_option_that_allows_it():
+    """PyTorch's DDP reducer stops at the next forward when a parameter got no gradient: the error
+    names the parameters and the way out on every rank, and the rank goes down with no gradsync
+    thread left running (its watchdog stops even though no closer runs)."""
+    for rank, (error, warned, alive, _) in enumerate(run_ranks(train_half_used, WORKERS, "ddp", {})):
+        assert error is not None and f"rank {rank}" in error, error
+        assert "'unused.weight', 'unused.bias'" in error and "find_unused_parameters=True" in error, error
+        assert warned == [] and alive == [], (warned, alive)
+
+
+@pytest.mark.parametrize("strategy", [s for s in STRATEGIES if STRATEGIES[s][2] and STRATEGIES[s][1] == 0])
+def test_a_parameter_the_forward_does_not_use_trains_as_in_one_process(strategy):
+    """Every exact strategy (``ddp`` told ``find_unused_parameters=True``) synchronizes the gradients
+    a step produced and leaves the unused layer as one process does."""
+    options = dict(STRATEGIES[strategy][0], **({"find_unused_parameters": True} if strategy == "ddp" else {}))
+    want = half_used_reference()
+    for error, warned, alive, params in run_ranks(train_half_used, WORKERS, strategy, options):
+        assert error is None and warned == [] and alive == [], (error, warned, alive)
+        for name, value in want.items():
+            torch.testing.assert_close(params[name], value, rtol=FP32_TOL[0], atol=FP32_TOL[1], msg=name)

@@ -20,6 +20,7 @@ timeout of the fault, as gradsync's own strategies name it.
 from __future__ import annotations
 
 import inspect
+import re
 from typing import Any, Callable
 
 import torch
@@ -48,6 +49,35 @@ class _Forward(nn.Module):
 
     def forward(self, *args, **kwargs):
         return self._forward(*args, **kwargs)
+
+
+_UNUSED = "Expected to have finished reduction in the prior iteration"
+_UNUSED_INDICES = re.compile(r"Parameter indices which did not receive grad for rank \d+: ([\d ]+)")
+
+
+def _unused_parameters(exc: BaseException, module: nn.Module, rank: str) -> ConfigError | None:
+    """DDP's reducer found, at this forward, parameters that got no gradient in the last backward
+    (they were not used to compute the loss): the error to raise instead, naming them, or None for
+    any other error."""
+    if not isinstance(exc, RuntimeError) or _UNUSED not in str(exc):
+        return None
+    found = _UNUSED_INDICES.search(str(exc))
+    named = ""
+    if found:  # the reducer's indices: the module's trainable parameters in registration order, once each
+        params, seen = [], set()
+        for prefix, sub in module.named_modules():
+            for name, p in sub.named_parameters(recurse=False):
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    params.append(f"{prefix}.{name}".removeprefix("model.").lstrip("."))
+        picked = [params[int(i)] for i in found.group(1).split() if int(i) < len(params)]
+        named = f" ({', '.join(repr(n) for n in picked)})" if picked else ""
+    return ConfigError(
+        f"{rank}, strategy ddp: some parameters{named} got no gradient in the previous step: the "
+        "model's forward did not use them for the loss, and PyTorch's DDP waits for every parameter "
+        "unless told otherwise. Pass find_unused_parameters=True (distribute(model, optimizer, \"ddp\", "
+        "find_unused_parameters=True); it costs a walk of the autograd graph every step), or use "
+        "strategy \"allreduce\", which synchronizes only the gradients a step produced")
 
 
 class DDP(Strategy):
@@ -96,7 +126,14 @@ class DDP(Strategy):
             # A plain function, not the module: assigning a Module to model.forward would register
             # it as a submodule and leave the class's forward in place.
             self.watchdog.enter()
-            out = ddp(*args, **kwargs)
+            try:
+                out = ddp(*args, **kwargs)
+            except BaseException as exc:
+                self.watchdog.leave()
+                unused = _unused_parameters(exc, ddp.module, self.ctx.topology.describe(self.ctx.topology.rank))
+                if unused is not None:
+                    raise unused from exc
+                raise
             if not torch.is_grad_enabled():  # an evaluation: no backward follows
                 self.watchdog.leave()
             return out
