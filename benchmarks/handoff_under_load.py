@@ -7,8 +7,10 @@ it running again, while a third keeps running Python), timed as
 :func:`gradsync.simulate.validate.measure_handoff` times it (``handoff_latencies``), once with nothing else running and
 once beside ``--busy`` processes that spin in Python (as emulated ranks that outnumber the cores
 keep them busy). Printed per case: the median, mean, 90th percentile and largest wakeup in
-microseconds. The validation replays the median measured idle; a step with many wakeups in a row
-pays their mean.
+microseconds. The validation replays the median measured idle (``Host.handoff_s``) and, as often as
+every core is busy, the mean with every core busy (``Host.busy_wake_s``,
+:func:`gradsync.simulate.validate.measure_busy_wake`: one spinning process per other core beside
+the measuring process's own spinning thread, ``--busy 1`` here on 2 cores).
 """
 from __future__ import annotations
 

@@ -6,13 +6,14 @@ Runs one ``gradsync bench --compute emulated`` per (model, workers, link rate) o
 cluster (root needed), with every simulated strategy side by side, and writes the records, each
 group with its exact command and the host rates measured just before it (copy and update, alone
 and as a fraction of that with every core at it, the fraction again just after the run; a thread
-handoff; for a group with ``p3``, ``ps-sliced`` or ``hybrid`` the cost of a message's end too, and for
+handoff, idle and with every core busy; for a group with ``p3``, ``ps-sliced`` or ``hybrid`` the cost of a message's end too, and for
 one with compressed strategies the compressors' costs), as the validation matrix. ``--groups``
 picks a subset by index (``--groups ""``: none);
 ``--message-cost`` measures the host cost of a slice message's end on loopback
 (:func:`measure_message_cost`), ``--concurrency`` the rates with every core at it
-(:func:`measure_concurrency`) and ``--handoff`` a thread handoff
-(:func:`gradsync.simulate.validate.measure_handoff`), and keep them with the matrix's rates.
+(:func:`measure_concurrency`), ``--handoff`` a thread handoff
+(:func:`gradsync.simulate.validate.measure_handoff`) and ``--busy-wake`` one with every core busy
+(:func:`measure_busy_wake`), and keep them with the matrix's rates.
 """
 from __future__ import annotations
 
@@ -149,7 +150,15 @@ def measure_host_rates(processes: int = 5) -> dict:
     runs = [_calibrated(1)[0] for _ in range(processes)]
     rates = {key: max(run[key] for run in runs) for key in ("copy_Bps", "update_Bps")}
     rates["handoff_s"] = statistics.median(run["handoff_s"] for run in runs)
-    return {**rates, "concurrent": measure_concurrency()}
+    return {**rates, "busy_wake_s": measure_busy_wake(), "concurrent": measure_concurrency()}
+
+
+def measure_busy_wake(rounds: int = 5) -> float:
+    """``Host.busy_wake_s`` of this machine: the median of ``rounds`` of
+    :func:`gradsync.simulate.validate.measure_busy_wake` (each the mean of 300 wakes)."""
+    from gradsync.simulate.validate import measure_busy_wake as one
+
+    return statistics.median(one() for _ in range(rounds))
 
 
 MESSAGE_RUN = ["gradsync", "bench", "--model", "resnet50", "--compute", "emulated", "--np", "2",
@@ -199,6 +208,9 @@ def main() -> None:
     parser.add_argument("--handoff", action="store_true",
                         help="measure a thread handoff (validate.measure_handoff) and keep it with the matrix's rates, "
                              "for the groups recorded without their own")
+    parser.add_argument("--busy-wake", action="store_true",
+                        help="measure a thread's wakeup with every core busy (Host.busy_wake_s) and keep it with "
+                             "the matrix's rates, for the groups recorded without their own")
     parser.add_argument("--concurrency", action="store_true",
                         help="measure how fast host work runs with every core at it (measure_concurrency) and keep "
                              "it with the matrix's rates, for the groups recorded without their own")
@@ -225,6 +237,11 @@ def main() -> None:
         host_rates = {**host_rates, "handoff_s": found}
         kept = {**kept, "host_rates": host_rates}
         print(f"handoff {found * 1e6:.0f} us", flush=True)
+    if args.busy_wake:
+        found = measure_busy_wake()
+        host_rates = {**host_rates, "busy_wake_s": found}
+        kept = {**kept, "host_rates": host_rates}
+        print(f"busy wake {found * 1e3:.2f} ms", flush=True)
     if args.concurrency:
         host_rates = {**host_rates, "concurrent": measure_concurrency()}
         kept = {**kept, "host_rates": host_rates}
@@ -266,7 +283,7 @@ def main() -> None:
             "compressors' costs measured again after the run, on the same machine, under the ranks' allocator "
             "settings (the first measurement, in the recording process, paid fresh pages on every decode)")
         print(f"group {index}: codecs {group['codecs']}", flush=True)
-    if args.message_cost or args.concurrency or args.handoff or args.codecs:
+    if args.message_cost or args.concurrency or args.handoff or args.busy_wake or args.codecs:
         with open(args.out, "w") as f:
             json.dump({**kept, "cores": os.cpu_count(), "latency_s": 50e-6, "host_rates": host_rates, "codecs": codecs,
                        "groups": groups}, f, indent=1)

@@ -367,6 +367,8 @@ def test_simulate_prints_records_and_rejects_bad_input(tmp_path, cli):
                           (["--strategies", "nope"], "no simulator model for nope"),
                           (["--model", "resnet50:tiny"], "no shipped compute profile"),
                           (["--message-us=-5"], "--message-us must be >= 0, got -5"),
+                          (["--shared-cores=-2"], "--shared-cores must be >= 0, got -2"),
+                          (["--busy-wake-us=-1"], "--busy-wake-us must be >= 0, got -1"),
                           (["--model", "nope"], "unknown model 'nope'; valid models:"),
                           (["--servers=-1"], "--servers must be >= 0, got -1"),
                           (["--gpus-per-host", "0"], "--gpus-per-host must be >= 1, got 0"),
@@ -410,6 +412,31 @@ def test_a_recorded_run_meets_the_host_rates_its_ranks_had():
     assert after.copy_Bps == pytest.approx(8e9 * 0.7) and after.update_Bps == pytest.approx(2e9 * 0.7)  # the mean of both
     alone = _host({"np": 1}, rates, cores=2)  # one rank: no other core at work beside it
     assert alone.copy_Bps == pytest.approx(8e9) and alone.update_Bps == pytest.approx(2e9)
+    assert host.busy_wake_s is None and host.cores == 2  # not measured: every wake is a handoff
+    woken = _host({"np": 4, "dilation": 10.0}, {**rates, "busy_wake_s": 3e-3}, cores=2)
+    assert woken.busy_wake_s == pytest.approx(3e-4)  # the scheduler's wait, divided by the dilation
+
+
+def test_a_woken_thread_waits_for_a_core_as_often_as_every_core_is_busy():
+    """``Worker.wake_s``: where the ranks share cores, a thread woken while all are busy waits
+    ``busy_wake_s``; the chance is each rank's share of time at work, ranks at random. Computed by
+    hand: 2 ranks, this one's host busy 1 s of the first 2 (u = 1/2)."""
+    from gradsync.simulate.worker import Worker
+
+    def wake(cores: int, ranks: int = 2) -> float:
+        sim = Sim()
+        host = Host(handoff_s=0.001, busy_wake_s=0.101, cores=cores)
+        worker = Worker(sim, synthetic([(0.1, 0.1, [1000])], batch_size=1), ranks, NET, host)
+        worker.host.run(1.0)
+        sim.after(2.0, lambda: None)
+        sim.run()
+        return worker.wake_s()
+
+    assert wake(cores=2) == pytest.approx(0.001 + 0.25 * 0.1)  # both ranks busy: 1/2 * 1/2
+    assert wake(cores=1) == pytest.approx(0.001 + 0.75 * 0.1)  # either of them: 1 - 1/2 * 1/2
+    assert wake(cores=2, ranks=3) == pytest.approx(0.001 + 0.5 * 0.1)  # two of three: 3/8 + 1/8
+    assert wake(cores=4) == pytest.approx(0.001)  # more cores than ranks: always a free one
+    assert wake(cores=0) == pytest.approx(0.001)  # cores to spare (a real cluster's hosts)
 
 
 def test_calibration_measures_a_thread_handoff_and_starts_on_a_common_clock():
@@ -420,6 +447,9 @@ def test_calibration_measures_a_thread_handoff_and_starts_on_a_common_clock():
     from gradsync.simulate.validate import calibrate, measure_handoff
 
     assert 0 < measure_handoff(repeats=5) < 0.05
+    from gradsync.simulate.validate import measure_busy_wake
+
+    assert 0 < measure_busy_wake(repeats=5) < 0.5  # with every core busy: milliseconds, not seconds
     began = time.time()
     start_at = began + 0.3
     rates = calibrate(numel=1 << 12, start_at=start_at, seconds=0.02, handoff_repeats=5)
@@ -444,6 +474,7 @@ def test_shipped_matrix_covers_every_strategy_with_its_commands_and_rates():
         rates = {**matrix["host_rates"], **group.get("host_rates", {})}
         assert rates["copy_Bps"] > 0 and rates["update_Bps"] > 0 and rates["message_s"] > 0
         assert 0 < rates["handoff_s"] < 1e-3  # measured (validate.measure_handoff): tens of microseconds
+        assert 1e-4 < rates["busy_wake_s"] < 0.05  # with every core busy (validate.measure_busy_wake): ms
         together = rates["concurrent"]  # the rates' fraction with every core at it
         assert together["processes"] == matrix["cores"] and 0 < together["update_Bps"] <= 1
     for spec, costs in {**matrix["codecs"], **{k: v for g in matrix["groups"] for k, v in g.get("codecs", {}).items()}}.items():

@@ -34,6 +34,12 @@ def add_host_arguments(p: argparse.ArgumentParser) -> None:
                    help="host CPU per end of a point-to-point message sent from Python (p3's and ps-sliced's slices, "
                         "hybrid's row requests and answers), one at a time per process (default 0: not counted; "
                         "380-630 on a 2-core cloud VM, docs/simulate.md)")
+    p.add_argument("--shared-cores", type=int, default=0,
+                   help="cores that every rank of the job shares (all on one machine, as an emulated cluster); "
+                        "a thread woken while all are busy waits --busy-wake-us (default 0: cores to spare)")
+    p.add_argument("--busy-wake-us", type=float, default=0.0,
+                   help="a blocked thread's wait for a core when every shared core is busy (default 0: not "
+                        "counted; about 3400 on a 2-core cloud VM, docs/simulate.md)")
 
 
 def at_least(args, error, **lowest) -> None:
@@ -50,9 +56,11 @@ def host_of(args, error):
 
     if min(args.host_copy_gbps, args.host_update_gbps, args.codec_speed) <= 0:
         error("--host-copy-gbps, --host-update-gbps and --codec-speed must be > 0")
-    if args.message_us < 0:
-        error(f"--message-us must be >= 0, got {args.message_us:g}")
-    return Host(args.host_copy_gbps * 1e9, args.host_update_gbps * 1e9, args.codec_speed, message_s=args.message_us * 1e-6)
+    for flag in ("message_us", "shared_cores", "busy_wake_us"):
+        if getattr(args, flag) < 0:
+            error(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag):g}")
+    return Host(args.host_copy_gbps * 1e9, args.host_update_gbps * 1e9, args.codec_speed, message_s=args.message_us * 1e-6,
+                busy_wake_s=args.busy_wake_us * 1e-6 if args.busy_wake_us else None, cores=args.shared_cores)
 
 
 def add_parser(subparsers) -> None:

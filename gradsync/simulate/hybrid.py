@@ -18,7 +18,9 @@ A step, as :class:`~gradsync.strategies.hybrid.strategy.Hybrid` runs it:
 - every one of those messages is sent and taken by Python threads (the worker's, the server's
   receive loop), each end at :attr:`~gradsync.simulate.worker.Host.message_s` of host time under
   the process's interpreter lock, the cost ``p3``'s slices pay: co-located, a process's worker
-  and server share one lock;
+  and server share one lock; a server's thread woken for a request and a worker's for its rows
+  run after :meth:`~gradsync.simulate.worker.Worker.wake_s` (longer where the ranks share busy
+  cores);
 - ``opt.step()`` waits for the dense all-reduce, then runs the optimizer on the dense parameters;
 - a server, once every worker's pushes of every table are in, builds each partition's gradient
   (a zeroed partition, the rows added, divided by N) and runs the optimizer on it, table after
@@ -37,7 +39,7 @@ from typing import Callable
 
 from gradsync.errors import ConfigError
 from gradsync.strategies.base import ring_bytes
-from gradsync.simulate.engine import Barrier, Stream
+from gradsync.simulate.engine import Barrier
 from gradsync.simulate.models import Buckets
 from gradsync.simulate.worker import ZEROED_PASSES, StrategyModel, Worker
 
@@ -79,11 +81,11 @@ class Hybrid(StrategyModel):
         self.dense.bind(worker)
         self.dense_bytes = sum(worker.params[i].nbytes for i in dense)
         self.servers = self.dedicated or n
-        self.server = Stream(worker.sim, "row server")  # a server's requests are served in turn
+        self.server = worker.cpu_stream("row server")  # a server's requests are served in turn
         # Each message end (a send issued, a receive taken) is Python under the interpreter lock
         # (Host.message_s): the worker's and, co-located, its server's, one at a time.
-        self.interpreter = Stream(worker.sim, "python threads")
-        self.server_interpreter = Stream(worker.sim, "server python threads") if self.dedicated else self.interpreter
+        self.interpreter = worker.cpu_stream("python threads")
+        self.server_interpreter = worker.cpu_stream("server python threads") if self.dedicated else self.interpreter
         self.peers = self.dedicated or n - 1  # the servers a worker sends to (co-located: 1 in N is its own)
         self.clients = n if self.dedicated else n - 1  # the workers a server hears from
         self.tables_of_layer: dict[int, list[str]] = {}
@@ -157,7 +159,7 @@ class Hybrid(StrategyModel):
     def _handoff(self, then: Callable[[], None]) -> Callable[[], None]:
         """A message's arrival acted on by another thread: the server thread's receive loop takes a
         request, the worker's waiting thread wakes for an answer (Host.handoff_s each)."""
-        return lambda: self.wk.sim.after(self.wk.host_rates.handoff_s, then)
+        return lambda: self.wk.sim.after(self.wk.wake_s(), then)
 
     def on_layer_ready(self, step: int, layer: int) -> None:
         if self.sparse and step not in self.pushed:

@@ -177,10 +177,11 @@ class ParameterServers(StrategyModel):
 class CreditSender:
     """A sender that issues the lowest priority first while the bytes in flight stay within
     ``credit`` (None: no bound); a message larger than the credit goes alone. A message's credit
-    comes back ``handoff_s`` after it is delivered (the thread that sees the send complete wakes
-    the thread that sends: gradsync's :class:`~gradsync.strategies.scheduler.PrioritySender`)."""
+    comes back ``handoff_s()`` after it is delivered (the thread that sees the send complete wakes
+    the thread that sends: gradsync's :class:`~gradsync.strategies.scheduler.PrioritySender`;
+    :meth:`~gradsync.simulate.worker.Worker.wake_s`)."""
 
-    def __init__(self, sim: Sim, credit: float | None, handoff_s: float = 0.0):
+    def __init__(self, sim: Sim, credit: float | None, handoff_s: Callable[[], float] = lambda: 0.0):
         self.sim, self.credit, self.handoff_s = sim, credit, handoff_s
         self.inflight = 0.0
         self.queue: list = []
@@ -200,10 +201,11 @@ class CreditSender:
             send(lambda n=nbytes: self._done(n))
 
     def _done(self, nbytes: float) -> None:
-        if self.credit is None or self.handoff_s <= 0:
+        wait = 0.0 if self.credit is None else self.handoff_s()
+        if wait <= 0:
             self._returned(nbytes)
         else:
-            self.sim.after(self.handoff_s, lambda: self._returned(nbytes))
+            self.sim.after(wait, lambda: self._returned(nbytes))
 
     def _returned(self, nbytes: float) -> None:
         self.inflight -= nbytes
@@ -273,8 +275,8 @@ class Slices(StrategyModel):
                                 for layer in worker.w.layers]
         self.arrived_step = [-1] * len(self.plan.slices)  # the last step whose answer arrived
         self.waiters: dict[int, list] = {}
-        self.sender = CreditSender(worker.sim, self.credit, worker.host_rates.handoff_s)
-        self.interpreter = Stream(worker.sim, "python threads")
+        self.sender = CreditSender(worker.sim, self.credit, worker.wake_s)
+        self.interpreter = worker.cpu_stream("python threads")
         self.message_s = 0.0 if self.all_reduce else worker.host_rates.message_s
         if self.dedicated:  # one sender per server, for its answers
             # a dedicated server runs no training thread: its threads hand off without waiting

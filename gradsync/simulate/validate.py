@@ -74,6 +74,25 @@ def measure_handoff(repeats: int = 100) -> float:
     return statistics.median(handoff_latencies(repeats))
 
 
+def measure_busy_wake(repeats: int = 300) -> float:
+    """This machine's ``Host.busy_wake_s``: a thread handoff as :func:`measure_handoff` times it,
+    while every core is busy (the measuring process's spinning thread and a spinning process on
+    each other core), so that the woken thread waits for the scheduler to give it a core; the
+    mean of ``repeats`` (milliseconds, where the idle median is microseconds)."""
+    import subprocess
+    import sys
+
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                for _ in range((os.cpu_count() or 1) - 1)]
+    try:
+        time.sleep(0.5)  # they run by now
+        return statistics.fmean(handoff_latencies(repeats))
+    finally:
+        for p in spinners:
+            p.kill()
+            p.wait()
+
+
 def handoff_latencies(repeats: int) -> list[float]:
     """``repeats`` thread handoffs as :func:`measure_handoff` times them, in seconds."""
     import threading
@@ -148,8 +167,10 @@ def _host(record: dict, rates: dict, cores: int):
     together = [rates[key] for key in ("concurrent", "concurrent_after") if key in rates and min(ranks, cores) > 1]
     fraction = {key: statistics.fmean([t[key] for t in together] or [1.0]) for key in ("copy_Bps", "update_Bps")}
     copy, update = (rates[key] * fraction[key] for key in ("copy_Bps", "update_Bps"))
+    wake = rates.get("busy_wake_s")
     return Host(copy * k / share, update * k / share, codec_speed=fraction["copy_Bps"] * k / share,
-                handoff_s=rates.get("handoff_s", 20e-6) * share / k, message_s=rates.get("message_s", 0.0) * share / k)
+                handoff_s=rates.get("handoff_s", 20e-6) * share / k, message_s=rates.get("message_s", 0.0) * share / k,
+                busy_wake_s=None if wake is None else wake / k, cores=cores)
 
 
 def replay(path: str = MATRIX, rates: dict | None = None, steps: int = 8, warmup: int = 3) -> dict:

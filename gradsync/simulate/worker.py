@@ -13,6 +13,7 @@ host at the :class:`Host` rates, in series with what the strategy puts after it.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -47,6 +48,13 @@ class Host:
     handoff_s: float = 20e-6
     """From one host thread noticing an event to another acting on it (a credit returned by
     the thread that waits for sends to the thread that issues them)."""
+    busy_wake_s: float | None = None
+    """A blocked thread's wakeup while every core the ranks share is busy: it waits for the
+    scheduler to give it one (milliseconds on average, where ``handoff_s`` is an idle core's
+    microseconds). None: always ``handoff_s``."""
+    cores: int = 0
+    """Cores that every rank of the job shares (an emulated cluster on one machine); 0: each host
+    has cores to spare, and a woken thread finds one."""
     message_s: float = 0.0
     """Host CPU per end of a point-to-point message sent from Python (a send issued, a receive
     taken, with what the strategy's Python does around it), one end at a time per process (the
@@ -107,6 +115,8 @@ class Worker:
         self.servers = [(Link(f"server {s} tx", rate), Link(f"server {s} rx", rate)) for s in range(servers)]
         self.gpu = Stream(sim, "accelerator")
         self.host = Stream(sim, "host")
+        self.cpu = [self.host]  # the streams that keep a core busy (cpu_stream)
+        self.ranks = np + servers
         self.params = workload.params
         self.metas = [_Meta(p.numel, p.nbytes) for p in self.params]
         self.tables_of_layer: dict[int, list[str]] = {}
@@ -146,6 +156,27 @@ class Worker:
             then()
         else:
             interpreter.run(cost, then, what="message ends")
+
+    def cpu_stream(self, name: str) -> Stream:
+        """A serial worker of this rank that keeps a core busy while it works (a Python thread)."""
+        stream = Stream(self.sim, name)
+        self.cpu.append(stream)
+        return stream
+
+    def wake_s(self) -> float:
+        """How long a thread blocked on an event takes to run once it is set (a credit returned to
+        the sending thread, a request or an answer taken): ``handoff_s``, or, where the ranks share
+        ``cores``, ``busy_wake_s`` with the chance that every core is busy. The ranks do not run in
+        lock step (a traced ``p3`` run at 2 workers had their steps a median 61 ms apart), so the
+        chance is taken over the time, not at this instant: each of the job's ranks keeps a core
+        busy the fraction of the time this rank's CPU streams have been at work so far."""
+        h = self.host_rates
+        if h.busy_wake_s is None or h.cores <= 0 or self.sim.now <= 0:
+            return h.handoff_s
+        u = min(1.0, sum(s.busy_s for s in self.cpu) / self.sim.now)
+        n = self.ranks
+        busy = sum(math.comb(n, j) * u**j * (1 - u)**(n - j) for j in range(h.cores, n + 1))
+        return h.handoff_s + busy * max(0.0, h.busy_wake_s - h.handoff_s)
 
     def copy_s(self, nbytes: float) -> float:
         return nbytes / self.host_rates.copy_Bps
