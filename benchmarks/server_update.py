@@ -47,7 +47,7 @@ times = []
 server = threading.Thread(target=serve)
 server.start()
 server.join()
-print(f"{statistics.median(times) * 1e3:.1f}")
+print(f"{statistics.median(times) * 1e3:.1f} {statistics.stdev(times) / statistics.fmean(times):.2f}")
 """
 
 
@@ -68,13 +68,14 @@ def main() -> None:
     env.update({"THP_MEM_ALLOC_ENABLE": "1", **allocator})
     child = [sys.executable, "-c", CHILD, str(args.partitions), str(args.rows), "1" if args.fresh else "0"]
     run = lambda: subprocess.Popen(child, env=env, stdout=subprocess.PIPE, text=True)
-    alone = run().communicate()[0].strip()
-    pair = [p.communicate()[0].strip() for p in [run(), run()]]
+    alone = run().communicate()[0].split()
+    pair = [p.communicate()[0].split() for p in [run(), run()]]
     size = args.partitions * args.rows * 64 * 4 / 1e6
     how = " (an arena of its own)" if args.own_arenas else " (glibc's defaults)" if args.glibc_defaults else ""
     print(f"update of {args.partitions} partition(s), {size:.1f} MB, on a server thread{how}, "
-          f"{'a fresh' if args.fresh else 'a kept'} gradient buffer, median of 15: alone {alone} ms; "
-          f"two servers at once {pair[0]} and {pair[1]} ms")
+          f"{'a fresh' if args.fresh else 'a kept'} gradient buffer, median of 15 (coefficient of variation): "
+          f"alone {alone[0]} ms ({alone[1]}); two servers at once {pair[0][0]} ({pair[0][1]}) and "
+          f"{pair[1][0]} ms ({pair[1][1]})")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The simulator against small cases computed by hand: the event engine's fair sharing, a
 2-worker ring, one parameter server, P3 slices under credit, hybrid's row pulls and pushes; and `gradsync simulate` itself."""
 import json
+import math
 import sys
 
 import pytest
@@ -289,6 +290,21 @@ def test_hybrid_servers_apply_every_table_before_answering_the_next_pull():
     host = Host(copy_Bps=1e18, update_Bps=1000.0, handoff_s=0.0)
     record = simulate("hybrid", work, 2, Network(rate_bps=8e15, latency_s=0.0), host=host, steps=4, warmup=1)
     assert record["step_s"] == pytest.approx(5.0)
+    # Updates that vary from step to step (jitter 0.5): the pull waits for the slower of the two
+    # servers, E[max of 2 standard normals] = 1/sqrt(pi) standard deviations above the mean:
+    # 4 s * (1 + 0.5 / sqrt(pi)) of updates, then the 1 s layer.
+    host.jitter = 0.5
+    record = simulate("hybrid", work, 2, Network(rate_bps=8e15, latency_s=0.0), host=host, steps=4, warmup=1)
+    assert record["step_s"] == pytest.approx(4.0 * (1 + 0.5 / math.sqrt(math.pi)) + 1.0, rel=1e-4)
+
+
+def test_the_slowest_of_n_is_the_mean_plus_the_expected_maximum_of_n_normals():
+    from gradsync.simulate.worker import expected_max_normal
+
+    assert expected_max_normal(1) == 0.0
+    assert expected_max_normal(2) == pytest.approx(1 / math.sqrt(math.pi), rel=1e-6)
+    assert expected_max_normal(3) == pytest.approx(1.5 / math.sqrt(math.pi), rel=1e-6)
+    assert [round(expected_max_normal(n), 4) for n in (4, 8, 16)] == [1.0294, 1.4236, 1.7660]  # tabulated
 
 
 def test_hybrid_messages_cost_their_python_threads_one_end_at_a_time():
@@ -369,6 +385,7 @@ def test_simulate_prints_records_and_rejects_bad_input(tmp_path, cli):
                           (["--message-us=-5"], "--message-us must be >= 0, got -5"),
                           (["--shared-cores=-2"], "--shared-cores must be >= 0, got -2"),
                           (["--busy-wake-us=-1"], "--busy-wake-us must be >= 0, got -1"),
+                          (["--host-jitter=-0.1"], "--host-jitter must be >= 0, got -0.1"),
                           (["--model", "nope"], "unknown model 'nope'; valid models:"),
                           (["--servers=-1"], "--servers must be >= 0, got -1"),
                           (["--gpus-per-host", "0"], "--gpus-per-host must be >= 1, got 0"),
@@ -415,6 +432,8 @@ def test_a_recorded_run_meets_the_host_rates_its_ranks_had():
     assert host.busy_wake_s is None and host.cores == 2  # not measured: every wake is a handoff
     woken = _host({"np": 4, "dilation": 10.0}, {**rates, "busy_wake_s": 3e-3}, cores=2)
     assert woken.busy_wake_s == pytest.approx(3e-4)  # the scheduler's wait, divided by the dilation
+    jittery = {**rates, "jitter": {"2": 0.15, "4": 0.35}}  # measured with 2 and with 4 ranks
+    assert [_host({"np": n}, jittery, cores=2).jitter for n in (1, 2, 3, 4, 8)] == [0.0, 0.15, 0.15, 0.35, 0.35]
 
 
 def test_a_woken_thread_waits_for_a_core_as_often_as_every_core_is_busy():
@@ -475,6 +494,7 @@ def test_shipped_matrix_covers_every_strategy_with_its_commands_and_rates():
         assert rates["copy_Bps"] > 0 and rates["update_Bps"] > 0 and rates["message_s"] > 0
         assert 0 < rates["handoff_s"] < 1e-3  # measured (validate.measure_handoff): tens of microseconds
         assert 1e-4 < rates["busy_wake_s"] < 0.05  # with every core busy (validate.measure_busy_wake): ms
+        assert all(0 < cv < 1 for cv in rates["jitter"].values())  # hybrid's server updates, traced
         together = rates["concurrent"]  # the rates' fraction with every core at it
         assert together["processes"] == matrix["cores"] and 0 < together["update_Bps"] <= 1
     for spec, costs in {**matrix["codecs"], **{k: v for g in matrix["groups"] for k, v in g.get("codecs", {}).items()}}.items():

@@ -40,6 +40,9 @@ def add_host_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--busy-wake-us", type=float, default=0.0,
                    help="a blocked thread's wait for a core when every shared core is busy (default 0: not "
                         "counted; about 3400 on a 2-core cloud VM, docs/simulate.md)")
+    p.add_argument("--host-jitter", type=float, default=0.0,
+                   help="coefficient of variation of host work from step to step: a step that waits for N hosts' "
+                        "same work (hybrid's row servers) waits for the slowest (default 0; 0.19 on a 2-core cloud VM)")
 
 
 def at_least(args, error, **lowest) -> None:
@@ -56,11 +59,12 @@ def host_of(args, error):
 
     if min(args.host_copy_gbps, args.host_update_gbps, args.codec_speed) <= 0:
         error("--host-copy-gbps, --host-update-gbps and --codec-speed must be > 0")
-    for flag in ("message_us", "shared_cores", "busy_wake_us"):
+    for flag in ("message_us", "shared_cores", "busy_wake_us", "host_jitter"):
         if getattr(args, flag) < 0:
             error(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag):g}")
     return Host(args.host_copy_gbps * 1e9, args.host_update_gbps * 1e9, args.codec_speed, message_s=args.message_us * 1e-6,
-                busy_wake_s=args.busy_wake_us * 1e-6 if args.busy_wake_us else None, cores=args.shared_cores)
+                busy_wake_s=args.busy_wake_us * 1e-6 if args.busy_wake_us else None, cores=args.shared_cores,
+                jitter=args.host_jitter)
 
 
 def add_parser(subparsers) -> None:

@@ -25,7 +25,9 @@ A step, as :class:`~gradsync.strategies.hybrid.strategy.Hybrid` runs it:
 - a server, once every worker's pushes of every table are in, builds each partition's gradient
   (a zeroed partition, the rows added, divided by N) and runs the optimizer on it, table after
   table: the dense update ``hybrid`` uses for momentum SGD (``gradsync bench``'s default
-  optimizer). It answers the next step's pulls once all its tables are applied.
+  optimizer). It answers the next step's pulls once all its tables are applied, and a pull asks
+  every server: the step waits for the slowest server's update
+  (:meth:`~gradsync.simulate.worker.Worker.slowest_of`, with the host's ``jitter``).
 
 Every other strategy gets each table's gradient as ``nn.Embedding`` makes it, a zeroed copy of
 the whole table (:meth:`~gradsync.simulate.worker.Worker.table_grad_s`); ``hybrid`` only the rows read.
@@ -191,7 +193,9 @@ class Hybrid(StrategyModel):
             # a zeroed partition, the rows added, divided by N, then the optimizer
             build = (ZEROED_PASSES + 1) * part + table.read * table.row_bytes * wk.np / self.servers
             last = i == len(names) - 1
-            self.server.run(wk.copy_s(build) + wk.update_s(part), (lambda: self._applied(step)) if last else (lambda: None),
+            # the next pull waits for every server: for the slowest of them (Host.jitter)
+            update = (wk.copy_s(build) + wk.update_s(part)) * wk.slowest_of(self.servers)
+            self.server.run(update, (lambda: self._applied(step)) if last else (lambda: None),
                             what=f"update {name}")
 
     def _applied(self, step: int) -> None:

@@ -170,7 +170,14 @@ def _host(record: dict, rates: dict, cores: int):
     wake = rates.get("busy_wake_s")
     return Host(copy * k / share, update * k / share, codec_speed=fraction["copy_Bps"] * k / share,
                 handoff_s=rates.get("handoff_s", 20e-6) * share / k, message_s=rates.get("message_s", 0.0) * share / k,
-                busy_wake_s=None if wake is None else wake / k, cores=cores)
+                busy_wake_s=None if wake is None else wake / k, cores=cores, jitter=_jitter(rates.get("jitter"), ranks))
+
+
+def _jitter(measured: dict | None, ranks: int) -> float:
+    """The host's jitter for ``ranks`` ranks on the machine: measured per rank count
+    (benchmarks/server_jitter.py), the largest count up to ``ranks``; 0 if none was."""
+    counts = [int(n) for n in (measured or {}) if int(n) <= ranks]
+    return measured[str(max(counts))] if counts else 0.0
 
 
 def replay(path: str = MATRIX, rates: dict | None = None, steps: int = 8, warmup: int = 3) -> dict:

@@ -13,6 +13,7 @@ host at the :class:`Host` rates, in series with what the strategy puts after it.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -55,6 +56,11 @@ class Host:
     cores: int = 0
     """Cores that every rank of the job shares (an emulated cluster on one machine); 0: each host
     has cores to spare, and a woken thread finds one."""
+    jitter: float = 0.0
+    """How much a host work item's time varies from step to step (its coefficient of variation:
+    other processes' threads and memory traffic on the same cores). Where a step waits for the
+    same work on N hosts (``hybrid``'s pulls, for every row server's update), it waits for the
+    slowest: :meth:`Worker.slowest_of`. 0: no variation (the default)."""
     message_s: float = 0.0
     """Host CPU per end of a point-to-point message sent from Python (a send issued, a receive
     taken, with what the strategy's Python does around it), one end at a time per process (the
@@ -83,6 +89,21 @@ ZEROED_PASSES = 0.5
 (``zero_`` of 50.8 MB: 4.8 ms where ``copy_`` takes 9.6 ms, one thread, on the 2-core machine
 that recorded the validation's hybrid cells). In an emulated run the allocator keeps freed blocks of up to
 1 GB, so there are no page faults (gradsync.bench.cli)."""
+
+
+@functools.lru_cache(maxsize=None)
+def expected_max_normal(n: int) -> float:
+    """E[max of ``n`` independent standard normals] (0 for one; 0.564 for 2, 1.029 for 4), by
+    the midpoint rule over [-9, 9] on the density of the maximum, ``n phi(x) Phi(x)^(n-1)``."""
+    if n <= 1:
+        return 0.0
+    steps, low, high = 20_000, -9.0, 9.0
+    h = (high - low) / steps
+    total = 0.0
+    for i in range(steps):
+        x = low + (i + 0.5) * h
+        total += x * n * math.exp(-x * x / 2) / math.sqrt(2 * math.pi) * (0.5 * (1 + math.erf(x / math.sqrt(2)))) ** (n - 1)
+    return total * h
 
 
 class Worker:
@@ -177,6 +198,11 @@ class Worker:
         n = self.ranks
         busy = sum(math.comb(n, j) * u**j * (1 - u)**(n - j) for j in range(h.cores, n + 1))
         return h.handoff_s + busy * max(0.0, h.busy_wake_s - h.handoff_s)
+
+    def slowest_of(self, n: int) -> float:
+        """The slowest of ``n`` hosts' runs of the same work, as a multiple of its mean: ``1 +
+        jitter * E[max of n standard normals]`` (1.11x for 2 hosts at a jitter of 0.19)."""
+        return 1.0 + self.host_rates.jitter * expected_max_normal(n)
 
     def copy_s(self, nbytes: float) -> float:
         return nbytes / self.host_rates.copy_Bps
