@@ -195,8 +195,9 @@ class Worker:
         if h.busy_wake_s is None or h.cores <= 0 or self.sim.now <= 0:
             return h.handoff_s
         u = min(1.0, sum(s.busy_s for s in self.cpu) / self.sim.now)
-        n = self.ranks
-        busy = sum(math.comb(n, j) * u**j * (1 - u)**(n - j) for j in range(h.cores, n + 1))
+        n = self.ranks  # P(at least `cores` of n busy): one less the chance of fewer (cores is small)
+        busy = 0.0 if h.cores > n else max(0.0, 1.0 - sum(
+            math.comb(n, j) * u**j * (1 - u)**(n - j) for j in range(h.cores)))
         return h.handoff_s + busy * max(0.0, h.busy_wake_s - h.handoff_s)
 
     def slowest_of(self, n: int) -> float:
