@@ -38,7 +38,7 @@ def simulate(strategy: str, workload: Workload, np: int, net: Network, *, host: 
     worker = Worker(sim, workload, np, net, host or Host(), servers)
     model = build(strategy, options, servers)
     ends = worker.run(model, steps)
-    times = [b - a for a, b in zip([0.0] + ends[:-1], ends)][warmup:]
+    times = model.step_times(ends)[warmup:]
     samples = np * workload.batch_size
     step_s = statistics.median(times)
     compute_s = workload.compute_s

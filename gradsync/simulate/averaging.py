@@ -6,8 +6,8 @@
 - ``pair-averaging`` (:mod:`gradsync.strategies.pair_averaging`): ``step()`` asks one random peer
   for its model (a request, then the model back) and averages with it, runs the local optimizer
   and refreshes the snapshot it serves. A worker answers pulls one after another, holding its
-  snapshot, so the step is set by the most-asked worker: the simulator draws every worker's
-  peers from the strategy's own generators and sends that many models through one link.
+  snapshot. With no barrier the workers drift apart, so every worker is simulated at its own
+  pace, each picking its peers from the strategy's own generators.
 - ``ps-async`` (:mod:`gradsync.strategies.ps`, ``mode="async"``, dedicated servers): a server
   serves one worker at a time (that worker's pushes in, one optimizer step over its share, the
   parameters back). In steady state the ``N`` workers' requests spread over the step, so the
@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Callable
 
 from gradsync.errors import ConfigError
-from gradsync.simulate.engine import Barrier
+from gradsync.simulate.engine import Barrier, Link, Stream
 from gradsync.simulate.worker import StrategyModel, Worker
 
 
@@ -57,39 +57,85 @@ class SMA(StrategyModel):
 
 
 class PairAveraging(StrategyModel):
+    """Every worker simulated, each at its own pace (there is no barrier to keep them in step).
+
+    A worker's step: its forward and backward, a pull request to the peer its generator picks
+    (the strategy's own seed and rank), the peer's model back, the average (a pass over the
+    parameters), the local optimizer, and the snapshot it serves refreshed (a copy). Each worker's
+    server thread answers requests one at a time, in arrival order, each with the whole model
+    through its link, holding the snapshot's lock: a refresh waits for the answer being sent, and
+    an answer for the refresh. The step time is ``gradsync bench``'s: per step, the slowest
+    worker's."""
+
     def bind(self, worker: Worker) -> None:
         import random
 
         super().bind(worker)
-        # The peers every worker picks, from the strategy's own generators (seed and rank as
-        # PairAveraging.attach makes them), so the simulated step sees the same load.
-        n, seed = worker.np, self.strategy.seed
+        n, seed, sim = worker.np, self.strategy.seed, worker.sim
         self.rngs = [random.Random(seed * 7919 + r) for r in range(n)]
         self.peers = [[p for p in range(n) if p != r] for r in range(n)]
+        rate = worker.tx.rate
+        self.tx = [worker.tx] + [Link(f"worker {r} tx", rate) for r in range(1, n)]
+        self.rx = [worker.rx] + [Link(f"worker {r} rx", rate) for r in range(1, n)]
+        self.hosts = [worker.host] + [Stream(sim, f"worker {r} host") for r in range(1, n)]
+        self.servers = [Stream(sim, f"worker {r} server thread") for r in range(n)]
+        self.locks = [Stream(sim, f"worker {r} snapshot lock") for r in range(n)]
+        self.ends: list[list[float]] = [[] for _ in range(n)]  # of the other workers' steps
+        self.pairs: dict[tuple[int, int], Link] = {}
+        self.serving: dict[tuple[int, int], float] = {}  # (from, to): when the last such answer began
+        for r in range(1, n):
+            self._others_step(r)
 
-    def _busiest(self) -> int:
-        """This step's largest number of pulls one worker answers (one model after another, with
-        its snapshot's lock held: its own step and its requesters wait for all of them)."""
-        load = [0] * self.wk.np
-        for rng, peers in zip(self.rngs, self.peers):
-            load[rng.choice(peers)] += 1
-        return max(load)
+    def _others_step(self, r: int) -> None:
+        """Worker ``r`` (not the one the driver runs): compute, then its step, then again."""
+        if len(self.ends[r]) == self.wk.steps:
+            return
+        self.wk.sim.after(self.wk.w.compute_s, lambda: self._pull(r, lambda: (
+            self.ends[r].append(self.wk.sim.now), self._others_step(r))))
+
+    def _pull(self, r: int, done: Callable[[], None]) -> None:
+        wk, nbytes = self.wk, self.wk.w.nbytes
+        if wk.np == 1:
+            self.hosts[r].run(wk.update_s(nbytes), done, what="optimizer")
+            return
+        peer = self.rngs[r].choice(self.peers[r])
+
+        def answer(finish: Callable[[], None]) -> None:  # on the peer's server thread, under its lock
+            def send(unlock: Callable[[], None]) -> None:
+                # The model moves once the requester, woken by its request's completion, posts its
+                # receive. Gloo moves a message both ways between two hosts at half the rate each
+                # way when each side posted its send before its receive (benchmarks/duplex.py):
+                # here when the two workers' servers took each other's requests within that time.
+                # One link per pair of hosts then carries both.
+                # (at least an instant: whatever else begins at this moment is seen)
+                start, rendezvous = wk.sim.now, 2 * wk.net.latency_s + wk.wake_s() + 1e-9
+                self.serving[(peer, r)] = start
+
+                def flow() -> None:
+                    other = self.serving.get((r, peer))
+                    uses = [(self.tx[peer], 1), (self.rx[r], 1)]
+                    if other is not None and abs(other - start) <= rendezvous:
+                        key = (min(r, peer), max(r, peer))
+                        uses.append((self.pairs.setdefault(key, Link(f"workers {key}", self.tx[r].rate)), 1))
+                    wk.message(nbytes, uses, unlock, f"model {peer} -> {r}")
+
+                wk.sim.after(rendezvous, flow)
+
+            self.locks[peer].submit(send, finish, what=f"answer {r}")
+
+        def averaged() -> None:  # average, the local optimizer, then the snapshot under its lock
+            self.hosts[r].run(2 * wk.update_s(nbytes), lambda: self.locks[r].submit(
+                lambda unlock: self.hosts[r].run(wk.copy_s(nbytes), unlock, what="snapshot"), done,
+                what="refresh"), what="average and optimizer")
+
+        wk.sim.after(wk.net.latency_s, lambda: self.servers[peer].submit(answer, averaged, what=f"pull from {r}"))
 
     def step(self, step: int, go: Callable[[], None]) -> None:
-        wk = self.wk
-        if wk.np == 1:
-            self.local_update(go)
-            return
-        nbytes, busiest = wk.w.nbytes, self._busiest()
-        # Two workers pull from each other at once: both directions between one pair of hosts.
-        uses = [(wk.tx, busiest), (wk.rx, 1)] + ([(wk.duplex, 2)] if wk.np == 2 else [])
+        self._pull(0, go)
 
-        def averaged() -> None:
-            wk.host.run(wk.update_s(nbytes), lambda: self.local_update(
-                lambda: wk.host.run(wk.copy_s(nbytes), go, what="snapshot")), what="average with peer")
-
-        # the request (one latency), then the model back from a peer answering ``busiest`` pulls
-        wk.sim.after(wk.net.latency_s, lambda: wk.message(nbytes, uses, averaged, "peer model"))
+    def step_times(self, ends: list[float]) -> list[float]:
+        every = [ends] + self.ends[1:]
+        return [max(b - a for a, b in (([0.0] + e)[i:i + 2] for e in every)) for i in range(len(ends))]
 
 
 class AsyncServers(StrategyModel):

@@ -147,11 +147,15 @@ class Sim:
                 load[link] = load.get(link, 0.0) + weight * len(cls.heap)
         unfixed = list(self._classes.values())
         while unfixed:
-            link = min((lk for lk in load if load[lk] > 1e-12), key=lambda lk: left[lk] / load[lk])
-            share = max(left[link] / load[link], 0.0)
+            ratios = {lk: left[lk] / load[lk] for lk in load if load[lk] > 1e-12}
+            lowest = min(ratios.values())
+            share = max(lowest, 0.0)
+            # every link at the lowest fair share is a bottleneck now (ties are common: symmetric
+            # workers' links), so all of them are filled in one pass
+            tight = {lk for lk, r in ratios.items() if r <= lowest * (1 + 1e-12)}
             still = []
             for cls in unfixed:
-                if any(lk is link for lk, _ in cls.uses):
+                if any(lk in tight for lk, _ in cls.uses):
                     cls.rate = share
                     for lk, weight in cls.uses:
                         left[lk] -= share * weight * len(cls.heap)

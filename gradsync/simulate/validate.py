@@ -201,8 +201,12 @@ def replay(path: str = MATRIX, rates: dict | None = None, steps: int = 8, warmup
                 workloads[key] = load(*key)
             net = Network(rec["net_bps"], matrix.get("latency_s", 50e-6))
             name, options = options_of(rec["strategy"])
+            # as many steps as a round of the run measured, after its warm-up (the rounds repeat it)
+            run_warmup = rec.get("warmup", warmup)
+            run_steps = run_warmup + rec["steps"] // rec.get("rounds", 1) if "steps" in rec else steps
             sim = simulate(name, workloads[key], rec["np"], net, host=_host(rec, here, cores),
-                           servers=rec.get("servers", 0), options=options, steps=steps, warmup=warmup)
+                           servers=rec.get("servers", 0), options=options, steps=max(run_steps, steps),
+                           warmup=max(run_warmup, warmup))
             cpu = rec.get("host_cpu_busy")
             cells.append({"model": rec["model"], "np": rec["np"], "net_bps": rec["net_bps"],
                           "servers": rec.get("servers", 0), "strategy": rec["strategy"],

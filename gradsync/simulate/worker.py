@@ -225,6 +225,7 @@ class Worker:
     # -- one step ----------------------------------------------------------------------------------
     def run(self, model: "StrategyModel", steps: int) -> list[float]:
         """Simulate ``steps`` steps; the time each ended."""
+        self.steps = steps
         model.bind(self)
         self._step(model, 0, steps)
         self.sim.run()
@@ -297,6 +298,11 @@ class StrategyModel:
 
     def step(self, step: int, go: Callable[[], None]) -> None:
         go()
+
+    def step_times(self, ends: list[float]) -> list[float]:
+        """Each step's time as ``gradsync bench`` takes it, the slowest worker's, from the simulated
+        worker's step ends (in lock step, that worker's own)."""
+        return [b - a for a, b in zip([0.0] + ends[:-1], ends)]
 
     def local_update(self, go: Callable[[], None]) -> None:
         """The user's optimizer over every parameter, on this worker's host."""
