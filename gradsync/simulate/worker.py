@@ -188,8 +188,8 @@ class Worker:
         """How long a thread blocked on an event takes to run once it is set (a credit returned to
         the sending thread, a request or an answer taken): ``handoff_s``, or, where the ranks share
         ``cores``, ``busy_wake_s`` with the chance that every core is busy. The ranks do not run in
-        lock step (a traced ``p3`` run at 2 workers had their steps a median 61 ms apart), so the
-        chance is taken over the time, not at this instant: each of the job's ranks keeps a core
+        lock step (docs/simulate.md, a traced ``p3`` run), so the chance is taken over the time,
+        not at this instant: each of the job's ranks keeps a core
         busy the fraction of the time this rank's CPU streams have been at work so far."""
         h = self.host_rates
         if h.busy_wake_s is None or h.cores <= 0 or self.sim.now <= 0:
