@@ -430,6 +430,8 @@ class Transport:
         home, message = message.device, self.staged(message)
         self.bytes_sent += (self.topology.num_workers - 1) * message.numel()
         record = self._record(what, "all-gather", message.numel(), group=group)
+        tracer = trace.current()
+        token = None if tracer is None else tracer.begin_async(what, "comm", bytes=message.numel(), op="all-gather")
         recorder = flight.current()
         with recorder.blocked_in(record, main=threading.get_ident() == _MAIN_THREAD) if recorder \
                 else contextlib.nullcontext():
@@ -442,6 +444,8 @@ class Transport:
                 raise self._explain(what, exc) from exc
         if record is not None:
             record.done = time.time()
+        if token is not None:
+            tracer.end_async(token)
         self.progress = time.monotonic()
         if home.type != message.device.type:
             gathered = ([m.to(home) for m in gathered[0]], gathered[1])

@@ -20,6 +20,7 @@ def traced_allreduce(path_prefix):
         transport.send_async(t, 1, tag=3, what="push of x").wait()
     else:
         transport.recv_async(t, 0, tag=3, what="pull of x").wait()
+    transport.allgather_bytes(torch.full((7,), topo.rank, dtype=torch.uint8), limit=16, what="gather of bucket 1")
     transport.barrier()
     trace.stop()
     path = f"{path_prefix}-{topo.rank}.json"
@@ -37,6 +38,7 @@ def test_transport_operations_and_waits_are_traced_and_merge(tmp_path):
         mine = [e for e in events if e.get("pid") == rank]
         begins = {e["name"]: e for e in mine if e["ph"] == "b"}
         assert begins["bucket 0"]["args"] == {"bytes": 4000, "op": "all-reduce"}
+        assert begins["gather of bucket 1"]["args"] == {"bytes": 7, "op": "all-gather"}  # compressed payloads
         assert begins[p2p]["args"]["bytes"] == 4000
         ends = {e["id"] for e in mine if e["ph"] == "e"}
         assert {b["id"] for b in begins.values()} <= ends, "an operation never ended"
