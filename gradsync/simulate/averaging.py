@@ -106,8 +106,8 @@ class PairAveraging(StrategyModel):
                 # receive. Gloo moves a message both ways between two hosts at half the rate each
                 # way when each side posted its send before its receive (benchmarks/duplex.py):
                 # here when the two workers' servers took each other's requests within that time.
-                # One link per pair of hosts then carries both.
-                # (at least an instant: whatever else begins at this moment is seen)
+                # One link per pair of hosts then carries both. (The rendezvous lasts at least an
+                # instant, so that an answer beginning at this same moment is seen.)
                 start, rendezvous = wk.sim.now, 2 * wk.net.latency_s + wk.wake_s() + 1e-9
                 self.serving[(peer, r)] = start
 
@@ -116,7 +116,9 @@ class PairAveraging(StrategyModel):
                     uses = [(self.tx[peer], 1), (self.rx[r], 1)]
                     if other is not None and abs(other - start) <= rendezvous:
                         key = (min(r, peer), max(r, peer))
-                        uses.append((self.pairs.setdefault(key, Link(f"workers {key}", self.tx[r].rate)), 1))
+                        if key not in self.pairs:
+                            self.pairs[key] = Link(f"workers {key[0]} and {key[1]}", self.tx[r].rate)
+                        uses.append((self.pairs[key], 1))
                     wk.message(nbytes, uses, unlock, f"model {peer} -> {r}")
 
                 wk.sim.after(rendezvous, flow)
