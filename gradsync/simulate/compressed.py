@@ -95,7 +95,7 @@ def measure_here(name: str, options: dict) -> list[float]:
     from gradsync.compress import build
 
     torch.set_num_threads(1)
-    enc, dec, ratio = costmodel.measure_codec(lambda: build(name, **options), torch.float32, PROBE_NUMEL)
+    enc, dec, ratio = costmodel.measure_codec(lambda: build(name, **options), torch.float32, PROBE_NUMEL, repeats=7)
     return [enc.a, enc.b, dec.a, dec.b, ratio]
 
 

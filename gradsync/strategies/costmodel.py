@@ -7,8 +7,9 @@ offline as SeCoPa was:
 - the link: one all-reduce of 1 element and one of ``LINK_PROBE_BYTES`` among the workers; a ring
   all-reduce of ``s`` bytes takes ``2 (N-1) (latency + s / N / rate)`` (Patarasuk & Yuan), which gives
   the per-message latency and the rate this job really gets (emulated links, loopback, CPU contention);
-- the compressor: encode and decode of two sizes of a random gradient, median of ``REPEATS``, and the
-  wire size (the compression ratio) it produced.
+- the compressor: encode and decode of two sizes of a random gradient, each warmed by one untimed
+  call (a first decode touches fresh pages for its output, which a training run pays once), median
+  of ``REPEATS``, and the wire size (the compression ratio) it produced.
 
 Every rank takes the largest (slowest) figure over workers, so all ranks make the same decisions.
 The strategies' costs, for a bucket of ``s`` bytes, ``N`` workers, ratio ``r`` and ``K`` partitions
@@ -93,9 +94,10 @@ class Decision:
                 f"{self.plain_s * 1e3:8.2f} ms plain, {self.compressed_s * 1e3:8.2f} ms compressed")
 
 
-def _median_time(fn: Callable[[], object]) -> float:
+def _median_time(fn: Callable[[], object], repeats: int = REPEATS) -> float:
+    fn()  # warm: fresh output pages, caches
     times = []
-    for _ in range(REPEATS):
+    for _ in range(repeats):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
@@ -103,17 +105,17 @@ def _median_time(fn: Callable[[], object]) -> float:
 
 
 def measure_codec(make: Callable[[], Compressor], dtype: torch.dtype,
-                  sizes: tuple[int, int] = CODEC_PROBE_NUMEL) -> tuple[Linear, Linear, float]:
+                  sizes: tuple[int, int] = CODEC_PROBE_NUMEL, repeats: int = REPEATS) -> tuple[Linear, Linear, float]:
     """Encode and decode cost lines of a fresh compressor from ``make()`` through gradients of
-    ``sizes`` elements, and its wire ratio."""
+    ``sizes`` elements (each a warm call's median of ``repeats``), and its wire ratio."""
     generator = torch.Generator().manual_seed(0)
     points = []
     for numel in sizes:
         grad = torch.randn(numel, generator=generator).to(dtype)
         codec = make()
         payload, ctx = compress_checked(codec, grad, "cost-model probe")
-        enc = _median_time(lambda: codec.compress(grad))
-        dec = _median_time(lambda: codec.decompress(payload, ctx))
+        enc = _median_time(lambda: codec.compress(grad), repeats)
+        dec = _median_time(lambda: codec.decompress(payload, ctx), repeats)
         ratio = to_bytes(payload).numel() / (numel * grad.element_size())
         points.append((numel * grad.element_size(), enc, dec, ratio))
     (x0, e0, d0, _), (x1, e1, d1, ratio) = points
