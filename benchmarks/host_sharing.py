@@ -4,8 +4,10 @@ strategy's Python message handling.
     python benchmarks/host_sharing.py [--spinners 2] [--duty 0.5]
 
 The simulator shares an emulated host's cores among the ranks in two ways (docs/simulate.md):
-host work (copies, updates, codecs) and message ends run at ``ranks / cores`` of a core all the
-time. This measures how much each really slows beside ``--spinners`` processes that keep a core
+host work (copies, updates, codecs) runs at ``cores / ranks`` of a core all the time, while a
+message end, a short burst of a thread that sleeps between messages, runs beside only the other
+ranks busy at the time (``Worker.burst_sharing``). This measures how much each really slows
+beside ``--spinners`` processes that keep a core
 busy ``--duty`` of the time (spin 20 ms, sleep the rest of a 20 ms / duty period) and beside as
 many that spin always, against the same work alone:
 

@@ -422,7 +422,7 @@ def test_a_recorded_run_meets_the_host_rates_its_ranks_had():
     # 4 ranks on 2 cores, dilation 10: half a core each, every time divided by 10, both cores at once
     host = _host({"np": 4, "dilation": 10.0}, rates, cores=2)
     assert host.copy_Bps == pytest.approx(8e9 * 0.9 * 10 / 2) and host.update_Bps == pytest.approx(2e9 * 0.8 * 10 / 2)
-    assert host.message_s == pytest.approx(1e-3 * 2 / 10)
+    assert host.message_s == pytest.approx(1e-3 / 10)  # on a core of its own: Worker.burst_sharing shares it
     after = _host({"np": 2}, {**rates, "concurrent_after": {"processes": 2, "copy_Bps": 0.5, "update_Bps": 0.6}}, cores=2)
     assert after.copy_Bps == pytest.approx(8e9 * 0.7) and after.update_Bps == pytest.approx(2e9 * 0.7)  # the mean of both
     alone = _host({"np": 1}, rates, cores=2)  # one rank: no other core at work beside it
@@ -454,6 +454,33 @@ def test_a_woken_thread_waits_for_a_core_as_often_as_every_core_is_busy():
     assert wake(cores=2, ranks=3) == pytest.approx(0.001 + 0.5 * 0.1)  # two of three: 3/8 + 1/8
     assert wake(cores=4) == pytest.approx(0.001)  # more cores than ranks: always a free one
     assert wake(cores=0) == pytest.approx(0.001)  # cores to spare (a real cluster's hosts)
+
+
+def test_a_message_end_runs_beside_the_other_ranks_busy_at_the_time():
+    """``Worker.burst_sharing``: a message end on shared cores runs beside the other ranks busy at
+    that moment, each with this rank's share of time at work. Computed by hand: this rank's host
+    busy 1 s of the first 2 (u = 1/2)."""
+    from gradsync.simulate.worker import Worker
+
+    def run(cores: int, ranks: int, message_s: float = 0.0):
+        sim = Sim()
+        worker = Worker(sim, synthetic([(0.1, 0.1, [1000])], batch_size=1), ranks, NET,
+                        Host(cores=cores, message_s=message_s))
+        worker.host.run(1.0)
+        sim.after(2.0, lambda: None)
+        sim.run()
+        return sim, worker
+
+    # 4 ranks on 2 cores: of the 3 others, 0 or 1 busy (1/8 + 3/8) leave a core; 2 (3/8) share two
+    # cores among three, 3 (1/8) among four
+    assert run(2, 4)[1].burst_sharing() == pytest.approx(1 / 8 + 3 / 8 + 3 / 8 * 1.5 + 1 / 8 * 2)
+    assert run(1, 2)[1].burst_sharing() == pytest.approx(1 / 2 + 1 / 2 * 2)  # the other busy half the time
+    assert run(2, 2)[1].burst_sharing() == 1.0 and run(0, 8)[1].burst_sharing() == 1.0  # a core each, or to spare
+    sim, worker = run(2, 4, message_s=0.01)  # 10 ends handled on the interpreter: 0.1 s, shared as above
+    start, ended = sim.now, []
+    worker.message_ends(worker.cpu_stream("interpreter"), 10, lambda: ended.append(sim.now))
+    sim.run()
+    assert ended[0] - start == pytest.approx(0.1 * (1 / 8 + 3 / 8 + 3 / 8 * 1.5 + 1 / 8 * 2))
 
 
 def test_calibration_measures_a_thread_handoff_and_starts_on_a_common_clock():

@@ -36,7 +36,8 @@ def add_host_arguments(p: argparse.ArgumentParser) -> None:
                         "380-630 on a 2-core cloud VM, docs/simulate.md)")
     p.add_argument("--shared-cores", type=int, default=0,
                    help="cores that every rank of the job shares (all on one machine, as an emulated cluster); "
-                        "a thread woken while all are busy waits --busy-wake-us (default 0: cores to spare)")
+                        "a thread woken while all are busy waits --busy-wake-us, and a message end runs beside "
+                        "the other ranks busy at the time (default 0: cores to spare)")
     p.add_argument("--busy-wake-us", type=float, default=0.0,
                    help="a blocked thread's wait for a core when every shared core is busy (default 0: not "
                         "counted; about 3400 on a 2-core cloud VM, docs/simulate.md)")

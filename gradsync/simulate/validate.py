@@ -169,7 +169,7 @@ def _host(record: dict, rates: dict, cores: int):
     copy, update = (rates[key] * fraction[key] for key in ("copy_Bps", "update_Bps"))
     wake = rates.get("busy_wake_s")
     return Host(copy * k / share, update * k / share, codec_speed=fraction["copy_Bps"] * k / share,
-                handoff_s=rates.get("handoff_s", 20e-6) * share / k, message_s=rates.get("message_s", 0.0) * share / k,
+                handoff_s=rates.get("handoff_s", 20e-6) * share / k, message_s=rates.get("message_s", 0.0) / k,
                 busy_wake_s=None if wake is None else wake / k, cores=cores, jitter=_jitter(rates.get("jitter"), ranks))
 
 

@@ -65,7 +65,8 @@ class Host:
     """Host CPU per end of a point-to-point message sent from Python (a send issued, a receive
     taken, with what the strategy's Python does around it), one end at a time per process (the
     interpreter lock): what bounds ``p3`` and ``ps-sliced``, thousands of slice messages a step,
-    and ``hybrid``'s row requests and answers on a busy CPU. 0: not counted (the default). The
+    and ``hybrid``'s row requests and answers on a busy CPU, on a core of its own (where the ranks
+    share ``cores``, :meth:`Worker.burst_sharing` slows it). 0: not counted (the default). The
     validation measures it on loopback (benchmarks/simulator_matrix.py)."""
 
 
@@ -171,8 +172,10 @@ class Worker:
     def message_ends(self, interpreter: Stream, ends: float, then: Callable[[], None], message_s: float | None = None) -> None:
         """``ends`` message ends (a send issued, a receive taken) handled by a process's Python
         threads, one at a time under its interpreter lock (``message_s`` each, by default
-        :attr:`Host.message_s`), then ``then``."""
+        :attr:`Host.message_s`, on a core of its own; slowed by the other ranks' threads busy at
+        the time where the ranks share cores, :meth:`burst_sharing`), then ``then``."""
         cost = ends * (self.host_rates.message_s if message_s is None else message_s)
+        cost *= self.burst_sharing() if cost > 0 else 1.0
         if cost <= 0:
             then()
         else:
@@ -184,21 +187,36 @@ class Worker:
         self.cpu.append(stream)
         return stream
 
+    def busy_fraction(self) -> float:
+        """The fraction of the time so far that this rank's CPU streams have been at work: the
+        ranks do not run in lock step (docs/simulate.md, a traced ``p3`` run), so each of the
+        job's ranks is taken to keep a core busy that fraction of the time, independently."""
+        return min(1.0, sum(s.busy_s for s in self.cpu) / self.sim.now) if self.sim.now > 0 else 0.0
+
     def wake_s(self) -> float:
         """How long a thread blocked on an event takes to run once it is set (a credit returned to
         the sending thread, a request or an answer taken): ``handoff_s``, or, where the ranks share
-        ``cores``, ``busy_wake_s`` with the chance that every core is busy. The ranks do not run in
-        lock step (docs/simulate.md, a traced ``p3`` run), so the chance is taken over the time,
-        not at this instant: each of the job's ranks keeps a core
-        busy the fraction of the time this rank's CPU streams have been at work so far."""
+        ``cores``, ``busy_wake_s`` with the chance that every core is busy, taken over the time,
+        not at this instant (:meth:`busy_fraction`)."""
         h = self.host_rates
         if h.busy_wake_s is None or h.cores <= 0 or self.sim.now <= 0:
             return h.handoff_s
-        u = min(1.0, sum(s.busy_s for s in self.cpu) / self.sim.now)
-        n = self.ranks  # P(at least `cores` of n busy): one less the chance of fewer (cores is small)
+        u, n = self.busy_fraction(), self.ranks  # P(at least `cores` of n busy): one less the chance of fewer
         busy = 0.0 if h.cores > n else max(0.0, 1.0 - sum(
             math.comb(n, j) * u**j * (1 - u)**(n - j) for j in range(h.cores)))
         return h.handoff_s + busy * max(0.0, h.busy_wake_s - h.handoff_s)
+
+    def burst_sharing(self) -> float:
+        """How many times longer a short burst of a waking thread takes where the ranks share
+        ``cores``: it runs beside the other ranks' threads that are busy at that moment, each of
+        them with the chance :meth:`busy_fraction`: ``E[max(1, (1 + K) / cores)]`` with ``K`` of
+        the ``ranks - 1`` others busy (binomial). 1 where each host has cores to spare."""
+        h = self.host_rates
+        if h.cores <= 0 or self.ranks <= h.cores:
+            return 1.0
+        u, others = self.busy_fraction(), self.ranks - 1
+        return sum(math.comb(others, j) * u**j * (1 - u)**(others - j) * max(1.0, (1 + j) / h.cores)
+                   for j in range(others + 1))
 
     def slowest_of(self, n: int) -> float:
         """The slowest of ``n`` hosts' runs of the same work, as a multiple of its mean: ``1 +
