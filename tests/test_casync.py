@@ -232,3 +232,27 @@ def test_measured_link_and_codec_costs_are_positive_and_linear():
     assert ratio == pytest.approx(1 / 32, rel=0.05)
     latency, per_byte = costmodel.measure_link(lambda t: None, 1)
     assert (latency, per_byte) == (0.0, 0.0)
+
+
+def test_a_codecs_cold_first_call_is_not_timed():
+    """A compressor's first decode pays for fresh output pages, which a training run pays once: the
+    probe warms each size with an untimed call, so the cost line is the warm one."""
+    import time
+
+    from gradsync.compress import Compressor
+
+    class ColdFirstDecode(Compressor):  # a real onebit whose first decode per instance is 50 ms late
+        def __init__(self):
+            self.inner, self.warm = build("onebit"), False
+
+        def compress(self, tensor):
+            return self.inner.compress(tensor)
+
+        def decompress(self, payload, ctx):
+            if not self.warm:
+                self.warm = True
+                time.sleep(0.05)
+            return self.inner.decompress(payload, ctx)
+
+    enc, dec, _ = costmodel.measure_codec(ColdFirstDecode, torch.float32, repeats=1)
+    assert dec(4 << 20) < 0.025  # the warm decode of 4 MB: well under the cold call's 50 ms
