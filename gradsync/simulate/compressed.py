@@ -199,7 +199,8 @@ class CompressedBuckets(StrategyModel):
             done()
             return
         nbytes, work = hops[0]
-        wk.sim.transfer(nbytes, uses, lambda: wk.sim.after(work, lambda: self.hops(hops[1:], done, name, uses)),
+        # the thread blocked in the hop's receive wakes (Worker.wake_s), then works
+        wk.sim.transfer(nbytes, uses, lambda: wk.sim.after(wk.wake_s() + work, lambda: self.hops(hops[1:], done, name, uses)),
                         latency=2 * wk.net.latency_s, name=name, lane="network")
 
     def exchange(self, k: int, s: float, done: Callable[[], None]) -> None:
@@ -254,7 +255,7 @@ class CompressedAllGather(CompressedBuckets):
 
         def gather() -> None:
             wk.sim.transfer((n - 1) * self.codec.ratio * s, [(wk.tx, 1), (wk.rx, 1)],
-                            lambda: wk.sim.after(after, done), latency=2 * (n - 1) * wk.net.latency_s,
+                            lambda: wk.sim.after(wk.wake_s() + after, done), latency=2 * (n - 1) * wk.net.latency_s,
                             name=f"all-gather bucket {k}", lane="network")
 
         wk.sim.after(self._enc(s), gather)
