@@ -132,3 +132,35 @@ def test_arrivals_need_a_trace_with_pulled_slices(tmp_path):
     merged.write_text(json.dumps({"traceEvents": events}))
     with pytest.raises(ValueError, match="no pulled slices on rank 0"):
         trace.render_arrivals(str(merged), str(tmp_path / "x.png"), steps=("allreduce", 0, 0))
+
+
+def traced_compressed(path_prefix, strategy):
+    from gradsync.bench.workload import Workload, train_step
+
+    topo = gradsync.topology()
+    work = Workload(model="toy", batch_size=6)
+    spec = work.spec()
+    model, opt = work.build()
+    opt = gradsync.distribute(model, opt, strategy, compression="onebit")
+    tracer = trace.start(topo.rank, f"worker {topo.rank}")
+    for step in range(2):
+        inputs, target = work.batch(spec, step, topo.rank, topo.num_workers)
+        train_step(model, opt, spec, inputs, target)
+    opt.flush()
+    trace.stop()
+    path = f"{path_prefix}-{topo.rank}.json"
+    tracer.save(path)
+    return path
+
+
+@pytest.mark.parametrize("strategy", ["casync-ring", "compressed-allgather"])
+def test_compressed_strategies_trace_each_encode_and_decode(tmp_path, strategy):
+    paths = run_ranks(traced_compressed, 2, str(tmp_path / "trace"), strategy)
+    for path in paths:
+        spans = [e for e in json.loads(open(path).read())["traceEvents"]
+                 if e["ph"] == "X" and e["tid"] == trace.TRACKS["comm"] and e["name"] in ("encode", "decode")]
+        encodes = [e for e in spans if e["name"] == "encode"]
+        decodes = [e for e in spans if e["name"] == "decode"]
+        # a ring of 2: its own chunk, then the merged one, per bucket; all-gather: one encode, 2 decodes
+        assert encodes and len(decodes) >= len(encodes), (len(encodes), len(decodes))
+        assert all(e["args"]["bytes"] > 0 and e["dur"] >= 0 for e in spans)

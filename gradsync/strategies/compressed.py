@@ -41,13 +41,14 @@ three strategies and change together; each strategy's own exchange lives in its 
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from gradsync import runtime
+from gradsync import runtime, trace
 from gradsync.compress import CompressionError, Compressor, NonFiniteGradientError, PowerSGD, build, parse_spec
 from gradsync.compress.base import Payload, all_finite, from_bytes, message_problem, to_bytes
 from gradsync.errors import ConfigError, GradsyncError
@@ -365,11 +366,15 @@ class CompressedSync(BucketedSync):
         """``codec.compress(tensor)``, or ``(None, None)`` once a fault is known (or this is one)."""
         if self.fault is not None or tensor is None:
             return None, None
+        tracer, start = trace.current(), time.perf_counter()
         try:
-            return codec.compress(tensor)
+            out = codec.compress(tensor)
         except CompressionError:
             self.fault = Fault(FAULT_COMPRESSION, self.ctx.topology.rank, param)
             return None, None
+        if tracer is not None:
+            tracer.span("encode", "comm", start, time.perf_counter(), bytes=tensor.numel() * tensor.element_size())
+        return out
 
     def encode(self, codec: Compressor, tensor: torch.Tensor | None, param: int = -1
                ) -> tuple[torch.Tensor, Payload | None, Any]:
@@ -384,7 +389,17 @@ class CompressedSync(BucketedSync):
         """The tensor in ``message`` (None once a fault is known); ``ctx`` defaults to one for ``like``."""
         if self.fault is not None:
             return None
-        return codec.decompress(from_bytes(message, shape_like), codec.context_for(like) if ctx is None else ctx)
+        return self.decompress(codec, from_bytes(message, shape_like), codec.context_for(like) if ctx is None else ctx,
+                               like.numel() * like.element_size())
+
+    @staticmethod
+    def decompress(codec: Compressor, payload: Payload, ctx: Any, nbytes: int) -> torch.Tensor:
+        """``codec.decompress(payload, ctx)``, traced as a ``decode`` of ``nbytes`` raw bytes."""
+        tracer, start = trace.current(), time.perf_counter()
+        out = codec.decompress(payload, ctx)
+        if tracer is not None:
+            tracer.span("decode", "comm", start, time.perf_counter(), bytes=nbytes)
+        return out
 
     def send(self, message: torch.Tensor, worker: int, k: int) -> list:
         info = self.fault.info if self.fault is not None else (0, -1, -1)

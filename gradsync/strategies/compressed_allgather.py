@@ -47,7 +47,8 @@ class CompressedAllGather(CompressedSync):
             check_peer(problem is None, self.workers[w], f"compressed bucket {k}", problem)
         total = torch.zeros_like(flat)
         for w, received in enumerate(messages):
-            total += codec.decompress(payload if w == self.me else from_bytes(received, payload), ctx)
+            total += self.decompress(codec, payload if w == self.me else from_bytes(received, payload), ctx,
+                                     flat.numel() * flat.element_size())
         flat.copy_(total)
 
     def min_bytes_per_host(self, model_bytes: int) -> float:
