@@ -98,28 +98,29 @@ def test_p3_traces_every_pulled_slice_with_its_priority_and_draws_arrivals(tmp_p
         trace.render_arrivals(str(merged), str(png), steps=("ps", 1, 2))
 
 
-def traced_training(path_prefix, strategy):
+def traced_training(path_prefix, strategy, names=("optimizer step",), compression=None):
+    """Three steps of ``strategy`` traced: ``(name, track, duration, args)`` of each span named in ``names``."""
     from gradsync.bench.workload import Workload, train_step
 
     topo = gradsync.topology()
     work = Workload(model="toy", batch_size=6)
     spec = work.spec()
     model, opt = work.build()
-    opt = gradsync.distribute(model, opt, strategy)
+    opt = gradsync.distribute(model, opt, strategy, **({"compression": compression} if compression else {}))
     tracer = trace.start(topo.rank, f"worker {topo.rank}")
     for step in range(3):
         inputs, target = work.batch(spec, step, topo.rank, topo.num_workers)
         train_step(model, opt, spec, inputs, target)
     opt.flush()
     trace.stop()
-    return [(e["name"], e["tid"], e["dur"]) for e in tracer.events if e["ph"] == "X" and e["name"] == "optimizer step"]
+    return [(e["name"], e["tid"], e["dur"], e["args"]) for e in tracer.events if e["ph"] == "X" and e["name"] in names]
 
 
 @pytest.mark.parametrize("strategy, steps", [("allreduce", 3), ("p3", 0)])
 def test_the_users_optimizer_step_is_traced_where_the_strategy_runs_it(tmp_path, strategy, steps):
     for spans in run_ranks(traced_training, 2, str(tmp_path / "trace"), strategy):
         assert len(spans) == steps  # p3 updates its slices with optimizers of its own
-        assert all(tid == trace.TRACKS["compute"] and dur >= 0 for _, tid, dur in spans)
+        assert all(tid == trace.TRACKS["compute"] and dur >= 0 for _, tid, dur, _ in spans)
 
 
 def test_arrivals_need_a_trace_with_pulled_slices(tmp_path):
@@ -134,33 +135,11 @@ def test_arrivals_need_a_trace_with_pulled_slices(tmp_path):
         trace.render_arrivals(str(merged), str(tmp_path / "x.png"), steps=("allreduce", 0, 0))
 
 
-def traced_compressed(path_prefix, strategy):
-    from gradsync.bench.workload import Workload, train_step
-
-    topo = gradsync.topology()
-    work = Workload(model="toy", batch_size=6)
-    spec = work.spec()
-    model, opt = work.build()
-    opt = gradsync.distribute(model, opt, strategy, compression="onebit")
-    tracer = trace.start(topo.rank, f"worker {topo.rank}")
-    for step in range(2):
-        inputs, target = work.batch(spec, step, topo.rank, topo.num_workers)
-        train_step(model, opt, spec, inputs, target)
-    opt.flush()
-    trace.stop()
-    path = f"{path_prefix}-{topo.rank}.json"
-    tracer.save(path)
-    return path
-
-
 @pytest.mark.parametrize("strategy", ["casync-ring", "compressed-allgather"])
 def test_compressed_strategies_trace_each_encode_and_decode(tmp_path, strategy):
-    paths = run_ranks(traced_compressed, 2, str(tmp_path / "trace"), strategy)
-    for path in paths:
-        spans = [e for e in json.loads(open(path).read())["traceEvents"]
-                 if e["ph"] == "X" and e["tid"] == trace.TRACKS["comm"] and e["name"] in ("encode", "decode")]
-        encodes = [e for e in spans if e["name"] == "encode"]
-        decodes = [e for e in spans if e["name"] == "decode"]
+    for spans in run_ranks(traced_training, 2, str(tmp_path / "trace"), strategy, ("encode", "decode"), "onebit"):
+        encodes = [s for s in spans if s[0] == "encode"]
+        decodes = [s for s in spans if s[0] == "decode"]
         # a ring of 2: its own chunk, then the merged one, per bucket; all-gather: one encode, 2 decodes
         assert encodes and len(decodes) >= len(encodes), (len(encodes), len(decodes))
-        assert all(e["args"]["bytes"] > 0 and e["dur"] >= 0 for e in spans)
+        assert all(tid == trace.TRACKS["comm"] and dur >= 0 and args["bytes"] > 0 for _, tid, dur, args in spans)
