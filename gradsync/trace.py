@@ -9,8 +9,8 @@ While a :class:`Tracer` is active (:func:`start`), gradsync records, per rank:
 - ``comm`` tracks: every communication operation from launch to completion with its bytes, named by
   what it moves (``bucket 3``, ``push``, ``pull``, ``all-reduce`` ...). All-reduces end when Gloo or
   NCCL completes them; point-to-point operations, which offer no completion callback, end when the
-  rank's wait for them returned (an upper bound); and the compressed strategies' ``encode`` and
-  ``decode`` of each chunk or bucket, with its raw bytes;
+  rank's wait for them returned (an upper bound); and, on the compressed strategies'
+  communication thread, each ``encode`` and ``decode`` with its raw bytes;
 - ``wait`` track: every time the training thread blocked on communication;
 - ``server`` track: a server's own work (``hybrid``'s row servers: each table's update, each
   answer to a pull).

@@ -43,7 +43,8 @@ def add_host_arguments(p: argparse.ArgumentParser) -> None:
                         "counted; about 3400 on a 2-core cloud VM, docs/simulate.md)")
     p.add_argument("--host-jitter", type=float, default=0.0,
                    help="coefficient of variation of host work from step to step: a step that waits for N hosts' "
-                        "same work (hybrid's row servers) waits for the slowest (default 0; 0.19 on a 2-core cloud VM)")
+                        "same work (hybrid's row servers) waits for the slowest (default 0; 0.15 with 2 ranks and 0.36 with "
+                        "4 on a 2-core cloud VM)")
 
 
 def at_least(args, error, **lowest) -> None:

@@ -105,7 +105,7 @@ class CaSyncPS(CompressedSync):
                     t.add_(p)
         if self.fault is not None:
             return torch.empty(0, dtype=torch.uint8), None
-        result = self.site(k, f"push{j}").decompress(total, ctx)
+        result = self.decompress(self.site(k, f"push{j}"), total, ctx)
         if not all_finite(result):
             self.fault = Fault(FAULT_COMPRESSION, self.ctx.topology.rank, -1)
             return torch.empty(0, dtype=torch.uint8), None
@@ -121,4 +121,4 @@ class CaSyncPS(CompressedSync):
                 if incoming is not None:
                     total.add_(incoming)
         message, payload, ctx = self.encode(pull, total)
-        return message, (None if payload is None else pull.decompress(payload, ctx))
+        return message, (None if payload is None else self.decompress(pull, payload, ctx))

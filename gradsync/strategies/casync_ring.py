@@ -66,7 +66,7 @@ class CaSyncRing(CompressedSync):
             return
         for part in payload:
             self._allreduce(part)
-        total = codec.decompress(payload, ctx)
+        total = self.decompress(codec, payload, ctx)
         if not all_finite(total):  # the same sum on every worker: all raise this
             raise CompressionError(f"the sum over workers of bucket {k} ({self.ctx.names[self.buckets[k].indices[0]]!r}..) "
                                    f"overflowed {self.codec_name}'s range; use bf16, or scale the loss down")
@@ -118,7 +118,7 @@ class CaSyncRing(CompressedSync):
         final = self.site(k, f"final{mine}")
         message, payload, ctx = self.encode(final, merged)
         if payload is not None:
-            chunks[mine].copy_(final.decompress(payload, ctx))
+            chunks[mine].copy_(self.decompress(final, payload, ctx))
         for hop in range(n - 1):  # all-gather of the finished chunks, passed on as they are
             sends += self.send(message, nxt, k)
             c = (me - hop) % n

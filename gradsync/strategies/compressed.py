@@ -366,7 +366,8 @@ class CompressedSync(BucketedSync):
         """``codec.compress(tensor)``, or ``(None, None)`` once a fault is known (or this is one)."""
         if self.fault is not None or tensor is None:
             return None, None
-        tracer, start = trace.current(), time.perf_counter()
+        tracer = trace.current()
+        start = 0.0 if tracer is None else time.perf_counter()
         try:
             out = codec.compress(tensor)
         except CompressionError:
@@ -389,16 +390,16 @@ class CompressedSync(BucketedSync):
         """The tensor in ``message`` (None once a fault is known); ``ctx`` defaults to one for ``like``."""
         if self.fault is not None:
             return None
-        return self.decompress(codec, from_bytes(message, shape_like), codec.context_for(like) if ctx is None else ctx,
-                               like.numel() * like.element_size())
+        return self.decompress(codec, from_bytes(message, shape_like), codec.context_for(like) if ctx is None else ctx)
 
     @staticmethod
-    def decompress(codec: Compressor, payload: Payload, ctx: Any, nbytes: int) -> torch.Tensor:
-        """``codec.decompress(payload, ctx)``, traced as a ``decode`` of ``nbytes`` raw bytes."""
-        tracer, start = trace.current(), time.perf_counter()
+    def decompress(codec: Compressor, payload: Payload, ctx: Any) -> torch.Tensor:
+        """``codec.decompress(payload, ctx)``, traced as a ``decode`` with the raw bytes it made."""
+        tracer = trace.current()
+        start = 0.0 if tracer is None else time.perf_counter()
         out = codec.decompress(payload, ctx)
         if tracer is not None:
-            tracer.span("decode", "comm", start, time.perf_counter(), bytes=nbytes)
+            tracer.span("decode", "comm", start, time.perf_counter(), bytes=out.numel() * out.element_size())
         return out
 
     def send(self, message: torch.Tensor, worker: int, k: int) -> list:

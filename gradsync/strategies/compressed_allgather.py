@@ -47,8 +47,7 @@ class CompressedAllGather(CompressedSync):
             check_peer(problem is None, self.workers[w], f"compressed bucket {k}", problem)
         total = torch.zeros_like(flat)
         for w, received in enumerate(messages):
-            total += self.decompress(codec, payload if w == self.me else from_bytes(received, payload), ctx,
-                                     flat.numel() * flat.element_size())
+            total += self.decompress(codec, payload if w == self.me else from_bytes(received, payload), ctx)
         flat.copy_(total)
 
     def min_bytes_per_host(self, model_bytes: int) -> float:

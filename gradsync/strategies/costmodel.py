@@ -128,8 +128,7 @@ def measure_link(allreduce: Callable[[torch.Tensor], None], workers: int) -> tup
         return 0.0, 0.0
     small = torch.zeros(1)
     big = torch.zeros(LINK_PROBE_BYTES // 4)
-    allreduce(small)  # connections up, caches warm
-    t_small = _median_time(lambda: allreduce(small))
+    t_small = _median_time(lambda: allreduce(small))  # its first, untimed call brings the connections up
     t_big = _median_time(lambda: allreduce(big))
     hops = 2 * (workers - 1)
     latency = t_small / hops
