@@ -250,6 +250,30 @@ def test_compressed_all_gather_encodes_once_and_decodes_every_payload(quarter_co
     assert record["step_s"] == pytest.approx(3.254)
 
 
+def test_compressed_strategies_pay_the_copies_and_message_ends_of_their_code(quarter_codec):
+    # Codecs free, copies at 1000 B/s, 0.1 s per message end, one 1000 B bucket, 2 workers. Every
+    # strategy: pack the bucket (1 s), divide and check it (2 s); the used flags at the end (0.004 s).
+    host = Host(copy_Bps=1000.0, update_Bps=1e18, handoff_s=0.0, message_s=0.1)
+    work = synthetic([(0.0, 0.0, [1000])])
+    before, flags = 3.0, 0.004
+    # ring, chunks of 500 B: encode (framing 125 B: 0.125 s); hop 1: 125 B (0.125 s), a send and a
+    # receive of a header and a body (0.4 s), add (0.5), encode (0.125), the final chunk decoded into
+    # the bucket (0.5); hop 2: 0.125 + 0.4, the peer's chunk decoded into the bucket (0.5)
+    ring = 0.125 + (0.125 + 0.4 + 0.5 + 0.125 + 0.5) + (0.125 + 0.4 + 0.5)
+    # ps, two partitions of 500 B: push one (framing 0.125, wire 0.125); the aggregator copies its
+    # own (0.5), adds the decoded push (0.5), encodes (0.125), decodes the sum into its bucket (0.5);
+    # 4 ends per exchange (0.4); the answer (0.125 wire, 0.4 ends) decoded into the bucket (0.5)
+    ps = 0.125 + (0.125 + 0.4 + 0.5 + 0.5 + 0.125 + 0.5) + (0.125 + 0.4 + 0.5)
+    # all-gather: encode (framing 250 B: 0.25), 250 B in (0.25), the two all-gathers issued and the
+    # peer's header and body taken (0.4), a zeroed sum (0.5), two payloads decoded and added (2),
+    # the sum copied into the bucket (1)
+    gather = 0.25 + 0.25 + 0.4 + 0.5 + 2.0 + 1.0
+    for strategy, options, expected in [("casync-ring", {}, ring), ("casync-ps", {"partition_mb": 1e-4}, ps),
+                                        ("compressed-allgather", {}, gather)]:
+        record = simulate(strategy, work, 2, NET, host=host, options=options, steps=4, warmup=1)
+        assert record["step_s"] == pytest.approx(before + expected + flags), strategy
+
+
 def _with_table(read: float):
     """Layer 0: a table of 100 rows of 40 B (10 read by default); layer 1: a dense 1000 B tensor."""
     from gradsync.simulate.workload import Table

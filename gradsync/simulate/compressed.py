@@ -21,7 +21,10 @@ The costs come from the strategy and the compressor themselves:
   docstring gives it (a ring: ``2 (N-1)`` hops of ``r s / N``, each hop's decode-merge-encode after
   its message; CaSync-PS: pushes, the aggregator's decode-merge-encode, answers; all-gather:
   ``N-1`` payloads of ``r s`` received, ``N`` decodes). Every message is a header and a body: two
-  latencies.
+  latencies, and on each side two message ends of Python (:attr:`Host.message_s`);
+- the host work around the codecs, as the strategies' code does it: each payload framed into one
+  message (a copy of it), each decoded sum or chunk copied into the bucket, an aggregator's copy of
+  its own partition and its decode of the sum it sends, the all-gather's zeroed sum.
 """
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ import sys
 from dataclasses import dataclass
 from typing import Callable
 
-from gradsync.simulate.worker import StrategyModel, Worker
+from gradsync.simulate.worker import ZEROED_PASSES, StrategyModel, Worker
 from gradsync.strategies import costmodel
 
 COMPRESSED = ("casync-ring", "casync-ps", "compressed-allgather")
@@ -186,21 +189,25 @@ class CompressedBuckets(StrategyModel):
 
     # -- costs ---------------------------------------------------------------------------------------
     def _enc(self, nbytes: float) -> float:
-        return self.codec.encode(nbytes)
+        """Encode ``nbytes`` and frame the payload as one message (``to_bytes``: a copy of it)."""
+        return self.codec.encode(nbytes) + self.wk.copy_s(self.codec.ratio * nbytes)
 
     def _dec(self, nbytes: float) -> float:
         return self.codec.decode(nbytes)
 
-    def hops(self, hops: list[tuple[float, float]], done: Callable[[], None], name: str, uses=None) -> None:
-        """Run ``(wire bytes, work seconds after it)`` hops in order on the thread, then ``done``."""
+    def hops(self, hops: list[tuple[float, float, float]], done: Callable[[], None], name: str, uses=None) -> None:
+        """Run ``(wire bytes, work seconds after it, message ends)`` hops in order on the thread,
+        then ``done``. Every message is a header and a body (``transport.send_bytes``): a send or
+        receive of one is two message ends (:attr:`Host.message_s` each)."""
         wk = self.wk
         uses = uses or [(wk.tx, 1), (wk.rx, 1)]  # CaSync-PS: to and from every worker
         if not hops:
             done()
             return
-        nbytes, work = hops[0]
+        nbytes, work, ends = hops[0]
         # the thread blocked in the hop's receive wakes (Worker.wake_s), then works
-        wk.sim.transfer(nbytes, uses, lambda: wk.sim.after(wk.wake_s() + work, lambda: self.hops(hops[1:], done, name, uses)),
+        wk.sim.transfer(nbytes, uses, lambda: wk.sim.after(wk.wake_s() + wk.ends_s(ends) + work,
+                                                           lambda: self.hops(hops[1:], done, name, uses)),
                         latency=2 * wk.net.latency_s, name=name, lane="network")
 
     def exchange(self, k: int, s: float, done: Callable[[], None]) -> None:
@@ -216,8 +223,10 @@ class CaSyncRing(CompressedBuckets):
         n, chunk = self.n, s / self.n
         wire = self.codec.ratio * chunk
         merge = self._dec(chunk) + self.wk.copy_s(chunk)
-        scatter = [(wire, merge + self._enc(chunk)) for _ in range(n - 2)] + [(wire, merge + self._enc(chunk) + self._dec(chunk))]
-        gather = [(wire, self._dec(chunk)) for _ in range(n - 1)]
+        placed = self._dec(chunk) + self.wk.copy_s(chunk)  # a finished chunk decoded into the bucket
+        ends = 4  # a message sent to the next worker and one taken from the previous
+        scatter = [(wire, merge + self._enc(chunk), ends) for _ in range(n - 2)] + [(wire, merge + self._enc(chunk) + placed, ends)]
+        gather = [(wire, placed, ends) for _ in range(n - 1)]
         self.wk.sim.after(self._enc(chunk), lambda: self.hops(scatter + gather, done, f"ring bucket {k}",
                                                               self.wk.ring_links))
 
@@ -239,8 +248,14 @@ class CaSyncPS(CompressedBuckets):
         wk, n, parts = self.wk, self.n, min(self.parts[k], self.n)
         part = s / parts
         wire = (n - 1) * self.codec.ratio * part  # an aggregator's fan-in, and then its fan-out
-        push = (wire, (n - 1) * (self._dec(part) + wk.copy_s(part)) + self._enc(part))
-        pull = (wire, (parts - 1) * self._dec(part))
+        # the aggregator copies its own partition, adds each decoded push, encodes the sum and
+        # decodes it into its bucket as every worker does; the others decode the answers into theirs
+        placed = self._dec(part) + wk.copy_s(part)
+        # messages per worker (it aggregates a partition with the chance parts / n): its pushes and
+        # the pushes it takes, then its answers and the answers it takes; two ends each
+        ends = 4 * parts * (n - 1) / n
+        push = (wire, wk.copy_s(part) + (n - 1) * (self._dec(part) + wk.copy_s(part)) + self._enc(part) + placed, ends)
+        pull = (wire, (parts - 1) * placed, ends)
         pushed = min(parts, n - 1)  # partitions a worker encodes for others (it aggregates at most one)
         wk.sim.after(pushed * self._enc(part), lambda: self.hops([push, pull], done, f"ps bucket {k}"))
 
@@ -251,11 +266,15 @@ class CompressedAllGather(CompressedBuckets):
 
     def exchange(self, k: int, s: float, done: Callable[[], None]) -> None:
         wk, n = self.wk, self.n
-        after = n * (self._dec(s) + wk.copy_s(s))
+        # a zeroed sum, each payload decoded and added, the sum copied into the bucket
+        after = ZEROED_PASSES * wk.copy_s(s) + n * (self._dec(s) + wk.copy_s(s)) + wk.copy_s(s)
+        # Python's part of the message: the lengths' and the payloads' all-gathers issued (a header
+        # and a body sent), and each peer's header and body taken and checked
+        ends = 2 + 2 * (n - 1)
 
         def gather() -> None:
             wk.sim.transfer((n - 1) * self.codec.ratio * s, [(wk.tx, 1), (wk.rx, 1)],
-                            lambda: wk.sim.after(wk.wake_s() + after, done), latency=2 * (n - 1) * wk.net.latency_s,
+                            lambda: wk.sim.after(wk.wake_s() + wk.ends_s(ends) + after, done), latency=2 * (n - 1) * wk.net.latency_s,
                             name=f"all-gather bucket {k}", lane="network")
 
         wk.sim.after(self._enc(s), gather)

@@ -174,12 +174,17 @@ class Worker:
         threads, one at a time under its interpreter lock (``message_s`` each, by default
         :attr:`Host.message_s`, on a core of its own; slowed by the other ranks' threads busy at
         the time where the ranks share cores, :meth:`burst_sharing`), then ``then``."""
-        cost = ends * (self.host_rates.message_s if message_s is None else message_s)
-        cost *= self.burst_sharing() if cost > 0 else 1.0
+        cost = self.ends_s(ends, message_s)
         if cost <= 0:
             then()
         else:
             interpreter.run(cost, then, what="message ends")
+
+    def ends_s(self, ends: float, message_s: float | None = None) -> float:
+        """Host time of ``ends`` message ends (a send issued, a receive taken): ``message_s`` each, by
+        default :attr:`Host.message_s`, slowed where the ranks share cores (:meth:`burst_sharing`)."""
+        cost = ends * (self.host_rates.message_s if message_s is None else message_s)
+        return cost * self.burst_sharing() if cost > 0 else 0.0
 
     def cpu_stream(self, name: str) -> Stream:
         """A serial worker of this rank that keeps a core busy while it works (a Python thread)."""
