@@ -160,7 +160,7 @@ class CompressedBuckets(StrategyModel):
                 lambda finish: wk.ring(s, finish, f"plain bucket {k}"), self._finished, what=f"bucket {k}"),
                 what=f"pack {k}")
         elif self.summed[k]:  # encoded on the training thread, the payload all-reduced
-            wk.host.run(copy + self._enc(s), lambda: self.collectives.submit(
+            wk.host.run(copy + self.codec.encode(s), lambda: self.collectives.submit(  # no framing: parts all-reduced
                 lambda finish: wk.ring(self.codec.ratio * s, finish, f"summed bucket {k}"),
                 lambda: wk.host.run(self._dec(s), self._finished, what=f"decode {k}"), what=f"bucket {k}"),
                 what=f"pack+encode {k}")
