@@ -272,6 +272,15 @@ def test_compressed_strategies_pay_the_copies_and_message_ends_of_their_code(qua
                                         ("compressed-allgather", {}, gather)]:
         record = simulate(strategy, work, 2, NET, host=host, options=options, steps=4, warmup=1)
         assert record["step_s"] == pytest.approx(before + expected + flags), strategy
+    # Hosts whose work varies (jitter 0.5): the work before each message or collective takes the
+    # slower of the two workers' (1 + 0.5 * 0.5642 = 1.282x): the all-gather's encode (0.25 s), the
+    # ring's first encode and the work after each hop (0.125, 1.125, 0.5 s).
+    slower = 1 + 0.5 * 0.5641895835
+    shaky = Host(copy_Bps=1000.0, update_Bps=1e18, handoff_s=0.0, message_s=0.1, jitter=0.5)
+    record = simulate("compressed-allgather", work, 2, NET, host=shaky, steps=4, warmup=1)
+    assert record["step_s"] == pytest.approx(before + gather + 0.25 * (slower - 1) + flags, rel=1e-6)
+    record = simulate("casync-ring", work, 2, NET, host=shaky, steps=4, warmup=1)
+    assert record["step_s"] == pytest.approx(before + ring + (0.125 + 1.125 + 0.5) * (slower - 1) + flags, rel=1e-6)
 
 
 def _with_table(read: float):
@@ -439,7 +448,7 @@ def test_validation_counts_errors_and_orders_and_leaves_out_cpu_bound_cells():
 
 
 def test_a_recorded_run_meets_the_host_rates_its_ranks_had():
-    from gradsync.simulate.validate import _host
+    from gradsync.simulate.validate import _host, memory_met
 
     rates = {"copy_Bps": 8e9, "update_Bps": 2e9, "message_s": 1e-3,
              "concurrent": {"processes": 2, "copy_Bps": 0.9, "update_Bps": 0.8}}
@@ -456,6 +465,25 @@ def test_a_recorded_run_meets_the_host_rates_its_ranks_had():
     assert woken.busy_wake_s == pytest.approx(3e-4)  # the scheduler's wait, divided by the dilation
     jittery = {**rates, "jitter": {"2": 0.15, "4": 0.35}}  # measured with 2 and with 4 ranks
     assert [_host({"np": n}, jittery, cores=2).jitter for n in (1, 2, 3, 4, 8)] == [0.0, 0.15, 0.15, 0.35, 0.35]
+    # A run whose own optimizer.step() shows the memory rate it met: 4 ranks updating 1 GB at once
+    # in 2 s of undilated time met 0.5 GB/s, a rank's half of 2 cores times a fraction of the lone
+    # 2 GB/s / dilation 10: 0.5e9 * 2 / (10 * 2e9) = 0.05. Copies, updates and codecs move by it.
+    ran = {"np": 4, "dilation": 10.0, "optimizer_s": 2.0}
+    memory = memory_met(ran, rates, cores=2, update_bytes=1e9)
+    assert memory == pytest.approx(0.05) and memory_met({"np": 4}, rates, 2, 1e9) is None
+    met = _host(ran, rates, cores=2, memory=memory)
+    assert met.update_Bps == pytest.approx(1e9 / 2.0) and met.copy_Bps == pytest.approx(8e9 * 0.05 * 10 / 2)
+    assert met.codec_speed == pytest.approx(0.05 * 10 / 2)
+    probed = _host(ran, rates, cores=2)  # none met: the probe
+    assert probed.update_Bps == pytest.approx(host.update_Bps) and probed.copy_Bps == pytest.approx(host.copy_Bps)
+
+
+def test_only_strategies_that_synchronize_in_backward_read_the_memory_rate_from_their_update():
+    # Their optimizer.step() is the user's update alone; the others' step pulls, averages or waits.
+    from gradsync.simulate import SIMULATED, build
+
+    local = {name for name in SIMULATED if build(name, servers=1).updates_locally}
+    assert local == {"allreduce", "ddp", "casync-ring", "casync-ps", "compressed-allgather"}
 
 
 def test_a_woken_thread_waits_for_a_core_as_often_as_every_core_is_busy():

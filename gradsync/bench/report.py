@@ -11,6 +11,10 @@ must move for the strategy's traffic pattern (``Strategy.min_bytes_per_host``) o
 ``ideal = N * B / T_compute``; ``bound = N * B / max(T_compute, T_comm_min)`` (which is the ideal on
 loopback, where the rate is unknown), and ``efficiency = measured / bound``.
 
+``optimizer_s``: the median ``optimizer.step()`` of the measured steps (the slowest worker's each
+step; undilated like every time): for strategies that synchronize gradients in ``backward()``, the
+host's own update, at the memory rate the run met.
+
 ``host_cpu_busy``: the share of this machine's cores that were busy during the measured steps
 (rank 0's machine; on an emulated cluster, every emulated host's). With emulated compute, near 1
 means the run measured the host's CPU rather than the emulated cluster: at :data:`CPU_BOUND` and
@@ -55,6 +59,8 @@ def summarize(raw: dict, compute_times: list[float], config: dict, check: dict |
         "max_abs_diff": None, "max_rel_diff": None, "correct": None, "host_cpu_busy": cpu_busy(raw.get("host_cpu")),
         **bound(raw["min_bytes_per_host"], compute_s, samples, config),
     }
+    if raw.get("optimizer_times"):  # the user's optimizer.step(), the slowest worker's, per step
+        record["optimizer_s"] = statistics.median(t / k for t in raw["optimizer_times"])
     record["efficiency"] = record["samples_per_s"] / record["bound_samples_per_s"]
     if check is not None:
         record.update(check)

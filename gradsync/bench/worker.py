@@ -92,10 +92,11 @@ def host_cpu() -> tuple[int, int] | None:
 
 
 def timed_steps(model, optimizer, work: Workload, total: int, label: str = "compute only",
-                cpu: list | None = None) -> list[float]:
+                cpu: list | None = None, updates: list | None = None) -> list[float]:
     """Run ``total`` training steps; per-step seconds. ``cpu``: gets each step's host CPU ticks
     ``[busy, total]`` appended (an emulated cluster shares this machine's cores: a run that keeps
-    them busy measures the host, not the emulated cluster)."""
+    them busy measures the host, not the emulated cluster). ``updates``: gets each step's
+    ``optimizer.step()`` seconds appended."""
     topo = gradsync.topology()
     spec = work.spec()
     tracer = trace.current()
@@ -113,6 +114,8 @@ def timed_steps(model, optimizer, work: Workload, total: int, label: str = "comp
         optimizer.zero_grad()
         end = time.perf_counter()
         times.append(end - start)
+        if updates is not None:
+            updates.append(stepped - backward)
         if before is not None:
             after = host_cpu()
             cpu.append([after[0] - before[0], after[1] - before[1]])
@@ -202,19 +205,20 @@ def run_strategy(name: str, options: dict, work: Workload, total: int, run_dir: 
         hooks = trace.instrument(model) if trace.current() is not None and work.compute == "real" else []
         sent_before = transport.bytes_sent
         cpu = [] if topo.rank == 0 and host_cpu() is not None else None  # one machine: rank 0's view
-        times = timed_steps(model, optimizer, work, total, label=name, cpu=cpu)
+        updates: list[float] = []
+        times = timed_steps(model, optimizer, work, total, label=name, cpu=cpu, updates=updates)
         optimizer.flush()  # the last step's lazily finished pulls (p3) count toward its bytes
         sent = transport.bytes_sent - sent_before
         for hook in hooks:
             hook.remove()
     optimizer.close()  # dedicated servers leave their loop; the model can be freed before the next strategy
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    times = slowest(times)
+    times, updates = slowest(times), slowest(updates)
     agree = workers_agree(model)
     worker_mb, server_mb = peaks(transport, worker=memory.peak_mb)
     if topo.rank == 0:
         torch.save({n: p.detach() for n, p in model.named_parameters()}, os.path.join(run_dir, f"{name}.pt"))
-    return {"strategy": name, "describe": optimizer.strategy.describe(), "times": times,
+    return {"strategy": name, "describe": optimizer.strategy.describe(), "times": times, "optimizer_times": updates,
             "bytes_per_step": sent / total, "peak_mem_mb": worker_mb, "server_peak_mem_mb": server_mb,
             "workers_max_diff": agree, "stats": {k: v for k, v in getattr(optimizer.strategy, "stats", {}).items() if isinstance(v, (int, float))},
             "exact": bool(optimizer.strategy.exact), "model_bytes": model_bytes, "host_cpu": cpu,
@@ -223,11 +227,12 @@ def run_strategy(name: str, options: dict, work: Workload, total: int, run_dir: 
 
 def merge(into: dict | None, record: dict, warmup: int) -> dict:
     """Accumulate one round: measured times (warm-up dropped), worst memory and agreement."""
-    times = record["times"][warmup:]
+    times, updates = record["times"][warmup:], record["optimizer_times"][warmup:]
     cpu = None if record["host_cpu"] is None else record["host_cpu"][warmup:]
     if into is None:
-        return {**record, "times": times, "host_cpu": cpu}
+        return {**record, "times": times, "optimizer_times": updates, "host_cpu": cpu}
     into["times"] += times
+    into["optimizer_times"] += updates
     if cpu is not None:
         into["host_cpu"] += cpu
     into["peak_mem_mb"] = max(into["peak_mem_mb"], record["peak_mem_mb"])

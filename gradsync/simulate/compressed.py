@@ -105,6 +105,8 @@ def measure_here(name: str, options: dict) -> list[float]:
 class CompressedBuckets(StrategyModel):
     """The family's shared schedule; :meth:`exchange` is each strategy's message pattern."""
 
+    updates_locally = True
+
     def bind(self, worker: Worker) -> None:
         from gradsync.strategies.allreduce import MB, plan_buckets
 
@@ -188,6 +190,11 @@ class CompressedBuckets(StrategyModel):
         self.local_update(go)
 
     # -- costs ---------------------------------------------------------------------------------------
+    def waited(self, hosts: int) -> float:
+        """Work that ``hosts`` workers each do before a message or collective that needs all of them
+        takes the slowest one's time (:meth:`Worker.slowest_of`: the hosts' jitter)."""
+        return self.wk.slowest_of(hosts)
+
     def _enc(self, nbytes: float) -> float:
         """Encode ``nbytes`` and frame the payload as one message (``to_bytes``: a copy of it)."""
         return self.codec.encode(nbytes) + self.wk.copy_s(self.codec.ratio * nbytes)
@@ -198,13 +205,16 @@ class CompressedBuckets(StrategyModel):
     def hops(self, hops: list[tuple[float, float, float]], done: Callable[[], None], name: str, uses=None) -> None:
         """Run ``(wire bytes, work seconds after it, message ends)`` hops in order on the thread,
         then ``done``. Every message is a header and a body (``transport.send_bytes``): a send or
-        receive of one is two message ends (:attr:`Host.message_s` each)."""
+        receive of one is two message ends (:attr:`Host.message_s` each). Each hop's message comes
+        from one peer after that peer's own work: the work before it takes the slower of two
+        hosts' (:meth:`waited`)."""
         wk = self.wk
         uses = uses or [(wk.tx, 1), (wk.rx, 1)]  # CaSync-PS: to and from every worker
         if not hops:
             done()
             return
         nbytes, work, ends = hops[0]
+        work *= self.waited(2)
         # the thread blocked in the hop's receive wakes (Worker.wake_s), then works
         wk.sim.transfer(nbytes, uses, lambda: wk.sim.after(wk.wake_s() + wk.ends_s(ends) + work,
                                                            lambda: self.hops(hops[1:], done, name, uses)),
@@ -227,7 +237,7 @@ class CaSyncRing(CompressedBuckets):
         ends = 4  # a message sent to the next worker and one taken from the previous
         scatter = [(wire, merge + self._enc(chunk), ends) for _ in range(n - 2)] + [(wire, merge + self._enc(chunk) + placed, ends)]
         gather = [(wire, placed, ends) for _ in range(n - 1)]
-        self.wk.sim.after(self._enc(chunk), lambda: self.hops(scatter + gather, done, f"ring bucket {k}",
+        self.wk.sim.after(self._enc(chunk) * self.waited(2), lambda: self.hops(scatter + gather, done, f"ring bucket {k}",
                                                               self.wk.ring_links))
 
 
@@ -257,7 +267,8 @@ class CaSyncPS(CompressedBuckets):
         push = (wire, wk.copy_s(part) + (n - 1) * (self._dec(part) + wk.copy_s(part)) + self._enc(part) + placed, ends)
         pull = (wire, (parts - 1) * placed, ends)
         pushed = min(parts, n - 1)  # partitions a worker encodes for others (it aggregates at most one)
-        wk.sim.after(pushed * self._enc(part), lambda: self.hops([push, pull], done, f"ps bucket {k}"))
+        # an aggregator waits for every other worker's push
+        wk.sim.after(pushed * self._enc(part) * self.waited(n), lambda: self.hops([push, pull], done, f"ps bucket {k}"))
 
 
 class CompressedAllGather(CompressedBuckets):
@@ -277,4 +288,4 @@ class CompressedAllGather(CompressedBuckets):
                             lambda: wk.sim.after(wk.wake_s() + wk.ends_s(ends) + after, done), latency=2 * (n - 1) * wk.net.latency_s,
                             name=f"all-gather bucket {k}", lane="network")
 
-        wk.sim.after(self._enc(s), gather)
+        wk.sim.after(self._enc(s) * self.waited(n), gather)  # the all-gather waits for every worker

@@ -26,6 +26,8 @@ class Buckets(StrategyModel):
     for all; then the local optimizer. ``only``: the parameters (by index) that go through buckets
     (``hybrid``'s dense ones); None: all."""
 
+    updates_locally = True
+
     def __init__(self, strategy, cap_bytes: int, first_cap_bytes: int, flags: bool, copy_back: bool = False,
                  only: set[int] | None = None):
         super().__init__(strategy)

@@ -12,7 +12,8 @@ fastest (``gradsync advise``'s pick) is the measured best or within 5 % of it.
 Host work in an emulated run is this machine's CPU (copies, the optimizer's update), divided by
 the run's dilation like every other time, and shared by the ranks on its cores. So the host rates
 of the machine that recorded the matrix (:func:`calibrate`, kept in it) are multiplied by the
-dilation and divided by the ranks per core. Targets: median absolute error <= 5 %, every cell <= 10 %, ranking agreement in >= 90 % of
+dilation and divided by the ranks per core, at the fraction of their rate that the memory gave the
+ranks working at once in the run (:func:`_host`). Targets: median absolute error <= 5 %, every cell <= 10 %, ranking agreement in >= 90 % of
 cells, advice in >= 90 % of groups.
 """
 from __future__ import annotations
@@ -152,13 +153,16 @@ def options_of(label: str) -> tuple[str, dict]:
     return name, ({"compression": spec} if spec else {})
 
 
-def _host(record: dict, rates: dict, cores: int):
+def _host(record: dict, rates: dict, cores: int, memory: float | None = None):
     """The host of one recorded run: the recording machine's rates, divided by the dilation (which
     divides every time) and shared by the ranks on its cores; where two or more ranks work at once,
-    at the fraction of a lone process's rates measured with every core at it (``concurrent``:
-    memory bandwidth the cores share; the mean of it and ``concurrent_after`` where the group
-    measured it once more after its run). The compressors' work, a pass or two over each bucket,
-    runs at the copies' fraction."""
+    at the fraction of a lone process's rates that the memory gave them in the run. The compressors'
+    work, a pass or two over each bucket, runs at the copies' fraction.
+
+    That fraction moves from minute to minute on a cloud VM, so it is taken where the run shows it,
+    ``memory`` (:func:`memory_met`), for copies and updates alike; without it, from a probe of every
+    core copying at once (``concurrent``), taken just before the group's run (the mean of it and
+    ``concurrent_after`` where the group probed once more after its run)."""
     from gradsync.simulate import Host
 
     ranks = record["np"] + record.get("servers", 0)
@@ -166,11 +170,24 @@ def _host(record: dict, rates: dict, cores: int):
     k = record.get("dilation", 1.0)
     together = [rates[key] for key in ("concurrent", "concurrent_after") if key in rates and min(ranks, cores) > 1]
     fraction = {key: statistics.fmean([t[key] for t in together] or [1.0]) for key in ("copy_Bps", "update_Bps")}
+    if memory is not None and min(ranks, cores) > 1:
+        fraction = {"copy_Bps": memory, "update_Bps": memory}
     copy, update = (rates[key] * fraction[key] for key in ("copy_Bps", "update_Bps"))
     wake = rates.get("busy_wake_s")
     return Host(copy * k / share, update * k / share, codec_speed=fraction["copy_Bps"] * k / share,
                 handoff_s=rates.get("handoff_s", 20e-6) * share / k, message_s=rates.get("message_s", 0.0) / k,
                 busy_wake_s=None if wake is None else wake / k, cores=cores, jitter=_jitter(rates.get("jitter"), ranks))
+
+
+def memory_met(record: dict, rates: dict, cores: int, update_bytes: float) -> float | None:
+    """The fraction of a lone process's update rate that the ranks' own ``optimizer.step()`` met in
+    a recorded run (``optimizer_s``, undilated; every rank updates ``update_bytes`` at once, shared
+    by the ranks per core), or None if the record has none. Only for strategies whose step is the
+    update alone (:attr:`~gradsync.simulate.worker.StrategyModel.updates_locally`)."""
+    if not record.get("optimizer_s"):
+        return None
+    share = max(1.0, (record["np"] + record.get("servers", 0)) / cores)
+    return update_bytes / record["optimizer_s"] * share / (record.get("dilation", 1.0) * rates["update_Bps"])
 
 
 def _jitter(measured: dict | None, ranks: int) -> float:
@@ -182,7 +199,7 @@ def _jitter(measured: dict | None, ranks: int) -> float:
 
 def replay(path: str = MATRIX, rates: dict | None = None, steps: int = 8, warmup: int = 3) -> dict:
     """Every cell of the matrix at ``path``: measured against simulated, and the summary."""
-    from gradsync.simulate import Network, load, simulate
+    from gradsync.simulate import Network, build, load, simulate
 
     with open(path) as f:
         matrix = json.load(f)
@@ -194,17 +211,29 @@ def replay(path: str = MATRIX, rates: dict | None = None, steps: int = 8, warmup
         # a group recorded with the machine's rates of its own time uses them (unless rates are given)
         here = rates if given else {**rates, **group.get("host_rates", {})}
         _seed_codecs({**matrix.get("codecs", {}), **group.get("codecs", {})})  # and its compressors' costs
+        met = {}  # the memory each run met, read from its update (memory_met)
         for rec in group["records"]:
             compute = rec.get("compute", "emulated")  # emulated[:PROFILE]
             key = (rec["model"], rec["batch_size"], compute.split(":", 1)[1] if ":" in compute else None)
             if key not in workloads:
                 workloads[key] = load(*key)
+            name, options = options_of(rec["strategy"])
+            if build(name, options, rec.get("servers", 0)).updates_locally:
+                met[rec["strategy"]] = memory_met(rec, here, cores, workloads[key].nbytes)
+        seen = [m for m in met.values() if m is not None]
+        # a run that shows none meets what the group's other runs met, within minutes of it
+        during = statistics.median(seen) if seen else None
+        for rec in group["records"]:
+            compute = rec.get("compute", "emulated")
+            key = (rec["model"], rec["batch_size"], compute.split(":", 1)[1] if ":" in compute else None)
             net = Network(rec["net_bps"], matrix.get("latency_s", 50e-6))
             name, options = options_of(rec["strategy"])
             # as many steps as a round of the run measured, after its warm-up (the rounds repeat it)
             run_warmup = rec.get("warmup", warmup)
             run_steps = run_warmup + rec["steps"] // rec.get("rounds", 1) if "steps" in rec else steps
-            sim = simulate(name, workloads[key], rec["np"], net, host=_host(rec, here, cores),
+            own = met.get(rec["strategy"])
+            host = _host(rec, here, cores, own if own is not None else during)
+            sim = simulate(name, workloads[key], rec["np"], net, host=host,
                            servers=rec.get("servers", 0), options=options, steps=max(run_steps, steps),
                            warmup=max(run_warmup, warmup))
             cpu = rec.get("host_cpu_busy")

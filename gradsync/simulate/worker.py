@@ -294,6 +294,9 @@ class StrategyModel:
     """The hook points of :class:`gradsync.strategies.base.Strategy`, in simulated time."""
 
     name = "?"
+    updates_locally = False
+    """Whether the strategy's ``optimizer.step()`` is only the user's optimizer on this worker's
+    host (the gradients synchronized in ``backward()``): :meth:`step` is :meth:`local_update`."""
     row_tables: set[str] = frozenset()
     """The embedding tables whose gradient is their rows, not the whole table (``hybrid``'s)."""
 
