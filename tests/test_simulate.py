@@ -447,6 +447,30 @@ def test_validation_counts_errors_and_orders_and_leaves_out_cpu_bound_cells():
     assert result["max_abs_error"] == pytest.approx(0.1)
 
 
+def test_a_run_that_shows_no_update_rate_meets_what_its_group_met(tmp_path):
+    # allreduce's update shows the memory its run met; sma's step is more than the update, so its
+    # cell takes the group's (the median of those shown), not the probes around the group.
+    from gradsync.simulate import load
+    from gradsync.simulate.validate import replay
+
+    nbytes = load("resnet50", 32, None).nbytes
+
+    def matrix(optimizer_s):
+        rec = {"model": "resnet50", "batch_size": 32, "np": 2, "net_bps": 1e9, "samples_per_s": 100.0,
+               "steps": 4, "warmup": 1, "compute": "emulated", "host_cpu_busy": 0.3}
+        probes = {"processes": 2, "copy_Bps": 1.0, "update_Bps": 1.0}
+        group = {"command": "gradsync bench ...", "host_rates": {"concurrent": probes},
+                 "records": [{**rec, "strategy": "allreduce", **({"optimizer_s": optimizer_s} if optimizer_s else {})},
+                             {**rec, "strategy": "sma"}]}
+        path = tmp_path / f"m{optimizer_s}.json"
+        path.write_text(json.dumps({"cores": 2, "host_rates": {"copy_Bps": 1e9, "update_Bps": 1e9}, "groups": [group]}))
+        return {c["strategy"]: c["simulated"] for c in replay(str(path), steps=4, warmup=1)["cells"]}
+
+    probed, slow = matrix(None), matrix(4 * nbytes / 1e9)  # the update met a quarter of 1 GB/s
+    assert slow["allreduce"] < probed["allreduce"] and slow["sma"] < probed["sma"]
+    assert matrix(nbytes / 1e9) == pytest.approx(probed)  # met the probes' rate: the same cells
+
+
 def test_a_recorded_run_meets_the_host_rates_its_ranks_had():
     from gradsync.simulate.validate import _host, memory_met
 
