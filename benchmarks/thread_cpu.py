@@ -49,7 +49,10 @@ def main() -> None:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command or not 0 <= args.skip < 0.5 or args.every <= 0:
         p.error("give a command after --, --skip in [0, 0.5) and --every > 0")
-    run = subprocess.Popen(command)
+    try:
+        run = subprocess.Popen(command)
+    except OSError as exc:
+        sys.exit(f"cannot run {command[0]!r}: {exc.strerror}")
     samples = []
     while run.poll() is None:
         samples.append((time.time(), sample()))

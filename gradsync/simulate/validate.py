@@ -211,21 +211,19 @@ def replay(path: str = MATRIX, rates: dict | None = None, steps: int = 8, warmup
         # a group recorded with the machine's rates of its own time uses them (unless rates are given)
         here = rates if given else {**rates, **group.get("host_rates", {})}
         _seed_codecs({**matrix.get("codecs", {}), **group.get("codecs", {})})  # and its compressors' costs
-        met = {}  # the memory each run met, read from its update (memory_met)
-        for rec in group["records"]:
-            compute = rec.get("compute", "emulated")  # emulated[:PROFILE]
-            key = (rec["model"], rec["batch_size"], compute.split(":", 1)[1] if ":" in compute else None)
+        keys = [_workload_key(rec) for rec in group["records"]]
+        for key in keys:
             if key not in workloads:
                 workloads[key] = load(*key)
+        met = {}  # the memory each run met, read from its update (memory_met)
+        for rec, key in zip(group["records"], keys):
             name, options = options_of(rec["strategy"])
             if build(name, options, rec.get("servers", 0)).updates_locally:
                 met[rec["strategy"]] = memory_met(rec, here, cores, workloads[key].nbytes)
         seen = [m for m in met.values() if m is not None]
         # a run that shows none meets what the group's other runs met, within minutes of it
         during = statistics.median(seen) if seen else None
-        for rec in group["records"]:
-            compute = rec.get("compute", "emulated")
-            key = (rec["model"], rec["batch_size"], compute.split(":", 1)[1] if ":" in compute else None)
+        for rec, key in zip(group["records"], keys):
             net = Network(rec["net_bps"], matrix.get("latency_s", 50e-6))
             name, options = options_of(rec["strategy"])
             # as many steps as a round of the run measured, after its warm-up (the rounds repeat it)
@@ -244,6 +242,12 @@ def replay(path: str = MATRIX, rates: dict | None = None, steps: int = 8, warmup
                           "error": sim["samples_per_s"] / rec["samples_per_s"] - 1, "command": group["command"]})
     own = [g["host_rates"] for g in matrix["groups"] if "host_rates" in g]
     return {"cells": cells, "rates": rates, "group_rates": [] if given else own, **summary(cells)}
+
+
+def _workload_key(record: dict) -> tuple:
+    """``load()``'s arguments for a record: model, batch size, and the profile of ``emulated[:PROFILE]``."""
+    compute = record.get("compute", "emulated")
+    return record["model"], record["batch_size"], compute.split(":", 1)[1] if ":" in compute else None
 
 
 def summary(cells: list[dict]) -> dict:
