@@ -32,7 +32,7 @@ def add_host_arguments(p: argparse.ArgumentParser) -> None:
                    help="compressors run this many times faster than on this machine's CPU, one thread (default 1)")
     p.add_argument("--message-us", type=float, default=0.0,
                    help="host CPU per end of a point-to-point message sent from Python (p3's and ps-sliced's slices, "
-                        "hybrid's row requests and answers), one at a time per process (default 0: not counted; "
+                        "hybrid's row requests and answers, the compressed strategies' headers and bodies), one at a time per process (default 0: not counted; "
                         "380-630 on a 2-core cloud VM, docs/simulate.md)")
     p.add_argument("--shared-cores", type=int, default=0,
                    help="cores that every rank of the job shares (all on one machine, as an emulated cluster); "
@@ -43,8 +43,8 @@ def add_host_arguments(p: argparse.ArgumentParser) -> None:
                         "counted; about 3400 on a 2-core cloud VM, docs/simulate.md)")
     p.add_argument("--host-jitter", type=float, default=0.0,
                    help="coefficient of variation of host work from step to step: a step that waits for N hosts' "
-                        "same work (hybrid's row servers) waits for the slowest (default 0; 0.15 with 2 ranks and 0.36 with "
-                        "4 on a 2-core cloud VM)")
+                        "same work (hybrid's row servers, the compressed strategies' messages and all-gathers) waits for "
+                        "the slowest (default 0; 0.15 with 2 ranks and 0.36 with 4 on a 2-core cloud VM)")
 
 
 def at_least(args, error, **lowest) -> None:

@@ -59,8 +59,9 @@ class Host:
     jitter: float = 0.0
     """How much a host work item's time varies from step to step (its coefficient of variation:
     other processes' threads and memory traffic on the same cores). Where a step waits for the
-    same work on N hosts (``hybrid``'s pulls, for every row server's update), it waits for the
-    slowest: :meth:`Worker.slowest_of`. 0: no variation (the default)."""
+    same work on N hosts (``hybrid``'s pulls, for every row server's update; the compressed
+    strategies' messages and all-gathers, for their senders' work), it waits for the slowest:
+    :meth:`Worker.slowest_of`. 0: no variation (the default)."""
     message_s: float = 0.0
     """Host CPU per end of a point-to-point message sent from Python (a send issued, a receive
     taken, with what the strategy's Python does around it), one end at a time per process (the
