@@ -464,7 +464,9 @@ def test_a_run_that_shows_no_update_rate_meets_what_its_group_met(tmp_path):
                              {**rec, "strategy": "sma"}]}
         path = tmp_path / f"m{optimizer_s}.json"
         path.write_text(json.dumps({"cores": 2, "host_rates": {"copy_Bps": 1e9, "update_Bps": 1e9}, "groups": [group]}))
-        return {c["strategy"]: c["simulated"] for c in replay(str(path), steps=4, warmup=1)["cells"]}
+        result = replay(str(path), steps=4, warmup=1)
+        assert [c["memory_from"] for c in result["cells"]] == (["run", "group"] if optimizer_s else ["probes"] * 2)
+        return {c["strategy"]: c["simulated"] for c in result["cells"]}
 
     probed, slow = matrix(None), matrix(4 * nbytes / 1e9)  # the update met a quarter of 1 GB/s
     assert slow["allreduce"] < probed["allreduce"] and slow["sma"] < probed["sma"]

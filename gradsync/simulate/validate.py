@@ -229,8 +229,9 @@ def replay(path: str = MATRIX, rates: dict | None = None, steps: int = 8, warmup
             # as many steps as a round of the run measured, after its warm-up (the rounds repeat it)
             run_warmup = rec.get("warmup", warmup)
             run_steps = run_warmup + rec["steps"] // rec.get("rounds", 1) if "steps" in rec else steps
-            own = met.get(rec["strategy"])
-            host = _host(rec, here, cores, own if own is not None else during)
+            shown = met.get(rec["strategy"])
+            memory, source = (shown, "run") if shown is not None else (during, "group") if during is not None else (None, "probes")
+            host = _host(rec, here, cores, memory)
             sim = simulate(name, workloads[key], rec["np"], net, host=host,
                            servers=rec.get("servers", 0), options=options, steps=max(run_steps, steps),
                            warmup=max(run_warmup, warmup))
@@ -239,9 +240,11 @@ def replay(path: str = MATRIX, rates: dict | None = None, steps: int = 8, warmup
                           "servers": rec.get("servers", 0), "strategy": rec["strategy"],
                           "cpu_bound": cpu is not None and cpu >= CPU_BOUND, "host_cpu_busy": cpu,
                           "measured": rec["samples_per_s"], "simulated": sim["samples_per_s"],
-                          "error": sim["samples_per_s"] / rec["samples_per_s"] - 1, "command": group["command"]})
+                          "error": sim["samples_per_s"] / rec["samples_per_s"] - 1, "command": group["command"],
+                          "memory_from": source})
     own = [g["host_rates"] for g in matrix["groups"] if "host_rates" in g]
-    return {"cells": cells, "rates": rates, "group_rates": [] if given else own, **summary(cells)}
+    sources = {key: sum(c["memory_from"] == key for c in cells) for key in ("run", "group", "probes")}
+    return {"cells": cells, "rates": rates, "group_rates": [] if given else own, "memory_from": sources, **summary(cells)}
 
 
 def _workload_key(record: dict) -> tuple:
@@ -309,4 +312,8 @@ def report(result: dict) -> str:
         span = lambda key: f"{min(r[key] for r in own) / 1e9:.1f}-{max(r[key] for r in own) / 1e9:.1f} GB/s"
         lines[-1] += (f"; {len(own)} groups with the rates measured when they were recorded: copy {span('copy_Bps')}, "
                       f"update {span('update_Bps')}")
+    sources = result.get("memory_from")
+    if sources:
+        lines.append(f"the memory rate the ranks met: from the run's own optimizer.step() in {sources['run']} cells, "
+                     f"from its group's runs in {sources['group']}, from the probes in {sources['probes']}")
     return "\n".join(lines)
