@@ -497,6 +497,9 @@ def test_a_recorded_run_meets_the_host_rates_its_ranks_had():
     ran = {"np": 4, "dilation": 10.0, "optimizer_s": 2.0}
     memory = memory_met(ran, rates, cores=2, update_bytes=1e9)
     assert memory == pytest.approx(0.05) and memory_met({"np": 4}, rates, 2, 1e9) is None
+    for bad in (0, -1.0, "2"):
+        with pytest.raises(ConfigError, match=r"'ddp' \(4 workers\): optimizer_s must be a time > 0"):
+            memory_met({"np": 4, "strategy": "ddp", "optimizer_s": bad}, rates, 2, 1e9)
     met = _host(ran, rates, cores=2, memory=memory)
     assert met.update_Bps == pytest.approx(1e9 / 2.0) and met.copy_Bps == pytest.approx(8e9 * 0.05 * 10 / 2)
     assert met.codec_speed == pytest.approx(0.05 * 10 / 2)

@@ -184,10 +184,16 @@ def memory_met(record: dict, rates: dict, cores: int, update_bytes: float) -> fl
     a recorded run (``optimizer_s``, undilated; every rank updates ``update_bytes`` at once, shared
     by the ranks per core), or None if the record has none. Only for strategies whose step is the
     update alone (:attr:`~gradsync.simulate.worker.StrategyModel.updates_locally`)."""
-    if not record.get("optimizer_s"):
+    seconds = record.get("optimizer_s")
+    if seconds is None:
         return None
+    if not isinstance(seconds, (int, float)) or seconds <= 0:
+        from gradsync.errors import ConfigError
+
+        raise ConfigError(f"record {record.get('strategy', '?')!r} ({record['np']} workers): optimizer_s must be a "
+                          f"time > 0 in seconds, got {seconds!r}; record it again with gradsync bench")
     share = max(1.0, (record["np"] + record.get("servers", 0)) / cores)
-    return update_bytes / record["optimizer_s"] * share / (record.get("dilation", 1.0) * rates["update_Bps"])
+    return update_bytes / seconds * share / (record.get("dilation", 1.0) * rates["update_Bps"])
 
 
 def _jitter(measured: dict | None, ranks: int) -> float:
