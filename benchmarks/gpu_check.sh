@@ -12,7 +12,8 @@
 #    that runs without servers there, fp16 with a GradScaler and clipping under allreduce and ddp, and
 #    the clear errors for a GradScaler under p3 and for more ranks than GPUs.
 # 4. `allreduce` next to `ddp` on the CPUs (CUDA hidden) with a core per rank: vgg19:tiny, 4 workers
-#    (three runs on loopback; the shaped links where iproute2 is installed).
+#    (three runs on loopback; three on the shaped links where `ip` and `tc` run: carry them in
+#    .ipr/, made by benchmarks/carry_iproute2.sh, where the machine has no iproute2).
 # Each step has its own time limit; logs go to OUTDIR (at most 8 files).
 set -u
 out=${1:?usage: benchmarks/gpu_check.sh OUTDIR [GPU_SECONDS]}
@@ -20,6 +21,7 @@ budget=${2:-170}
 checks=${CHECKS:-parity nccl examples bench}
 want() { [[ " $checks " == *" $1 "* ]]; }
 mkdir -p "$out"
+[ -x .ipr/bin/ip ] && export PATH=$PWD/.ipr/bin:$PATH  # iproute2 carried by benchmarks/carry_iproute2.sh
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 if ! command -v gradsync >/dev/null; then  # no install: a shim over the checkout
     mkdir -p /tmp/gradsync-bin
@@ -75,7 +77,9 @@ want bench && for run in 1 2 3; do
         --check-steps 0 --rounds 9 --steps 90
 done
 if want bench && command -v ip >/dev/null && command -v tc >/dev/null; then
-    step bench 110 env CUDA_VISIBLE_DEVICES= gradsync bench --model vgg19:tiny --strategies allreduce,ddp --np 4 \
-        --net 1gbit,10gbit --check-steps 0 --rounds 5
+    for run in 1 2 3; do
+        step bench 100 env CUDA_VISIBLE_DEVICES= gradsync bench --model vgg19:tiny --strategies allreduce,ddp --np 4 \
+            --net 1gbit,10gbit --check-steps 0 --rounds 9 --steps 90
+    done
 fi
 cat "$out/summary.txt"
