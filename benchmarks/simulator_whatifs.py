@@ -1,4 +1,4 @@
-"""The shipped validation with one mechanism of the compressed strategies' models taken out at a time.
+"""The shipped validation with one mechanism of the compressed and averaging strategies' models taken out at a time.
 
     python benchmarks/simulator_whatifs.py
 
@@ -11,7 +11,12 @@ cell, not counted) and the summary:
 - ``no message ends``: ``Worker.ends_s`` at 0 (every strategy's message ends, not only these);
 - ``no wakes``: a blocked thread wakes at the idle handoff (every strategy's wakes);
 - ``cold codec``: the 4-worker, 1 Gbit/s compressed group's codec line replaced by a cold probe's
-  (a decode's constant 1.6 ms a call; :data:`COLD_ONEBIT`).
+  (a decode's constant 1.6 ms a call; :data:`COLD_ONEBIT`);
+- ``no connection order``: ``pair-averaging``'s pull requests not queued behind the models their
+  sender is serving the same peer (its cells only).
+
+Last, the ``pair-averaging`` cell at 4 workers on 1 Gbit/s simulated for longer than a round of
+its run (its median moves with the peers' picks), beside every recording of that command.
 
 First it prints, for each group whose records carry ``optimizer_s``, the memory rate each run met
 (``validate.memory_met``) beside the probes taken around the group.
@@ -20,10 +25,12 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import tempfile
 from contextlib import contextmanager
 
-from gradsync.simulate import build, compressed, load, validate, worker
+from gradsync.simulate import Network, averaging, build, compressed, load, simulate, validate, worker
+from gradsync.simulate.engine import Stream
 
 COLD_ONEBIT = [0.0005262060000989421, 4.923799038383009e-10, 0.0016220285706367576, 7.396159856440376e-11,
                0.03125143051147461]
@@ -42,8 +49,8 @@ def patched(owner, name: str, value):
         setattr(owner, name, old)
 
 
-def show(label: str, result: dict) -> None:
-    cells = [c for c in result["cells"] if c["strategy"].split("+")[0] in compressed.COMPRESSED]
+def show(label: str, result: dict, strategies=compressed.COMPRESSED) -> None:
+    cells = [c for c in result["cells"] if c["strategy"].split("+")[0] in strategies]
     print(f"{label}:")
     for c in cells:
         print(f"  {c['model']} {c['np']}w {c['net_bps'] / 1e9:g} Gbit/s {c['strategy']:<22} "
@@ -93,6 +100,33 @@ def main() -> None:
         with open(path, "w") as f:
             json.dump(cold, f)
         show("cold codec", validate.replay(path))
+    show("pair-averaging, shipped", validate.replay(), ("pair-averaging",))
+    with patched(averaging.PairAveraging, "_connection", lambda self, src, dst: Stream(self.wk.sim, "apart")):
+        show("no connection order", validate.replay(), ("pair-averaging",))
+    pair_averaging_longer(matrix)
+
+
+def pair_averaging_longer(matrix: dict) -> None:
+    """The 4-worker, 1 Gbit/s ``pair-averaging`` cell over more steps than a round of its run, and
+    every recording of it in the matrix at the shipped record's dilation (current and superseded)."""
+    cell = lambda r: r["strategy"] == "pair-averaging" and r["np"] == 4 and r["net_bps"] == 1e9
+    i, group = [(i, g) for i, g in enumerate(matrix["groups"]) if any(cell(r) for r in g["records"])][-1]
+    rec = next(r for r in group["records"] if cell(r))
+    recorded = [r["samples_per_s"] for g in matrix["groups"] for r in g["records"] + g.get("superseded", [])
+                if cell(r) and r.get("dilation") == rec.get("dilation")]  # the same command's runs
+    cores, rates = matrix.get("cores", 2), {**matrix["host_rates"], **group.get("host_rates", {})}
+    work = load(*validate._workload_key(rec))
+    met = [validate.memory_met(r, rates, cores, work.nbytes) for r in group["records"]
+           if build(*validate.options_of(r["strategy"]), r.get("servers", 0)).updates_locally]
+    met = [m for m in met if m is not None]
+    host = validate._host(rec, rates, cores, statistics.median(met) if met else None)
+    net = Network(rec["net_bps"], matrix.get("latency_s", 50e-6))
+    steps = (rec["warmup"] + rec["steps"] // rec.get("rounds", 1), 60, 120)
+    predicted = [simulate("pair-averaging", work, 4, net, host=host, steps=n, warmup=rec["warmup"])["samples_per_s"]
+                 for n in steps]
+    print(f"pair-averaging 4w 1 Gbit/s at dilation {rec.get('dilation', 1):g}: recorded "
+          f"{', '.join(f'{x:.1f}' for x in recorded)} (mean {statistics.fmean(recorded):.1f}); simulated on group {i}'s rates "
+          + ", ".join(f"{v:.1f} ({n} steps)" for n, v in zip(steps, predicted)))
 
 
 if __name__ == "__main__":

@@ -179,6 +179,22 @@ def test_pair_averaging_simulates_every_worker_and_answers_pulls_one_at_a_time()
         pytest.approx(2.0)
 
 
+def test_a_pair_averaging_request_waits_behind_a_model_its_sender_is_serving_to_that_peer():
+    """One connection per pair of ranks carries their messages in order (Gloo's pair), so a pull
+    request queues behind the model its sender's server is sending the same peer. Seed 19 on 3
+    workers picks 0 <- 2, 1 <- 0, 2 <- 0, then 0 <- 1, 1 <- 0, 2 <- 0; 0.5 s of compute, a 1000 B
+    model takes 1 s through a link, requests that arrive at once are answered in rank order."""
+    work = synthetic([(0.25, 0.25, [1000])])
+    # Step 1: worker 2 answers 0 over [0.5, 1.5]; worker 0 answers 1 over [0.5, 1.5], then 2 over
+    # [1.5, 2.5], holding its snapshot, so 0 refreshes at 2.5 and 2 has 0's model at 2.5: 2.5 s.
+    # Step 2: 1 asks 0 at 2.0 and 0 answers over [2.5, 3.5]; 0 asks 1 at 3.0, but that request
+    # follows the model on 0's connection to 1 and arrives at 3.5, so 1's server answers over
+    # [3.5, 4.5] and 1's own refresh waits for it: 1's step takes 4.5 - 1.5 = 3 s (2.5 s if the
+    # request went beside the model: answered over [3.0, 4.0]). The median of 2.5 and 3 s:
+    assert simulate("pair-averaging", work, 3, NET, host=FREE_HOST, options={"seed": 19}, steps=2,
+                    warmup=0)["step_s"] == pytest.approx(2.75)
+
+
 def test_an_asynchronous_server_serves_workers_one_at_a_time():
     # 2 workers, one server, 1000 B: a service is the push (1 s) and the pull (1 s). Alone a
     # worker would take 1 s of compute + 2 s; the server serves both workers, 4 s per round.

@@ -6,8 +6,10 @@
 - ``pair-averaging`` (:mod:`gradsync.strategies.pair_averaging`): ``step()`` asks one random peer
   for its model (a request, then the model back) and averages with it, runs the local optimizer
   and refreshes the snapshot it serves. A worker answers pulls one after another, holding its
-  snapshot. With no barrier the workers drift apart, so every worker is simulated at its own
-  pace, each picking its peers from the strategy's own generators.
+  snapshot. A request travels behind any model its sender's server is still sending that peer
+  (Gloo sends one pair of ranks' messages in order). With no barrier the workers drift apart, so
+  every worker is simulated at its own pace, each picking its peers from the strategy's own
+  generators.
 - ``ps-async`` (:mod:`gradsync.strategies.ps`, ``mode="async"``, dedicated servers): a server
   serves one worker at a time (that worker's pushes in, one optimizer step over its share, the
   parameters back). In steady state the ``N`` workers' requests spread over the step, so the
@@ -64,7 +66,8 @@ class PairAveraging(StrategyModel):
     parameters), the local optimizer, and the snapshot it serves refreshed (a copy). Each worker's
     server thread answers requests one at a time, in arrival order, each with the whole model
     through its link, holding the snapshot's lock: a refresh waits for the answer being sent, and
-    an answer for the refresh. The step time is ``gradsync bench``'s: per step, the slowest
+    an answer for the refresh. Each pair of workers' messages go one after another in each
+    direction, so a request waits for the model its sender is serving that peer. The step time is ``gradsync bench``'s: per step, the slowest
     worker's."""
 
     def bind(self, worker: Worker) -> None:
@@ -82,6 +85,7 @@ class PairAveraging(StrategyModel):
         self.locks = [Stream(sim, f"worker {r} snapshot lock") for r in range(n)]
         self.ends: list[list[float]] = [[] for _ in range(n)]  # of the other workers' steps
         self.pairs: dict[tuple[int, int], Link] = {}
+        self.connections: dict[tuple[int, int], Stream] = {}
         self.serving: dict[tuple[int, int], float] = {}  # (from, to): when the last such answer began
         for r in range(1, n):
             self._others_step(r)
@@ -123,14 +127,25 @@ class PairAveraging(StrategyModel):
 
                 wk.sim.after(rendezvous, flow)
 
-            self.locks[peer].submit(send, finish, what=f"answer {r}")
+            self.locks[peer].submit(lambda unlock: self._connection(peer, r).submit(send, unlock, what=f"model {peer} -> {r}"),
+                                    finish, what=f"answer {r}")
 
         def averaged() -> None:  # average, the local optimizer, then the snapshot under its lock
             self.hosts[r].run(2 * wk.update_s(nbytes), lambda: self.locks[r].submit(
                 lambda unlock: self.hosts[r].run(wk.copy_s(nbytes), unlock, what="snapshot"), done,
                 what="refresh"), what="average and optimizer")
 
-        wk.sim.after(wk.net.latency_s, lambda: self.servers[peer].submit(answer, averaged, what=f"pull from {r}"))
+        # The request follows whatever this worker's server is still sending to that peer: one
+        # connection per pair of ranks carries their messages in order.
+        self._connection(r, peer).submit(lambda sent: wk.sim.after(wk.net.latency_s, sent), lambda: (
+            self.servers[peer].submit(answer, averaged, what=f"pull from {r}")), what=f"request {r} -> {peer}")
+
+    def _connection(self, src: int, dst: int) -> Stream:
+        """The messages from worker ``src`` to ``dst``, one after another (Gloo's pair of the two ranks
+        sends in order, so a pull request waits behind a model its sender is serving to that peer)."""
+        if (src, dst) not in self.connections:
+            self.connections[(src, dst)] = Stream(self.wk.sim, f"connection {src} -> {dst}")
+        return self.connections[(src, dst)]
 
     def step(self, step: int, go: Callable[[], None]) -> None:
         self._pull(0, go)
