@@ -124,8 +124,9 @@ def pair_averaging_longer(matrix: dict) -> None:
     steps = (rec["warmup"] + rec["steps"] // rec.get("rounds", 1), 60, 120)
     predicted = [simulate("pair-averaging", work, 4, net, host=host, steps=n, warmup=rec["warmup"])["samples_per_s"]
                  for n in steps]
-    print(f"pair-averaging 4w 1 Gbit/s at dilation {rec.get('dilation', 1):g}: recorded "
-          f"{', '.join(f'{x:.1f}' for x in recorded)} (mean {statistics.fmean(recorded):.1f}); simulated on group {i}'s rates "
+    runs = ", ".join(f"{x:.1f}" for x in recorded)
+    print(f"pair-averaging 4w 1 Gbit/s at dilation {rec.get('dilation', 1):g}: recorded {runs} "
+          f"(mean {statistics.fmean(recorded):.1f}); simulated on group {i}'s rates "
           + ", ".join(f"{v:.1f} ({n} steps)" for n, v in zip(steps, predicted)))
 
 

@@ -67,8 +67,8 @@ class PairAveraging(StrategyModel):
     server thread answers requests one at a time, in arrival order, each with the whole model
     through its link, holding the snapshot's lock: a refresh waits for the answer being sent, and
     an answer for the refresh. Each pair of workers' messages go one after another in each
-    direction, so a request waits for the model its sender is serving that peer. The step time is ``gradsync bench``'s: per step, the slowest
-    worker's."""
+    direction, so a request waits for the model its sender is serving that peer. The step time
+    is ``gradsync bench``'s: per step, the slowest worker's."""
 
     def bind(self, worker: Worker) -> None:
         import random
@@ -127,7 +127,8 @@ class PairAveraging(StrategyModel):
 
                 wk.sim.after(rendezvous, flow)
 
-            self.locks[peer].submit(lambda unlock: self._connection(peer, r).submit(send, unlock, what=f"model {peer} -> {r}"),
+            connection = self._connection(peer, r)
+            self.locks[peer].submit(lambda unlock: connection.submit(send, unlock, what=f"model {peer} -> {r}"),
                                     finish, what=f"answer {r}")
 
         def averaged() -> None:  # average, the local optimizer, then the snapshot under its lock
