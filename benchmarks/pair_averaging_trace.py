@@ -21,8 +21,11 @@ from collections import defaultdict
 
 def spans(path: str) -> dict[int, list[tuple[float, float, str]]]:
     """Each worker's communication spans (the trace's async begin/end pairs), in seconds."""
-    with open(path) as f:
-        trace = json.load(f)
+    try:
+        with open(path) as f:
+            trace = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"{path}: not a readable trace file ({exc}); make one with gradsync bench --trace")
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     began, out = {}, defaultdict(list)
     for e in events:

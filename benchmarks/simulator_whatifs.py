@@ -116,10 +116,9 @@ def pair_averaging_longer(matrix: dict) -> None:
                 if cell(r) and r.get("dilation") == rec.get("dilation")]  # the same command's runs
     cores, rates = matrix.get("cores", 2), {**matrix["host_rates"], **group.get("host_rates", {})}
     work = load(*validate._workload_key(rec))
-    met = [validate.memory_met(r, rates, cores, work.nbytes) for r in group["records"]
-           if build(*validate.options_of(r["strategy"]), r.get("servers", 0)).updates_locally]
-    met = [m for m in met if m is not None]
-    host = validate._host(rec, rates, cores, statistics.median(met) if met else None)
+    hosts = validate.group_hosts(group["records"], [load(*validate._workload_key(r)) for r in group["records"]],
+                                 rates, cores)
+    host = hosts[group["records"].index(rec)][0]
     net = Network(rec["net_bps"], matrix.get("latency_s", 50e-6))
     steps = (rec["warmup"] + rec["steps"] // rec.get("rounds", 1), 60, 120)
     predicted = [simulate("pair-averaging", work, 4, net, host=host, steps=n, warmup=rec["warmup"])["samples_per_s"]

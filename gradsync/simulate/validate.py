@@ -205,7 +205,7 @@ def _jitter(measured: dict | None, ranks: int) -> float:
 
 def replay(path: str = MATRIX, rates: dict | None = None, steps: int = 8, warmup: int = 3) -> dict:
     """Every cell of the matrix at ``path``: measured against simulated, and the summary."""
-    from gradsync.simulate import Network, build, load, simulate
+    from gradsync.simulate import Network, load, simulate
 
     with open(path) as f:
         matrix = json.load(f)
@@ -221,23 +221,13 @@ def replay(path: str = MATRIX, rates: dict | None = None, steps: int = 8, warmup
         for key in keys:
             if key not in workloads:
                 workloads[key] = load(*key)
-        met = {}  # the memory each run met, read from its update (memory_met)
-        for rec, key in zip(group["records"], keys):
-            name, options = options_of(rec["strategy"])
-            if build(name, options, rec.get("servers", 0)).updates_locally:
-                met[rec["strategy"]] = memory_met(rec, here, cores, workloads[key].nbytes)
-        seen = [m for m in met.values() if m is not None]
-        # a run that shows none meets what the group's other runs met, within minutes of it
-        during = statistics.median(seen) if seen else None
-        for rec, key in zip(group["records"], keys):
+        hosts = group_hosts(group["records"], [workloads[key] for key in keys], here, cores)
+        for rec, key, (host, source) in zip(group["records"], keys, hosts):
             net = Network(rec["net_bps"], matrix.get("latency_s", 50e-6))
             name, options = options_of(rec["strategy"])
             # as many steps as a round of the run measured, after its warm-up (the rounds repeat it)
             run_warmup = rec.get("warmup", warmup)
             run_steps = run_warmup + rec["steps"] // rec.get("rounds", 1) if "steps" in rec else steps
-            shown = met.get(rec["strategy"])
-            memory, source = (shown, "run") if shown is not None else (during, "group") if during is not None else (None, "probes")
-            host = _host(rec, here, cores, memory)
             sim = simulate(name, workloads[key], rec["np"], net, host=host,
                            servers=rec.get("servers", 0), options=options, steps=max(run_steps, steps),
                            warmup=max(run_warmup, warmup))
@@ -251,6 +241,24 @@ def replay(path: str = MATRIX, rates: dict | None = None, steps: int = 8, warmup
     own = [g["host_rates"] for g in matrix["groups"] if "host_rates" in g]
     sources = {key: sum(c["memory_from"] == key for c in cells) for key in ("run", "group", "probes")}
     return {"cells": cells, "rates": rates, "group_rates": [] if given else own, "memory_from": sources, **summary(cells)}
+
+
+def group_hosts(records: list[dict], workloads: list, rates: dict, cores: int) -> list[tuple]:
+    """``(Host, source)`` for each record of one group: at the memory rate its run met where its
+    step is the update alone (:func:`memory_met`, source ``"run"``), else the median of what the
+    group's runs met, within minutes of it (``"group"``), else the probes' (``"probes"``)."""
+    from gradsync.simulate import build
+
+    met = [memory_met(rec, rates, cores, work.nbytes)
+           if build(*options_of(rec["strategy"]), rec.get("servers", 0)).updates_locally else None
+           for rec, work in zip(records, workloads)]
+    seen = [m for m in met if m is not None]
+    during = statistics.median(seen) if seen else None
+    out = []
+    for rec, shown in zip(records, met):
+        memory, source = (shown, "run") if shown is not None else (during, "group") if during is not None else (None, "probes")
+        out.append((_host(rec, rates, cores, memory), source))
+    return out
 
 
 def _workload_key(record: dict) -> tuple:
