@@ -10,6 +10,8 @@
 # ... python`) do not inherit that path. Add DIR to .git/info/exclude; it is about 7 MB.
 set -eu
 dir=${1:-.ipr}
+command -v apt-get >/dev/null && command -v dpkg >/dev/null ||
+    { echo "carry_iproute2.sh: needs apt-get and dpkg (Debian or Ubuntu) to fetch iproute2's packages" >&2; exit 2; }
 debs=$(mktemp -d)
 trap 'rm -rf "$debs"' EXIT
 (cd "$debs" && apt-get download iproute2 libbpf1 libbsd0 libmd0 libcap2 libdb5.3 libelf1 libmnl0 \

@@ -32,8 +32,8 @@ def add_host_arguments(p: argparse.ArgumentParser) -> None:
                    help="compressors run this many times faster than on this machine's CPU, one thread (default 1)")
     p.add_argument("--message-us", type=float, default=0.0,
                    help="host CPU per end of a point-to-point message sent from Python (p3's and ps-sliced's slices, "
-                        "hybrid's row requests and answers, the compressed strategies' headers and bodies), one at a time per process (default 0: not counted; "
-                        "380-630 on a 2-core cloud VM, docs/simulate.md)")
+                        "hybrid's row requests and answers, the compressed strategies' headers and bodies), one at a "
+                        "time per process (default 0: not counted; 380-630 on a 2-core cloud VM, docs/simulate.md)")
     p.add_argument("--shared-cores", type=int, default=0,
                    help="cores that every rank of the job shares (all on one machine, as an emulated cluster); "
                         "a thread woken while all are busy waits --busy-wake-us, and a message end runs beside "

@@ -237,8 +237,8 @@ class CaSyncRing(CompressedBuckets):
         ends = 4  # a message sent to the next worker and one taken from the previous
         scatter = [(wire, merge + self._enc(chunk), ends) for _ in range(n - 2)] + [(wire, merge + self._enc(chunk) + placed, ends)]
         gather = [(wire, placed, ends) for _ in range(n - 1)]
-        self.wk.sim.after(self._enc(chunk) * self.waited(2), lambda: self.hops(scatter + gather, done, f"ring bucket {k}",
-                                                              self.wk.ring_links))
+        self.wk.sim.after(self._enc(chunk) * self.waited(2),
+                          lambda: self.hops(scatter + gather, done, f"ring bucket {k}", self.wk.ring_links))
 
 
 class CaSyncPS(CompressedBuckets):

@@ -13,8 +13,8 @@ Host work in an emulated run is this machine's CPU (copies, the optimizer's upda
 the run's dilation like every other time, and shared by the ranks on its cores. So the host rates
 of the machine that recorded the matrix (:func:`calibrate`, kept in it) are multiplied by the
 dilation and divided by the ranks per core, at the fraction of their rate that the memory gave the
-ranks working at once in the run (:func:`_host`). Targets: median absolute error <= 5 %, every cell <= 10 %, ranking agreement in >= 90 % of
-cells, advice in >= 90 % of groups.
+ranks working at once in the run (:func:`_host`). Targets: median absolute error <= 5 %, every
+cell <= 10 %, ranking agreement in >= 90 % of cells, advice in >= 90 % of groups.
 """
 from __future__ import annotations
 
@@ -256,7 +256,8 @@ def group_hosts(records: list[dict], workloads: list, rates: dict, cores: int) -
     during = statistics.median(seen) if seen else None
     out = []
     for rec, shown in zip(records, met):
-        memory, source = (shown, "run") if shown is not None else (during, "group") if during is not None else (None, "probes")
+        memory, source = ((shown, "run") if shown is not None else (during, "group") if during is not None
+                          else (None, "probes"))
         out.append((_host(rec, rates, cores, memory), source))
     return out
 
