@@ -621,3 +621,42 @@ def test_shipped_matrix_covers_every_strategy_with_its_commands_and_rates():
         assert together["processes"] == matrix["cores"] and 0 < together["update_Bps"] <= 1
     for spec, costs in {**matrix["codecs"], **{k: v for g in matrix["groups"] for k, v in g.get("codecs", {}).items()}}.items():
         assert len(costs) == 5 and 0 < costs[4] <= 1, spec  # encode and decode lines, the wire ratio
+
+
+def test_slice_link_trace_bins_a_traced_runs_received_slices_by_their_time_into_the_step(tmp_path):
+    """benchmarks/slice_link_trace.py, whose figures docs/simulate.md quotes, on a trace made by
+    hand: two workers at dilation 2, one warm-up step and one measured step each (1.0 and 1.2 s
+    of wall time), the slices they received and their backward() starts."""
+    sys.path.insert(0, "benchmarks")
+    try:
+        import slice_link_trace
+    finally:
+        sys.path.remove("benchmarks")
+
+    def span(pid, name, start, dur, **args):
+        return {"ph": "X", "pid": pid, "tid": 0, "name": name, "ts": start * 1e6, "dur": dur * 1e6, "args": args}
+
+    events = [span(0, "p3 step 0", 0.0, 1.0), span(0, "p3 step 1", 1.0, 1.0),
+              span(1, "p3 step 0", 0.0, 1.0), span(1, "p3 step 1", 1.05, 1.2),
+              span(0, "backward()", 1.8, 0.1), span(1, "backward()", 2.0, 0.1),
+              span(0, "push slice 3 (w) from rank 1", 1.0, 0.1, bytes=200_000),  # 0.05 s into the step (emulated)
+              span(0, "pull slice 4 (w) from rank 1", 1.2, 0.3, bytes=200_000),  # 0.25 s in
+              span(1, "push slice 5 (w) from rank 0", 1.1, 0.1, bytes=200_000),  # 0.075 s in
+              span(1, "push slice 6 (w) from rank 0", 0.5, 0.1, bytes=200_000)]  # in the warm-up step
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    bins, step_s, per_step, spread = slice_link_trace.measured(str(path), "p3", 2.0, 1, 0.1)
+    assert step_s == pytest.approx(0.55)  # the median of 0.5 and 0.6 emulated seconds
+    assert per_step == pytest.approx(300_000)  # the median of 400 and 200 KB: the warm-up's slice left out
+    assert bins[(0, "push")] == pytest.approx(200_000)  # per step, over the two workers' steps: one push each
+    assert bins[(1, "push")] == 0 and bins[(2, "pull")] == pytest.approx(100_000)
+    assert max(j for j, _ in bins) == 5  # up to the longer step's 0.6 s
+    assert spread == pytest.approx([0.1])  # backward() began 0.2 s of wall time apart
+
+
+def test_a_traced_simulation_gives_its_step_ends():
+    work = synthetic([(0.1, 0.1, [100]), (0.1, 0.1, [100])])
+    record = simulate("allreduce", work, 2, NET, host=FREE_HOST, steps=4, warmup=1, trace=True)
+    ends = record["step_ends"]
+    assert len(ends) == 4 and ends == sorted(ends)
+    assert [b - a for a, b in zip(ends, ends[1:])] == pytest.approx([record["step_s"]] * 3)

@@ -27,7 +27,8 @@ def simulate(strategy: str, workload: Workload, np: int, net: Network, *, host: 
              servers: int = 0, options: dict | None = None, steps: int = 6, warmup: int = 2,
              trace: bool = False) -> dict:
     """Simulate ``steps`` steps of ``strategy`` and summarize the ones after ``warmup``, as a
-    ``gradsync bench`` record (throughput is global: ``np * batch / step time``)."""
+    ``gradsync bench`` record (throughput is global: ``np * batch / step time``). With ``trace``,
+    also ``timeline`` (every span: lane, what, start, end, in seconds) and ``step_ends``."""
     if steps <= warmup:
         raise SimulationError(f"steps ({steps}) must exceed warmup ({warmup})")
     if servers < 0:
@@ -56,7 +57,7 @@ def simulate(strategy: str, workload: Workload, np: int, net: Network, *, host: 
         record["dense_bytes"] = model.dense_bytes
         record["min_bytes_per_host"] = model.min_bytes_per_host()
     if trace:
-        record["timeline"] = sim.log
+        record["timeline"], record["step_ends"] = sim.log, list(ends)
     return record
 
 
