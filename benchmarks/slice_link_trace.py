@@ -22,39 +22,34 @@ import statistics
 from collections import Counter, defaultdict
 
 
-def measured(path: str, strategy: str, dilation: float, warmup: int, bin_s: float) -> tuple[dict, float, float]:
-    """Mean bytes per bin (by kind) over every worker's measured steps, their median step, and bytes per step."""
+def measured(path: str, strategy: str, dilation: float, warmup: int,
+             bin_s: float) -> tuple[dict, float, float, list[float]]:
+    """Mean bytes per bin (by kind) over every worker's measured steps, their median step and bytes per
+    step, and per step how far apart the workers began its ``backward()`` (the latest less the earliest)."""
     try:
         with open(path) as f:
             trace = json.load(f)
     except (OSError, ValueError) as exc:
         raise SystemExit(f"{path}: not a readable trace file ({exc}); make one with gradsync bench --trace")
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    steps, received = defaultdict(list), defaultdict(list)
+    steps, received, backward = defaultdict(list), defaultdict(list), defaultdict(list)
     for e in events:
         if e.get("ph") != "X":
             continue
         if e["name"].startswith(f"{strategy} step "):
             steps[e["pid"]].append((e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6))
+        elif e["name"] == "backward()":
+            backward[e["pid"]].append(e["ts"] / 1e6)
         elif e["name"].startswith(("push slice ", "pull slice ")) and "bytes" in e.get("args", {}):
             received[e["pid"]].append(((e["ts"] + e["dur"]) / 1e6, e["args"]["bytes"], e["name"][:4]))
     windows = [(pid, a, b) for pid, mine in steps.items() for a, b in sorted(mine)[warmup:]]
     if not windows or not received:
         raise SystemExit(f"{path}: no traced {strategy} steps with received slices (a --trace of gradsync bench "
                          f"--strategies {strategy}, after {warmup} warm-up steps)")
-    return (*_binned(windows, received, dilation, bin_s), _spread(events, steps, warmup, dilation))
-
-
-def _spread(events: list, steps: dict, warmup: int, dilation: float) -> list[float]:
-    """Per measured step, how far apart the workers started their ``backward()``: the latest less the earliest."""
-    starts = defaultdict(list)
-    for pid, mine in steps.items():
-        for a, b in sorted(mine)[warmup:]:
-            inside = [e["ts"] / 1e6 for e in events if e.get("pid") == pid and e.get("ph") == "X"
-                      and e["name"] == "backward()" and a <= e["ts"] / 1e6 < b]
-            starts[pid].append(inside[0] if inside else None)
-    count = min(len(v) for v in starts.values())
-    return [(max(s) - min(s)) / dilation for s in zip(*(v[:count] for v in starts.values())) if None not in s]
+    starts = [[next((t for t in backward[pid] if a <= t < b), None) for a, b in sorted(mine)[warmup:]]
+              for pid, mine in steps.items()]
+    spread = [(max(s) - min(s)) / dilation for s in zip(*starts) if None not in s]
+    return (*_binned(windows, received, dilation, bin_s), spread)
 
 
 def _binned(windows, received, dilation: float, bin_s: float) -> tuple[dict, float, float]:
@@ -81,6 +76,7 @@ def simulated(model: str, np: int, rate_bps: float, strategy: str, steps: int, w
     with open(MATRIX) as f:
         matrix = json.load(f)
     host, source = Host(), "the simulator's default host (no record of this cell in the matrix)"
+    key = (model, 32, None)
     for group in matrix["groups"]:  # the latest record of the cell decides
         records = group["records"]
         for i, rec in enumerate(records):
@@ -88,9 +84,9 @@ def simulated(model: str, np: int, rate_bps: float, strategy: str, steps: int, w
                     model, np, rate_bps, strategy, 0):
                 rates = {**matrix["host_rates"], **group.get("host_rates", {})}
                 works = [load(*_workload_key(r)) for r in records]
-                host = group_hosts(records, works, rates, matrix.get("cores", 2))[i][0]
+                host, key = group_hosts(records, works, rates, matrix.get("cores", 2))[i][0], _workload_key(rec)
                 source = f"the host of the matrix's record from `{group['command']}`"
-    work = load(model, 32, None)
+    work = load(*key)
     record = simulate(strategy, work, np, Network(rate_bps, 50e-6), host=host, steps=steps, warmup=warmup, trace=True)
     ends = record["step_ends"]
     spans = [(stop, what) for lane, what, start, stop in record["timeline"] if lane == "network"]

@@ -2,6 +2,7 @@
 2-worker ring, one parameter server, P3 slices under credit, hybrid's row pulls and pushes; and `gradsync simulate` itself."""
 import json
 import math
+import os
 import sys
 
 import pytest
@@ -627,11 +628,12 @@ def test_slice_link_trace_bins_a_traced_runs_received_slices_by_their_time_into_
     """benchmarks/slice_link_trace.py, whose figures docs/simulate.md quotes, on a trace made by
     hand: two workers at dilation 2, one warm-up step and one measured step each (1.0 and 1.2 s
     of wall time), the slices they received and their backward() starts."""
-    sys.path.insert(0, "benchmarks")
+    scripts = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
+    sys.path.insert(0, scripts)
     try:
         import slice_link_trace
     finally:
-        sys.path.remove("benchmarks")
+        sys.path.remove(scripts)
 
     def span(pid, name, start, dur, **args):
         return {"ph": "X", "pid": pid, "tid": 0, "name": name, "ts": start * 1e6, "dur": dur * 1e6, "args": args}
