@@ -14,19 +14,19 @@ Seconds are emulated: the trace's wall time divided by ``--dilation``.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from collections import defaultdict
 
 
 def spans(path: str) -> dict[int, list[tuple[float, float, str]]]:
     """Each worker's communication spans (the trace's async begin/end pairs), in seconds."""
+    from gradsync.errors import ConfigError
+    from gradsync.trace import load_events
+
     try:
-        with open(path) as f:
-            trace = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise SystemExit(f"{path}: not a readable trace file ({exc}); make one with gradsync bench --trace")
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+        events = load_events(path)
+    except ConfigError as exc:
+        raise SystemExit(str(exc)) from None
     began, out = {}, defaultdict(list)
     for e in events:
         if e.get("ph") == "b":

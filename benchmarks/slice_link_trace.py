@@ -26,12 +26,13 @@ def measured(path: str, strategy: str, dilation: float, warmup: int,
              bin_s: float) -> tuple[dict, float, float, list[float]]:
     """Mean bytes per bin (by kind) over every worker's measured steps, their median step and bytes per
     step, and per step how far apart the workers began its ``backward()`` (the latest less the earliest)."""
+    from gradsync.errors import ConfigError
+    from gradsync.trace import load_events
+
     try:
-        with open(path) as f:
-            trace = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise SystemExit(f"{path}: not a readable trace file ({exc}); make one with gradsync bench --trace")
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+        events = load_events(path)
+    except ConfigError as exc:
+        raise SystemExit(str(exc)) from None
     steps, received, backward = defaultdict(list), defaultdict(list), defaultdict(list)
     for e in events:
         if e.get("ph") != "X":

@@ -152,7 +152,7 @@ def render(path: str, png: str, *, steps: tuple[str, int, int] | None = None, ti
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    spans = _spans(_load(path))
+    spans = _spans(load_events(path))
     window = _window(spans, steps)
     ranks = sorted({s[0] for s in spans})
     colors = {"forward": "tab:blue", "backward": "tab:green", "optimizer": "tab:brown", "step": "tab:gray",
@@ -192,7 +192,7 @@ def render_arrivals(path: str, png: str, *, steps: tuple[str, int, int], rank: i
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    events = _load(path)
+    events = load_events(path)
     window = _window(_spans(events), steps)
     pulls = [(e["ts"] + e["dur"], e["args"]["priority"]) for e in events
              if e["ph"] == "X" and e["pid"] == rank and e["name"].startswith("pull slice")
@@ -221,9 +221,20 @@ def render_arrivals(path: str, png: str, *, steps: tuple[str, int, int], rank: i
     plt.close(fig)
 
 
-def _load(path: str) -> list[dict]:
-    with open(path) as f:
-        return json.load(f)["traceEvents"]
+def load_events(path: str) -> list[dict]:
+    """The events of a trace file as ``--trace`` writes it (Chrome's format: an object with
+    ``traceEvents``, or the bare list); a clear error naming the file where it is not one."""
+    from gradsync.errors import ConfigError
+
+    try:
+        with open(path) as f:
+            trace = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path}: not a readable trace file ({exc}); make one with gradsync bench --trace") from None
+    events = trace.get("traceEvents") if isinstance(trace, dict) else trace
+    if not isinstance(events, list):
+        raise ConfigError(f"{path}: a JSON file without trace events; make one with gradsync bench --trace")
+    return events
 
 
 def _spans(events: list[dict]) -> list[tuple]:

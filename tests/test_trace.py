@@ -135,6 +135,21 @@ def test_arrivals_need_a_trace_with_pulled_slices(tmp_path):
         trace.render_arrivals(str(merged), str(tmp_path / "x.png"), steps=("allreduce", 0, 0))
 
 
+def test_a_file_that_is_not_a_trace_is_refused_by_name(tmp_path):
+    from gradsync.errors import ConfigError
+
+    bad, empty = tmp_path / "bad.json", tmp_path / "empty.json"
+    bad.write_text("{not json")
+    empty.write_text(json.dumps({"other": 1}))
+    for path, what in ((bad, "not a readable trace file"), (empty, "without trace events"),
+                       (tmp_path / "missing.json", "not a readable trace file")):
+        with pytest.raises(ConfigError, match=f"{path.name}: .*{what}.*gradsync bench --trace"):
+            trace.render(str(path), str(tmp_path / "x.png"))
+    events = [{"ph": "X", "pid": 0, "tid": 0, "ts": 0, "dur": 1, "name": "s"}]
+    (tmp_path / "list.json").write_text(json.dumps(events))  # the bare list is Chrome's format too
+    assert trace.load_events(str(tmp_path / "list.json")) == events
+
+
 @pytest.mark.parametrize("strategy", ["casync-ring", "compressed-allgather"])
 def test_compressed_strategies_trace_each_encode_and_decode(tmp_path, strategy):
     for spans in run_ranks(traced_training, 2, str(tmp_path / "trace"), strategy, ("encode", "decode"), "onebit"):
