@@ -79,23 +79,24 @@ def supersede(groups: list[dict], newer: dict) -> None:
                              f"`{newer['command']}`.").strip()
 
 
-def dilation(np: int, rate: str, servers: int, cores: int | None = None) -> str:
-    """``--dilation auto``, raised to the ranks per core where auto's K (the rate over 1 Gbit/s) is
-    below it: each emulated host then has at least a core's time for its host work. Four workers
-    on two cores at 1 Gbit/s and K = 1 measure this machine's contention, not the cluster
-    (docs/emulation.md: a result is faithful once more dilation no longer changes it)."""
+def dilation(np: int, rate: str, servers: int, cores: int | None = None, rank_cores: float = 1.0) -> str:
+    """``--dilation auto``, raised to ``rank_cores`` times the ranks per core where auto's K (the
+    rate over 1 Gbit/s) is below it: each emulated host then has at least that many cores' time for
+    its host work. Four workers on two cores at 1 Gbit/s and K = 1 measure this machine's
+    contention, not the cluster (docs/emulation.md: a result is faithful once more dilation no
+    longer changes it); ``p3`` there still moves from one core's time to two (docs/simulate.md)."""
     from gradsync.bench.args import AUTO_REAL_RATE
     from gradsync.cluster import parse_rate
 
-    per_core = (np + servers) / (cores or os.cpu_count() or 1)
+    per_core = rank_cores * (np + servers) / (cores or os.cpu_count() or 1)
     return f"{per_core:g}" if per_core > max(1.0, parse_rate(rate) / AUTO_REAL_RATE) else "auto"
 
 
 def command(model: str, np: int, rate: str, servers: int, strategies: str, out: str,
-            compute: str = "emulated", rounds: int = 1) -> list[str]:
+            compute: str = "emulated", rounds: int = 1, rank_cores: float = 1.0) -> list[str]:
     return ["gradsync", "bench", "--model", model, "--compute", compute, "--np", str(np), "--net", rate,
             *(["--servers", str(servers)] if servers else []),
-            "--dilation", dilation(np, rate, servers), "--strategies", strategies,
+            "--dilation", dilation(np, rate, servers, rank_cores=rank_cores), "--strategies", strategies,
             "--steps", str(12 * rounds), "--warmup", "3", "--rounds", str(rounds),
             "--check-steps", "0", "--json", out]
 
@@ -214,6 +215,9 @@ def main() -> None:
     parser.add_argument("--concurrency", action="store_true",
                         help="measure how fast host work runs with every core at it (measure_concurrency) and keep "
                              "it with the matrix's rates, for the groups recorded without their own")
+    parser.add_argument("--rank-cores", type=float, default=1.0,
+                        help="cores' time each emulated rank gets at least: the dilation is raised to this many "
+                             "times the ranks per core (default 1)")
     parser.add_argument("--codecs", default="",
                         help="indices of GROUPS (recorded on this machine) whose compressors' costs to measure again, "
                              "as the ranks meet them (calibrate_codecs), without running them again")
@@ -255,7 +259,7 @@ def main() -> None:
         own_codecs = calibrate_codecs(CODECS) if names & COMPRESSED else None
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "records.json")
-            argv = command(model, np, rate, servers, strategies, out, *more)
+            argv = command(model, np, rate, servers, strategies, out, *more, rank_cores=args.rank_cores)
             started = time.monotonic()
             subprocess.run([sys.executable, "-m", "gradsync.cli", *argv[1:]], check=True)
             with open(out) as f:
