@@ -170,6 +170,34 @@ def test_rank_killed_by_signal(tmp_path, monkeypatch, capsys):
     assert wait_gone(read_pids(tmp_path, 3), timeout_s=0.5) == []
 
 
+def test_a_rank_ended_by_a_fatal_signal_shows_its_python_threads(monkeypatch, capsys):
+    """A C++ abort at exit ("terminate called without an active exception") names no Python code;
+    the launcher turns on Python's fault handler in the ranks, so the report shows each thread's stack."""
+    monkeypatch.delenv("PYTHONFAULTHANDLER", raising=False)
+    script = """
+        import os, threading, time
+        def blocked_in_a_call():
+            time.sleep(60)
+        threading.Thread(target=blocked_in_a_call, daemon=True).start()
+        time.sleep(0.2)
+        os.abort()
+    """
+    result = launch_local(child(script), np=1, grace_s=0.3)
+    assert result.returncode == 128 + signal.SIGABRT and "killed by signal 6 (SIGABRT)" in result.message
+    assert "Fatal Python error: Aborted" in result.message and "in blocked_in_a_call" in result.message
+
+
+def test_the_users_fault_handler_setting_stands(monkeypatch, capsys):
+    show = child("import faulthandler, os; print(repr(os.environ.get('PYTHONFAULTHANDLER')), faulthandler.is_enabled())")
+    for setting, shown in ((None, "'1' True"), ("", "'' False")):
+        if setting is None:
+            monkeypatch.delenv("PYTHONFAULTHANDLER", raising=False)
+        else:
+            monkeypatch.setenv("PYTHONFAULTHANDLER", setting)
+        assert launch_local(show, np=1).returncode == 0
+        assert capsys.readouterr().out.splitlines() == [f"[worker 0] {shown}"]
+
+
 @pytest.mark.parametrize("exit_code", [0, 1])
 def test_grandchildren_are_stopped_even_if_they_ignore_sigterm(tmp_path, exit_code, capsys):
     script = f"""

@@ -284,12 +284,15 @@ def _rank_envs(specs: list[RankSpec], *, np: int, servers: int, node_rank: int, 
     job = {"WORLD_SIZE": np + servers, "LOCAL_WORLD_SIZE": len(specs), "GROUP_RANK": node_rank,
            "MASTER_ADDR": master_addr, "MASTER_PORT": port, "GRADSYNC_NUM_WORKERS": np,
            "GRADSYNC_NUM_SERVERS": servers, "PYTHONUNBUFFERED": 1}
+    # A rank that a fatal signal ends (a C++ abort, a segfault) prints every Python thread's stack
+    # first, where the failure report shows it; unless the user chose otherwise (set, even empty).
+    fault = {} if "PYTHONFAULTHANDLER" in {**os.environ, **(env or {})} else {"PYTHONFAULTHANDLER": 1}
     envs = []
     for spec in specs:
         rank = {"RANK": spec.rank, "LOCAL_RANK": spec.local_rank,
                 "GRADSYNC_ROLE": spec.role, "GRADSYNC_ROLE_RANK": spec.role_rank}
         contract = {key: str(value) for key, value in {**job, **rank}.items()}
-        envs.append({**os.environ, **(env or {}), **contract})
+        envs.append({**os.environ, **(env or {}), **{k: str(v) for k, v in fault.items()}, **contract})
     return envs
 
 
