@@ -37,7 +37,7 @@ from gradsync import store as stores
 from gradsync.errors import GradsyncError
 from gradsync.launch.hosts import RankSpec
 from gradsync.launch.processes import (_USR1, JobResult, _exit_code, _Output, _spawn, _start_pumps, _stop,
-                                       _trap_signals)
+                                       _trap_signals, fault_handler_env)
 
 POLL_S = 0.02
 REQUEST_BODY_S = 5.0
@@ -89,7 +89,7 @@ class Agent:
         self.next_id += 1
         env = {**os.environ, "GRADSYNC_ELASTIC": "1", "GRADSYNC_ELASTIC_ID": str(wid), "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(self.port), stores.SECRET_ENV: self.secret, flight.DIR_ENV: self.flight_dir, "GRADSYNC_MIN_NP": str(self.min_np), "GRADSYNC_MAX_NP": str(self.max_np),
-               "PYTHONUNBUFFERED": "1"}
+               "PYTHONUNBUFFERED": "1", **fault_handler_env()}
         for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "GRADSYNC_NUM_SERVERS"):
             env.pop(key, None)
         rank = _spawn(list(self.command), RankSpec(wid, "worker", wid, wid), env, self.logdir)

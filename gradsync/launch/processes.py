@@ -279,20 +279,27 @@ def thread_env(local_ranks: int, env: dict[str, str] | None = None) -> dict[str,
     return {"OMP_NUM_THREADS": str(max(1, usable_cores() // max(1, local_ranks)))}
 
 
+def fault_handler_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """``PYTHONFAULTHANDLER=1``, unless the user set it (even empty): a rank that a fatal signal ends
+    (a C++ abort, a segfault) then prints every Python thread's stack, which the failure report
+    shows. Empty when already set."""
+    if "PYTHONFAULTHANDLER" in os.environ or "PYTHONFAULTHANDLER" in (env or {}):
+        return {}
+    return {"PYTHONFAULTHANDLER": "1"}
+
+
 def _rank_envs(specs: list[RankSpec], *, np: int, servers: int, node_rank: int, master_addr: str,
                port: int, env: dict[str, str] | None) -> list[dict[str, str]]:
     job = {"WORLD_SIZE": np + servers, "LOCAL_WORLD_SIZE": len(specs), "GROUP_RANK": node_rank,
            "MASTER_ADDR": master_addr, "MASTER_PORT": port, "GRADSYNC_NUM_WORKERS": np,
            "GRADSYNC_NUM_SERVERS": servers, "PYTHONUNBUFFERED": 1}
-    # A rank that a fatal signal ends (a C++ abort, a segfault) prints every Python thread's stack
-    # first, where the failure report shows it; unless the user chose otherwise (set, even empty).
-    fault = {} if "PYTHONFAULTHANDLER" in {**os.environ, **(env or {})} else {"PYTHONFAULTHANDLER": 1}
+    fault = fault_handler_env(env)
     envs = []
     for spec in specs:
         rank = {"RANK": spec.rank, "LOCAL_RANK": spec.local_rank,
                 "GRADSYNC_ROLE": spec.role, "GRADSYNC_ROLE_RANK": spec.role_rank}
         contract = {key: str(value) for key, value in {**job, **rank}.items()}
-        envs.append({**os.environ, **(env or {}), **{k: str(v) for k, v in fault.items()}, **contract})
+        envs.append({**os.environ, **(env or {}), **fault, **contract})
     return envs
 
 
