@@ -114,11 +114,7 @@ def pair_averaging_longer(matrix: dict) -> None:
     rec = next(r for r in group["records"] if cell(r))
     recorded = [r["samples_per_s"] for g in matrix["groups"] for r in g["records"] + g.get("superseded", [])
                 if cell(r) and r.get("dilation") == rec.get("dilation")]  # the same command's runs
-    cores, rates = matrix.get("cores", 2), {**matrix["host_rates"], **group.get("host_rates", {})}
-    work = load(*validate._workload_key(rec))
-    hosts = validate.group_hosts(group["records"], [load(*validate._workload_key(r)) for r in group["records"]],
-                                 rates, cores)
-    host = hosts[group["records"].index(rec)][0]
+    host, work = validate.record_host(matrix, group, rec)
     net = Network(rec["net_bps"], matrix.get("latency_s", 50e-6))
     steps = (rec["warmup"] + rec["steps"] // rec.get("rounds", 1), 60, 120)
     predicted = [simulate("pair-averaging", work, 4, net, host=host, steps=n, warmup=rec["warmup"])["samples_per_s"]

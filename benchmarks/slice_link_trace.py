@@ -72,22 +72,18 @@ def _binned(windows, received, dilation: float, bin_s: float) -> tuple[dict, flo
 def simulated(model: str, np: int, rate_bps: float, strategy: str, steps: int, warmup: int, bin_s: float):
     """The simulator's cell, binned as :func:`measured` bins the run (the host of the matrix's record, if any)."""
     from gradsync.simulate import Host, Network, load, simulate
-    from gradsync.simulate.validate import MATRIX, _workload_key, group_hosts
+    from gradsync.simulate.validate import MATRIX, record_host
 
     with open(MATRIX) as f:
         matrix = json.load(f)
-    host, source = Host(), "the simulator's default host (no record of this cell in the matrix)"
-    key = (model, 32, None)
+    host, work = Host(), load(model, 32, None)
+    source = "the simulator's default host (no record of this cell in the matrix)"
     for group in matrix["groups"]:  # the latest record of the cell decides
-        records = group["records"]
-        for i, rec in enumerate(records):
+        for rec in group["records"]:
             if (rec["model"], rec["np"], rec["net_bps"], rec["strategy"], rec.get("servers", 0)) == (
                     model, np, rate_bps, strategy, 0):
-                rates = {**matrix["host_rates"], **group.get("host_rates", {})}
-                works = [load(*_workload_key(r)) for r in records]
-                host, key = group_hosts(records, works, rates, matrix.get("cores", 2))[i][0], _workload_key(rec)
+                host, work = record_host(matrix, group, rec)
                 source = f"the host of the matrix's record from `{group['command']}`"
-    work = load(*key)
     record = simulate(strategy, work, np, Network(rate_bps, 50e-6), host=host, steps=steps, warmup=warmup, trace=True)
     ends = record["step_ends"]
     spans = [(stop, what) for lane, what, start, stop in record["timeline"] if lane == "network"]

@@ -662,3 +662,20 @@ def test_a_traced_simulation_gives_its_step_ends():
     ends = record["step_ends"]
     assert len(ends) == 4 and ends == sorted(ends)
     assert [b - a for a, b in zip(ends, ends[1:])] == pytest.approx([record["step_s"]] * 3)
+
+
+def test_a_records_host_is_the_one_the_replay_simulates_it_on(tmp_path):
+    from gradsync.simulate import validate
+
+    with open(validate.MATRIX) as f:
+        matrix = json.load(f)
+    group = next(g for g in reversed(matrix["groups"]) if any(r["strategy"] == "allreduce" for r in g["records"]))
+    rec = next(r for r in group["records"] if r["strategy"] == "allreduce")
+    host, work = validate.record_host(matrix, group, rec)
+    steps = rec["warmup"] + rec["steps"] // rec.get("rounds", 1)
+    mine = simulate("allreduce", work, rec["np"], Network(rec["net_bps"], matrix["latency_s"]), host=host,
+                    steps=max(steps, 8), warmup=max(rec["warmup"], 3))
+    alone = tmp_path / "matrix.json"  # that group alone: the whole replay takes half a minute
+    alone.write_text(json.dumps({**matrix, "groups": [group]}))
+    replayed = next(c for c in validate.replay(str(alone))["cells"] if c["strategy"] == "allreduce")
+    assert mine["samples_per_s"] == pytest.approx(replayed["simulated"])

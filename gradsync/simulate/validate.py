@@ -262,6 +262,18 @@ def group_hosts(records: list[dict], workloads: list, rates: dict, cores: int) -
     return out
 
 
+def record_host(matrix: dict, group: dict, record: dict) -> tuple:
+    """One record of ``group`` (of ``matrix``, as loaded from its JSON) as :func:`replay` simulates
+    it: its ``(Host, Workload)``, on the group's rates of its own time where it has them."""
+    from gradsync.simulate import load
+
+    records = group["records"]
+    works = [load(*_workload_key(r)) for r in records]
+    rates = {**matrix["host_rates"], **group.get("host_rates", {})}
+    i = records.index(record)
+    return group_hosts(records, works, rates, matrix.get("cores", os.cpu_count() or 1))[i][0], works[i]
+
+
 def _workload_key(record: dict) -> tuple:
     """``load()``'s arguments for a record: model, batch size, and the profile of ``emulated[:PROFILE]``."""
     compute = record.get("compute", "emulated")
