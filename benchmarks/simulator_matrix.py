@@ -222,6 +222,8 @@ def main() -> None:
                         help="indices of GROUPS (recorded on this machine) whose compressors' costs to measure again, "
                              "as the ranks meet them (calibrate_codecs), without running them again")
     args = parser.parse_args()
+    if not args.rank_cores > 0:
+        parser.error(f"--rank-cores must be > 0, got {args.rank_cores:g}")
     from gradsync.simulate.validate import calibrate_codecs
 
     groups, host_rates, codecs, kept = [], None, None, {}
