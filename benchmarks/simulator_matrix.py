@@ -79,12 +79,13 @@ def supersede(groups: list[dict], newer: dict) -> None:
                              f"`{newer['command']}`.").strip()
 
 
-def dilation(np: int, rate: str, servers: int, cores: int | None = None, rank_cores: float = 1.0) -> str:
+def dilation(np: int, rate: str, servers: int, cores: int | None = None, rank_cores: float = 2.0) -> str:
     """``--dilation auto``, raised to ``rank_cores`` times the ranks per core where auto's K (the
     rate over 1 Gbit/s) is below it: each emulated host then has at least that many cores' time for
     its host work. Four workers on two cores at 1 Gbit/s and K = 1 measure this machine's
     contention, not the cluster (docs/emulation.md: a result is faithful once more dilation no
-    longer changes it); ``p3`` there still moves from one core's time to two (docs/simulate.md)."""
+    longer changes it); ``p3`` there moves from one core's time to two, and little beyond
+    (docs/simulate.md), hence two by default."""
     from gradsync.bench.args import AUTO_REAL_RATE
     from gradsync.cluster import parse_rate
 
@@ -93,7 +94,7 @@ def dilation(np: int, rate: str, servers: int, cores: int | None = None, rank_co
 
 
 def command(model: str, np: int, rate: str, servers: int, strategies: str, out: str,
-            compute: str = "emulated", rounds: int = 1, rank_cores: float = 1.0) -> list[str]:
+            compute: str = "emulated", rounds: int = 1, rank_cores: float = 2.0) -> list[str]:
     return ["gradsync", "bench", "--model", model, "--compute", compute, "--np", str(np), "--net", rate,
             *(["--servers", str(servers)] if servers else []),
             "--dilation", dilation(np, rate, servers, rank_cores=rank_cores), "--strategies", strategies,
@@ -215,9 +216,9 @@ def main() -> None:
     parser.add_argument("--concurrency", action="store_true",
                         help="measure how fast host work runs with every core at it (measure_concurrency) and keep "
                              "it with the matrix's rates, for the groups recorded without their own")
-    parser.add_argument("--rank-cores", type=float, default=1.0,
+    parser.add_argument("--rank-cores", type=float, default=2.0,
                         help="cores' time each emulated rank gets at least: the dilation is raised to this many "
-                             "times the ranks per core (default 1)")
+                             "times the ranks per core (default 2)")
     parser.add_argument("--codecs", default="",
                         help="indices of GROUPS (recorded on this machine) whose compressors' costs to measure again, "
                              "as the ranks meet them (calibrate_codecs), without running them again")

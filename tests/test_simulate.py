@@ -656,6 +656,61 @@ def test_slice_link_trace_bins_a_traced_runs_received_slices_by_their_time_into_
     assert spread == pytest.approx([0.1])  # backward() began 0.2 s of wall time apart
 
 
+def test_ps_phase_trace_times_a_traced_runs_phases_from_each_step_start(tmp_path):
+    """benchmarks/ps_phase_trace.py, whose figures docs/simulate.md quotes, on a trace made by hand:
+    two co-located ps workers at dilation 2, one warm-up step and one measured step each."""
+    scripts = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
+    sys.path.insert(0, scripts)
+    try:
+        import ps_phase_trace
+    finally:
+        sys.path.remove(scripts)
+
+    def span(pid, name, start, dur):
+        return {"ph": "X", "pid": pid, "tid": 0, "name": name, "ts": start * 1e6, "dur": dur * 1e6}
+
+    def mark(pid, ph, name, at):
+        return {"ph": ph, "pid": pid, "tid": 3, "name": name, "id": 1, "ts": at * 1e6}
+
+    events = [span(0, "ps step 0", 0.0, 1.0), span(1, "ps step 0", 0.0, 1.0),
+              span(0, "ps step 1", 1.0, 1.0), span(1, "ps step 1", 1.1, 1.1),
+              span(0, "backward()", 1.05, 0.1), span(1, "backward()", 1.15, 0.1),
+              mark(0, "e", "push of 'w' from rank 1", 0.5),  # in the warm-up step
+              mark(0, "e", "push of 'w' from rank 1", 1.6), mark(0, "e", "push of 'b' from rank 1", 1.7),
+              mark(1, "e", "push of 'v' from rank 0", 1.8), mark(1, "e", "push of 'v' to rank 0", 1.9),  # a send
+              mark(0, "b", "pull of 'v' from rank 1", 1.75), mark(0, "b", "pull of 'v' from rank 1", 1.72),
+              mark(1, "b", "pull of 'w' from rank 0", 1.84)]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    phases, spread = ps_phase_trace.measured(str(path), 2.0, 1)
+    assert phases == pytest.approx({"backward ends": 0.075, "pushes of its share in": 0.35,
+                                    "answers begin": 0.365, "step ends": 0.525})
+    assert spread == {"steps begin apart": pytest.approx([0.05]), "answers begin apart": pytest.approx([0.06]),
+                      "last answer to the step's last end": pytest.approx([0.18])}
+    model, _ = ps_phase_trace.simulated("resnet50", 2, 1e9, 6, 3)
+    times = [model[phase] for phase in ps_phase_trace.PHASES]
+    assert 0 < times[0] < times[1] <= times[2] < times[3]  # the model's phases come in the step's order
+
+
+def test_link_counters_reads_drops_and_tcp_resends_from_the_kernels_text():
+    """benchmarks/link_counters.py, whose figures docs/simulate.md quotes, on tc's and /proc's text."""
+    scripts = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
+    sys.path.insert(0, scripts)
+    try:
+        import link_counters
+    finally:
+        sys.path.remove(scripts)
+    tc = ("qdisc tbf 8001: dev p0 root refcnt 2 rate 500Mbit burst 256Kb lat 20ms\n"
+          " Sent 2319598681 bytes 289769 pkt (dropped 3, overlimits 1200 requeues 0)\n"
+          "qdisc tbf 8002: dev p1 root refcnt 2 rate 500Mbit burst 256Kb lat 20ms\n"
+          " Sent 19598681 bytes 2769 pkt (dropped 14, overlimits 0 requeues 0)\n")
+    assert link_counters.tc_drops(tc) == 17
+    snmp = ("Ip: Forwarding DefaultTTL\nIp: 2 64\n"
+            "Tcp: RtoAlgorithm RtoMin OutSegs RetransSegs InErrs\nTcp: 1 200 290338 2 0\n"
+            "TcpExt: SyncookiesSent TCPTimeouts TCPLossProbes\nTcpExt: 0 1 6\n")
+    assert link_counters.tcp_counters(snmp) == {"OutSegs": 290338, "RetransSegs": 2, "TCPTimeouts": 1}
+
+
 def test_a_traced_simulation_gives_its_step_ends():
     work = synthetic([(0.1, 0.1, [100]), (0.1, 0.1, [100])])
     record = simulate("allreduce", work, 2, NET, host=FREE_HOST, steps=4, warmup=1, trace=True)
