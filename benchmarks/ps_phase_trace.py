@@ -19,7 +19,6 @@ lock step. Times are emulated: the trace's wall time over ``--dilation``.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from collections import defaultdict
 
@@ -76,19 +75,10 @@ def measured(path: str, dilation: float, warmup: int) -> tuple[dict, dict]:
 
 def simulated(model: str, np: int, rate_bps: float, steps: int, warmup: int) -> tuple[dict, str]:
     """The same phases of the simulator's cell, from one measured step of its timeline."""
-    from gradsync.simulate import Host, Network, load, simulate
-    from gradsync.simulate.validate import MATRIX, record_host
+    from gradsync.simulate import Network, simulate
+    from gradsync.simulate.validate import cell_host
 
-    with open(MATRIX) as f:
-        matrix = json.load(f)
-    host, work = Host(), load(model, 32, None)
-    source = "the simulator's default host (no record of this cell in the matrix)"
-    for group in matrix["groups"]:  # the latest record of the cell decides
-        for rec in group["records"]:
-            if (rec["model"], rec["np"], rec["net_bps"], rec["strategy"], rec.get("servers", 0)) == (
-                    model, np, rate_bps, "ps", 0):
-                host, work = record_host(matrix, group, rec)
-                source = f"the host of the matrix's record from `{group['command']}`"
+    host, work, source = cell_host(model, np, rate_bps, "ps")
     record = simulate("ps", work, np, Network(rate_bps, 50e-6), host=host, steps=steps, warmup=warmup, trace=True)
     a, b = record["step_ends"][warmup - 1:warmup + 1]
     last = defaultdict(float)

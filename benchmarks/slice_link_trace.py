@@ -17,7 +17,6 @@ the bytes over the link rate), and how far apart the run's workers began each st
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from collections import Counter, defaultdict
 
@@ -71,19 +70,10 @@ def _binned(windows, received, dilation: float, bin_s: float) -> tuple[dict, flo
 
 def simulated(model: str, np: int, rate_bps: float, strategy: str, steps: int, warmup: int, bin_s: float):
     """The simulator's cell, binned as :func:`measured` bins the run (the host of the matrix's record, if any)."""
-    from gradsync.simulate import Host, Network, load, simulate
-    from gradsync.simulate.validate import MATRIX, record_host
+    from gradsync.simulate import Network, simulate
+    from gradsync.simulate.validate import cell_host
 
-    with open(MATRIX) as f:
-        matrix = json.load(f)
-    host, work = Host(), load(model, 32, None)
-    source = "the simulator's default host (no record of this cell in the matrix)"
-    for group in matrix["groups"]:  # the latest record of the cell decides
-        for rec in group["records"]:
-            if (rec["model"], rec["np"], rec["net_bps"], rec["strategy"], rec.get("servers", 0)) == (
-                    model, np, rate_bps, strategy, 0):
-                host, work = record_host(matrix, group, rec)
-                source = f"the host of the matrix's record from `{group['command']}`"
+    host, work, source = cell_host(model, np, rate_bps, strategy)
     record = simulate(strategy, work, np, Network(rate_bps, 50e-6), host=host, steps=steps, warmup=warmup, trace=True)
     ends = record["step_ends"]
     spans = [(stop, what) for lane, what, start, stop in record["timeline"] if lane == "network"]

@@ -734,3 +734,7 @@ def test_a_records_host_is_the_one_the_replay_simulates_it_on(tmp_path):
     alone.write_text(json.dumps({**matrix, "groups": [group]}))
     replayed = next(c for c in validate.replay(str(alone))["cells"] if c["strategy"] == "allreduce")
     assert mine["samples_per_s"] == pytest.approx(replayed["simulated"])
+    # and by its cell: the latest record of allreduce in that shape is this one
+    host_of_cell, _, source = validate.cell_host(rec["model"], rec["np"], rec["net_bps"], "allreduce")
+    assert host_of_cell == host and group["command"] in source
+    assert "default host" in validate.cell_host("resnet50", 3, 1e9, "allreduce")[2]  # no such record

@@ -274,6 +274,24 @@ def record_host(matrix: dict, group: dict, record: dict) -> tuple:
     return group_hosts(records, works, rates, matrix.get("cores", os.cpu_count() or 1))[i][0], works[i]
 
 
+def cell_host(model: str, np: int, rate_bps: float, strategy: str, servers: int = 0,
+              path: str | None = None) -> tuple:
+    """The host and workload on which the replay simulates the latest record of a cell of the
+    matrix at ``path`` (the shipped one by default), and where they come from, in words; the
+    simulator's default host (batch 32) where the matrix has no record of it."""
+    from gradsync.simulate import Host, load
+
+    with open(path or MATRIX) as f:
+        matrix = json.load(f)
+    found = None
+    for group in matrix["groups"]:  # the latest record of the cell decides
+        for rec in group["records"]:
+            if (rec["model"], rec["np"], rec["net_bps"], rec["strategy"], rec.get("servers", 0)) == (
+                    model, np, rate_bps, strategy, servers):
+                found = (*record_host(matrix, group, rec), f"the host of the matrix's record from `{group['command']}`")
+    return found or (Host(), load(model, 32, None), "the simulator's default host (no record of this cell in the matrix)")
+
+
 def _workload_key(record: dict) -> tuple:
     """``load()``'s arguments for a record: model, batch size, and the profile of ``emulated[:PROFILE]``."""
     compute = record.get("compute", "emulated")
