@@ -692,6 +692,20 @@ def test_ps_phase_trace_times_a_traced_runs_phases_from_each_step_start(tmp_path
     assert 0 < times[0] < times[1] <= times[2] < times[3]  # the model's phases come in the step's order
 
 
+def test_ps_phase_trace_refuses_a_trace_without_ps_steps_by_name(tmp_path):
+    scripts = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
+    sys.path.insert(0, scripts)
+    try:
+        import ps_phase_trace
+    finally:
+        sys.path.remove(scripts)
+    path = tmp_path / "p3.json"  # a trace of another strategy
+    path.write_text(json.dumps({"traceEvents": [{"ph": "X", "pid": 0, "tid": 0, "name": "p3 step 0", "ts": 0,
+                                                 "dur": 1e6}]}))
+    with pytest.raises(SystemExit, match=r"p3\.json: no traced ps steps after 3 warm-up steps"):
+        ps_phase_trace.measured(str(path), 2.0, 3)
+
+
 def test_link_counters_reads_drops_and_tcp_resends_from_the_kernels_text():
     """benchmarks/link_counters.py, whose figures docs/simulate.md quotes, on tc's and /proc's text."""
     scripts = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
@@ -709,6 +723,13 @@ def test_link_counters_reads_drops_and_tcp_resends_from_the_kernels_text():
             "Tcp: RtoAlgorithm RtoMin OutSegs RetransSegs InErrs\nTcp: 1 200 290338 2 0\n"
             "TcpExt: SyncookiesSent TCPTimeouts TCPLossProbes\nTcpExt: 0 1 6\n")
     assert link_counters.tcp_counters(snmp) == {"OutSegs": 290338, "RetransSegs": 2, "TCPTimeouts": 1}
+    for argv in (["link_counters.py"], ["link_counters.py", "--"]):  # no command to run
+        sys.argv, saved = argv, sys.argv
+        try:
+            with pytest.raises(SystemExit, match=r"usage: sudo python benchmarks/link_counters\.py -- COMMAND"):
+                link_counters.main()
+        finally:
+            sys.argv = saved
 
 
 def test_a_traced_simulation_gives_its_step_ends():
