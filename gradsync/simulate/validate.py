@@ -283,13 +283,13 @@ def cell_host(model: str, np: int, rate_bps: float, strategy: str, servers: int 
 
     with open(path or MATRIX) as f:
         matrix = json.load(f)
-    found = None
-    for group in matrix["groups"]:  # the latest record of the cell decides
-        for rec in group["records"]:
-            if (rec["model"], rec["np"], rec["net_bps"], rec["strategy"], rec.get("servers", 0)) == (
-                    model, np, rate_bps, strategy, servers):
-                found = (*record_host(matrix, group, rec), f"the host of the matrix's record from `{group['command']}`")
-    return found or (Host(), load(model, 32, None), "the simulator's default host (no record of this cell in the matrix)")
+    cell = (model, np, rate_bps, strategy, servers)
+    latest = [(group, rec) for group in matrix["groups"] for rec in group["records"]
+              if (rec["model"], rec["np"], rec["net_bps"], rec["strategy"], rec.get("servers", 0)) == cell][-1:]
+    if not latest:
+        return Host(), load(model, 32, None), "the simulator's default host (no record of this cell in the matrix)"
+    (group, rec), = latest
+    return (*record_host(matrix, group, rec), f"the host of the matrix's record from `{group['command']}`")
 
 
 def _workload_key(record: dict) -> tuple:
