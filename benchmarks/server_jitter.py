@@ -3,15 +3,17 @@
     sudo python benchmarks/server_jitter.py [--np 2] [--steps 20] [--matrix gradsync/simulate/validation.json]
 
 Runs ``gradsync bench`` with ``hybrid`` on ``lstm-lm:cpu`` (the validation's shape; root needed for
-the emulated cluster) with ``--trace``, and reads each server's updates off its ``server`` track:
-per step, the time the server spent updating its partitions of every table. Printed per server: the
-mean and the coefficient of variation (standard deviation over mean) of the measured steps; then
-the mean over the steps of the slowest server's update against the mean of all, beside what the
-simulator's order statistics give for that coefficient (``Host.jitter``: a pull waits for the
-slowest of N servers, ``1 + jitter * E[max of N standard normals]`` times the mean).
-``--matrix`` keeps the pooled coefficient (the root mean square of the servers') with the
-validation matrix's host rates, as ``jitter`` for that many ranks (the replay takes a record's
-from the largest count measured up to its own), with the command and what it measured.
+the emulated cluster) with ``--trace``, at the dilation the validation matrix records that shape at
+(``simulator_matrix.dilation``: two cores' time per rank by default, ``--rank-cores``), and reads
+each server's updates off its ``server`` track: per step, the time the server spent updating its
+partitions of every table. Printed per server: the mean and the coefficient of variation (standard
+deviation over mean) of the measured steps; then the mean over the steps of the slowest server's
+update against the mean of all, beside what the simulator's order statistics give for that
+coefficient (``Host.jitter``: a pull waits for the slowest of N servers, ``1 + jitter * E[max of N
+standard normals]`` times the mean). ``--matrix`` keeps the pooled coefficient (the root mean square
+of the servers') with the validation matrix's host rates, as ``jitter`` for that many ranks (the
+replay takes a record's from the largest count measured up to its own), with the command and what it
+measured.
 """
 from __future__ import annotations
 
@@ -24,9 +26,12 @@ import sys
 import tempfile
 
 
-def command(np: int, steps: int, trace: str) -> list[str]:
+def command(np: int, steps: int, trace: str, rank_cores: float = 2.0) -> list[str]:
+    from simulator_matrix import dilation  # the matrix's rule, beside this script
+
     return ["gradsync", "bench", "--model", "lstm-lm:cpu", "--compute", "emulated:flops:11.11tflops", "--np", str(np),
-            "--net", "1gbit", "--dilation", "auto", "--strategies", "hybrid", "--steps", str(steps), "--warmup", "3",
+            "--net", "1gbit", "--dilation", dilation(np, "1gbit", 0, rank_cores=rank_cores), "--strategies", "hybrid",
+            "--steps", str(steps), "--warmup", "3",
             "--rounds", "1", "--check-steps", "0", "--trace", trace]
 
 
@@ -54,11 +59,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--np", type=int, default=2)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--rank-cores", type=float, default=2.0,
+                        help="cores' time per rank, as simulator_matrix.py's (default 2)")
     parser.add_argument("--matrix", help="keep the pooled coefficient with this validation matrix's host rates")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         trace = os.path.join(tmp, "trace.json")
-        argv = command(args.np, args.steps, trace)
+        argv = command(args.np, args.steps, trace, args.rank_cores)
         subprocess.run([sys.executable, "-m", "gradsync.cli", *argv[1:], "--out", os.path.join(tmp, "out")], check=True,
                        stdout=subprocess.DEVNULL)
         with open(trace) as f:
