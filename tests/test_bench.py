@@ -58,6 +58,23 @@ def test_monitored_variants_and_the_loss_of_strategies_that_are_not_exact(tmp_pa
     assert "sma: not exact; held-out loss" in proc.stdout
 
 
+def test_the_compressors_host_work_is_recorded_per_step(tmp_path):
+    out = tmp_path / "records.json"
+    proc = bench("--model", "toy", "--np", "2", "--batch-size", "4", "--steps", "3", "--warmup", "1",
+                 "--check-steps", "0", "--strategies", "allreduce,casync-ring", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    records = {r["strategy"]: r for r in json.loads(out.read_text())}
+    assert "host_work" not in records["allreduce"]  # it counts none
+    work = records["casync-ring"]["host_work"]
+    toy_bytes = 4 * sum(p.numel() for p in Workload("toy", 4).build()[0].parameters())
+    # per compressed bucket at N = 2: this worker's half encoded, the other's decoded and merged, the
+    # sum encoded and placed (decoded), the other half of the sum decoded: two encodes of half the
+    # bucket and three decodes, every step (the smallest buckets go plain, uncounted)
+    assert 0 < work["encode"]["bytes"] <= toy_bytes and work["decode"]["bytes"] == 1.5 * work["encode"]["bytes"], work
+    assert work["encode"]["calls"] >= 2 and work["decode"]["calls"] == 1.5 * work["encode"]["calls"], work
+    assert 0 < work["encode"]["seconds"] < records["casync-ring"]["step_s"], work
+
+
 def test_a_users_own_model_is_measured_and_checked(tmp_path):
     out = tmp_path / "records.json"
     proc = bench("--model", "user_models:mlp", "-np", "2", "--strategies", "allreduce,ddp", "--batch-size", "4",

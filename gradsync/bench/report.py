@@ -15,6 +15,11 @@ loopback, where the rate is unknown), and ``efficiency = measured / bound``.
 step; undilated like every time): for strategies that synchronize gradients in ``backward()``, the
 host's own update, at the memory rate the run met.
 
+``host_work``: the strategy's own host work per measured step, rank 0's, by kind (the compressed
+strategies' ``encode`` and ``decode``): ``calls``, raw ``bytes`` and ``seconds`` (undilated), the
+means over the measured steps; absent where the strategy counts none. With the compressors' cost
+lines it gives the rate the run's codecs met (``gradsync simulate --validate`` replays it).
+
 ``host_cpu_busy``: the share of this machine's cores that were busy during the measured steps
 (rank 0's machine; on an emulated cluster, every emulated host's). With emulated compute, near 1
 means the run measured the host's CPU rather than the emulated cluster: at :data:`CPU_BOUND` and
@@ -61,6 +66,12 @@ def summarize(raw: dict, compute_times: list[float], config: dict, check: dict |
     }
     if raw.get("optimizer_times"):  # the user's optimizer.step(), the slowest worker's, per step
         record["optimizer_s"] = statistics.median(t / k for t in raw["optimizer_times"])
+    work = [w for w in raw.get("host_work") or [] if w]
+    if work:
+        record["host_work"] = {kind: {"calls": statistics.fmean(w[kind][0] for w in work),
+                                      "bytes": statistics.fmean(w[kind][1] for w in work),
+                                      "seconds": statistics.fmean(w[kind][2] for w in work) / k}
+                               for kind in work[0]}
     record["efficiency"] = record["samples_per_s"] / record["bound_samples_per_s"]
     if check is not None:
         record.update(check)

@@ -92,15 +92,17 @@ def host_cpu() -> tuple[int, int] | None:
 
 
 def timed_steps(model, optimizer, work: Workload, total: int, label: str = "compute only",
-                cpu: list | None = None, updates: list | None = None) -> list[float]:
+                cpu: list | None = None, updates: list | None = None, host_work: list | None = None) -> list[float]:
     """Run ``total`` training steps; per-step seconds. ``cpu``: gets each step's host CPU ticks
     ``[busy, total]`` appended (an emulated cluster shares this machine's cores: a run that keeps
     them busy measures the host, not the emulated cluster). ``updates``: gets each step's
-    ``optimizer.step()`` seconds appended."""
+    ``optimizer.step()`` seconds appended. ``host_work``: gets each step's host work of the
+    strategy appended (:meth:`~gradsync.strategies.base.Strategy.host_work`, that step's part)."""
     topo = gradsync.topology()
     spec = work.spec()
     tracer = trace.current()
     times = []
+    done = optimizer.strategy.host_work() if host_work is not None else None
     for step in range(total):
         inputs, target = work.batch(spec, step, topo.rank, topo.num_workers)
         before = host_cpu() if cpu is not None else None
@@ -116,6 +118,11 @@ def timed_steps(model, optimizer, work: Workload, total: int, label: str = "comp
         times.append(end - start)
         if updates is not None:
             updates.append(stepped - backward)
+        if done is not None:
+            now = optimizer.strategy.host_work()
+            host_work.append({kind: [a - b for a, b in zip(now[kind], done.get(kind, [0] * len(now[kind])))]
+                              for kind in now})
+            done = now
         if before is not None:
             after = host_cpu()
             cpu.append([after[0] - before[0], after[1] - before[1]])
@@ -206,7 +213,8 @@ def run_strategy(name: str, options: dict, work: Workload, total: int, run_dir: 
         sent_before = transport.bytes_sent
         cpu = [] if topo.rank == 0 and host_cpu() is not None else None  # one machine: rank 0's view
         updates: list[float] = []
-        times = timed_steps(model, optimizer, work, total, label=name, cpu=cpu, updates=updates)
+        work_done: list[dict] = []  # this rank's (rank 0 writes the record)
+        times = timed_steps(model, optimizer, work, total, label=name, cpu=cpu, updates=updates, host_work=work_done)
         optimizer.flush()  # the last step's lazily finished pulls (p3) count toward its bytes
         sent = transport.bytes_sent - sent_before
         for hook in hooks:
@@ -219,6 +227,7 @@ def run_strategy(name: str, options: dict, work: Workload, total: int, run_dir: 
     if topo.rank == 0:
         torch.save({n: p.detach() for n, p in model.named_parameters()}, os.path.join(run_dir, f"{name}.pt"))
     return {"strategy": name, "describe": optimizer.strategy.describe(), "times": times, "optimizer_times": updates,
+            "host_work": work_done,
             "bytes_per_step": sent / total, "peak_mem_mb": worker_mb, "server_peak_mem_mb": server_mb,
             "workers_max_diff": agree, "stats": {k: v for k, v in getattr(optimizer.strategy, "stats", {}).items() if isinstance(v, (int, float))},
             "exact": bool(optimizer.strategy.exact), "model_bytes": model_bytes, "host_cpu": cpu,
@@ -229,10 +238,12 @@ def merge(into: dict | None, record: dict, warmup: int) -> dict:
     """Accumulate one round: measured times (warm-up dropped), worst memory and agreement."""
     times, updates = record["times"][warmup:], record["optimizer_times"][warmup:]
     cpu = None if record["host_cpu"] is None else record["host_cpu"][warmup:]
+    work = record.get("host_work", [])[warmup:]
     if into is None:
-        return {**record, "times": times, "optimizer_times": updates, "host_cpu": cpu}
+        return {**record, "times": times, "optimizer_times": updates, "host_cpu": cpu, "host_work": work}
     into["times"] += times
     into["optimizer_times"] += updates
+    into["host_work"] = into.get("host_work", []) + work
     if cpu is not None:
         into["host_cpu"] += cpu
     into["peak_mem_mb"] = max(into["peak_mem_mb"], record["peak_mem_mb"])

@@ -16,7 +16,8 @@ The costs come from the strategy and the compressor themselves:
   latency and rate and the compressor's measured costs, or ``default_parts`` without ``selective``;
 - encode and decode times and the wire ratio: :func:`gradsync.strategies.costmodel.measure_codec`
   on this machine (one thread, in a child process with the emulated ranks' allocator settings, as
-  a rank meets its codec), divided by :attr:`Host.codec_speed`;
+  a rank meets its codec), divided by :attr:`Host.codec_speed` (decodes by :attr:`Host.decode_speed`
+  where it is given);
 - the message pattern per bucket of ``s`` bytes, ``N`` workers, ratio ``r``: as each strategy's
   docstring gives it (a ring: ``2 (N-1)`` hops of ``r s / N``, each hop's decode-merge-encode after
   its message; CaSync-PS: pushes, the aggregator's decode-merge-encode, answers; all-gather:
@@ -56,9 +57,9 @@ class CodecCost:
     summable: bool
 
 
-def codec_cost(name: str, options: dict, speed: float) -> CodecCost:
+def codec_cost(name: str, options: dict, speed: float, decode_speed: float | None = None) -> CodecCost:
     """Measured once per process and compressor on this machine's CPU (one thread, as a rank meets
-    it: :func:`_measured_as_a_rank`), scaled by ``speed``
+    it: :func:`_measured_as_a_rank`), scaled by ``speed`` (decodes by ``decode_speed`` where given)
     (or taken from :data:`_CODECS`, where :mod:`gradsync.simulate.validate` puts the rates of the
     machine that recorded its matrix)."""
     from gradsync.compress import build
@@ -68,8 +69,9 @@ def codec_cost(name: str, options: dict, speed: float) -> CodecCost:
         _CODECS[key] = _measured_as_a_rank(name, options)
     enc, dec, ratio = _CODECS[key]
     probe = build(name, **options)
-    scale = lambda line: costmodel.Linear(line.a / speed, line.b / speed)  # noqa: E731
-    return CodecCost(scale(enc), scale(dec), ratio, bool(probe.summable))
+    scale = lambda line, k: costmodel.Linear(line.a / k, line.b / k)  # noqa: E731
+    return CodecCost(scale(enc, speed), scale(dec, speed if decode_speed is None else decode_speed), ratio,
+                     bool(probe.summable))
 
 
 def _measured_as_a_rank(name: str, options: dict) -> tuple:
@@ -117,7 +119,8 @@ class CompressedBuckets(StrategyModel):
         self.bucket_of = {i: b for b, members in enumerate(self.buckets) for i in members}
         self.index = {p.name: i for i, p in enumerate(worker.params)}
         self.bytes = [sum(worker.params[i].nbytes for i in b) for b in self.buckets]
-        self.codec = codec_cost(s.codec_name, s.codec_options, worker.host_rates.codec_speed)
+        self.codec = codec_cost(s.codec_name, s.codec_options, worker.host_rates.codec_speed,
+                                worker.host_rates.decode_speed)
         n = worker.np
         if s.selective:
             costs = costmodel.Costs(worker.net.latency_s, 0.0 if worker.net.rate_bps is None else 8 / worker.net.rate_bps,

@@ -153,11 +153,12 @@ def options_of(label: str) -> tuple[str, dict]:
     return name, ({"compression": spec} if spec else {})
 
 
-def _host(record: dict, rates: dict, cores: int, memory: float | None = None):
+def _host(record: dict, rates: dict, cores: int, memory: float | None = None, codecs: dict | None = None):
     """The host of one recorded run: the recording machine's rates, divided by the dilation (which
     divides every time) and shared by the ranks on its cores; where two or more ranks work at once,
     at the fraction of a lone process's rates that the memory gave them in the run. The compressors'
-    work, a pass or two over each bucket, runs at the copies' fraction.
+    work, a pass or two over each bucket, runs at the copies' fraction, unless the run counted its
+    encodes and decodes (``host_work``): then at the speeds they met (:func:`codec_speeds`).
 
     That fraction moves from minute to minute on a cloud VM, so it is taken where the run shows it,
     ``memory`` (:func:`memory_met`), for copies and updates alike; without it, from a probe of every
@@ -174,9 +175,44 @@ def _host(record: dict, rates: dict, cores: int, memory: float | None = None):
         fraction = {"copy_Bps": memory, "update_Bps": memory}
     copy, update = (rates[key] * fraction[key] for key in ("copy_Bps", "update_Bps"))
     wake = rates.get("busy_wake_s")
-    return Host(copy * k / share, update * k / share, codec_speed=fraction["copy_Bps"] * k / share,
+    met = codec_speeds(record, codecs or {})
+    encode, decode = met if met is not None else (fraction["copy_Bps"] * k / share, None)
+    return Host(copy * k / share, update * k / share, codec_speed=encode, decode_speed=decode,
                 handoff_s=rates.get("handoff_s", 20e-6) * share / k, message_s=rates.get("message_s", 0.0) / k,
                 busy_wake_s=None if wake is None else wake / k, cores=cores, jitter=_jitter(rates.get("jitter"), ranks))
+
+
+def codec_speeds(record: dict, codecs: dict) -> tuple[float, float] | None:
+    """How many times faster than its cost lines (``codecs``: spec -> the recording machine's
+    :func:`calibrate_codecs` line) the run's compressor encoded and decoded, in the run's
+    (undilated) time: for each, the lines' time for the calls and bytes of a measured step over the
+    seconds they took (the record's ``host_work``, :mod:`gradsync.bench.report`). A rank's codec
+    shares its core with the other ranks' threads and the memory with their passes; the run shows
+    what that cost, the lines alone do not. None where the record has no such count or no line."""
+    work = record.get("host_work") or {}
+    if not ("encode" in work and "decode" in work):
+        return None
+    from gradsync.compress import parse_spec
+    from gradsync.errors import ConfigError
+    from gradsync.strategies import resolve
+
+    def key(name: str, options: dict) -> tuple:
+        return name, tuple(sorted(options.items()))
+
+    name, options = options_of(record["strategy"])
+    strategy = resolve(name, **options)
+    want = key(strategy.codec_name, strategy.codec_options)
+    line = next((v for spec, v in codecs.items() if key(*parse_spec(spec)) == want), None)
+    if line is None:
+        return None
+    speeds = []
+    for kind, (a, b) in (("encode", line[0:2]), ("decode", line[2:4])):
+        calls, nbytes, seconds = (work[kind][field] for field in ("calls", "bytes", "seconds"))
+        if not seconds > 0 or calls <= 0:
+            raise ConfigError(f"record {record['strategy']!r} ({record['np']} workers): host_work {kind} must have calls "
+                              f"and seconds > 0, got {work[kind]!r}; record it again with gradsync bench")
+        speeds.append((a * calls + b * nbytes) / seconds)
+    return speeds[0], speeds[1]
 
 
 def memory_met(record: dict, rates: dict, cores: int, update_bytes: float) -> float | None:
@@ -221,7 +257,8 @@ def replay(path: str = MATRIX, rates: dict | None = None, steps: int = 8, warmup
         for key in keys:
             if key not in workloads:
                 workloads[key] = load(*key)
-        hosts = group_hosts(group["records"], [workloads[key] for key in keys], here, cores)
+        codecs = {**matrix.get("codecs", {}), **group.get("codecs", {})}
+        hosts = group_hosts(group["records"], [workloads[key] for key in keys], here, cores, codecs)
         for rec, key, (host, source) in zip(group["records"], keys, hosts):
             net = Network(rec["net_bps"], matrix.get("latency_s", 50e-6))
             name, options = options_of(rec["strategy"])
@@ -243,10 +280,12 @@ def replay(path: str = MATRIX, rates: dict | None = None, steps: int = 8, warmup
     return {"cells": cells, "rates": rates, "group_rates": [] if given else own, "memory_from": sources, **summary(cells)}
 
 
-def group_hosts(records: list[dict], workloads: list, rates: dict, cores: int) -> list[tuple]:
+def group_hosts(records: list[dict], workloads: list, rates: dict, cores: int, codecs: dict | None = None) -> list[tuple]:
     """``(Host, source)`` for each record of one group: at the memory rate its run met where its
     step is the update alone (:func:`memory_met`, source ``"run"``), else the median of what the
-    group's runs met, within minutes of it (``"group"``), else the probes' (``"probes"``)."""
+    group's runs met, within minutes of it (``"group"``), else the probes' (``"probes"``); its
+    compressor at the speeds the run met, where it counted them (:func:`codec_speeds`, with the
+    group's cost lines ``codecs``)."""
     from gradsync.simulate import build
 
     met = [memory_met(rec, rates, cores, work.nbytes)
@@ -258,7 +297,7 @@ def group_hosts(records: list[dict], workloads: list, rates: dict, cores: int) -
     for rec, shown in zip(records, met):
         memory, source = ((shown, "run") if shown is not None else (during, "group") if during is not None
                           else (None, "probes"))
-        out.append((_host(rec, rates, cores, memory), source))
+        out.append((_host(rec, rates, cores, memory, codecs), source))
     return out
 
 
@@ -270,8 +309,9 @@ def record_host(matrix: dict, group: dict, record: dict) -> tuple:
     records = group["records"]
     works = [load(*_workload_key(r)) for r in records]
     rates = {**matrix["host_rates"], **group.get("host_rates", {})}
+    codecs = {**matrix.get("codecs", {}), **group.get("codecs", {})}
     i = records.index(record)
-    return group_hosts(records, works, rates, matrix.get("cores", os.cpu_count() or 1))[i][0], works[i]
+    return group_hosts(records, works, rates, matrix.get("cores", os.cpu_count() or 1), codecs)[i][0], works[i]
 
 
 def cell_host(model: str, np: int, rate_bps: float, strategy: str, servers: int = 0,

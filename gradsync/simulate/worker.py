@@ -46,6 +46,9 @@ class Host:
     codec_speed: float = 1.0
     """Compressors' encode and decode run this many times faster than measured on this machine's
     CPU (one thread)."""
+    decode_speed: float | None = None
+    """Decodes' own speed-up, where it differs from encodes' (a run's, measured: decodes write the
+    raw gradient, encodes read it); None: ``codec_speed``."""
     handoff_s: float = 20e-6
     """From one host thread noticing an event to another acting on it (a credit returned by
     the thread that waits for sends to the thread that issues them)."""

@@ -157,6 +157,11 @@ class Strategy:
         """One line for logs and reports: the strategy and its effective options."""
         return self.name
 
+    def host_work(self) -> dict[str, list]:
+        """Host work this rank has done for the strategy so far, by kind: ``[calls, bytes, seconds]``
+        each (the compressed strategies' encodes and decodes); empty where none is counted."""
+        return {}
+
     def min_bytes_per_host(self, model_bytes: int) -> float:
         """Bytes the busiest host must send (or receive, whichever is more) in one step, one rank per host.
 

@@ -127,6 +127,11 @@ class CompressedSync(BucketedSync):
         self.step_fault: GradsyncError | None = None  # a fault every worker agreed on: the thread goes on
         self.closed = False
         self.ratio = 1.0
+        # encodes and decodes on this rank so far, each [calls, raw bytes, seconds]: what the
+        # compressors cost where the ranks met them (gradsync bench records it; the simulator's
+        # validation replays it)
+        self._codec_work = {"encode": [0, 0, 0.0], "decode": [0, 0, 0.0]}
+        self._codec_lock = threading.Lock()
         params = ctx.params
         # Past the gradients: used flags and the fault report of a plain (all-reduced) bucket.
         self._make_buckets(list(reversed(range(len(params)))), int(self.bucket_mb * MB),
@@ -246,7 +251,7 @@ class CompressedSync(BucketedSync):
         payload = ctx = None
         if fault is None:
             try:
-                payload, ctx = codec.compress(flat)
+                payload, ctx = self._timed_compress(codec, flat)
             except CompressionError:
                 fault = Fault(FAULT_COMPRESSION, self.ctx.topology.rank, bucket.indices[0])
         if payload is None:
@@ -270,7 +275,7 @@ class CompressedSync(BucketedSync):
                 f"gradients in bucket {k} ({self.ctx.names[bucket.indices[0]]!r}..) were non-finite or beyond "
                 f"{self.codec_name}'s range on {int(faulty)} workers; nothing was applied (every worker raises "
                 "this). Lower the learning rate, clip gradients, or skip the step.")
-        total = sent.codec.decompress(sent.payload, sent.ctx)
+        total = self.decompress(sent.codec, sent.payload, sent.ctx)
         if not all_finite(total):  # the same sum on every worker: all raise this
             return CompressionError(f"the sum over workers of bucket {k} ({self.ctx.names[bucket.indices[0]]!r}..) "
                                     f"overflowed {self.codec_name}'s range; use bf16, or scale the loss down")
@@ -366,15 +371,17 @@ class CompressedSync(BucketedSync):
         """``codec.compress(tensor)``, or ``(None, None)`` once a fault is known (or this is one)."""
         if self.fault is not None or tensor is None:
             return None, None
-        tracer = trace.current()
-        start = 0.0 if tracer is None else time.perf_counter()
         try:
-            out = codec.compress(tensor)
+            return self._timed_compress(codec, tensor)
         except CompressionError:
             self.fault = Fault(FAULT_COMPRESSION, self.ctx.topology.rank, param)
             return None, None
-        if tracer is not None:
-            tracer.span("encode", "comm", start, time.perf_counter(), bytes=tensor.numel() * tensor.element_size())
+
+    def _timed_compress(self, codec: Compressor, tensor: torch.Tensor) -> tuple[Payload, Any]:
+        """``codec.compress(tensor)``, counted in :meth:`host_work` and traced as an ``encode``."""
+        start = time.perf_counter()
+        out = codec.compress(tensor)
+        self._count("encode", start, tensor.numel() * tensor.element_size())
         return out
 
     def encode(self, codec: Compressor, tensor: torch.Tensor | None, param: int = -1
@@ -392,15 +399,30 @@ class CompressedSync(BucketedSync):
             return None
         return self.decompress(codec, from_bytes(message, shape_like), codec.context_for(like) if ctx is None else ctx)
 
-    @staticmethod
-    def decompress(codec: Compressor, payload: Payload, ctx: Any) -> torch.Tensor:
-        """``codec.decompress(payload, ctx)``, traced as a ``decode`` with the raw bytes it made."""
-        tracer = trace.current()
-        start = 0.0 if tracer is None else time.perf_counter()
+    def decompress(self, codec: Compressor, payload: Payload, ctx: Any) -> torch.Tensor:
+        """``codec.decompress(payload, ctx)``, counted in :meth:`host_work` and traced as a
+        ``decode`` with the raw bytes it made."""
+        start = time.perf_counter()
         out = codec.decompress(payload, ctx)
-        if tracer is not None:
-            tracer.span("decode", "comm", start, time.perf_counter(), bytes=out.numel() * out.element_size())
+        self._count("decode", start, out.numel() * out.element_size())
         return out
+
+    def _count(self, kind: str, start: float, nbytes: int) -> None:
+        end = time.perf_counter()
+        with self._codec_lock:  # the training thread's summed buckets and the communication thread's
+            work = self._codec_work[kind]
+            work[0] += 1
+            work[1] += nbytes
+            work[2] += end - start
+        tracer = trace.current()
+        if tracer is not None:
+            tracer.span(kind, "comm", start, end, bytes=nbytes)
+
+    def host_work(self) -> dict[str, list]:
+        """This rank's encodes and decodes since :meth:`attach`, each ``[calls, raw bytes,
+        seconds]`` (``gradsync bench`` records them per step as ``codec_work``)."""
+        with self._codec_lock:
+            return {kind: list(work) for kind, work in self._codec_work.items()}
 
     def send(self, message: torch.Tensor, worker: int, k: int) -> list:
         info = self.fault.info if self.fault is not None else (0, -1, -1)
