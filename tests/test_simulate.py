@@ -524,6 +524,33 @@ def test_a_recorded_run_meets_the_host_rates_its_ranks_had():
     assert probed.update_Bps == pytest.approx(host.update_Bps) and probed.copy_Bps == pytest.approx(host.copy_Bps)
 
 
+def test_a_compressed_run_that_counts_its_codecs_is_replayed_at_the_speeds_they_met(monkeypatch):
+    from gradsync.simulate import compressed
+    from gradsync.simulate.validate import _host, codec_speeds
+
+    rates = {"copy_Bps": 8e9, "update_Bps": 2e9, "concurrent": {"processes": 2, "copy_Bps": 0.5, "update_Bps": 0.5}}
+    lines = {"onebit": [1e-4, 5e-10, 2e-4, 1e-10, 1 / 32]}  # encode a + b x bytes, decode a + b x bytes, ratio
+    # per measured step: 10 encodes of 100 MB in 25 ms, 20 decodes of 200 MB in 40 ms (undilated)
+    work = {"encode": {"calls": 10, "bytes": 1e8, "seconds": 0.025}, "decode": {"calls": 20, "bytes": 2e8, "seconds": 0.04}}
+    ran = {"np": 4, "dilation": 4.0, "strategy": "casync-ring", "host_work": work}
+    encode, decode = codec_speeds(ran, lines)
+    assert encode == pytest.approx((10 * 1e-4 + 1e8 * 5e-10) / 0.025) and decode == pytest.approx((20 * 2e-4 + 2e8 * 1e-10) / 0.04)
+    host = _host(ran, rates, cores=2, codecs=lines)
+    assert (host.codec_speed, host.decode_speed) == pytest.approx((encode, decode))
+    # a compressor named in the label is looked up by its own line; none counted or no line: the copies' fraction
+    assert codec_speeds({**ran, "strategy": "casync-ring+topk:ratio=0.01"}, lines) is None
+    assert codec_speeds({"np": 4, "strategy": "casync-ring"}, lines) is None
+    plain = _host({"np": 4, "dilation": 4.0, "strategy": "casync-ring"}, rates, cores=2, codecs=lines)
+    assert plain.codec_speed == pytest.approx(0.5 * 4 / 2) and plain.decode_speed is None
+    with pytest.raises(ConfigError, match=r"'casync-ring' \(4 workers\): host_work decode must have calls and seconds > 0"):
+        codec_speeds({**ran, "host_work": {**work, "decode": {"calls": 20, "bytes": 2e8, "seconds": 0.0}}}, lines)
+    # the simulator scales each line by its own speed
+    line = compressed.costmodel.Linear
+    monkeypatch.setitem(compressed._CODECS, ("onebit", ()), (line(1e-4, 5e-10), line(2e-4, 1e-10), 1 / 32))
+    cost = compressed.codec_cost("onebit", {}, encode, decode)
+    assert cost.encode(1e8) == pytest.approx((1e-4 + 5e-10 * 1e8) / encode) and cost.decode(1e8) == pytest.approx((2e-4 + 1e-10 * 1e8) / decode)
+
+
 def test_only_strategies_that_synchronize_in_backward_read_the_memory_rate_from_their_update():
     # Their optimizer.step() is the user's update alone; the others' step pulls, averages or waits.
     from gradsync.simulate import SIMULATED, build
