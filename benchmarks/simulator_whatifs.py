@@ -73,7 +73,7 @@ def memory_rates(matrix: dict) -> None:
         print(f"  probes around it: {', '.join(f'{p:.2f}' for p in probes)}")
         for r in records:
             if build(r["strategy"].split("+")[0], servers=r.get("servers", 0)).updates_locally:
-                nbytes = load(r["model"], r["batch_size"], None).nbytes
+                nbytes = load(*validate._workload_key(r)).nbytes  # the record's own compute profile
                 print(f"  {r['strategy']:<22} its run met {validate.memory_met(r, rates, cores, nbytes):.2f}")
 
 
