@@ -524,7 +524,7 @@ def test_a_recorded_run_meets_the_host_rates_its_ranks_had():
     assert probed.update_Bps == pytest.approx(host.update_Bps) and probed.copy_Bps == pytest.approx(host.copy_Bps)
 
 
-def test_a_compressed_run_that_counts_its_codecs_is_replayed_at_the_speeds_they_met(monkeypatch):
+def test_a_compressed_run_that_counts_its_codecs_is_replayed_at_the_speeds_they_met(monkeypatch, tmp_path):
     from gradsync.simulate import compressed
     from gradsync.simulate.validate import _host, codec_speeds
 
@@ -544,6 +544,19 @@ def test_a_compressed_run_that_counts_its_codecs_is_replayed_at_the_speeds_they_
     assert plain.codec_speed == pytest.approx(0.5 * 4 / 2) and plain.decode_speed is None
     with pytest.raises(ConfigError, match=r"'casync-ring' \(4 workers\): host_work decode must have calls and seconds > 0"):
         codec_speeds({**ran, "host_work": {**work, "decode": {"calls": 20, "bytes": 2e8, "seconds": 0.0}}}, lines)
+    # the replay says how many cells ran their compressor so
+    from gradsync.simulate.validate import replay, report
+
+    rec = {"model": "resnet50", "batch_size": 32, "np": 2, "net_bps": 1e9, "samples_per_s": 300.0, "steps": 4,
+           "warmup": 1, "compute": "emulated", "dilation": 2.0, "strategy": "casync-ring", "host_work": work}
+    matrix = {"cores": 2, "host_rates": rates, "codecs": lines,
+              "groups": [{"command": "gradsync bench ...", "records": [rec, {**rec, "strategy": "compressed-allgather",
+                                                                           "host_work": None}]}]}
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(matrix))
+    result = replay(str(path), steps=4, warmup=1)
+    assert [c["codecs_met"] for c in result["cells"]] == [True, False] and result["codecs_met"] == 1
+    assert "cells whose compressor ran at the speeds its run's encodes and decodes met: 1" in report(result)
     # the simulator scales each line by its own speed
     line = compressed.costmodel.Linear
     monkeypatch.setitem(compressed._CODECS, ("onebit", ()), (line(1e-4, 5e-10), line(2e-4, 1e-10), 1 / 32))

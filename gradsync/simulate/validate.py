@@ -252,12 +252,12 @@ def replay(path: str = MATRIX, rates: dict | None = None, steps: int = 8, warmup
     for group in matrix["groups"]:
         # a group recorded with the machine's rates of its own time uses them (unless rates are given)
         here = rates if given else {**rates, **group.get("host_rates", {})}
-        _seed_codecs({**matrix.get("codecs", {}), **group.get("codecs", {})})  # and its compressors' costs
+        codecs = {**matrix.get("codecs", {}), **group.get("codecs", {})}
+        _seed_codecs(codecs)  # and its compressors' costs
         keys = [_workload_key(rec) for rec in group["records"]]
         for key in keys:
             if key not in workloads:
                 workloads[key] = load(*key)
-        codecs = {**matrix.get("codecs", {}), **group.get("codecs", {})}
         hosts = group_hosts(group["records"], [workloads[key] for key in keys], here, cores, codecs)
         for rec, key, (host, source) in zip(group["records"], keys, hosts):
             net = Network(rec["net_bps"], matrix.get("latency_s", 50e-6))
@@ -274,10 +274,11 @@ def replay(path: str = MATRIX, rates: dict | None = None, steps: int = 8, warmup
                           "cpu_bound": cpu is not None and cpu >= CPU_BOUND, "host_cpu_busy": cpu,
                           "measured": rec["samples_per_s"], "simulated": sim["samples_per_s"],
                           "error": sim["samples_per_s"] / rec["samples_per_s"] - 1, "command": group["command"],
-                          "memory_from": source})
+                          "memory_from": source, "codecs_met": codec_speeds(rec, codecs) is not None})
     own = [g["host_rates"] for g in matrix["groups"] if "host_rates" in g]
     sources = {key: sum(c["memory_from"] == key for c in cells) for key in ("run", "group", "probes")}
-    return {"cells": cells, "rates": rates, "group_rates": [] if given else own, "memory_from": sources, **summary(cells)}
+    return {"cells": cells, "rates": rates, "group_rates": [] if given else own, "memory_from": sources,
+            "codecs_met": sum(c["codecs_met"] for c in cells), **summary(cells)}
 
 
 def group_hosts(records: list[dict], workloads: list, rates: dict, cores: int, codecs: dict | None = None) -> list[tuple]:
@@ -401,4 +402,6 @@ def report(result: dict) -> str:
     if sources:
         lines.append(f"the memory rate the ranks met: from the run's own optimizer.step() in {sources['run']} cells, "
                      f"from its group's runs in {sources['group']}, from the probes in {sources['probes']}")
+    if result.get("codecs_met"):
+        lines.append(f"cells whose compressor ran at the speeds its run's encodes and decodes met: {result['codecs_met']}")
     return "\n".join(lines)
