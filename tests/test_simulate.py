@@ -544,6 +544,8 @@ def test_a_compressed_run_that_counts_its_codecs_is_replayed_at_the_speeds_they_
     assert plain.codec_speed == pytest.approx(0.5 * 4 / 2) and plain.decode_speed is None
     with pytest.raises(ConfigError, match=r"'casync-ring' \(4 workers\): host_work decode must have calls and seconds > 0"):
         codec_speeds({**ran, "host_work": {**work, "decode": {"calls": 20, "bytes": 2e8, "seconds": 0.0}}}, lines)
+    with pytest.raises(ConfigError, match=r"host_work encode must have calls and seconds > 0"):
+        codec_speeds({**ran, "host_work": {**work, "encode": {"calls": 10}}}, lines)
     # the replay says how many cells ran their compressor so
     from gradsync.simulate.validate import replay, report
 

@@ -207,8 +207,9 @@ def codec_speeds(record: dict, codecs: dict) -> tuple[float, float] | None:
         return None
     speeds = []
     for kind, (a, b) in (("encode", line[0:2]), ("decode", line[2:4])):
-        calls, nbytes, seconds = (work[kind][field] for field in ("calls", "bytes", "seconds"))
-        if not seconds > 0 or calls <= 0:
+        counted = work[kind] if isinstance(work[kind], dict) else {}
+        calls, nbytes, seconds = (counted.get(field) for field in ("calls", "bytes", "seconds"))
+        if not all(isinstance(v, (int, float)) for v in (calls, nbytes, seconds)) or not seconds > 0 or calls <= 0:
             raise ConfigError(f"record {record['strategy']!r} ({record['np']} workers): host_work {kind} must have calls "
                               f"and seconds > 0, got {work[kind]!r}; record it again with gradsync bench")
         speeds.append((a * calls + b * nbytes) / seconds)
