@@ -275,7 +275,7 @@ def replay(path: str = MATRIX, rates: dict | None = None, steps: int = 8, warmup
                           "cpu_bound": cpu is not None and cpu >= CPU_BOUND, "host_cpu_busy": cpu,
                           "measured": rec["samples_per_s"], "simulated": sim["samples_per_s"],
                           "error": sim["samples_per_s"] / rec["samples_per_s"] - 1, "command": group["command"],
-                          "memory_from": source, "codecs_met": codec_speeds(rec, codecs) is not None})
+                          "memory_from": source, "codecs_met": host.decode_speed is not None})  # from a run's counts
     own = [g["host_rates"] for g in matrix["groups"] if "host_rates" in g]
     sources = {key: sum(c["memory_from"] == key for c in cells) for key in ("run", "group", "probes")}
     return {"cells": cells, "rates": rates, "group_rates": [] if given else own, "memory_from": sources,
