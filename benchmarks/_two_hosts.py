@@ -1,5 +1,5 @@
-"""The scaffolding of the benchmarks that time a rank script on two emulated hosts
-(benchmarks/duplex.py, benchmarks/slice_exchange.py)."""
+"""The scaffolding of the benchmarks that time a rank script on emulated hosts
+(benchmarks/duplex.py, benchmarks/slice_exchange.py on two, benchmarks/mesh_exchange.py on N)."""
 from __future__ import annotations
 
 import json
@@ -8,10 +8,10 @@ import sys
 import tempfile
 
 
-def run_on_two_hosts(rank_script: str, config: dict, rate_bps: float, prefix: str) -> dict | None:
+def run_on_two_hosts(rank_script: str, config: dict, rate_bps: float, prefix: str, np: int = 2) -> dict | None:
     """Write ``config`` and ``rank_script`` to a temporary directory, run the script as
-    ``python SCRIPT CONFIG RESULT`` on two emulated hosts with links of ``rate_bps``, and return
-    the JSON rank 0 wrote to RESULT; None, with the ranks' error printed, if they failed."""
+    ``python SCRIPT CONFIG RESULT`` on ``np`` (two) emulated hosts with links of ``rate_bps``, and
+    return the JSON rank 0 wrote to RESULT; None, with the ranks' error printed, if they failed."""
     from gradsync.launch.emulated import launch_emulated
 
     with tempfile.TemporaryDirectory(prefix=prefix) as d:
@@ -20,7 +20,7 @@ def run_on_two_hosts(rank_script: str, config: dict, rate_bps: float, prefix: st
             json.dump(config, f)
         with open(script, "w") as f:
             f.write(rank_script)
-        job = launch_emulated([sys.executable, script, cfg, result], np=2, rate_bps=rate_bps,
+        job = launch_emulated([sys.executable, script, cfg, result], np=np, rate_bps=rate_bps,
                               env={"GRADSYNC_TIMEOUT": "600"})
         if job.returncode:
             print(f"the ranks failed: {job.message}", file=sys.stderr)

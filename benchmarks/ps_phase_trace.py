@@ -75,11 +75,11 @@ def measured(path: str, dilation: float, warmup: int) -> tuple[dict, dict]:
 
 def simulated(model: str, np: int, rate_bps: float, steps: int, warmup: int) -> tuple[dict, str]:
     """The same phases of the simulator's cell, from one measured step of its timeline."""
-    from gradsync.simulate import Network, simulate
-    from gradsync.simulate.validate import cell_host
+    from gradsync.simulate import simulate
+    from gradsync.simulate.validate import cell_host, cell_network
 
     host, work, source = cell_host(model, np, rate_bps, "ps")
-    record = simulate("ps", work, np, Network(rate_bps, 50e-6), host=host, steps=steps, warmup=warmup, trace=True)
+    record = simulate("ps", work, np, cell_network(model, np, rate_bps, "ps"), host=host, steps=steps, warmup=warmup, trace=True)
     a, b = record["step_ends"][warmup - 1:warmup + 1]
     last = defaultdict(float)
     first_pull = b

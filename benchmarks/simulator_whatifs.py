@@ -29,7 +29,7 @@ import statistics
 import tempfile
 from contextlib import contextmanager
 
-from gradsync.simulate import Network, averaging, build, compressed, load, simulate, validate, worker
+from gradsync.simulate import averaging, build, compressed, load, simulate, validate, worker
 from gradsync.simulate.engine import Stream
 
 COLD_ONEBIT = [0.0005262060000989421, 4.923799038383009e-10, 0.0016220285706367576, 7.396159856440376e-11,
@@ -115,7 +115,7 @@ def pair_averaging_longer(matrix: dict) -> None:
     recorded = [r["samples_per_s"] for g in matrix["groups"] for r in g["records"] + g.get("superseded", [])
                 if cell(r) and r.get("dilation") == rec.get("dilation")]  # the same command's runs
     host, work = validate.record_host(matrix, group, rec)
-    net = Network(rec["net_bps"], matrix.get("latency_s", 50e-6))
+    net = validate.record_network(matrix, rec)
     steps = (rec["warmup"] + rec["steps"] // rec.get("rounds", 1), 60, 120)
     predicted = [simulate("pair-averaging", work, 4, net, host=host, steps=n, warmup=rec["warmup"])["samples_per_s"]
                  for n in steps]

@@ -70,11 +70,11 @@ def _binned(windows, received, dilation: float, bin_s: float) -> tuple[dict, flo
 
 def simulated(model: str, np: int, rate_bps: float, strategy: str, steps: int, warmup: int, bin_s: float):
     """The simulator's cell, binned as :func:`measured` bins the run (the host of the matrix's record, if any)."""
-    from gradsync.simulate import Network, simulate
-    from gradsync.simulate.validate import cell_host
+    from gradsync.simulate import simulate
+    from gradsync.simulate.validate import cell_host, cell_network
 
     host, work, source = cell_host(model, np, rate_bps, strategy)
-    record = simulate(strategy, work, np, Network(rate_bps, 50e-6), host=host, steps=steps, warmup=warmup, trace=True)
+    record = simulate(strategy, work, np, cell_network(model, np, rate_bps, strategy), host=host, steps=steps, warmup=warmup, trace=True)
     ends = record["step_ends"]
     spans = [(stop, what) for lane, what, start, stop in record["timeline"] if lane == "network"]
     # every message is the same size (P3's wire: the largest slice's), the share of it this worker's links carry

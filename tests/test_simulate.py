@@ -53,6 +53,27 @@ def test_a_weighted_transfer_stands_for_that_many_flows_on_a_shared_link():
     assert finish_times(sim, [(100, [(worker_tx, 1), (server_rx, 4)])]) == pytest.approx([4.0])
 
 
+def test_a_transfer_below_full_efficiency_takes_more_of_the_link_but_carries_only_its_bytes():
+    sim, link = Sim(), Link("l", 100.0)
+    assert finish_times(sim, [(100, [(link, 1)])]) == pytest.approx([1.0])
+    # at half efficiency 100 B take 200 B of the link's capacity: 2 s alone
+    sim, link, ends = Sim(), Link("l", 100.0), []
+    sim.transfer(100, [(link, 1)], lambda: ends.append(("half", sim.now)), efficiency=0.5)
+    sim.run()
+    assert ends == [("half", pytest.approx(2.0))] and link.carried == pytest.approx(100)
+    sim, link = Sim(), Link("l", 100.0)
+    times = {}
+    sim.transfer(50, [(link, 1)], lambda: times.setdefault("full", sim.now))
+    sim.transfer(50, [(link, 1)], lambda: times.setdefault("half", sim.now), efficiency=0.5)
+    sim.run()
+    # beside a full flow, both move 33.3 B/s of their own bytes (the half one taking 66.7 B/s of
+    # the capacity): 50 B each in 1.5 s
+    assert times["full"] == pytest.approx(1.5) and times["half"] == pytest.approx(1.5)
+    assert link.carried == pytest.approx(100)
+    with pytest.raises(SimulationError, match="efficiency must be in"):
+        Sim().transfer(1, [(link, 1)], lambda: None, efficiency=0.0)
+
+
 def test_a_stream_runs_lowest_priority_first_one_at_a_time():
     sim, order = Sim(), []
     stream = Stream(sim, "s")
@@ -100,6 +121,39 @@ def test_co_located_servers_are_as_slow_as_the_owner_of_the_largest_share():
     work = synthetic([(0.0, 0.0, [3000, 1000])])
     record = simulate("ps", work, 3, NET, host=FREE_HOST, steps=4, warmup=1)
     assert record["step_s"] == pytest.approx(6.008 + 6.0)
+
+
+def test_co_located_servers_move_their_all_to_all_at_the_meshs_share_of_the_link():
+    # the 3-worker case above at a mesh efficiency of 0.8: each phase takes 1.25x, the bytes the same
+    work = synthetic([(0.0, 0.0, [3000, 1000])])
+    meshed = Network(rate_bps=8 * BYTES_PER_S, latency_s=0.0, mesh=0.8)
+    record = simulate("ps", work, 3, meshed, host=FREE_HOST, steps=4, warmup=1)
+    fair = simulate("ps", work, 3, NET, host=FREE_HOST, steps=4, warmup=1)
+    assert record["step_s"] == pytest.approx((6.008 + 6.0) / 0.8)
+    assert record["bytes_per_step"] == pytest.approx(fair["bytes_per_step"])
+    # two workers exchange one flow each way: no mesh; a ring never is one
+    two = synthetic([(0.0, 0.0, [1000])])
+    for strategy in ("ps", "allreduce"):
+        assert simulate(strategy, two, 2, meshed, host=FREE_HOST, steps=4, warmup=1)["step_s"] == pytest.approx(
+            simulate(strategy, two, 2, NET, host=FREE_HOST, steps=4, warmup=1)["step_s"])
+    assert simulate("allreduce", work, 3, meshed, host=FREE_HOST, steps=4, warmup=1)["step_s"] == pytest.approx(
+        simulate("allreduce", work, 3, NET, host=FREE_HOST, steps=4, warmup=1)["step_s"])
+    with pytest.raises(ConfigError, match=r"mesh efficiency must be in \(0, 1\], got 1.5"):
+        simulate("ps", work, 3, Network(rate_bps=8e3, mesh=1.5), host=FREE_HOST)
+
+
+def test_the_replay_takes_the_mesh_measured_for_a_runs_hosts_at_its_real_link_rate():
+    from gradsync.simulate import validate
+
+    measured = {"4": {"250000000": 0.9, "1000000000": 0.95}, "3": {"1000000000": 0.97}}
+    assert validate._mesh(measured, 4, 2.5e8) == 0.9
+    assert validate._mesh(measured, 8, 1.2e9) == 0.95  # the largest count measured up to 8, the nearest rate
+    assert validate._mesh(measured, 3, 1e8) == 0.97
+    assert validate._mesh(measured, 2, 1e9) == 1.0 and validate._mesh(None, 4, 1e9) == 1.0
+    matrix = {"latency_s": 1e-4, "host_rates": {"mesh": measured}}
+    net = validate.record_network(matrix, {"np": 4, "net_bps": 1e9, "dilation": 4.0})  # 250 Mbit/s for real
+    assert (net.rate_bps, net.latency_s, net.mesh) == (1e9, 1e-4, 0.9)
+    assert validate.record_network(matrix, {"np": 4, "net_bps": 1e10, "dilation": 10.0}).mesh == 0.95
 
 
 def test_p3_sends_lowest_forward_position_first_under_credit():
@@ -434,6 +488,7 @@ def test_simulate_prints_records_and_rejects_bad_input(tmp_path, cli):
                           (["--shared-cores=-2"], "--shared-cores must be >= 0, got -2"),
                           (["--busy-wake-us=-1"], "--busy-wake-us must be >= 0, got -1"),
                           (["--host-jitter=-0.1"], "--host-jitter must be >= 0, got -0.1"),
+                          (["--mesh", "0"], "--mesh must be in (0, 1], got 0"),
                           (["--model", "nope"], "unknown model 'nope'; valid models:"),
                           (["--servers=-1"], "--servers must be >= 0, got -1"),
                           (["--gpus-per-host", "0"], "--gpus-per-host must be >= 1, got 0"),
@@ -441,7 +496,9 @@ def test_simulate_prints_records_and_rejects_bad_input(tmp_path, cli):
         code, _, err = cli("simulate", *args)
         assert code == 2 and message in err, err
     for args, message in ((["--model", "nope", "--np", "4", "--net", "1gbit"], "unknown model 'nope'"),
-                          (["--model", "resnet50", "--np", "0", "--net", "1gbit"], "--np must be >= 1, got 0")):
+                          (["--model", "resnet50", "--np", "0", "--net", "1gbit"], "--np must be >= 1, got 0"),
+                          (["--model", "resnet50", "--np", "4", "--net", "1gbit", "--mesh", "1.2"],
+                           "--mesh must be in (0, 1], got 1.2")):
         code, _, err = cli("advise", *args)
         assert code == 2 and message in err, err
 
@@ -791,7 +848,7 @@ def test_a_records_host_is_the_one_the_replay_simulates_it_on(tmp_path):
     rec = next(r for r in group["records"] if r["strategy"] == "allreduce")
     host, work = validate.record_host(matrix, group, rec)
     steps = rec["warmup"] + rec["steps"] // rec.get("rounds", 1)
-    mine = simulate("allreduce", work, rec["np"], Network(rec["net_bps"], matrix["latency_s"]), host=host,
+    mine = simulate("allreduce", work, rec["np"], validate.record_network(matrix, rec), host=host,
                     steps=max(steps, 8), warmup=max(rec["warmup"], 3))
     alone = tmp_path / "matrix.json"  # that group alone: the whole replay takes half a minute
     alone.write_text(json.dumps({**matrix, "groups": [group]}))
@@ -801,3 +858,5 @@ def test_a_records_host_is_the_one_the_replay_simulates_it_on(tmp_path):
     host_of_cell, _, source = validate.cell_host(rec["model"], rec["np"], rec["net_bps"], "allreduce")
     assert host_of_cell == host and group["command"] in source
     assert "default host" in validate.cell_host("resnet50", 3, 1e9, "allreduce")[2]  # no such record
+    assert validate.cell_network(rec["model"], rec["np"], rec["net_bps"], "allreduce") == validate.record_network(matrix, rec)
+    assert validate.cell_network("resnet50", 3, 1e9, "allreduce").mesh == 1.0

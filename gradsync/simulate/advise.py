@@ -133,8 +133,8 @@ def add_parser(subparsers) -> None:
 
 def main(args) -> int:
     from gradsync.errors import GradsyncError
-    from gradsync.simulate import Network, load
-    from gradsync.simulate.cli import _rates, at_least, host_of
+    from gradsync.simulate import load
+    from gradsync.simulate.cli import _rates, at_least, host_of, network_of
 
     error = argparse.ArgumentParser(prog="gradsync advise").error
     at_least(args, error, np=1, batch_size=1, gpus_per_host=1, servers=0, latency_us=0)
@@ -152,7 +152,7 @@ def main(args) -> int:
             name, opts = parse_spec(spec)
             build(name, **opts)
         workload = load(args.model, args.batch_size, args.compute or None)
-        net = Network(rates[0], args.latency_us * 1e-6, args.gpus_per_host, args.intra_gbps * 1e9)
+        net = network_of(args, error, rates[0])
         ranked = rank(workload, args.np, net, host, args.servers, compression)
     except GradsyncError as exc:
         print(f"gradsync advise: {exc}", file=sys.stderr)

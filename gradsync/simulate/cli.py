@@ -45,6 +45,10 @@ def add_host_arguments(p: argparse.ArgumentParser) -> None:
                    help="coefficient of variation of host work from step to step: a step that waits for N hosts' "
                         "same work (hybrid's row servers, the compressed strategies' messages and all-gathers) waits for "
                         "the slowest (default 0; 0.15 with 2 ranks and 0.36 with 4 on a 2-core cloud VM)")
+    p.add_argument("--mesh", type=float, default=1.0,
+                   help="share of a link's rate an all-to-all among 3 or more hosts moves (co-located ps, p3, "
+                        "ps-sliced, casync-ps, hybrid's rows), relative to one flow (default 1: fair shares; 0.93 "
+                        "among 4 emulated hosts, benchmarks/mesh_exchange.py)")
 
 
 def at_least(args, error, **lowest) -> None:
@@ -53,6 +57,15 @@ def at_least(args, error, **lowest) -> None:
         value = getattr(args, name)
         if value < low:
             error(f"--{name.replace('_', '-')} must be >= {low}, got {value:g}")
+
+
+def network_of(args, error, rate: float | None):
+    """The :class:`~gradsync.simulate.Network` of the network options at ``rate``, or ``error`` naming a bad one."""
+    from gradsync.simulate import Network
+
+    if not 0 < args.mesh <= 1:
+        error(f"--mesh must be in (0, 1], got {args.mesh:g}")
+    return Network(rate, args.latency_us * 1e-6, args.gpus_per_host, args.intra_gbps * 1e9, mesh=args.mesh)
 
 
 def host_of(args, error):
@@ -155,7 +168,7 @@ def bound(strategy: str, options: dict, model_bytes: int, np: int, servers: int,
 def main(args) -> int:
     from gradsync.bench.args import _overrides
     from gradsync.errors import GradsyncError
-    from gradsync.simulate import SIMULATED, Network, load, simulate
+    from gradsync.simulate import SIMULATED, load, simulate
 
     error = argparse.ArgumentParser(prog="gradsync simulate").error
     if args.validate:
@@ -188,7 +201,7 @@ def main(args) -> int:
     for rate in rates:
         for np in nps:
             for label, strategy, options in runs:
-                net = Network(rate, args.latency_us * 1e-6, args.gpus_per_host, args.intra_gbps * 1e9)
+                net = network_of(args, error, rate)
                 try:
                     record = simulate(strategy, workload, np, net, host=host, servers=args.servers,
                                       options=options, steps=args.steps, warmup=args.warmup,

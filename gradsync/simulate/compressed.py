@@ -212,7 +212,8 @@ class CompressedBuckets(StrategyModel):
         from one peer after that peer's own work: the work before it takes the slower of two
         hosts' (:meth:`waited`)."""
         wk = self.wk
-        uses = uses or [(wk.tx, 1), (wk.rx, 1)]  # CaSync-PS: to and from every worker
+        mesh = uses is None  # CaSync-PS: to and from every worker, an all-to-all (Network.mesh)
+        uses = uses or [(wk.tx, 1), (wk.rx, 1)]
         if not hops:
             done()
             return
@@ -220,8 +221,9 @@ class CompressedBuckets(StrategyModel):
         work *= self.waited(2)
         # the thread blocked in the hop's receive wakes (Worker.wake_s), then works
         wk.sim.transfer(nbytes, uses, lambda: wk.sim.after(wk.wake_s() + wk.ends_s(ends) + work,
-                                                           lambda: self.hops(hops[1:], done, name, uses)),
-                        latency=2 * wk.net.latency_s, name=name, lane="network")
+                                                           lambda: self.hops(hops[1:], done, name, None if mesh else uses)),
+                        latency=2 * wk.net.latency_s, name=name, lane="network",
+                        efficiency=wk.mesh_efficiency() if mesh else 1.0)
 
     def exchange(self, k: int, s: float, done: Callable[[], None]) -> None:
         raise NotImplementedError

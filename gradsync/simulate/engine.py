@@ -47,8 +47,9 @@ class _Class:
     finishes when the class's cumulative service per flow reaches its start plus its size
     (processor sharing): an event costs O(log n), not O(n)."""
 
-    def __init__(self, uses: tuple[tuple[Link, float], ...]):
-        self.uses = uses
+    def __init__(self, uses: tuple[tuple[Link, float], ...], efficiency: float = 1.0):
+        self.uses = uses  # each link's weight already divided by the efficiency (the capacity taken)
+        self.efficiency = efficiency  # of the bytes that capacity moves (what the links carry)
         self.served = 0.0  # bytes one flow of this class has received since the class existed
         self.rate = 0.0
         self.heap: list = []  # (served at which it finishes, seq, done)
@@ -93,10 +94,15 @@ class Sim:
 
     # -- transfers -------------------------------------------------------------------------------
     def transfer(self, nbytes: float, uses: list[tuple[Link, float]], done: Callable[[], None], *,
-                 latency: float = 0.0, name: str = "", lane: str | None = None) -> None:
-        """Move ``nbytes`` through ``uses`` after ``latency`` seconds; then call ``done``."""
+                 latency: float = 0.0, name: str = "", lane: str | None = None, efficiency: float = 1.0) -> None:
+        """Move ``nbytes`` through ``uses`` after ``latency`` seconds; then call ``done``. With an
+        ``efficiency`` below 1 the transfer takes ``1/efficiency`` times its bytes' share of each
+        link's capacity (flows that share a port less well than fair shares), while the links
+        carry only its bytes."""
         if nbytes < 0:
             raise SimulationError(f"transfer {name!r} of {nbytes} bytes: sizes must be >= 0")
+        if not 0 < efficiency <= 1:
+            raise SimulationError(f"transfer {name!r}: efficiency must be in (0, 1], got {efficiency}")
 
         def start() -> None:
             began = self.now
@@ -108,10 +114,10 @@ class Sim:
             if nbytes == 0 or all(link.rate == float("inf") for link, _ in uses):
                 finish()  # nothing to move, or links without a limit
                 return
-            key = tuple((link, float(w)) for link, w in uses if link.rate != float("inf"))
+            key = (tuple((link, float(w) / efficiency) for link, w in uses if link.rate != float("inf")), efficiency)
             cls = self._classes.get(key)
             if cls is None:
-                cls = self._classes[key] = _Class(key)
+                cls = self._classes[key] = _Class(*key)
             self._advance(self.now)
             heapq.heappush(cls.heap, (cls.served + nbytes, next(self._seq), finish))
             self._reshare()
@@ -128,7 +134,7 @@ class Sim:
                 moved = cls.rate * dt
                 cls.served += moved
                 for link, weight in cls.uses:
-                    link.carried += moved * weight * len(cls.heap)
+                    link.carried += moved * weight * cls.efficiency * len(cls.heap)
         self.now = max(self.now, when)
         self._last = self.now
 

@@ -114,8 +114,8 @@ class Hybrid(StrategyModel):
     def _exchange(self, nbytes: float, done: Callable[[], None], name: str, *, to_servers: bool) -> None:
         """A worker's messages of ``nbytes`` in all to the servers (``to_servers``) or from them."""
         wk = self.wk
-        if not self.dedicated:
-            wk.message(self._remote(nbytes), [(wk.tx, 1), (wk.rx, 1)], done, name)
+        if not self.dedicated:  # every worker to every co-located server: an all-to-all (Network.mesh)
+            wk.message(self._remote(nbytes), [(wk.tx, 1), (wk.rx, 1)], done, name, mesh=True)
             return
         arrive = Barrier(self.dedicated, done)  # every worker talks to every server: its side carries N shares
         for tx, rx in wk.servers:

@@ -129,10 +129,11 @@ class ParameterServers(StrategyModel):
         # Co-located: the np - 1 other workers push a group to its owner's host (and it answers
         # them); the representative worker sends (receives) the share of a group that leaves its
         # own host. Receives are posted before sends, so both directions run at full rate.
+        # Every host sends to and receives from every other at once: an all-to-all (Network.mesh).
         tx, rx = self.owner_links[s]
         away = (wk.np - 1) / wk.np
         uses = [(wk.tx, away), (rx, wk.np - 1)] if push else [(tx, wk.np - 1), (wk.rx, away)]
-        wk.message(nbytes if wk.np > 1 else 0.0, uses, done, name)
+        wk.message(nbytes if wk.np > 1 else 0.0, uses, done, name, mesh=True)
 
     def before_forward(self, step: int, go: Callable[[], None]) -> None:
         self.missing = [len(g) for _, g in self.groups]
@@ -344,7 +345,8 @@ class Slices(StrategyModel):
 
         def push(release: Callable[[], None], handled: Callable[[], None]) -> None:
             wk.message(share, uses, lambda: (release(), self._handled(
-                0.0 if self.dedicated else ends, lambda: self._aggregate(step, k, handled))), f"push {k}")
+                0.0 if self.dedicated else ends, lambda: self._aggregate(step, k, handled))), f"push {k}",
+                mesh=not self.dedicated)  # co-located: every worker pushes to every other (Network.mesh)
 
         wk.host.run(copy, lambda: self.sender.put(self._prio(step, k), nbytes, lambda release: self._handled(
             ends, lambda: self.pushes_in.take(ends, lambda handled: push(release, handled)))), what=f"copy {k}")
@@ -376,7 +378,7 @@ class Slices(StrategyModel):
                 self.sender.put(self._prio(step, k), nbytes, lambda release: self._handled(
                     ends, lambda: self.answers_in.take(ends, lambda handled: wk.message(
                         share, [(wk.tx, 1), (wk.rx, 1)], lambda: (release(), self._handled(
-                            ends, lambda: (handled(), self._arrived(step, k)))), f"answer {k}"))))
+                            ends, lambda: (handled(), self._arrived(step, k)))), f"answer {k}", mesh=True))))
 
         wk.host.run(wk.update_s(self.plan.slices[k].numel * 4), lambda: (handled(), answer()), what=f"update {k}")
 

@@ -19,6 +19,7 @@ cell <= 10 %, ranking agreement in >= 90 % of cells, advice in >= 90 % of groups
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import time
@@ -233,6 +234,31 @@ def memory_met(record: dict, rates: dict, cores: int, update_bytes: float) -> fl
     return update_bytes / seconds * share / (record.get("dilation", 1.0) * rates["update_Bps"])
 
 
+def record_network(matrix: dict, record: dict):
+    """The :class:`~gradsync.simulate.Network` of a recorded run: its link rate, the matrix's
+    latency, and the all-to-all's share of the rate measured on the recording machine
+    (``host_rates.mesh``, benchmarks/mesh_exchange.py) for the run's hosts at its link's real rate
+    (the emulated rate over the dilation); 1 where none was measured."""
+    from gradsync.simulate import Network
+
+    hosts = record["np"] + record.get("servers", 0)
+    real = record["net_bps"] / record.get("dilation", 1.0)
+    mesh = _mesh(matrix.get("host_rates", {}).get("mesh"), hosts, real)
+    return Network(record["net_bps"], matrix.get("latency_s", 50e-6), mesh=mesh)
+
+
+def _mesh(measured: dict | None, hosts: int, real_bps: float) -> float:
+    """``measured``: host count -> real link rate (bit/s) -> the mesh's share. The largest count
+    measured up to ``hosts`` (an all-to-all among more hosts loses at least as much), at the
+    measured rate nearest ``real_bps`` (by ratio); 1 if none was."""
+    counts = [int(n) for n in (measured or {}) if int(n) <= hosts]
+    if not counts:
+        return 1.0
+    by_rate = measured[str(max(counts))]
+    nearest = min(by_rate, key=lambda rate: abs(math.log(float(rate) / real_bps)))
+    return by_rate[nearest]
+
+
 def _jitter(measured: dict | None, ranks: int) -> float:
     """The host's jitter for ``ranks`` ranks on the machine: measured per rank count
     (benchmarks/server_jitter.py), the largest count up to ``ranks``; 0 if none was."""
@@ -242,7 +268,7 @@ def _jitter(measured: dict | None, ranks: int) -> float:
 
 def replay(path: str = MATRIX, rates: dict | None = None, steps: int = 8, warmup: int = 3) -> dict:
     """Every cell of the matrix at ``path``: measured against simulated, and the summary."""
-    from gradsync.simulate import Network, load, simulate
+    from gradsync.simulate import load, simulate
 
     with open(path) as f:
         matrix = json.load(f)
@@ -261,7 +287,7 @@ def replay(path: str = MATRIX, rates: dict | None = None, steps: int = 8, warmup
                 workloads[key] = load(*key)
         hosts = group_hosts(group["records"], [workloads[key] for key in keys], here, cores, codecs)
         for rec, key, (host, source) in zip(group["records"], keys, hosts):
-            net = Network(rec["net_bps"], matrix.get("latency_s", 50e-6))
+            net = record_network(matrix, rec)
             name, options = options_of(rec["strategy"])
             # as many steps as a round of the run measured, after its warm-up (the rounds repeat it)
             run_warmup = rec.get("warmup", warmup)
@@ -332,6 +358,19 @@ def cell_host(model: str, np: int, rate_bps: float, strategy: str, servers: int 
         return Host(), load(model, 32, None), "the simulator's default host (no record of this cell in the matrix)"
     (group, rec), = latest
     return (*record_host(matrix, group, rec), f"the host of the matrix's record from `{group['command']}`")
+
+
+def cell_network(model: str, np: int, rate_bps: float, strategy: str, servers: int = 0, path: str | None = None):
+    """The network on which the replay simulates the latest record of a cell of the matrix at
+    ``path`` (the shipped one by default; :func:`record_network`): fair shares where it has no record."""
+    from gradsync.simulate import Network
+
+    with open(path or MATRIX) as f:
+        matrix = json.load(f)
+    cell = (model, np, rate_bps, strategy, servers)
+    latest = [rec for group in matrix["groups"] for rec in group["records"]
+              if (rec["model"], rec["np"], rec["net_bps"], rec["strategy"], rec.get("servers", 0)) == cell][-1:]
+    return record_network(matrix, latest[0]) if latest else Network(rate_bps, matrix.get("latency_s", 50e-6))
 
 
 def _workload_key(record: dict) -> tuple:

@@ -27,12 +27,16 @@ from gradsync.simulate.workload import Workload
 class Network:
     """Hosts with full-duplex NICs of ``rate_bps`` (None: unlimited), one-way ``latency_s`` per
     message (wire and software), ``gpus_per_host`` workers sharing a host's NIC and linked to
-    each other at ``intra_Bps`` bytes per second (PCIe or NVLink; None: unlimited)."""
+    each other at ``intra_Bps`` bytes per second (PCIe or NVLink; None: unlimited). ``mesh``: the
+    share of its rate a host's link moves while it carries an all-to-all among the job's hosts
+    (flows to or from every other host at once, which TCP shares less well than fair shares),
+    relative to one flow; 1: fair shares (the default). ``benchmarks/mesh_exchange.py`` measures it."""
 
     rate_bps: float | None
     latency_s: float = 50e-6
     gpus_per_host: int = 1
     intra_Bps: float | None = 12e9
+    mesh: float = 1.0
 
 
 @dataclass
@@ -119,6 +123,8 @@ class Worker:
             raise ConfigError(f"workers must be >= 1, got {np}")
         if net.rate_bps is not None and net.rate_bps <= 0:
             raise ConfigError(f"link rate must be > 0, got {net.rate_bps}")
+        if not 0 < net.mesh <= 1:
+            raise ConfigError(f"mesh efficiency must be in (0, 1], got {net.mesh}")
         self.sim, self.w, self.np, self.net, self.host_rates = sim, workload, np, net, host
         rate = float("inf") if net.rate_bps is None else net.rate_bps / 8
         per_host = max(1, min(net.gpus_per_host, np))
@@ -170,8 +176,18 @@ class Worker:
         self.sim.transfer(2 * (n - 1) / n * nbytes, self.ring_links, done,
                           latency=2 * (n - 1) * self.net.latency_s, name=name, lane="network")
 
-    def message(self, nbytes: float, uses, done: Callable[[], None], name: str = "message") -> None:
-        self.sim.transfer(nbytes, uses, done, latency=self.net.latency_s, name=name, lane="network")
+    def message(self, nbytes: float, uses, done: Callable[[], None], name: str = "message", *,
+                mesh: bool = False) -> None:
+        """A point-to-point message of ``nbytes`` through ``uses``; ``mesh``: one of an all-to-all
+        among the workers' hosts (:meth:`mesh_efficiency`)."""
+        self.sim.transfer(nbytes, uses, done, latency=self.net.latency_s, name=name, lane="network",
+                          efficiency=self.mesh_efficiency() if mesh else 1.0)
+
+    def mesh_efficiency(self) -> float:
+        """The share of a link's rate an all-to-all among the workers' hosts moves
+        (:attr:`Network.mesh`): from three hosts on, where each link carries flows from more than
+        one peer; two hosts exchange one flow each way."""
+        return self.net.mesh if self.np >= 3 else 1.0
 
     def message_ends(self, interpreter: Stream, ends: float, then: Callable[[], None], message_s: float | None = None) -> None:
         """``ends`` message ends (a send issued, a receive taken) handled by a process's Python

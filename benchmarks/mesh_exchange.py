@@ -1,0 +1,128 @@
+"""How fast N hosts exchange a share with every other host at once, against one peer each.
+
+    sudo python benchmarks/mesh_exchange.py [--np 4] [--net 1gbit] [--mb 25] [--kb 256] [--repeats 3]
+
+``--np`` emulated hosts (links of ``--net``, full duplex) run one rank each. In the mesh, every
+rank sends ``--mb`` MB to each other rank in messages of ``--kb`` KB, as co-located ``ps``
+answers its share's pulls (each fused group to every peer in turn, every receive posted first),
+so each host's link carries ``N-1`` flows each way at once. In the shift, every rank sends the
+same bytes, in the same messages, to the next rank only: one flow on each link each way, as a
+ring's step. Printed per pattern: the median over ``--repeats`` of the time until every rank is
+done (its receives and its sends), the ratio of the link rate's time to it, and the spread of
+the ranks' finishing times; then the median over the repeats of the mesh's rate over the
+shift's, each repeat running the two one after the other.
+
+It measures the network apart from any strategy: where the mesh's ratio falls below the
+shift's, the flows that meet on one port share it less well than a fluid model's fair shares,
+and ``gradsync simulate`` takes that as ``Network.mesh`` (``--mesh``). ``--matrix`` keeps it with
+the validation matrix's host rates (``mesh``: host count -> link rate -> the mesh's ratio over the
+shift's, with the command); the replay takes it for a run's hosts at its link's real rate, the
+emulated rate over the dilation (an emulated 1 Gbit/s at ``--dilation 4`` is 250 Mbit/s).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+RANK = r"""
+import json, sys, time, torch
+import gradsync
+from gradsync import runtime
+cfg = json.load(open(sys.argv[1]))
+topo = gradsync.init()
+t = runtime.current().transport
+n, me = topo.world_size, topo.rank
+size, count = cfg["bytes"], cfg["messages"]
+payload = torch.ones(count * size, dtype=torch.uint8)  # touched: no page faults while timed
+peers = [p for p in range(n) if p != me]
+inboxes = {p: torch.empty(count * size, dtype=torch.uint8) for p in peers}
+
+
+def timed(mesh):
+    dsts = peers if mesh else [(me + 1) % n]
+    srcs = peers if mesh else [(me - 1) % n]
+    per_peer = count if mesh else count * (n - 1)  # the same bytes leave every host either way
+    for p in peers:
+        inboxes[p].resize_(per_peer * size)
+    t.barrier(what="mesh start")
+    start = time.perf_counter()
+    handles = [t.recv_async(inboxes[p][g * size:(g + 1) * size], p, 10 + g, what="mesh receive")
+               for p in srcs for g in range(per_peer)]  # every receive posted first, as ps's pulls
+    for g in range(per_peer):  # each message to every peer in turn, as ps's answers
+        handles += [t.send_async(payload[(g % count) * size:(g % count + 1) * size], p, 10 + g, what="mesh send")
+                    for p in dsts]
+    for h in handles:
+        h.wait()
+    done = torch.zeros(n, dtype=torch.float64)
+    done[me] = time.perf_counter() - start
+    t.allreduce(done, world=True, what="finish times")
+    return done.tolist()
+
+
+out = {"mesh": [], "shift": []}
+timed(True)  # connections opened, buffers touched
+for _ in range(cfg["repeats"]):
+    for name in ("mesh", "shift"):
+        out[name].append(timed(name == "mesh"))
+if me == 0:
+    json.dump(out, open(sys.argv[2], "w"))
+gradsync.shutdown()
+"""
+
+
+def main() -> int:
+    from _two_hosts import run_on_two_hosts
+    from gradsync.cluster import format_rate, parse_rate
+    from gradsync.errors import ConfigError
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--np", type=int, default=4, help="hosts (one rank each), >= 3")
+    parser.add_argument("--net", default="1gbit")
+    parser.add_argument("--mb", type=float, default=25.0, help="MB each rank sends to each other rank")
+    parser.add_argument("--kb", type=float, default=256.0, help="message size, KB (ps's fuse_kb: 256)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--matrix", help="keep the mesh's ratio over the shift's in this validation matrix")
+    args = parser.parse_args()
+    try:
+        rate = parse_rate(args.net)
+    except ConfigError as exc:
+        parser.error(f"--net: {exc}")
+    if args.np < 3 or args.repeats < 1 or args.mb <= 0 or args.kb <= 0:
+        parser.error("--np must be >= 3, --repeats >= 1, --mb and --kb > 0")
+    size = int(args.kb * 1024)
+    messages = max(1, round(args.mb * 1e6 / size))
+    result = run_on_two_hosts(RANK, {"bytes": size, "messages": messages, "repeats": args.repeats}, rate,
+                              "gradsync-mesh-", np=args.np)
+    if result is None:
+        return 1
+    line = (args.np - 1) * messages * size * 8 / rate
+    print(f"{args.np} hosts, links of {format_rate(rate)}; each sends {(args.np - 1) * messages * size / 1e6:.1f} MB "
+          f"in messages of {size / 1024:g} KB; median of {args.repeats}; at the link rate: {line:.3f} s")
+    ratio = {}
+    for name, runs in result.items():
+        last = statistics.median(max(r) for r in runs)
+        spread = statistics.median(max(r) - min(r) for r in runs)
+        ratio[name] = line / last
+        print(f"{name:6s} {last:7.3f} s  {ratio[name]:5.3f}x the link rate   ranks done within {spread * 1e3:6.1f} ms")
+    # each repeat runs the two side by side: the median of their ratios
+    pairs = [max(s) / max(m) for m, s in zip(result["mesh"], result["shift"])]
+    mesh = statistics.median(pairs)
+    print(f"mesh over shift: {mesh:.3f} (median of the repeats' ratios, {min(pairs):.3f}-{max(pairs):.3f})")
+    if args.matrix:
+        with open(args.matrix) as f:
+            matrix = json.load(f)
+        rates = matrix.setdefault("host_rates", {})
+        key = str(round(rate))  # the link's real rate: an emulated run's rate over its dilation
+        rates.setdefault("mesh", {}).setdefault(str(args.np), {})[key] = mesh
+        rates.setdefault("mesh_command", {}).setdefault(str(args.np), {})[key] = (
+            "sudo python benchmarks/mesh_exchange.py " + " ".join(sys.argv[1:]))
+        with open(args.matrix, "w") as f:
+            json.dump(matrix, f, indent=1)
+        print(f"kept in {args.matrix} as host_rates.mesh[{args.np}][{key}]")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
