@@ -9,15 +9,19 @@ so each host's link carries ``N-1`` flows each way at once. In the shift, every 
 same bytes, in the same messages, to the next rank only: one flow on each link each way, as a
 ring's step. Printed per pattern: the median over ``--repeats`` of the time until every rank is
 done (its receives and its sends), the ratio of the link rate's time to it, and the spread of
-the ranks' finishing times; then the median over the repeats of the mesh's rate over the
-shift's, each repeat running the two one after the other.
+the ranks' finishing times, and the machine's busy core-seconds over it (``/proc/stat``: the
+kernel's TCP and the ranks' transport threads; less what the machine keeps busy while the ranks
+wait, measured for a second before) per byte sent or received; then the median over the repeats
+of the mesh's rate over the shift's, each repeat running the two one after the other.
 
 It measures the network apart from any strategy: where the mesh's ratio falls below the
 shift's, the flows that meet on one port share it less well than a fluid model's fair shares,
 and ``gradsync simulate`` takes that as ``Network.mesh`` (``--mesh``). ``--matrix`` keeps it with
 the validation matrix's host rates (``mesh``: host count -> link rate -> the mesh's ratio over the
 shift's, with the command); the replay takes it for a run's hosts at its link's real rate, the
-emulated rate over the dilation (an emulated 1 Gbit/s at ``--dilation 4`` is 250 Mbit/s).
+emulated rate over the dilation (an emulated 1 Gbit/s at ``--dilation 4`` is 250 Mbit/s). The
+CPU a byte costs the machine where the ranks share its cores (``Host.net_cpu_s``, ``--net-cpu-ns``)
+is kept too, the shift's (``net_cpu_s``: link rate -> seconds per byte sent or received).
 """
 from __future__ import annotations
 
@@ -27,7 +31,7 @@ import statistics
 import sys
 
 RANK = r"""
-import json, sys, time, torch
+import json, os, sys, time, torch
 import gradsync
 from gradsync import runtime
 cfg = json.load(open(sys.argv[1]))
@@ -40,6 +44,12 @@ peers = [p for p in range(n) if p != me]
 inboxes = {p: torch.empty(count * size, dtype=torch.uint8) for p in peers}
 
 
+def busy_s():  # the machine's busy core-seconds so far (/proc/stat: every namespace's, the kernel's too)
+    with open("/proc/stat") as f:
+        ticks = [int(x) for x in f.readline().split()[1:]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # less idle and iowait
+
+
 def timed(mesh):
     dsts = peers if mesh else [(me + 1) % n]
     srcs = peers if mesh else [(me - 1) % n]
@@ -47,7 +57,7 @@ def timed(mesh):
     for p in peers:
         inboxes[p].resize_(per_peer * size)
     t.barrier(what="mesh start")
-    start = time.perf_counter()
+    start, busy = time.perf_counter(), busy_s()
     handles = [t.recv_async(inboxes[p][g * size:(g + 1) * size], p, 10 + g, what="mesh receive")
                for p in srcs for g in range(per_peer)]  # every receive posted first, as ps's pulls
     for g in range(per_peer):  # each message to every peer in turn, as ps's answers
@@ -58,11 +68,16 @@ def timed(mesh):
     done = torch.zeros(n, dtype=torch.float64)
     done[me] = time.perf_counter() - start
     t.allreduce(done, world=True, what="finish times")
-    return done.tolist()
+    return done.tolist() + [busy_s() - busy]  # the ranks' finishing times, then the cores' busy seconds
 
 
 out = {"mesh": [], "shift": []}
 timed(True)  # connections opened, buffers touched
+if me == 0:  # the machine's own busy time while the ranks wait in the barrier: left out of the figures
+    before = busy_s()
+    time.sleep(1.0)
+    out["idle"] = busy_s() - before
+t.barrier(what="idle measured")
 for _ in range(cfg["repeats"]):
     for name in ("mesh", "shift"):
         out[name].append(timed(name == "mesh"))
@@ -101,15 +116,21 @@ def main() -> int:
     print(f"{args.np} hosts, links of {format_rate(rate)}; each sends {(args.np - 1) * messages * size / 1e6:.1f} MB "
           f"in messages of {size / 1024:g} KB; median of {args.repeats}; at the link rate: {line:.3f} s")
     ratio = {}
+    sent = args.np * (args.np - 1) * messages * size  # by all hosts, each byte also received once
+    idle = result.pop("idle")  # core-seconds per second
+    cpu = {}
     for name, runs in result.items():
-        last = statistics.median(max(r) for r in runs)
-        spread = statistics.median(max(r) - min(r) for r in runs)
+        last = statistics.median(max(r[:-1]) for r in runs)
+        spread = statistics.median(max(r[:-1]) - min(r[:-1]) for r in runs)
+        cpu[name] = statistics.median((r[-1] - idle * max(r[:-1])) for r in runs) / (2 * sent)
         ratio[name] = line / last
-        print(f"{name:6s} {last:7.3f} s  {ratio[name]:5.3f}x the link rate   ranks done within {spread * 1e3:6.1f} ms")
+        print(f"{name:6s} {last:7.3f} s  {ratio[name]:5.3f}x the link rate   ranks done within {spread * 1e3:6.1f} ms   "
+              f"{cpu[name] * 1e9:5.2f} ns of CPU per byte sent or received")
     # each repeat runs the two side by side: the median of their ratios
-    pairs = [max(s) / max(m) for m, s in zip(result["mesh"], result["shift"])]
+    pairs = [max(s[:-1]) / max(m[:-1]) for m, s in zip(result["mesh"], result["shift"])]
     mesh = statistics.median(pairs)
-    print(f"mesh over shift: {mesh:.3f} (median of the repeats' ratios, {min(pairs):.3f}-{max(pairs):.3f})")
+    print(f"mesh over shift: {mesh:.3f} (median of the repeats' ratios, {min(pairs):.3f}-{max(pairs):.3f}); "
+          f"the machine's own busy time, left out: {idle:.3f} of a core")
     if args.matrix:
         with open(args.matrix) as f:
             matrix = json.load(f)
@@ -118,9 +139,10 @@ def main() -> int:
         rates.setdefault("mesh", {}).setdefault(str(args.np), {})[key] = mesh
         rates.setdefault("mesh_command", {}).setdefault(str(args.np), {})[key] = (
             "sudo python benchmarks/mesh_exchange.py " + " ".join(sys.argv[1:]))
+        rates.setdefault("net_cpu_s", {})[key] = cpu["shift"]  # per byte end, as a ring's or a pair's traffic
         with open(args.matrix, "w") as f:
             json.dump(matrix, f, indent=1)
-        print(f"kept in {args.matrix} as host_rates.mesh[{args.np}][{key}]")
+        print(f"kept in {args.matrix} as host_rates.mesh[{args.np}][{key}] and host_rates.net_cpu_s[{key}]")
     return 0
 
 

@@ -489,6 +489,7 @@ def test_simulate_prints_records_and_rejects_bad_input(tmp_path, cli):
                           (["--busy-wake-us=-1"], "--busy-wake-us must be >= 0, got -1"),
                           (["--host-jitter=-0.1"], "--host-jitter must be >= 0, got -0.1"),
                           (["--mesh", "0"], "--mesh must be in (0, 1], got 0"),
+                          (["--net-cpu-ns=-1"], "--net-cpu-ns must be >= 0, got -1"),
                           (["--model", "nope"], "unknown model 'nope'; valid models:"),
                           (["--servers=-1"], "--servers must be >= 0, got -1"),
                           (["--gpus-per-host", "0"], "--gpus-per-host must be >= 1, got 0"),
@@ -680,6 +681,38 @@ def test_a_message_end_runs_beside_the_other_ranks_busy_at_the_time():
     assert ended[0] - start == pytest.approx(0.1 * (1 / 8 + 3 / 8 + 3 / 8 * 1.5 + 1 / 8 * 2))
 
 
+def test_a_message_end_shares_the_cores_with_the_networks_load_too():
+    """``Worker.network_load``: every worker sends what the simulated one sent and receives as
+    much, each byte end at ``net_cpu_s``; over the time so far that is a load of cores that a
+    message end shares them with (``burst_sharing``), also where each rank has a core."""
+    from gradsync.simulate.worker import Worker
+
+    def loaded(cores: int, ranks: int, servers: int = 0):
+        sim = Sim()
+        worker = Worker(sim, synthetic([(0.1, 0.1, [1000])], batch_size=1), ranks, NET,
+                        Host(cores=cores, net_cpu_s=1e-3), servers=servers)
+        worker.host.run(1.0)  # busy 1 s of 2 (u = 1/2)
+        worker.message(250, [(worker.tx, 1)], lambda: None)  # 250 B sent at 1000 B/s
+        sim.after(2.0, lambda: None)
+        sim.run()
+        return worker
+
+    worker = loaded(2, 2)
+    # 2 workers x 250 B x 2 ends x 1 ms over 2 s: 0.5 of a core; the other rank busy half the time
+    assert worker.network_load() == pytest.approx(0.5)
+    assert worker.burst_sharing() == pytest.approx(1 / 2 * 1.0 + 1 / 2 * (1 + 1 + 0.5) / 2)
+    assert loaded(2, 2, servers=1).network_load() == pytest.approx(1.0)  # the server's ends too
+    assert loaded(0, 2).network_load() == 0.0 and loaded(0, 2).burst_sharing() == 1.0  # cores to spare
+    # the replay takes the CPU per byte measured nearest a run's real link rate, over its dilation
+    from gradsync.simulate import validate
+
+    rates = {"copy_Bps": 1e9, "update_Bps": 1e9, "net_cpu_s": {"250000000": 2e-9, "1000000000": 1e-9}}
+    host = validate._host({"np": 4, "net_bps": 1e9, "dilation": 4.0}, rates, 2)
+    assert host.net_cpu_s == pytest.approx(2e-9 / 4)
+    assert validate._host({"np": 4, "net_bps": 1e10, "dilation": 10.0}, rates, 2).net_cpu_s == pytest.approx(1e-10)
+    assert validate._host({"np": 4, "net_bps": 1e9}, {"copy_Bps": 1e9, "update_Bps": 1e9}, 2).net_cpu_s == 0.0
+
+
 def test_calibration_measures_a_thread_handoff_and_starts_on_a_common_clock():
     """``calibrate(start_at=..., seconds=...)``: processes started apart measure their rates over
     the same seconds (measure_concurrency's processes overlap), and a thread handoff comes with them."""
@@ -717,6 +750,10 @@ def test_shipped_matrix_covers_every_strategy_with_its_commands_and_rates():
         assert 0 < rates["handoff_s"] < 1e-3  # measured (validate.measure_handoff): tens of microseconds
         assert 1e-4 < rates["busy_wake_s"] < 0.05  # with every core busy (validate.measure_busy_wake): ms
         assert all(0 < cv < 1 for cv in rates["jitter"].values())  # hybrid's server updates, traced
+        # the network's measured share for an all-to-all and CPU per byte (benchmarks/mesh_exchange.py)
+        assert all(0 < m <= 1.2 for by_rate in rates["mesh"].values() for m in by_rate.values())
+        assert set(rates["mesh_command"]) == set(rates["mesh"])
+        assert all(1e-10 < c < 1e-8 for c in rates["net_cpu_s"].values())
         together = rates["concurrent"]  # the rates' fraction with every core at it
         assert together["processes"] == matrix["cores"] and 0 < together["update_Bps"] <= 1
     for spec, costs in {**matrix["codecs"], **{k: v for g in matrix["groups"] for k, v in g.get("codecs", {}).items()}}.items():

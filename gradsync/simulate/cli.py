@@ -45,6 +45,10 @@ def add_host_arguments(p: argparse.ArgumentParser) -> None:
                    help="coefficient of variation of host work from step to step: a step that waits for N hosts' "
                         "same work (hybrid's row servers, the compressed strategies' messages and all-gathers) waits for "
                         "the slowest (default 0; 0.15 with 2 ranks and 0.36 with 4 on a 2-core cloud VM)")
+    p.add_argument("--net-cpu-ns", type=float, default=0.0,
+                   help="host CPU per byte a host sends or receives, where the ranks share --shared-cores: a load "
+                        "that message ends share the cores with (default 0: not counted; 1.4-2 on a 2-core VM's "
+                        "emulated cluster, benchmarks/mesh_exchange.py)")
     p.add_argument("--mesh", type=float, default=1.0,
                    help="share of a link's rate an all-to-all among 3 or more hosts moves (co-located ps, p3, "
                         "ps-sliced, casync-ps, hybrid's rows), relative to one flow (default 1: fair shares; 0.93 "
@@ -74,12 +78,12 @@ def host_of(args, error):
 
     if min(args.host_copy_gbps, args.host_update_gbps, args.codec_speed) <= 0:
         error("--host-copy-gbps, --host-update-gbps and --codec-speed must be > 0")
-    for flag in ("message_us", "shared_cores", "busy_wake_us", "host_jitter"):
+    for flag in ("message_us", "shared_cores", "busy_wake_us", "host_jitter", "net_cpu_ns"):
         if getattr(args, flag) < 0:
             error(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag):g}")
     return Host(args.host_copy_gbps * 1e9, args.host_update_gbps * 1e9, args.codec_speed, message_s=args.message_us * 1e-6,
                 busy_wake_s=args.busy_wake_us * 1e-6 if args.busy_wake_us else None, cores=args.shared_cores,
-                jitter=args.host_jitter)
+                jitter=args.host_jitter, net_cpu_s=args.net_cpu_ns * 1e-9)
 
 
 def add_parser(subparsers) -> None:

@@ -164,7 +164,9 @@ def _host(record: dict, rates: dict, cores: int, memory: float | None = None, co
     That fraction moves from minute to minute on a cloud VM, so it is taken where the run shows it,
     ``memory`` (:func:`memory_met`), for copies and updates alike; without it, from a probe of every
     core copying at once (``concurrent``), taken just before the group's run (the mean of it and
-    ``concurrent_after`` where the group probed once more after its run)."""
+    ``concurrent_after`` where the group probed once more after its run). The network's CPU per
+    byte (``net_cpu_s``, benchmarks/mesh_exchange.py) is the one measured nearest the run's real
+    link rate (the emulated rate over the dilation)."""
     from gradsync.simulate import Host
 
     ranks = record["np"] + record.get("servers", 0)
@@ -180,7 +182,8 @@ def _host(record: dict, rates: dict, cores: int, memory: float | None = None, co
     encode, decode = met if met is not None else (fraction["copy_Bps"] * k / share, None)
     return Host(copy * k / share, update * k / share, codec_speed=encode, decode_speed=decode,
                 handoff_s=rates.get("handoff_s", 20e-6) * share / k, message_s=rates.get("message_s", 0.0) / k,
-                busy_wake_s=None if wake is None else wake / k, cores=cores, jitter=_jitter(rates.get("jitter"), ranks))
+                busy_wake_s=None if wake is None else wake / k, cores=cores, jitter=_jitter(rates.get("jitter"), ranks),
+                net_cpu_s=_nearest_rate(rates.get("net_cpu_s"), (record.get("net_bps") or 0) / k, 0.0) / k)
 
 
 def codec_speeds(record: dict, codecs: dict) -> tuple[float, float] | None:
@@ -252,11 +255,15 @@ def _mesh(measured: dict | None, hosts: int, real_bps: float) -> float:
     measured up to ``hosts`` (an all-to-all among more hosts loses at least as much), at the
     measured rate nearest ``real_bps`` (by ratio); 1 if none was."""
     counts = [int(n) for n in (measured or {}) if int(n) <= hosts]
-    if not counts:
-        return 1.0
-    by_rate = measured[str(max(counts))]
-    nearest = min(by_rate, key=lambda rate: abs(math.log(float(rate) / real_bps)))
-    return by_rate[nearest]
+    return _nearest_rate(measured[str(max(counts))], real_bps, 1.0) if counts else 1.0
+
+
+def _nearest_rate(by_rate: dict | None, real_bps: float, default: float) -> float:
+    """``by_rate``: real link rate (bit/s) -> a figure measured at it; the one measured nearest
+    ``real_bps`` (by ratio), or ``default`` if none was (or the link has no rate)."""
+    if not by_rate or not real_bps:
+        return default
+    return by_rate[min(by_rate, key=lambda rate: abs(math.log(float(rate) / real_bps)))]
 
 
 def _jitter(measured: dict | None, ranks: int) -> float:

@@ -63,6 +63,11 @@ class Host:
     cores: int = 0
     """Cores that every rank of the job shares (an emulated cluster on one machine); 0: each host
     has cores to spare, and a woken thread finds one."""
+    net_cpu_s: float = 0.0
+    """Host CPU per byte a host sends or receives (the kernel's TCP, the transport's copies). Where
+    the ranks share ``cores`` it is a load on them beside the ranks' own threads
+    (:meth:`Worker.network_load`), which a message end shares the cores with. 0: not counted (the
+    default; an emulated cluster's veths on a 2-core VM take 1.4-2 ns, docs/simulate.md)."""
     jitter: float = 0.0
     """How much a host work item's time varies from step to step (its coefficient of variation:
     other processes' threads and memory traffic on the same cores). Where a step waits for the
@@ -234,14 +239,26 @@ class Worker:
     def burst_sharing(self) -> float:
         """How many times longer a short burst of a waking thread takes where the ranks share
         ``cores``: it runs beside the other ranks' threads that are busy at that moment, each of
-        them with the chance :meth:`busy_fraction`: ``E[max(1, (1 + K) / cores)]`` with ``K`` of
-        the ``ranks - 1`` others busy (binomial). 1 where each host has cores to spare."""
+        them with the chance :meth:`busy_fraction`, and the network's load on the cores
+        (:meth:`network_load`, ``L``): ``E[max(1, (1 + K + L) / cores)]`` with ``K`` of the
+        ``ranks - 1`` others busy (binomial). 1 where each host has cores to spare."""
         h = self.host_rates
-        if h.cores <= 0 or self.ranks <= h.cores:
+        load = self.network_load()
+        if h.cores <= 0 or (self.ranks <= h.cores and load <= 0):
             return 1.0
         u, others = self.busy_fraction(), self.ranks - 1
-        return sum(math.comb(others, j) * u**j * (1 - u)**(others - j) * max(1.0, (1 + j) / h.cores)
+        return sum(math.comb(others, j) * u**j * (1 - u)**(others - j) * max(1.0, (1 + j + load) / h.cores)
                    for j in range(others + 1))
+
+    def network_load(self) -> float:
+        """The cores that the job's network traffic keeps busy on average so far, where the ranks
+        share ``cores`` (:attr:`Host.net_cpu_s` per byte sent or received): every worker sends
+        what this one does and receives as much; dedicated servers receive and send it all again."""
+        h = self.host_rates
+        if h.cores <= 0 or h.net_cpu_s <= 0 or self.sim.now <= 0:
+            return 0.0
+        ends = 2 * self.bytes_sent() * self.np * (2 if self.servers else 1)
+        return ends * h.net_cpu_s / self.sim.now
 
     def slowest_of(self, n: int) -> float:
         """The slowest of ``n`` hosts' runs of the same work, as a multiple of its mean: ``1 +
