@@ -21,7 +21,9 @@ the validation matrix's host rates (``mesh``: host count -> link rate -> the mes
 shift's, with the command); the replay takes it for a run's hosts at its link's real rate, the
 emulated rate over the dilation (an emulated 1 Gbit/s at ``--dilation 4`` is 250 Mbit/s). The
 CPU a byte costs the machine where the ranks share its cores (``Host.net_cpu_s``, ``--net-cpu-ns``)
-is kept too, the shift's (``net_cpu_s``: link rate -> seconds per byte sent or received).
+is kept too, the shift's (``net_cpu_s``: link rate -> seconds per byte sent or received), with the
+machine's lone copy rate at the time (``net_cpu_copy_Bps``, per link rate too): the replay scales it
+to the speed of the machine that recorded each group.
 """
 from __future__ import annotations
 
@@ -108,6 +110,9 @@ def main() -> int:
         parser.error("--np must be >= 3, --repeats >= 1, --mb and --kb > 0")
     size = int(args.kb * 1024)
     messages = max(1, round(args.mb * 1e6 / size))
+    from gradsync.simulate.validate import calibrate
+
+    copy_Bps = calibrate(handoff_repeats=0)["copy_Bps"]  # this machine's speed, to scale the CPU per byte by
     result = run_on_two_hosts(RANK, {"bytes": size, "messages": messages, "repeats": args.repeats}, rate,
                               "gradsync-mesh-", np=args.np)
     if result is None:
@@ -130,7 +135,7 @@ def main() -> int:
     pairs = [max(s[:-1]) / max(m[:-1]) for m, s in zip(result["mesh"], result["shift"])]
     mesh = statistics.median(pairs)
     print(f"mesh over shift: {mesh:.3f} (median of the repeats' ratios, {min(pairs):.3f}-{max(pairs):.3f}); "
-          f"the machine's own busy time, left out: {idle:.3f} of a core")
+          f"the machine's own busy time, left out: {idle:.3f} of a core; its copy rate {copy_Bps / 1e9:.1f} GB/s")
     if args.matrix:
         with open(args.matrix) as f:
             matrix = json.load(f)
@@ -140,6 +145,7 @@ def main() -> int:
         rates.setdefault("mesh_command", {}).setdefault(str(args.np), {})[key] = (
             "sudo python benchmarks/mesh_exchange.py " + " ".join(sys.argv[1:]))
         rates.setdefault("net_cpu_s", {})[key] = cpu["shift"]  # per byte end, as a ring's or a pair's traffic
+        rates.setdefault("net_cpu_copy_Bps", {})[key] = copy_Bps
         with open(args.matrix, "w") as f:
             json.dump(matrix, f, indent=1)
         print(f"kept in {args.matrix} as host_rates.mesh[{args.np}][{key}] and host_rates.net_cpu_s[{key}]")

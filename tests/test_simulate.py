@@ -711,6 +711,9 @@ def test_a_message_end_shares_the_cores_with_the_networks_load_too():
     assert host.net_cpu_s == pytest.approx(2e-9 / 4)
     assert validate._host({"np": 4, "net_bps": 1e10, "dilation": 10.0}, rates, 2).net_cpu_s == pytest.approx(1e-10)
     assert validate._host({"np": 4, "net_bps": 1e9}, {"copy_Bps": 1e9, "update_Bps": 1e9}, 2).net_cpu_s == 0.0
+    # measured on a machine that copies at half the speed of the one that recorded the run: half the CPU
+    faster = {**rates, "net_cpu_copy_Bps": {"250000000": 0.5e9, "1000000000": 2e9}}
+    assert validate._host({"np": 4, "net_bps": 1e9, "dilation": 4.0}, faster, 2).net_cpu_s == pytest.approx(1e-9 / 4)
 
 
 def test_calibration_measures_a_thread_handoff_and_starts_on_a_common_clock():

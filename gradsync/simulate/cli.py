@@ -47,7 +47,7 @@ def add_host_arguments(p: argparse.ArgumentParser) -> None:
                         "the slowest (default 0; 0.15 with 2 ranks and 0.36 with 4 on a 2-core cloud VM)")
     p.add_argument("--net-cpu-ns", type=float, default=0.0,
                    help="host CPU per byte a host sends or receives, where the ranks share --shared-cores: a load "
-                        "that message ends share the cores with (default 0: not counted; 1.3-1.6 on a 2-core VM's "
+                        "that message ends share the cores with (default 0: not counted; 1.2-2 on a 2-core VM's "
                         "emulated cluster, benchmarks/mesh_exchange.py)")
     p.add_argument("--mesh", type=float, default=1.0,
                    help="share of a link's rate an all-to-all among 3 or more hosts moves (co-located ps, p3, "

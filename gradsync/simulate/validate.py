@@ -165,8 +165,8 @@ def _host(record: dict, rates: dict, cores: int, memory: float | None = None, co
     ``memory`` (:func:`memory_met`), for copies and updates alike; without it, from a probe of every
     core copying at once (``concurrent``), taken just before the group's run (the mean of it and
     ``concurrent_after`` where the group probed once more after its run). The network's CPU per
-    byte (``net_cpu_s``, benchmarks/mesh_exchange.py) is the one measured nearest the run's real
-    link rate (the emulated rate over the dilation)."""
+    byte is the one measured nearest the run's real link rate, at the recording machine's speed
+    (:func:`_net_cpu`)."""
     from gradsync.simulate import Host
 
     ranks = record["np"] + record.get("servers", 0)
@@ -183,7 +183,7 @@ def _host(record: dict, rates: dict, cores: int, memory: float | None = None, co
     return Host(copy * k / share, update * k / share, codec_speed=encode, decode_speed=decode,
                 handoff_s=rates.get("handoff_s", 20e-6) * share / k, message_s=rates.get("message_s", 0.0) / k,
                 busy_wake_s=None if wake is None else wake / k, cores=cores, jitter=_jitter(rates.get("jitter"), ranks),
-                net_cpu_s=_nearest_rate(rates.get("net_cpu_s"), (record.get("net_bps") or 0) / k, 0.0) / k)
+                net_cpu_s=_net_cpu(rates, record) / k)
 
 
 def codec_speeds(record: dict, codecs: dict) -> tuple[float, float] | None:
@@ -248,6 +248,20 @@ def record_network(matrix: dict, record: dict):
     real = record["net_bps"] / record.get("dilation", 1.0)
     mesh = _mesh(matrix.get("host_rates", {}).get("mesh"), hosts, real)
     return Network(record["net_bps"], matrix.get("latency_s", 50e-6), mesh=mesh)
+
+
+def _net_cpu(rates: dict, record: dict) -> float:
+    """Host CPU per byte sent or received in a recorded run (undilated): the one measured nearest its
+    link's real rate (``net_cpu_s``, benchmarks/mesh_exchange.py), scaled from the speed of the
+    machine that measured it to the speed of the one that recorded the run, by their lone copy rates
+    (``net_cpu_copy_Bps`` against the group's ``copy_Bps``: the kernel's TCP copies bytes); 0 if none
+    was measured."""
+    real = (record.get("net_bps") or 0) / record.get("dilation", 1.0)
+    seconds = _nearest_rate(rates.get("net_cpu_s"), real, 0.0)
+    measured_at = _nearest_rate(rates.get("net_cpu_copy_Bps"), real, 0.0)
+    if seconds and measured_at and rates.get("copy_Bps"):
+        seconds *= measured_at / rates["copy_Bps"]
+    return seconds
 
 
 def _mesh(measured: dict | None, hosts: int, real_bps: float) -> float:

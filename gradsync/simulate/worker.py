@@ -67,7 +67,7 @@ class Host:
     """Host CPU per byte a host sends or receives (the kernel's TCP, the transport's copies). Where
     the ranks share ``cores`` it is a load on them beside the ranks' own threads
     (:meth:`Worker.network_load`), which a message end shares the cores with. 0: not counted (the
-    default; an emulated cluster's veths on a 2-core VM take 1.3-1.6 ns, docs/simulate.md)."""
+    default; an emulated cluster's veths on a 2-core VM take 1.2-2 ns, docs/simulate.md)."""
     jitter: float = 0.0
     """How much a host work item's time varies from step to step (its coefficient of variation:
     other processes' threads and memory traffic on the same cores). Where a step waits for the
