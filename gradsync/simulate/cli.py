@@ -23,7 +23,8 @@ DEFAULT_STRATEGIES = ["ddp", "allreduce", "ps", "p3"]
 
 
 def add_host_arguments(p: argparse.ArgumentParser) -> None:
-    """The host's rates (:class:`~gradsync.simulate.Host`), as ``simulate`` and ``advise`` take them."""
+    """The host's rates (:class:`~gradsync.simulate.Host`) and the network's all-to-all share (``--mesh``), as
+    ``simulate`` and ``advise`` take them."""
     p.add_argument("--host-copy-gbps", type=float, default=200.0,
                    help="GB/s of the host work that copies gradients (default 200: an accelerator's)")
     p.add_argument("--host-update-gbps", type=float, default=100.0,
