@@ -15,6 +15,10 @@ loopback, where the rate is unknown), and ``efficiency = measured / bound``.
 step; undilated like every time): for strategies that synchronize gradients in ``backward()``, the
 host's own update, at the memory rate the run met.
 
+``batch_s``: the median time the slowest worker took to make a measured step's batch, before the
+step's timer starts (so not in ``step_s``; undilated like every time): on an emulated cluster it
+is work on the cores the ranks share.
+
 ``host_work``: the strategy's own host work per measured step, rank 0's, by kind (the compressed
 strategies' ``encode`` and ``decode``): ``calls``, raw ``bytes`` and ``seconds`` (undilated), the
 means over the measured steps; absent where the strategy counts none. With the compressors' cost
@@ -66,6 +70,8 @@ def summarize(raw: dict, compute_times: list[float], config: dict, check: dict |
     }
     if raw.get("optimizer_times"):  # the user's optimizer.step(), the slowest worker's, per step
         record["optimizer_s"] = statistics.median(t / k for t in raw["optimizer_times"])
+    if raw.get("batch_times"):  # making the batch, before the step's timer starts
+        record["batch_s"] = statistics.median(t / k for t in raw["batch_times"])
     work = [w for w in raw.get("host_work") or [] if w]
     if work:
         record["host_work"] = {kind: {"calls": statistics.fmean(w[kind][0] for w in work),

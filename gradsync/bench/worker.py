@@ -92,19 +92,25 @@ def host_cpu() -> tuple[int, int] | None:
 
 
 def timed_steps(model, optimizer, work: Workload, total: int, label: str = "compute only",
-                cpu: list | None = None, updates: list | None = None, host_work: list | None = None) -> list[float]:
+                cpu: list | None = None, updates: list | None = None, host_work: list | None = None,
+                batches: list | None = None) -> list[float]:
     """Run ``total`` training steps; per-step seconds. ``cpu``: gets each step's host CPU ticks
     ``[busy, total]`` appended (an emulated cluster shares this machine's cores: a run that keeps
     them busy measures the host, not the emulated cluster). ``updates``: gets each step's
     ``optimizer.step()`` seconds appended. ``host_work``: gets each step's host work of the
-    strategy appended (:meth:`~gradsync.strategies.base.Strategy.host_work`, that step's part)."""
+    strategy appended (:meth:`~gradsync.strategies.base.Strategy.host_work`, that step's part).
+    ``batches``: gets the seconds each step's batch took to make appended (before the step's
+    timer starts, and so not in its time)."""
     topo = gradsync.topology()
     spec = work.spec()
     tracer = trace.current()
     times = []
     done = optimizer.strategy.host_work() if host_work is not None else None
     for step in range(total):
+        made = time.perf_counter()
         inputs, target = work.batch(spec, step, topo.rank, topo.num_workers)
+        if batches is not None:
+            batches.append(time.perf_counter() - made)
         before = host_cpu() if cpu is not None else None
         start = time.perf_counter()
         loss = spec.loss(model(*inputs), target)
@@ -214,20 +220,22 @@ def run_strategy(name: str, options: dict, work: Workload, total: int, run_dir: 
         cpu = [] if topo.rank == 0 and host_cpu() is not None else None  # one machine: rank 0's view
         updates: list[float] = []
         work_done: list[dict] = []  # this rank's (rank 0 writes the record)
-        times = timed_steps(model, optimizer, work, total, label=name, cpu=cpu, updates=updates, host_work=work_done)
+        batches: list[float] = []
+        times = timed_steps(model, optimizer, work, total, label=name, cpu=cpu, updates=updates, host_work=work_done,
+                            batches=batches)
         optimizer.flush()  # the last step's lazily finished pulls (p3) count toward its bytes
         sent = transport.bytes_sent - sent_before
         for hook in hooks:
             hook.remove()
     optimizer.close()  # dedicated servers leave their loop; the model can be freed before the next strategy
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    times, updates = slowest(times), slowest(updates)
+    times, updates, batches = slowest(times), slowest(updates), slowest(batches)
     agree = workers_agree(model)
     worker_mb, server_mb = peaks(transport, worker=memory.peak_mb)
     if topo.rank == 0:
         torch.save({n: p.detach() for n, p in model.named_parameters()}, os.path.join(run_dir, f"{name}.pt"))
     return {"strategy": name, "describe": optimizer.strategy.describe(), "times": times, "optimizer_times": updates,
-            "host_work": work_done,
+            "batch_times": batches, "host_work": work_done,
             "bytes_per_step": sent / total, "peak_mem_mb": worker_mb, "server_peak_mem_mb": server_mb,
             "workers_max_diff": agree, "stats": {k: v for k, v in getattr(optimizer.strategy, "stats", {}).items() if isinstance(v, (int, float))},
             "exact": bool(optimizer.strategy.exact), "model_bytes": model_bytes, "host_cpu": cpu,
@@ -237,12 +245,15 @@ def run_strategy(name: str, options: dict, work: Workload, total: int, run_dir: 
 def merge(into: dict | None, record: dict, warmup: int) -> dict:
     """Accumulate one round: measured times (warm-up dropped), worst memory and agreement."""
     times, updates = record["times"][warmup:], record["optimizer_times"][warmup:]
+    batches = record.get("batch_times", [])[warmup:]
     cpu = None if record["host_cpu"] is None else record["host_cpu"][warmup:]
     work = record.get("host_work", [])[warmup:]
     if into is None:
-        return {**record, "times": times, "optimizer_times": updates, "host_cpu": cpu, "host_work": work}
+        return {**record, "times": times, "optimizer_times": updates, "batch_times": batches, "host_cpu": cpu,
+                "host_work": work}
     into["times"] += times
     into["optimizer_times"] += updates
+    into["batch_times"] = into.get("batch_times", []) + batches
     into["host_work"] = into.get("host_work", []) + work
     if cpu is not None:
         into["host_cpu"] += cpu
