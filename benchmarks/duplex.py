@@ -53,7 +53,7 @@ gradsync.shutdown()
 
 
 def main() -> int:
-    from _two_hosts import run_on_two_hosts
+    from _hosts import run_on_hosts
     from gradsync.cluster import format_rate, parse_rate
     from gradsync.errors import ConfigError
 
@@ -69,7 +69,7 @@ def main() -> int:
         parser.error(f"--net or --sizes: {exc}")
     if not sizes or min(sizes) <= 0 or args.repeats < 1:
         parser.error("--sizes must be positive MB and --repeats >= 1")
-    times = run_on_two_hosts(RANK, {"sizes": sizes, "repeats": args.repeats}, rate, "gradsync-duplex-")
+    times = run_on_hosts(RANK, {"sizes": sizes, "repeats": args.repeats}, rate, "gradsync-duplex-")
     if times is None:
         return 1
     print(f"two hosts, links of {format_rate(rate)}; median of {args.repeats}")

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 
@@ -90,7 +91,7 @@ gradsync.shutdown()
 
 
 def main() -> int:
-    from _two_hosts import run_on_two_hosts
+    from _hosts import run_on_hosts
     from gradsync.cluster import format_rate, parse_rate
     from gradsync.errors import ConfigError
 
@@ -108,12 +109,14 @@ def main() -> int:
         parser.error(f"--net: {exc}")
     if args.np < 3 or args.repeats < 1 or args.mb <= 0 or args.kb <= 0:
         parser.error("--np must be >= 3, --repeats >= 1, --mb and --kb > 0")
+    if args.matrix and not os.path.isfile(args.matrix):  # before a minute of runs, not after
+        parser.error(f"--matrix {args.matrix}: no such file (the validation matrix: gradsync/simulate/validation.json)")
     size = int(args.kb * 1024)
     messages = max(1, round(args.mb * 1e6 / size))
     from gradsync.simulate.validate import calibrate
 
     copy_Bps = calibrate(handoff_repeats=0)["copy_Bps"]  # this machine's speed, to scale the CPU per byte by
-    result = run_on_two_hosts(RANK, {"bytes": size, "messages": messages, "repeats": args.repeats}, rate,
+    result = run_on_hosts(RANK, {"bytes": size, "messages": messages, "repeats": args.repeats}, rate,
                               "gradsync-mesh-", np=args.np)
     if result is None:
         return 1

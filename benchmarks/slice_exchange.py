@@ -76,7 +76,7 @@ gradsync.shutdown()
 
 
 def main() -> int:
-    from _two_hosts import run_on_two_hosts
+    from _hosts import run_on_hosts
     from gradsync.cluster import format_rate, parse_rate
     from gradsync.errors import ConfigError
     from gradsync.strategies.p3 import POSTED
@@ -97,7 +97,7 @@ def main() -> int:
     variants = [("one way", False, POSTED, None), (f"both ways, {POSTED} posted", True, POSTED, None),
                 ("both ways, all posted", True, args.messages, None),
                 (f"both ways, {POSTED} posted, 1 MB credit", True, POSTED, 2**20)]
-    times = run_on_two_hosts(RANK, {"messages": args.messages, "bytes": size, "repeats": args.repeats, "variants": variants}, rate, "gradsync-slices-")
+    times = run_on_hosts(RANK, {"messages": args.messages, "bytes": size, "repeats": args.repeats, "variants": variants}, rate, "gradsync-slices-")
     if times is None:
         return 1
     line = args.messages * size * 8 / rate

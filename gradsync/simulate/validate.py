@@ -363,6 +363,17 @@ def record_host(matrix: dict, group: dict, record: dict) -> tuple:
     return group_hosts(records, works, rates, matrix.get("cores", os.cpu_count() or 1), codecs)[i][0], works[i]
 
 
+def _latest(path: str | None, model: str, np: int, rate_bps: float, strategy: str, servers: int) -> tuple:
+    """The matrix at ``path`` (the shipped one by default) and the latest ``(group, record)`` of a
+    cell of it, or None where it has no record of that cell."""
+    with open(path or MATRIX) as f:
+        matrix = json.load(f)
+    cell = (model, np, rate_bps, strategy, servers)
+    latest = [(group, rec) for group in matrix["groups"] for rec in group["records"]
+              if (rec["model"], rec["np"], rec["net_bps"], rec["strategy"], rec.get("servers", 0)) == cell][-1:]
+    return matrix, (latest[0] if latest else None)
+
+
 def cell_host(model: str, np: int, rate_bps: float, strategy: str, servers: int = 0,
               path: str | None = None) -> tuple:
     """The host and workload on which the replay simulates the latest record of a cell of the
@@ -370,14 +381,10 @@ def cell_host(model: str, np: int, rate_bps: float, strategy: str, servers: int 
     simulator's default host (batch 32) where the matrix has no record of it."""
     from gradsync.simulate import Host, load
 
-    with open(path or MATRIX) as f:
-        matrix = json.load(f)
-    cell = (model, np, rate_bps, strategy, servers)
-    latest = [(group, rec) for group in matrix["groups"] for rec in group["records"]
-              if (rec["model"], rec["np"], rec["net_bps"], rec["strategy"], rec.get("servers", 0)) == cell][-1:]
-    if not latest:
+    matrix, latest = _latest(path, model, np, rate_bps, strategy, servers)
+    if latest is None:
         return Host(), load(model, 32, None), "the simulator's default host (no record of this cell in the matrix)"
-    (group, rec), = latest
+    group, rec = latest
     return (*record_host(matrix, group, rec), f"the host of the matrix's record from `{group['command']}`")
 
 
@@ -386,12 +393,8 @@ def cell_network(model: str, np: int, rate_bps: float, strategy: str, servers: i
     ``path`` (the shipped one by default; :func:`record_network`): fair shares where it has no record."""
     from gradsync.simulate import Network
 
-    with open(path or MATRIX) as f:
-        matrix = json.load(f)
-    cell = (model, np, rate_bps, strategy, servers)
-    latest = [rec for group in matrix["groups"] for rec in group["records"]
-              if (rec["model"], rec["np"], rec["net_bps"], rec["strategy"], rec.get("servers", 0)) == cell][-1:]
-    return record_network(matrix, latest[0]) if latest else Network(rate_bps, matrix.get("latency_s", 50e-6))
+    matrix, latest = _latest(path, model, np, rate_bps, strategy, servers)
+    return record_network(matrix, latest[1]) if latest else Network(rate_bps, matrix.get("latency_s", 50e-6))
 
 
 def _workload_key(record: dict) -> tuple:

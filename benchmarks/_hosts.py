@@ -8,9 +8,9 @@ import sys
 import tempfile
 
 
-def run_on_two_hosts(rank_script: str, config: dict, rate_bps: float, prefix: str, np: int = 2) -> dict | None:
+def run_on_hosts(rank_script: str, config: dict, rate_bps: float, prefix: str, np: int = 2) -> dict | None:
     """Write ``config`` and ``rank_script`` to a temporary directory, run the script as
-    ``python SCRIPT CONFIG RESULT`` on ``np`` (two) emulated hosts with links of ``rate_bps``, and
+    ``python SCRIPT CONFIG RESULT`` on ``np`` (default two) emulated hosts with links of ``rate_bps``, and
     return the JSON rank 0 wrote to RESULT; None, with the ranks' error printed, if they failed."""
     from gradsync.launch.emulated import launch_emulated
 
