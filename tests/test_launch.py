@@ -346,7 +346,9 @@ def test_second_machine_of_a_torchrun_style_job_runs_its_own_ranks(capsys, monke
     assert out.splitlines() == ["[worker 1] 1 2 3"] and "OMP_NUM_THREADS" not in err
 
 
-def test_version_strategies_and_help_do_not_import_torch():
+def test_version_strategies_help_and_the_launcher_do_not_import_torch(tmp_path):
+    # `gradsync run` itself, checkpoint options and all, starts its ranks without torch's seconds of import
+    job = ["run", "-np", "1", "--checkpoint-dir", str(tmp_path / "ckpt"), "--", PY, "-c", "print('rank ran')"]
     code = ("import sys, contextlib, io\n"
             "from gradsync import cli\n"
             "for argv in (['--help'], ['--version'], ['run', '--help']):\n"
@@ -356,12 +358,14 @@ def test_version_strategies_and_help_do_not_import_torch():
             "        except SystemExit:\n"
             "            pass\n"
             "    print(out.getvalue().splitlines()[0])\n"
+            f"print('job', cli.main({job!r}), flush=True)\n"
             "print('torch imported' if 'torch' in sys.modules else 'no torch')\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     lines = proc.stdout.splitlines()
     assert proc.returncode == 0, proc.stderr
     assert lines[0].startswith("usage: gradsync") and lines[1].startswith("gradsync 0.")
     assert lines[2].startswith("usage: gradsync run") and lines[-1] == "no torch", proc.stdout
+    assert "job 0" in lines and "rank ran" in proc.stdout, proc.stdout
 
 
 def test_every_command_s_help_is_plain_text_and_every_option_has_a_line():

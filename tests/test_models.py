@@ -33,9 +33,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:LSTM with projections:UserWarnin
 
 
 def build_on_meta(name: str, **options) -> torch.nn.Module:
-    spec = get_model(name, **options)
-    with torch.device("meta"):
-        return spec.build()
+    return get_model(name, **options).build_meta()
 
 
 def count(model: torch.nn.Module) -> int:
@@ -49,6 +47,29 @@ def test_zoo_is_registered():
 @pytest.mark.parametrize("name", ZOO)
 def test_full_size_parameter_count(name):
     assert count(build_on_meta(name)) == FULL_PARAMS[name]
+
+
+@pytest.mark.parametrize("name", ZOO)
+def test_a_model_on_the_meta_device_has_the_built_ones_parameters(name):
+    real, meta = get_model(f"{name}:tiny").build(), build_on_meta(f"{name}:tiny")
+    assert [(n, p.shape, p.dtype, p.requires_grad) for n, p in real.named_parameters()] == \
+        [(n, p.shape, p.dtype, p.requires_grad) for n, p in meta.named_parameters()]
+    assert all(p.is_meta for p in meta.parameters()) and all(not p.is_meta for p in real.parameters())
+
+
+def test_building_on_the_meta_device_runs_no_initializer():
+    # An initializer on a meta tensor goes through PyTorch's Python decompositions, which import
+    # torch._dynamo: seconds of every process that only needs the shapes (a bench's memory check).
+    code = ("import sys\n"
+            "from gradsync.models import get_model\n"
+            "for name in ('toy', 'lstm-lm:cpu', 'bert-base', 'transformer-nmt', 'vgg19'):\n"
+            "    get_model(name).build_meta()\n"
+            "print('torch._dynamo' in sys.modules)\n")
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.split() == ["False"], done.stdout + done.stderr
 
 
 def test_inception_without_aux_classifier():

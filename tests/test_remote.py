@@ -88,30 +88,35 @@ def test_a_host_that_ssh_cannot_reach_fails_the_job_at_once_naming_it(tmp_path):
     assert time.monotonic() - started < 60  # not node 0 waiting out the rendezvous
 
 
-def test_machine_arguments_that_cannot_work_are_refused(tmp_path):
-    env = machine(tmp_path)
+def test_machine_arguments_that_cannot_work_are_refused(tmp_path, monkeypatch, capsys):
+    from gradsync import cli
 
-    def bench(*args):
-        return subprocess.run([*GRADSYNC, "bench", "--model", "toy", *args], capture_output=True, text=True, env=env)
+    monkeypatch.setenv("XDG_DATA_HOME", machine(tmp_path)["XDG_DATA_HOME"])
+
+    def gradsync(*argv) -> tuple[int, str]:  # in this process: the refusals come before any job starts
+        capsys.readouterr()
+        try:
+            code = cli.main(list(argv))
+        except SystemExit as exc:
+            code = exc.code
+        return code, capsys.readouterr().err
 
     for args, says in [(["--machine", "lab", "--np", "3"], "--np 3 exceeds the 2 slots of machine 'lab'"),
                        (["--machine", "lab", "--net", "1gbit"], "drop --net"),
                        (["--machine", "lab", "--compute", "emulated", "--dilation", "4"], "has real ones (drop --dilation)"),
                        (["--machine", "nope"], "no registered machine 'nope'")]:
-        done = bench(*args)
-        assert done.returncode == 2 and says in done.stderr, (args, done.stderr)
+        code, err = gradsync("bench", "--model", "toy", *args)
+        assert code == 2 and says in err, (args, err)
     hosts = tmp_path / "far.json"  # a machine whose first host is elsewhere starts there, not here
     hosts.write_text(json.dumps({"hosts": [{"host": "far-away.invalid", "slots": 1}, {"host": "localhost", "slots": 1}]}))
-    assert subprocess.run([*GRADSYNC, "machine", "add", "far", "--hosts", str(hosts), "--no-check"], env=env,
-                          capture_output=True).returncode == 0
-    done = bench("--machine", "far")
-    assert done.returncode == 2 and "starts from its first host, 'far-away.invalid'" in done.stderr
+    assert gradsync("machine", "add", "far", "--hosts", str(hosts), "--no-check")[0] == 0
+    code, err = gradsync("bench", "--model", "toy", "--machine", "far")
+    assert code == 2 and "starts from its first host, 'far-away.invalid'" in err
     for bad, says in [({"ssh": "ssh -p 22"}, '"ssh" is the command before a host'),
                       ({"net": "fast"}, "net: bad link rate 'fast'"), ({"python": 3}, "'python' must be a non-empty string")]:
         hosts.write_text(json.dumps({"hosts": [{"host": "localhost"}], **bad}))
-        done = subprocess.run([*GRADSYNC, "machine", "add", "bad", "--hosts", str(hosts), "--no-check"], env=env,
-                              capture_output=True, text=True)
-        assert done.returncode == 2 and says in done.stderr, (bad, done.stderr)
+        code, err = gradsync("machine", "add", "bad", "--hosts", str(hosts), "--no-check")
+        assert code == 2 and says in err, (bad, err)
 
 
 def test_an_experiment_on_a_machine_runs_at_the_machines_own_rate(tmp_path):

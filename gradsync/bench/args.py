@@ -179,16 +179,13 @@ def _check_memory(args, parser_error) -> None:
     """Refuse a run on this machine that cannot fit in its memory: every rank holds the model's
     parameters, gradients and optimizer state (at least 3x its parameters; 3-6x measured) beside
     a process's own 200 MB. Larger scales are what ``gradsync simulate`` predicts."""
-    import torch
-
     from gradsync.models import get_model
 
     available = available_bytes()
     if available is None:
         return
     try:
-        with torch.device("meta"):
-            params = sum(p.numel() * p.element_size() for p in get_model(args.model).build().parameters())
+        params = sum(p.numel() * p.element_size() for p in get_model(args.model).build_meta().parameters())
     except Exception:  # noqa: BLE001 - a model that cannot be built on the meta device is not checked here
         return
     ranks = max(args.np_list) + args.servers

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import os
 import platform
 import statistics
@@ -234,13 +235,10 @@ def layer_flops(model, inputs, loss=None) -> tuple[list[str], dict]:
 
 
 def _model_flops(spec, batch_size: int) -> tuple[list[str], dict, str]:
-    import torch
-
     try:
         # On the meta device tensors have shapes but no data: full-size VGG-19 or the 800M-parameter
         # LSTM cost nothing to "run".
-        with torch.device("meta"):
-            model = spec.build()
+        model = spec.build_meta()
         inputs, target = spec.batch(batch_size, seed=0)
         order, flops = layer_flops(model.train(), tuple(x.to("meta") for x in inputs),
                                    lambda out: spec.loss(out, target.to("meta")))
@@ -257,6 +255,16 @@ def _model_flops(spec, batch_size: int) -> tuple[list[str], dict, str]:
         return order, {k: v * batch_size for k, v in flops.items()}, "on the CPU at batch 1, scaled linearly"
 
 
+@functools.lru_cache(maxsize=16)
+def _counted(model_name: str, batch_size: int) -> tuple[tuple[str, ...], tuple[tuple[str, float], ...], str]:
+    """:func:`_model_flops` of a model, counted once per process: counting builds the model, which
+    for a model that does not run on the meta device means its full-size parameters on the CPU
+    (``lstm-lm:cpu``: half a second each time), and ``gradsync simulate --validate`` asks for the
+    same models again and again."""
+    order, flops, how = _model_flops(_spec(model_name), batch_size)
+    return tuple(order), tuple(flops.items()), how
+
+
 def from_flops(model_name: str, batch_size: int, tflops: float, *, device: str | None = None) -> Profile:
     """Per-layer times of ``model_name`` at ``batch_size`` on a device that sustains ``tflops``.
 
@@ -267,7 +275,8 @@ def from_flops(model_name: str, batch_size: int, tflops: float, *, device: str |
     """
     if not tflops > 0:
         raise ConfigError(f"the FLOP rate must be positive, got {tflops} TFLOPS")
-    order, flops, how = _model_flops(_spec(model_name), batch_size)
+    order, counted, how = _counted(model_name, batch_size)
+    flops = dict(counted)
     per_ms = tflops * 1e12 / 1e3
     layers = [Layer(name, flops[name] / per_ms, 2 * flops[name] / per_ms) for name in order]
     total = 3 * sum(flops.values()) / 1e9

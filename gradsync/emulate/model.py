@@ -304,8 +304,7 @@ def emulated_spec(model: str, batch_size: int, profile_text: str | None = None, 
     profile = resolve(model, batch_size, profile_text)
 
     def build() -> nn.Module:
-        with torch.device("meta"):
-            real = real_spec.build()
+        real = real_spec.build_meta()
         return EmulatedModel(real, profile, dilation, real_spec.lookups)
 
     def make_batch(n: int, generator: torch.Generator):

@@ -75,8 +75,6 @@ def load(model: str, batch_size: int, profile: str | None = None) -> Workload:
     """The workload of ``model`` at ``batch_size`` under compute profile ``profile`` (as
     ``--compute emulated:PROFILE``, spelled either way; None or ``emulated``: the shipped one for
     the model)."""
-    import torch
-
     from gradsync.emulate.derive import resolve
     from gradsync.emulate.profile import check_covers, layer_modules
     from gradsync.models import get_model
@@ -85,8 +83,7 @@ def load(model: str, batch_size: int, profile: str | None = None) -> Workload:
     if profile is not None:  # gradsync bench's spelling of the same profile
         profile = None if profile == "emulated" else profile.removeprefix("emulated:")
     prof = resolve(model, batch_size, profile)
-    with torch.device("meta"):
-        real = spec.build()
+    real = spec.build_meta()
     check_covers(prof, real)
     owned = layer_modules(real)
     seen: set[int] = set()
