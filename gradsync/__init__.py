@@ -11,10 +11,7 @@ See README.md and docs/architecture.md.
 Importing the package does not import torch: the public names below load their module on first
 use (PEP 562), so ``gradsync run`` (``gradsync.launch``, no torch) starts in milliseconds.
 """
-import sys
-import types
-from importlib import import_module
-
+from gradsync._lazy import lazy_names
 from gradsync.errors import (ConfigError, GradientEditedError, GradsyncError, ModelMismatchError, PeerFailureError,
                              PeerProtocolError)
 
@@ -55,31 +52,7 @@ def device():
     return runtime.current().transport.device
 
 
-def __getattr__(name: str):
-    if name not in _LAZY:
-        raise AttributeError(f"module 'gradsync' has no attribute {name!r}")
-    value = getattr(import_module(_LAZY[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
-
-
-class _Package(types.ModuleType):
-    """``distribute`` and ``topology`` are public functions and also submodules. Importing a
-    submodule makes Python set it as a package attribute, which would hide the function (then
-    ``gradsync.topology()`` fails with "module is not callable" once anything imported
-    ``gradsync.runtime``). Keep the functions; the modules stay importable by their full names."""
-
-    def __setattr__(self, name: str, value) -> None:
-        if name in ("distribute", "topology") and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
+lazy_names(__name__, _LAZY, functions=("distribute", "topology"))
 
 __all__ = ["init", "shutdown", "is_initialized", "distribute", "sampler", "topology", "device", "Strategy", "AllReduce",
            "ParameterServer", "DDP", "P3", "PriorityAllReduce", "CaSyncRing", "CaSyncPS", "CompressedAllGather", "SMA", "PairAveraging",

@@ -13,9 +13,7 @@ Importing the package does not import torch: its public names load their module 
 (PEP 562), so ``gradsync run``, which reads :mod:`gradsync.adapt.durable`'s checkpoints, imports
 no torch.
 """
-import sys
-import types
-from importlib import import_module
+from gradsync._lazy import lazy_names
 
 # Public name -> the module that defines it (each of these imports torch).
 _LAZY = {
@@ -27,30 +25,4 @@ _LAZY = {
 }
 
 __all__ = sorted(_LAZY)
-
-
-def __getattr__(name: str):
-    if name not in _LAZY:
-        raise AttributeError(f"module 'gradsync.adapt' has no attribute {name!r}")
-    value = getattr(import_module(_LAZY[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
-
-
-class _Package(types.ModuleType):
-    """``monitor`` is a public function and also a submodule. Importing the submodule makes Python
-    set it as a package attribute, which would hide the function (``from gradsync.adapt import
-    monitor`` would give the module once anything imported ``gradsync.adapt.monitor``). Keep the
-    function; the module stays importable by its full name."""
-
-    def __setattr__(self, name: str, value) -> None:
-        if name == "monitor" and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
+lazy_names(__name__, _LAZY, functions=("monitor",))
