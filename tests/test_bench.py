@@ -35,6 +35,8 @@ def test_every_strategy_with_a_dedicated_server(tmp_path):
         assert r["host_cpu_busy"] is None or 0 < r["host_cpu_busy"] <= 1, (name, r["host_cpu_busy"])
         assert 0 < r["optimizer_s"] < r["step_s"], name  # the user's optimizer.step(), within the step
         assert 0 < r["batch_s"], name  # making each batch, before the step's timer starts
+        # each step's workers' mean is at most its slowest worker's, and so is the median of it
+        assert 0 < r["worker_step_s"] <= r["step_s"] * (1 + 1e-9), name
     for name in ("ddp", "allreduce", "ps"):  # ps-async workers pull at different times: no agreement
         assert records[name]["workers_max_diff"] == 0.0, f"{name}: workers disagree"
         assert records[name]["correct"] is True, records[name]

@@ -19,6 +19,11 @@ host's own update, at the memory rate the run met.
 step's timer starts (so not in ``step_s``; undilated like every time): on an emulated cluster it
 is work on the cores the ranks share.
 
+``worker_step_s``: the median over the measured steps of the workers' mean time for each step
+(undilated like every time). ``step_s``, the slowest worker's, exceeds it by what the job loses to
+workers that do not start and end their steps together (stragglers, batches that take each
+worker a different time).
+
 ``host_work``: the strategy's own host work per measured step, rank 0's, by kind (the compressed
 strategies' ``encode`` and ``decode``): ``calls``, raw ``bytes`` and ``seconds`` (undilated), the
 means over the measured steps; absent where the strategy counts none. With the compressors' cost
@@ -70,6 +75,8 @@ def summarize(raw: dict, compute_times: list[float], config: dict, check: dict |
     }
     if raw.get("optimizer_times"):  # the user's optimizer.step(), the slowest worker's, per step
         record["optimizer_s"] = statistics.median(t / k for t in raw["optimizer_times"])
+    if raw.get("mean_times"):  # each step's time, the workers' mean
+        record["worker_step_s"] = statistics.median(t / k for t in raw["mean_times"])
     if raw.get("batch_times"):  # making the batch, before the step's timer starts
         record["batch_s"] = statistics.median(t / k for t in raw["batch_times"])
     work = [w for w in raw.get("host_work") or [] if w]

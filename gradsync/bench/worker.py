@@ -146,6 +146,14 @@ def slowest(times: list[float]) -> list[float]:
     return runtime.current().transport.allreduce(t, op="max", what="gather of step times").tolist()
 
 
+def mean_of_workers(times: list[float]) -> list[float]:
+    """Per step, the workers' mean time: below :func:`slowest` by what the step loses to workers
+    that do not start or end it together."""
+    t = torch.tensor(times, dtype=torch.float64, device=runtime.current().transport.device)
+    total = runtime.current().transport.allreduce(t, op="sum", what="gather of step times")
+    return (total / runtime.current().topology.num_workers).tolist()
+
+
 def workers_agree(model, chunk: int = 1 << 22) -> float:
     """Largest difference between any worker's parameters and rank 0's.
 
@@ -229,13 +237,13 @@ def run_strategy(name: str, options: dict, work: Workload, total: int, run_dir: 
             hook.remove()
     optimizer.close()  # dedicated servers leave their loop; the model can be freed before the next strategy
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    times, updates, batches = slowest(times), slowest(updates), slowest(batches)
+    times, means, updates, batches = slowest(times), mean_of_workers(times), slowest(updates), slowest(batches)
     agree = workers_agree(model)
     worker_mb, server_mb = peaks(transport, worker=memory.peak_mb)
     if topo.rank == 0:
         torch.save({n: p.detach() for n, p in model.named_parameters()}, os.path.join(run_dir, f"{name}.pt"))
     return {"strategy": name, "describe": optimizer.strategy.describe(), "times": times, "optimizer_times": updates,
-            "batch_times": batches, "host_work": work_done,
+            "mean_times": means, "batch_times": batches, "host_work": work_done,
             "bytes_per_step": sent / total, "peak_mem_mb": worker_mb, "server_peak_mem_mb": server_mb,
             "workers_max_diff": agree, "stats": {k: v for k, v in getattr(optimizer.strategy, "stats", {}).items() if isinstance(v, (int, float))},
             "exact": bool(optimizer.strategy.exact), "model_bytes": model_bytes, "host_cpu": cpu,
@@ -245,15 +253,17 @@ def run_strategy(name: str, options: dict, work: Workload, total: int, run_dir: 
 def merge(into: dict | None, record: dict, warmup: int) -> dict:
     """Accumulate one round: measured times (warm-up dropped), worst memory and agreement."""
     times, updates = record["times"][warmup:], record["optimizer_times"][warmup:]
-    batches = record.get("batch_times", [])[warmup:]
+    batches, means = record.get("batch_times", [])[warmup:], record.get("mean_times", [])[warmup:]
     cpu = None if record["host_cpu"] is None else record["host_cpu"][warmup:]
     work = record.get("host_work", [])[warmup:]
     if into is None:
-        return {**record, "times": times, "optimizer_times": updates, "batch_times": batches, "host_cpu": cpu,
+        return {**record, "times": times, "optimizer_times": updates, "batch_times": batches, "mean_times": means,
+                "host_cpu": cpu,
                 "host_work": work}
     into["times"] += times
     into["optimizer_times"] += updates
     into["batch_times"] = into.get("batch_times", []) + batches
+    into["mean_times"] = into.get("mean_times", []) + means
     into["host_work"] = into.get("host_work", []) + work
     if cpu is not None:
         into["host_cpu"] += cpu
