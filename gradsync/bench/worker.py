@@ -258,8 +258,7 @@ def merge(into: dict | None, record: dict, warmup: int) -> dict:
     work = record.get("host_work", [])[warmup:]
     if into is None:
         return {**record, "times": times, "optimizer_times": updates, "batch_times": batches, "mean_times": means,
-                "host_cpu": cpu,
-                "host_work": work}
+                "host_cpu": cpu, "host_work": work}
     into["times"] += times
     into["optimizer_times"] += updates
     into["batch_times"] = into.get("batch_times", []) + batches
