@@ -5,6 +5,8 @@ Full-size models are built on the meta device, so counting the 823M-parameter LS
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -65,9 +67,6 @@ def test_building_on_the_meta_device_runs_no_initializer():
             "for name in ('toy', 'lstm-lm:cpu', 'bert-base', 'transformer-nmt', 'vgg19'):\n"
             "    get_model(name).build_meta()\n"
             "print('torch._dynamo' in sys.modules)\n")
-    import subprocess
-    import sys
-
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.split() == ["False"], done.stdout + done.stderr
 

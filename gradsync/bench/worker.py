@@ -140,18 +140,21 @@ def timed_steps(model, optimizer, work: Workload, total: int, label: str = "comp
     return times
 
 
+def _over_workers(times: list[float], op: str) -> torch.Tensor:
+    """Each step's times, reduced over the workers with ``op``."""
+    t = torch.tensor(times, dtype=torch.float64, device=runtime.current().transport.device)
+    return runtime.current().transport.allreduce(t, op=op, what="gather of step times")
+
+
 def slowest(times: list[float]) -> list[float]:
     """Per step, the slowest worker's time: a synchronous step ends when the last worker ends."""
-    t = torch.tensor(times, dtype=torch.float64, device=runtime.current().transport.device)
-    return runtime.current().transport.allreduce(t, op="max", what="gather of step times").tolist()
+    return _over_workers(times, "max").tolist()
 
 
 def mean_of_workers(times: list[float]) -> list[float]:
     """Per step, the workers' mean time: below :func:`slowest` by what the step loses to workers
     that do not start or end it together."""
-    t = torch.tensor(times, dtype=torch.float64, device=runtime.current().transport.device)
-    total = runtime.current().transport.allreduce(t, op="sum", what="gather of step times")
-    return (total / runtime.current().topology.num_workers).tolist()
+    return (_over_workers(times, "sum") / runtime.current().topology.num_workers).tolist()
 
 
 def workers_agree(model, chunk: int = 1 << 22) -> float:
