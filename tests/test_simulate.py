@@ -400,6 +400,23 @@ def test_hybrid_servers_apply_every_table_before_answering_the_next_pull():
     assert record["step_s"] == pytest.approx(4.0 * (1 + 0.5 / math.sqrt(math.pi)) + 1.0, rel=1e-4)
 
 
+def test_hybrid_servers_loop_wakes_for_each_receive_and_runs_the_update_that_a_push_completes():
+    # The case above with a free optimizer of the rows' tables' sizes but a thread's wakeup of 1 s
+    # (Host.handoff_s). The server's receive loop takes a pull's header and ids, each once woken
+    # (2 s), the worker wakes for the rows (1 s); layer 0 computes (1 s), then table 1's pull (2 +
+    # 1 s). The pushes of both tables, a header, ids and rows each, take the loop 3 + 3 s, and the
+    # second completes the step: the loop runs both tables' updates (4 s) and only then takes the
+    # next step's first request, which the worker sent once its step's sends were taken. 17 s a step.
+    from gradsync.simulate.workload import Table
+
+    work = synthetic([(1.0, 0.0, [4000]), (0.0, 0.0, [4000]), (0.0, 0.0, [1000])])
+    work.tables = {"layer0.p0": Table(rows=100, row_bytes=40, read=10),
+                   "layer1.p0": Table(rows=100, row_bytes=40, read=10)}
+    host = Host(copy_Bps=1e18, update_Bps=1000.0, handoff_s=1.0)
+    record = simulate("hybrid", work, 2, Network(rate_bps=8e15, latency_s=0.0), host=host, steps=5, warmup=2)
+    assert record["step_s"] == pytest.approx(2 + 1 + 1 + 2 + 1 + 3 + 3 + 4)
+
+
 def test_the_slowest_of_n_is_the_mean_plus_the_expected_maximum_of_n_normals():
     from gradsync.simulate.worker import expected_max_normal
 
@@ -481,6 +498,17 @@ def test_simulate_prints_records_and_rejects_bad_input(tmp_path, cli):
     assert slowed["allreduce"]["step_s"] == pytest.approx(fast["allreduce"]["step_s"])
     code, out, err = cli("simulate", "--model", "lstm-lm", "--strategies", "hybrid", "--np", "4", "--net", "10gbit")
     assert code == 0 and "hybrid" in out, err  # its bound comes from the rows it reads
+    trace = tmp_path / "pairs.json"  # every worker simulated: a process per rank, each with its tracks
+    code, _, err = cli("simulate", "--model", "resnet50", "--strategies", "pair-averaging", "--np", "3", "--net", "1gbit",
+                       "--trace", str(trace))
+    assert code == 0, err
+    events = json.loads(trace.read_text())["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert names == {r: f"simulated worker {r}" for r in range(3)}
+    tracks = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert {(0, "accelerator"), (0, "host"), (1, "host"), (2, "host"), (1, "server thread")} <= {
+        (pid, name) for (pid, _), name in tracks.items()}
+    assert all((e["pid"], e["tid"]) in tracks for e in events if e["ph"] != "M")
     for args, message in ((["--np", "0"], "--np must be >= 1"), (["--net=-1gbit"], "bad link rate"),
                           (["--strategies", "nope"], "no simulator model for nope"),
                           (["--model", "resnet50:tiny"], "no shipped compute profile"),

@@ -80,9 +80,9 @@ class PairAveraging(StrategyModel):
         rate = worker.tx.rate
         self.tx = [worker.tx] + [Link(f"worker {r} tx", rate) for r in range(1, n)]
         self.rx = [worker.rx] + [Link(f"worker {r} rx", rate) for r in range(1, n)]
-        self.hosts = [worker.host] + [Stream(sim, f"worker {r} host") for r in range(1, n)]
-        self.servers = [Stream(sim, f"worker {r} server thread") for r in range(n)]
-        self.locks = [Stream(sim, f"worker {r} snapshot lock") for r in range(n)]
+        self.hosts = [worker.host] + [Stream(sim, f"rank {r} host") for r in range(1, n)]
+        self.servers = [Stream(sim, f"rank {r} server thread") for r in range(n)]
+        self.locks = [Stream(sim, f"rank {r} snapshot lock") for r in range(n)]
         self.ends: list[list[float]] = [[] for _ in range(n)]  # of the other workers' steps
         self.pairs: dict[tuple[int, int], Link] = {}
         self.connections: dict[tuple[int, int], Stream] = {}

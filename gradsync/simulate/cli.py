@@ -268,21 +268,32 @@ def table(records: list[dict]) -> str:
 
 
 def _write_trace(timeline: list, step_s: float, path: str) -> None:
-    """The last simulated step as a Chrome trace: one process, a track per lane."""
+    """The last simulated step as a Chrome trace, as ``gradsync bench --trace`` writes a measured
+    one: a process per simulated rank (``rank R ...`` lanes; the first rank's, or the one that
+    stands for all, unprefixed), a track per lane, transfers as async events."""
     end = max(e for _, _, _, e in timeline)
-    lanes = {"accelerator": 1, "network": 3, "host": 4, "collectives": 5}
-    events = [{"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "simulated worker"}}]
-    events += [{"name": "thread_name", "ph": "M", "pid": 0, "tid": tid, "args": {"name": lane}}
-               for lane, tid in lanes.items()]
+    known = ["accelerator", "network", "host", "collectives"]
+    tids: dict[tuple[int, str], int] = {}
+    events = []
     for n, (lane, what, start, stop) in enumerate(timeline):
         if stop < end - step_s:
             continue
-        common = {"name": what, "pid": 0, "tid": lanes.get(lane, 6)}
-        if lane == "network":  # transfers overlap: async events
-            events.append({**common, "ph": "b", "cat": lane, "id": n, "ts": start * 1e6})
-            events.append({**common, "ph": "e", "cat": lane, "id": n, "ts": stop * 1e6})
+        words = lane.split(" ", 2)
+        pid, name = (int(words[1]), words[2]) if len(words) == 3 and words[0] == "rank" and words[1].isdigit() else (0, lane)
+        if (pid, name) not in tids:
+            others = sum(p == pid and lane not in known for p, lane in tids)
+            tids[(pid, name)] = known.index(name) + 1 if name in known else len(known) + 1 + others
+        common = {"name": what, "pid": pid, "tid": tids[(pid, name)]}
+        if name == "network":  # transfers overlap: async events
+            events.append({**common, "ph": "b", "cat": name, "id": n, "ts": start * 1e6})
+            events.append({**common, "ph": "e", "cat": name, "id": n, "ts": stop * 1e6})
         else:
             events.append({**common, "ph": "X", "ts": start * 1e6, "dur": (stop - start) * 1e6})
+    meta = [{"name": "process_name", "ph": "M", "pid": pid, "args": {"name": f"simulated worker {pid}"}}
+            for pid in sorted({p for p, _ in tids})]
+    meta += [{"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}}
+             for (pid, name), tid in tids.items()]
+    events = meta + events
     with open(path, "w") as f:
         json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
     print(f"trace of the last simulated step: {path}")

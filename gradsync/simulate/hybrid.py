@@ -7,27 +7,31 @@ own batches) is at most ``sparse_threshold`` (default ``(N-1)/N``), or named in 
 and not in ``dense=[...]``; nothing at one worker. The rest is ``allreduce``'s buckets with the
 strategy's ``bucket_mb`` and ``first_bucket_mb``.
 
-A step, as :class:`~gradsync.strategies.hybrid.strategy.Hybrid` runs it:
+A step, as :class:`~gradsync.strategies.hybrid.strategy.Hybrid` and its
+:class:`~gradsync.strategies.hybrid.server.RowServer` run it, for one worker that stands for all
+(they do the same at the same time) and one server that stands for every server:
 
 - the forward of a table's layer first pulls the rows it reads: a header and the ids go to each
   server (8 bytes an id), the rows come back; with co-located servers 1 in N rows are the worker's
-  own. A server answers step k's pulls once it applied step k-1's pushes;
+  own. A server answers step k's pulls once it applied step k-1's pushes, and a pull asks every
+  server: it waits for the slowest server's update
+  (:meth:`~gradsync.simulate.worker.Worker.slowest_of`, with the host's ``jitter``);
 - the backward of a table's layer coalesces its row gradient (one pass over the rows read) and
-  pushes a header, the ids and the rows to each server; the dense parameters' buckets are
-  all-reduced as ready;
-- every one of those messages is sent and taken by Python threads (the worker's, the server's
-  receive loop), each end at :attr:`~gradsync.simulate.worker.Host.message_s` of host time under
-  the process's interpreter lock, the cost ``p3``'s slices pay: co-located, a process's worker
-  and server share one lock; a server's thread woken for a request and a worker's for its rows
-  run after :meth:`~gradsync.simulate.worker.Worker.wake_s` (longer where the ranks share busy
-  cores);
-- ``opt.step()`` waits for the dense all-reduce, then runs the optimizer on the dense parameters;
-- a server, once every worker's pushes of every table are in, builds each partition's gradient
-  (a zeroed partition, the rows added, divided by N) and runs the optimizer on it, table after
-  table: the dense update ``hybrid`` uses for momentum SGD (``gradsync bench``'s default
-  optimizer). It answers the next step's pulls once all its tables are applied, and a pull asks
-  every server: the step waits for the slowest server's update
-  (:meth:`~gradsync.simulate.worker.Worker.slowest_of`, with the host's ``jitter``).
+  pushes a header, the ids and the rows to each server, in the layer's backward hook; the dense
+  parameters' buckets are all-reduced as ready;
+- each end of a message (a send issued, a receive taken) is Python under the process's
+  interpreter lock, :attr:`~gradsync.simulate.worker.Host.message_s` of host time, the cost
+  ``p3``'s slices pay; co-located, a process's worker and server share one lock;
+- a server's receive loop takes one message at a time, every client's in turn. Gloo moves a
+  message only once its receiver posted the receive, so the loop, blocked in each receive (the
+  header, the ids, the rows), wakes for each (:meth:`~gradsync.simulate.worker.Worker.wake_s`,
+  longer where the ranks share busy cores); the worker's thread wakes once for the rows it waits for;
+- the push that completes a step at a server runs the update on the loop, which takes nothing
+  meanwhile: each partition's gradient built (a zeroed partition, the rows added, divided by N)
+  and the optimizer run on it, table after table, the dense update ``hybrid`` uses for momentum
+  SGD (``gradsync bench``'s default optimizer); then the pulls of the next step are answered;
+- ``optimizer.step()`` waits for the dense all-reduce, runs the optimizer on the dense
+  parameters, and waits for the step's sends, which complete once the servers' loops took them.
 
 Every other strategy gets each table's gradient as ``nn.Embedding`` makes it, a zeroed copy of
 the whole table (:meth:`~gradsync.simulate.worker.Worker.table_grad_s`); ``hybrid`` only the rows read.
@@ -46,6 +50,26 @@ from gradsync.simulate.models import Buckets
 from gradsync.simulate.worker import ZEROED_PASSES, StrategyModel, Worker
 
 ID_BYTES = 8
+
+
+class _Latch:
+    """Counts ``count`` arrivals; what :meth:`then` is given runs once all are in (at once if they are)."""
+
+    def __init__(self, count: int):
+        self.count, self.waiting = count, []
+
+    def arrive(self) -> None:
+        self.count -= 1
+        if self.count == 0:
+            waiting, self.waiting = self.waiting, []
+            for go in waiting:
+                go()
+
+    def then(self, go: Callable[[], None]) -> None:
+        if self.count <= 0:
+            go()
+        else:
+            self.waiting.append(go)
 
 
 class Hybrid(StrategyModel):
@@ -93,9 +117,12 @@ class Hybrid(StrategyModel):
         self.tables_of_layer: dict[int, list[str]] = {}
         for name in self.sparse:
             self.tables_of_layer.setdefault(worker.params[index[name]].layer, []).append(name)
+        self.loop = worker.thread("row server receive loop")  # one message at a time (not busy while blocked)
         self.applied = -1  # the last step the servers applied
         self.waiting: list[tuple[int, Callable[[], None]]] = []
-        self.pushed: dict[int, Barrier] = {}  # step -> every table's pushes in
+        self.pushed: dict[int, int] = {}  # step -> the tables whose pushes are in
+        self.issued: dict[int, _Latch] = {}  # step -> the worker's pushes sent (in its backward hooks)
+        self.taken: dict[int, _Latch] = {}  # step -> its pushes taken by the servers' loops (its sends complete)
 
     def describe(self) -> str:
         return ", ".join(f"{name}: {t.share:.2%} of {t.rows} rows read" for name, t in self.sparse.items())
@@ -124,6 +151,8 @@ class Hybrid(StrategyModel):
 
     # -- a step ----------------------------------------------------------------------------------------
     def before_forward(self, step: int, go: Callable[[], None]) -> None:
+        self.issued[step] = _Latch(len(self.sparse))
+        self.taken[step] = _Latch(len(self.sparse))
         self.dense.before_forward(step, go)
 
     def before_layer(self, step: int, layer: int, go: Callable[[], None]) -> None:
@@ -133,39 +162,36 @@ class Hybrid(StrategyModel):
             return
         pulled = Barrier(len(names), go)
         for name in names:
-            self._after_applied(step - 1, lambda name=name: self._pull(name, pulled.arrive))
+            self._pull(step, name, pulled.arrive)
 
-    def _pull(self, name: str, done: Callable[[], None]) -> None:
+    def _take(self, receives: int, then: Callable[[Callable[[], None]], None]) -> None:
+        """The servers' receive loop takes a message of each client (``receives`` receives each,
+        every one woken for), their ends under the server's interpreter, then ``then(finish)``,
+        the loop busy until ``finish``."""
+        wk, count = self.wk, receives * self.clients
+        self.loop.submit(lambda finish: wk.sim.after(count * wk.wake_s(), lambda: wk.message_ends(
+            self.server_interpreter, count, lambda: then(finish))), what="take")
+
+    def _pull(self, step: int, name: str, done: Callable[[], None]) -> None:
         table, wk = self.sparse[name], self.wk
         rows = table.read * table.row_bytes
         served = rows * wk.np / self.servers if self.dedicated else rows * (wk.np - 1) / wk.np
 
-        def request() -> None:  # a header and the ids: two sends to each server
-            wk.message_ends(self.interpreter, 2 * self.peers, lambda: self._exchange(
-                table.read * ID_BYTES, self._handoff(take), f"ids of {name}", to_servers=True))
-
-        def take() -> None:  # the server's receive loop takes both, gathers the rows, sends them
-            wk.message_ends(self.server_interpreter, 2 * self.clients, lambda: self.server.run(
-                wk.copy_s(served), answer, what=f"gather {name}"))
-
-        def answer() -> None:
-            wk.message_ends(self.server_interpreter, self.clients, lambda: self._exchange(
-                rows, self._handoff(receive), f"pull {name}", to_servers=False))
+        def answer() -> None:  # once applied: the rows gathered and sent back
+            self.server.run(wk.copy_s(served), lambda: wk.message_ends(self.server_interpreter, self.clients, lambda: (
+                self._exchange(rows, lambda: wk.sim.after(wk.wake_s(), receive), f"pull {name}", to_servers=False))),
+                what=f"gather {name}")
 
         def receive() -> None:  # the worker takes the rows and copies them into the table
             wk.message_ends(self.interpreter, self.peers, lambda: wk.host.run(
                 wk.copy_s(self._remote(rows)), done, what=f"rows of {name}"))
 
-        request()
-
-    def _handoff(self, then: Callable[[], None]) -> Callable[[], None]:
-        """A message's arrival acted on by another thread: the server thread's receive loop takes a
-        request, the worker's waiting thread wakes for an answer (Host.handoff_s each)."""
-        return lambda: self.wk.sim.after(self.wk.wake_s(), then)
+        # a header and the ids: two sends to each server, taken by its loop, answered once applied
+        wk.message_ends(self.interpreter, 2 * self.peers, lambda: self._exchange(
+            table.read * ID_BYTES, lambda: self._take(2, lambda finish: (
+                finish(), self._after_applied(step - 1, answer))), f"ids of {name}", to_servers=True))
 
     def on_layer_ready(self, step: int, layer: int) -> None:
-        if self.sparse and step not in self.pushed:
-            self.pushed[step] = Barrier(len(self.sparse), lambda: self._apply(step))
         for name in self.tables_of_layer.get(layer, []):
             table, wk = self.sparse[name], self.wk
             rows = table.read * table.row_bytes
@@ -175,17 +201,28 @@ class Hybrid(StrategyModel):
 
     def _push(self, step: int, name: str, table) -> None:
         """A header, the ids and the rows (three sends to each server), taken by the servers'
-        receive loops; the table's push then counts as in."""
-        wk, arrived = self.wk, self.pushed[step].arrive
-        wk.message_ends(self.interpreter, 3 * self.peers, lambda: self._exchange(
-            table.read * (table.row_bytes + ID_BYTES), self._handoff(lambda: wk.message_ends(
-                self.server_interpreter, 3 * self.clients, arrived)), f"push {name}", to_servers=True))
+        loops; the push that completes the step runs the update there."""
+        wk, taken = self.wk, self.taken[step]
 
-    def _apply(self, step: int) -> None:
-        """Every worker's pushes of every table are in (they are alike): each server updates its
-        partitions table by table, and answers the next step's pulls once all are applied
-        (server.py's ``_apply``)."""
+        def sent() -> None:
+            self.issued[step].arrive()
+            self._exchange(table.read * (table.row_bytes + ID_BYTES), lambda: self._take(3, lambda finish: (
+                taken.arrive(), self._pushed(step, finish))), f"push {name}", to_servers=True)
+
+        wk.message_ends(self.interpreter, 3 * self.peers, sent)
+
+    def _pushed(self, step: int, finish: Callable[[], None]) -> None:
+        self.pushed[step] = self.pushed.get(step, 0) + 1
+        if self.pushed[step] < len(self.sparse):
+            finish()
+            return
         del self.pushed[step]
+        self._apply(step, finish)
+
+    def _apply(self, step: int, finish: Callable[[], None]) -> None:
+        """Every worker's pushes of every table are in (they are alike): each server updates its
+        partitions table by table on the loop that took the last push, and answers the next
+        step's pulls once all are applied (server.py's ``_apply``)."""
         wk, names = self.wk, list(self.sparse)
         for i, name in enumerate(names):
             table = self.sparse[name]
@@ -195,7 +232,7 @@ class Hybrid(StrategyModel):
             last = i == len(names) - 1
             # the next pull waits for every server: for the slowest of them (Host.jitter)
             update = (wk.copy_s(build) + wk.update_s(part)) * wk.slowest_of(self.servers)
-            self.server.run(update, (lambda: self._applied(step)) if last else (lambda: None),
+            self.server.run(update, (lambda: (self._applied(step), finish())) if last else (lambda: None),
                             what=f"update {name}")
 
     def _applied(self, step: int) -> None:
@@ -212,7 +249,12 @@ class Hybrid(StrategyModel):
             self.waiting.append((step, go))
 
     def after_backward(self, step: int, go: Callable[[], None]) -> None:
-        self.dense.after_backward(step, go)
+        """``backward()`` returns once its hooks sent the pushes; ``optimizer.step()`` begins by
+        waiting for the dense buckets."""
+        self.issued[step].then(lambda: self.dense.after_backward(step, go))
 
     def step(self, step: int, go: Callable[[], None]) -> None:
-        self.wk.host.run(self.wk.update_s(self.dense_bytes), go, what="optimizer (dense)")
+        """The optimizer over the dense parameters, then a wait for the step's sends to complete."""
+        del self.issued[step]
+        self.wk.host.run(self.wk.update_s(self.dense_bytes), lambda: self.taken.pop(step).then(go),
+                         what="optimizer (dense)")
