@@ -31,14 +31,23 @@ def train(work: Workload, steps: int, options: dict):
     for step in range(steps):
         inputs, target = work.batch(spec, step, topo.rank, topo.num_workers)
         train_step(model, opt, spec, inputs, target)
-    described = opt.strategy.describe()
+    server = opt.strategy.server
+    owned = sum(p.numel() * p.element_size() for parts in server.parts for _, _, p in parts) if server else 0
+    described, work_done = opt.strategy.describe(), (opt.strategy.host_work(), owned)
     opt.close()  # the model is whole after close
-    return {name: p.detach().clone() for name, p in model.named_parameters()}, described
+    return {name: p.detach().clone() for name, p in model.named_parameters()}, described, work_done
 
 
 def check(work: Workload, workers: int, servers: int = 0, options: dict | None = None) -> str:
     results = run_ranks(train, workers + servers, work, STEPS, options or {}, servers=servers)
-    first, described = results[0]
+    first, described, work_done = results[0]
+    counted, owned = work_done
+    if servers:  # a worker without a server counts no updates
+        assert counted == {}, counted
+    else:  # its own server's updates of its partitions of the table, one a step (Strategy.host_work); the
+        # last step's may still wait for another worker's push when rank 0 asks
+        calls, nbytes, seconds = counted["update"]
+        assert owned > 0 and calls in (STEPS - 1, STEPS) and nbytes == calls * owned and seconds > 0, counted
     report = compare(first, reference(work, workers, STEPS), work.tolerance)
     assert report["correct"], (report, described)
     for rank in range(1, workers):

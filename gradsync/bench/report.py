@@ -25,9 +25,11 @@ workers that do not start and end their steps together (stragglers, batches that
 worker a different time).
 
 ``host_work``: the strategy's own host work per measured step, rank 0's, by kind (the compressed
-strategies' ``encode`` and ``decode``): ``calls``, raw ``bytes`` and ``seconds`` (undilated), the
-means over the measured steps; absent where the strategy counts none. With the compressors' cost
-lines it gives the rate the run's codecs met (``gradsync simulate --validate`` replays it).
+strategies' ``encode`` and ``decode``, ``hybrid``'s row server's ``update``): ``calls``, raw
+``bytes`` (``update``: the partitions updated) and ``seconds`` (undilated), the means over the
+measured steps; absent where the strategy counts none. With the compressors' cost lines it gives
+the rate the run's codecs met, and with the host's rates the memory rate the server's updates met
+(``gradsync simulate --validate`` replays both).
 
 ``host_cpu_busy``: the share of this machine's cores that were busy during the measured steps
 (rank 0's machine; on an emulated cluster, every emulated host's). With emulated compute, near 1

@@ -237,6 +237,30 @@ def memory_met(record: dict, rates: dict, cores: int, update_bytes: float) -> fl
     return update_bytes / seconds * share / (record.get("dilation", 1.0) * rates["update_Bps"])
 
 
+def updates_met(record: dict, rates: dict, cores: int) -> float | None:
+    """The fraction of a lone process's rates that ``hybrid``'s row server met in a recorded run:
+    its updates (the record's ``host_work["update"]``: rank 0's server's partition bytes and
+    seconds a measured step, undilated) against what the model's update of as many bytes takes at
+    the group's lone rates, shared by the ranks per core (a zeroed gradient and the rows added,
+    ``ZEROED_PASSES + 1`` copies of the partitions, and the optimizer over them; the rows added,
+    about 1 % of the partitions on ``lstm-lm:cpu``, left out), as :func:`memory_met` reads an update
+    on the training thread. None if the record has no such count."""
+    from gradsync.simulate.worker import ZEROED_PASSES
+
+    work = (record.get("host_work") or {}).get("update")
+    if work is None:
+        return None
+    nbytes, seconds = (work.get(key) if isinstance(work, dict) else None for key in ("bytes", "seconds"))
+    if not all(isinstance(v, (int, float)) and v > 0 for v in (nbytes, seconds)):
+        from gradsync.errors import ConfigError
+
+        raise ConfigError(f"record {record.get('strategy', '?')!r} ({record['np']} workers): host_work update must "
+                          f"have bytes and seconds > 0, got {work!r}; record it again with gradsync bench")
+    share = max(1.0, (record["np"] + record.get("servers", 0)) / cores)
+    lone = nbytes * ((ZEROED_PASSES + 1) / rates["copy_Bps"] + 1 / rates["update_Bps"])
+    return lone * share / (record.get("dilation", 1.0) * seconds)
+
+
 def record_network(matrix: dict, record: dict):
     """The :class:`~gradsync.simulate.Network` of a recorded run: its link rate, the matrix's
     latency, and the all-to-all's share of the rate measured on the recording machine
@@ -338,7 +362,7 @@ def group_hosts(records: list[dict], workloads: list, rates: dict, cores: int, c
     from gradsync.simulate import build
 
     met = [memory_met(rec, rates, cores, work.nbytes)
-           if build(*options_of(rec["strategy"]), rec.get("servers", 0)).updates_locally else None
+           if build(*options_of(rec["strategy"]), rec.get("servers", 0)).updates_locally else updates_met(rec, rates, cores)
            for rec, work in zip(records, workloads)]
     seen = [m for m in met if m is not None]
     during = statistics.median(seen) if seen else None

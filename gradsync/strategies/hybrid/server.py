@@ -41,6 +41,7 @@ class RowServer:
         self.answers: list = []
         self.failure: BaseException | None = None
         self.flush_bytes = 0
+        self.updates = [0, 0, 0.0]  # the steps applied: calls, partition bytes, seconds (Strategy.host_work)
         self.closed = False
         self.thread: threading.Thread | None = None
         self.last_request = time.monotonic()
@@ -214,6 +215,7 @@ class RowServer:
             if not used:
                 continue
             tracer, started = trace.current(), time.perf_counter()
+            nbytes = sum(p.numel() * p.element_size() for _, _, p in parts)
             ids = torch.cat([i for i, _, _, _ in pushes])
             values = torch.cat([v for _, v, _, _ in pushes])
             for lo, hi, p in parts:
@@ -229,8 +231,12 @@ class RowServer:
             if self.h.lazy:
                 for _, _, p in parts:
                     p.grad = None
+            finished = time.perf_counter()
+            self.updates[0] += 1
+            self.updates[1] += nbytes
+            self.updates[2] += finished - started
             if tracer is not None:
-                tracer.span(f"update of table {t} ({ids.numel()} rows pushed)", "server", started, time.perf_counter())
+                tracer.span(f"update of table {t} ({ids.numel()} rows pushed)", "server", started, finished)
         self.pushes = {}
         self.step += 1
         self.cond.notify_all()

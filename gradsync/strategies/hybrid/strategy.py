@@ -326,6 +326,15 @@ class Hybrid(Planning, Strategy):
         row_bytes = self.stats["row_bytes"] / max(1, self.stats["steps"])
         return ring_bytes(model_bytes - sparse_bytes, self.ctx.topology.num_workers) + row_bytes
 
+    def host_work(self) -> dict[str, list]:
+        """This rank's row server's updates so far, ``{"update": [tables updated, partition bytes,
+        seconds]}`` (each a zeroed gradient of the partitions, the rows added, the optimizer run);
+        empty on a rank without a server (``gradsync bench`` records them per step)."""
+        if self.server is None:
+            return {}
+        with self.server.cond:
+            return {"update": list(self.server.updates)}
+
     def describe(self) -> str:
         if not self.decided:
             return "hybrid(undecided: no step taken)"
