@@ -392,6 +392,15 @@ def test_hybrid_servers_apply_every_table_before_answering_the_next_pull():
     host = Host(copy_Bps=1e18, update_Bps=1000.0, handoff_s=0.0)
     record = simulate("hybrid", work, 2, Network(rate_bps=8e15, latency_s=0.0), host=host, steps=4, warmup=1)
     assert record["step_s"] == pytest.approx(5.0)
+    # A 3 s batch made before each step (gradsync bench's loop; outside the step's time): the
+    # dense optimizer (1 s) and the batch after it cover the servers' 4 s update, and the step is
+    # the 1 s layer and the 1 s optimizer. allreduce's step (its tables' gradients and the whole
+    # update on the worker, 10 s) is the same with or without it.
+    batched = Host(copy_Bps=1e18, update_Bps=1000.0, handoff_s=0.0, batch_s=3.0)
+    net = Network(rate_bps=8e15, latency_s=0.0)
+    assert simulate("hybrid", work, 2, net, host=batched, steps=5, warmup=2)["step_s"] == pytest.approx(2.0)
+    assert simulate("allreduce", work, 2, net, host=batched, steps=5, warmup=2)["step_s"] == pytest.approx(
+        simulate("allreduce", work, 2, net, host=host, steps=5, warmup=2)["step_s"])
     # Updates that vary from step to step (jitter 0.5): the pull waits for the slower of the two
     # servers, E[max of 2 standard normals] = 1/sqrt(pi) standard deviations above the mean:
     # 4 s * (1 + 0.5 / sqrt(pi)) of updates, then the 1 s layer.
@@ -590,6 +599,7 @@ def test_a_recorded_run_meets_the_host_rates_its_ranks_had():
     alone = _host({"np": 1}, rates, cores=2)  # one rank: no other core at work beside it
     assert alone.copy_Bps == pytest.approx(8e9) and alone.update_Bps == pytest.approx(2e9)
     assert host.busy_wake_s is None and host.cores == 2  # not measured: every wake is a handoff
+    assert host.batch_s == 0.0 and _host({"np": 4, "batch_s": 0.02}, rates, cores=2).batch_s == 0.02  # as its run made them
     woken = _host({"np": 4, "dilation": 10.0}, {**rates, "busy_wake_s": 3e-3}, cores=2)
     assert woken.busy_wake_s == pytest.approx(3e-4)  # the scheduler's wait, divided by the dilation
     jittery = {**rates, "jitter": {"2": 0.15, "4": 0.35}}  # measured with 2 and with 4 ranks
@@ -608,6 +618,31 @@ def test_a_recorded_run_meets_the_host_rates_its_ranks_had():
     assert met.codec_speed == pytest.approx(0.05 * 10 / 2)
     probed = _host(ran, rates, cores=2)  # none met: the probe
     assert probed.update_Bps == pytest.approx(host.update_Bps) and probed.copy_Bps == pytest.approx(host.copy_Bps)
+
+
+def test_a_hybrid_run_that_counts_its_servers_updates_is_replayed_at_the_memory_rate_they_met():
+    from gradsync.simulate.validate import group_hosts, updates_met
+    from gradsync.simulate.workload import Table
+
+    rates = {"copy_Bps": 8e9, "update_Bps": 2e9, "concurrent": {"processes": 2, "copy_Bps": 0.9, "update_Bps": 0.8}}
+    # 4 ranks on 2 cores, dilation 4: rank 0's server updated 400 MB of partitions a step in 0.25 s
+    # (undilated). At the lone rates a rank's half of the cores takes 400 MB x (1.5 / 8 GB/s + 1 /
+    # 2 GB/s) x 2 / 4 = 0.1375 s: the run met 0.55 of them.
+    ran = {"np": 4, "dilation": 4.0, "strategy": "hybrid", "host_work": {"update": {"calls": 2, "bytes": 4e8, "seconds": 0.25}}}
+    assert updates_met(ran, rates, cores=2) == pytest.approx(4e8 * (1.5 / 8e9 + 1 / 2e9) * 2 / 4 / 0.25)
+    assert updates_met({"np": 4, "strategy": "hybrid"}, rates, cores=2) is None  # recorded before it was counted
+    for bad in ({"calls": 2, "bytes": 4e8, "seconds": 0.0}, {"calls": 2}, 7):
+        with pytest.raises(ConfigError, match=r"'hybrid' \(4 workers\): host_work update must have bytes and seconds > 0"):
+            updates_met({**ran, "host_work": {"update": bad}}, rates, cores=2)
+    # the replay's host for such a record: its copies and updates at that fraction, from the run
+    work = synthetic([(0.0, 0.0, [4000]), (0.0, 0.0, [1000])])
+    work.tables = {"layer0.p0": Table(rows=100, row_bytes=40, read=10)}
+    (host, source), = group_hosts([ran], [work], rates, cores=2)
+    fraction = updates_met(ran, rates, cores=2)
+    assert source == "run" and host.update_Bps == pytest.approx(2e9 * fraction * 4 / 2)
+    assert host.copy_Bps == pytest.approx(8e9 * fraction * 4 / 2)
+    (probed, source), = group_hosts([{**ran, "host_work": {}}], [work], rates, cores=2)
+    assert source == "probes" and probed.update_Bps == pytest.approx(2e9 * 0.8 * 4 / 2)
 
 
 def test_a_compressed_run_that_counts_its_codecs_is_replayed_at_the_speeds_they_met(monkeypatch, tmp_path):

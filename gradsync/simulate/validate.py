@@ -183,7 +183,7 @@ def _host(record: dict, rates: dict, cores: int, memory: float | None = None, co
     return Host(copy * k / share, update * k / share, codec_speed=encode, decode_speed=decode,
                 handoff_s=rates.get("handoff_s", 20e-6) * share / k, message_s=rates.get("message_s", 0.0) / k,
                 busy_wake_s=None if wake is None else wake / k, cores=cores, jitter=_jitter(rates.get("jitter"), ranks),
-                net_cpu_s=_net_cpu(rates, record) / k)
+                net_cpu_s=_net_cpu(rates, record) / k, batch_s=record.get("batch_s", 0.0))
 
 
 def codec_speeds(record: dict, codecs: dict) -> tuple[float, float] | None:

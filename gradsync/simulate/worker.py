@@ -74,6 +74,10 @@ class Host:
     same work on N hosts (``hybrid``'s pulls, for every row server's update; the compressed
     strategies' messages and all-gathers, for their senders' work), it waits for the slowest:
     :meth:`Worker.slowest_of`. 0: no variation (the default)."""
+    batch_s: float = 0.0
+    """Host time a worker's training thread spends making each step's batch before the step, as
+    ``gradsync bench``'s loop does, outside the step's time (its record's ``batch_s``). 0: none
+    (the default: a data loader that prefetches)."""
     message_s: float = 0.0
     """Host CPU per end of a point-to-point message sent from Python (a send issued, a receive
     taken, with what the strategy's Python does around it), one end at a time per process (the
@@ -160,6 +164,7 @@ class Worker:
         for p in self.params:
             if p.name in workload.tables:
                 self.tables_of_layer.setdefault(p.layer, []).append(p.name)
+        self.step_starts: list[float] = []  # after each step's batch
         self.step_ends: list[float] = []
 
     def bytes_sent(self) -> float:
@@ -295,7 +300,14 @@ class Worker:
         return self.step_ends
 
     def _step(self, model: "StrategyModel", step: int, steps: int) -> None:
+        if self.host_rates.batch_s > 0:  # the batch first, on the training thread's host work
+            self.host.run(self.host_rates.batch_s, lambda: self._steps(model, step, steps), what="batch")
+        else:
+            self._steps(model, step, steps)
+
+    def _steps(self, model: "StrategyModel", step: int, steps: int) -> None:
         layers = self.w.layers
+        self.step_starts.append(self.sim.now)
 
         def forward(i: int) -> None:
             if i == len(layers):
@@ -364,8 +376,8 @@ class StrategyModel:
 
     def step_times(self, ends: list[float]) -> list[float]:
         """Each step's time as ``gradsync bench`` takes it, the slowest worker's, from the simulated
-        worker's step ends (in lock step, that worker's own)."""
-        return [b - a for a, b in zip([0.0] + ends[:-1], ends)]
+        worker's step ends (in lock step, that worker's own), each from its start after its batch."""
+        return [b - a for a, b in zip(self.wk.step_starts, ends)]
 
     def local_update(self, go: Callable[[], None]) -> None:
         """The user's optimizer over every parameter, on this worker's host."""
