@@ -279,9 +279,10 @@ def _write_trace(timeline: list, step_s: float, path: str) -> None:
         if stop < end - step_s:
             continue
         words = lane.split(" ", 2)
-        pid, name = (int(words[1]), words[2]) if len(words) == 3 and words[0] == "rank" and words[1].isdigit() else (0, lane)
+        ranked = len(words) == 3 and words[0] == "rank" and words[1].isdigit()
+        pid, name = (int(words[1]), words[2]) if ranked else (0, lane)
         if (pid, name) not in tids:
-            others = sum(p == pid and lane not in known for p, lane in tids)
+            others = sum(p == pid and track not in known for p, track in tids)
             tids[(pid, name)] = known.index(name) + 1 if name in known else len(known) + 1 + others
         common = {"name": what, "pid": pid, "tid": tids[(pid, name)]}
         if name == "network":  # transfers overlap: async events
