@@ -378,17 +378,24 @@ def test_hybrid_pulls_before_the_lookup_and_pushes_rows_beside_the_dense_all_red
     assert dedicated["step_s"] == pytest.approx(0.96 + 0.96 + 0.524)
 
 
+def _two_tables():
+    """Layers 0 and 1: a table of 100 rows of 40 B each (10 read), layer 0 computing 1 s forward;
+    layer 2: a dense 1000 B tensor."""
+    from gradsync.simulate.workload import Table
+
+    work = synthetic([(1.0, 0.0, [4000]), (0.0, 0.0, [4000]), (0.0, 0.0, [1000])])
+    work.tables = {"layer0.p0": Table(rows=100, row_bytes=40, read=10),
+                   "layer1.p0": Table(rows=100, row_bytes=40, read=10)}
+    return work
+
+
 def test_hybrid_servers_apply_every_table_before_answering_the_next_pull():
     # Only the optimizer costs (1000 B/s) and only forward layer 0 takes time (1 s); the wire is
     # free. Two tables of 100 rows x 40 B on two co-located servers: each server updates 2000 B of
     # each table (2 s each). Its pushes all in at t, a server applies both tables (t+4) and only
     # then answers; the pull of table 0 goes, layer 0 computes (t+5), the rest is instant, and the
     # pushes are in again: 5 s a step (a server that answered each table as applied would give 4).
-    from gradsync.simulate.workload import Table
-
-    work = synthetic([(1.0, 0.0, [4000]), (0.0, 0.0, [4000]), (0.0, 0.0, [1000])])
-    work.tables = {"layer0.p0": Table(rows=100, row_bytes=40, read=10),
-                   "layer1.p0": Table(rows=100, row_bytes=40, read=10)}
+    work = _two_tables()
     host = Host(copy_Bps=1e18, update_Bps=1000.0, handoff_s=0.0)
     record = simulate("hybrid", work, 2, Network(rate_bps=8e15, latency_s=0.0), host=host, steps=4, warmup=1)
     assert record["step_s"] == pytest.approx(5.0)
@@ -416,11 +423,7 @@ def test_hybrid_servers_loop_wakes_for_each_receive_and_runs_the_update_that_a_p
     # 1 s). The pushes of both tables, a header, ids and rows each, take the loop 3 + 3 s, and the
     # second completes the step: the loop runs both tables' updates (4 s) and only then takes the
     # next step's first request, which the worker sent once its step's sends were taken. 17 s a step.
-    from gradsync.simulate.workload import Table
-
-    work = synthetic([(1.0, 0.0, [4000]), (0.0, 0.0, [4000]), (0.0, 0.0, [1000])])
-    work.tables = {"layer0.p0": Table(rows=100, row_bytes=40, read=10),
-                   "layer1.p0": Table(rows=100, row_bytes=40, read=10)}
+    work = _two_tables()
     host = Host(copy_Bps=1e18, update_Bps=1000.0, handoff_s=1.0)
     record = simulate("hybrid", work, 2, Network(rate_bps=8e15, latency_s=0.0), host=host, steps=5, warmup=2)
     assert record["step_s"] == pytest.approx(2 + 1 + 1 + 2 + 1 + 3 + 3 + 4)
