@@ -408,6 +408,12 @@ def test_hybrid_servers_apply_every_table_before_answering_the_next_pull():
     assert simulate("hybrid", work, 2, net, host=batched, steps=5, warmup=2)["step_s"] == pytest.approx(2.0)
     assert simulate("allreduce", work, 2, net, host=batched, steps=5, warmup=2)["step_s"] == pytest.approx(
         simulate("allreduce", work, 2, net, host=host, steps=5, warmup=2)["step_s"])
+    # pair-averaging simulates every worker: each makes its batch and times its step after it, so
+    # batches alike on every worker leave its step as it was
+    averaging = synthetic([(0.5, 0.5, [1000]), (0.0, 0.0, [1000])])
+    slow = Network(rate_bps=8e4, latency_s=0.0)
+    times = [simulate("pair-averaging", averaging, 3, slow, host=h, steps=6, warmup=2)["step_s"] for h in (host, batched)]
+    assert times[1] == pytest.approx(times[0]) and times[0] > 1.0
     # Updates that vary from step to step (jitter 0.5): the pull waits for the slower of the two
     # servers, E[max of 2 standard normals] = 1/sqrt(pi) standard deviations above the mean:
     # 4 s * (1 + 0.5 / sqrt(pi)) of updates, then the 1 s layer.
@@ -603,6 +609,9 @@ def test_a_recorded_run_meets_the_host_rates_its_ranks_had():
     assert alone.copy_Bps == pytest.approx(8e9) and alone.update_Bps == pytest.approx(2e9)
     assert host.busy_wake_s is None and host.cores == 2  # not measured: every wake is a handoff
     assert host.batch_s == 0.0 and _host({"np": 4, "batch_s": 0.02}, rates, cores=2).batch_s == 0.02  # as its run made them
+    for bad in (-0.01, "1"):
+        with pytest.raises(ConfigError, match=r"'ddp' \(4 workers\): batch_s must be a time >= 0"):
+            _host({"np": 4, "strategy": "ddp", "batch_s": bad}, rates, cores=2)
     woken = _host({"np": 4, "dilation": 10.0}, {**rates, "busy_wake_s": 3e-3}, cores=2)
     assert woken.busy_wake_s == pytest.approx(3e-4)  # the scheduler's wait, divided by the dilation
     jittery = {**rates, "jitter": {"2": 0.15, "4": 0.35}}  # measured with 2 and with 4 ranks

@@ -83,7 +83,8 @@ class PairAveraging(StrategyModel):
         self.hosts = [worker.host] + [Stream(sim, f"rank {r} host") for r in range(1, n)]
         self.servers = [Stream(sim, f"rank {r} server thread") for r in range(n)]
         self.locks = [Stream(sim, f"rank {r} snapshot lock") for r in range(n)]
-        self.ends: list[list[float]] = [[] for _ in range(n)]  # of the other workers' steps
+        self.starts: list[list[float]] = [[] for _ in range(n)]  # of the other workers' steps, after their batches
+        self.ends: list[list[float]] = [[] for _ in range(n)]
         self.pairs: dict[tuple[int, int], Link] = {}
         self.connections: dict[tuple[int, int], Stream] = {}
         self.serving: dict[tuple[int, int], float] = {}  # (from, to): when the last such answer began
@@ -91,11 +92,20 @@ class PairAveraging(StrategyModel):
             self._others_step(r)
 
     def _others_step(self, r: int) -> None:
-        """Worker ``r`` (not the one the driver runs): compute, then its step, then again."""
+        """Worker ``r`` (not the one the driver runs): its batch (Host.batch_s), compute, then its
+        step, then again."""
         if len(self.ends[r]) == self.wk.steps:
             return
-        self.wk.sim.after(self.wk.w.compute_s, lambda: self._pull(r, lambda: (
-            self.ends[r].append(self.wk.sim.now), self._others_step(r))))
+
+        def step() -> None:
+            self.starts[r].append(self.wk.sim.now)
+            self.wk.sim.after(self.wk.w.compute_s, lambda: self._pull(r, lambda: (
+                self.ends[r].append(self.wk.sim.now), self._others_step(r))))
+
+        if self.wk.host_rates.batch_s > 0:
+            self.hosts[r].run(self.wk.host_rates.batch_s, step, what="batch")
+        else:
+            step()
 
     def _pull(self, r: int, done: Callable[[], None]) -> None:
         wk, nbytes = self.wk, self.wk.w.nbytes
@@ -152,8 +162,9 @@ class PairAveraging(StrategyModel):
         self._pull(0, go)
 
     def step_times(self, ends: list[float]) -> list[float]:
-        every = [ends] + self.ends[1:]
-        return [max(b - a for a, b in (([0.0] + e)[i:i + 2] for e in every)) for i in range(len(ends))]
+        """Each step's slowest worker's time, every worker's from its own start after its batch."""
+        every = [(self.wk.step_starts, ends)] + list(zip(self.starts[1:], self.ends[1:]))
+        return [max(e[i] - s[i] for s, e in every) for i in range(len(ends))]
 
 
 class AsyncServers(StrategyModel):

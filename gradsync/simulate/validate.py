@@ -171,6 +171,12 @@ def _host(record: dict, rates: dict, cores: int, memory: float | None = None, co
 
     ranks = record["np"] + record.get("servers", 0)
     share = max(1.0, ranks / cores)
+    batch = record.get("batch_s", 0.0)
+    if not isinstance(batch, (int, float)) or batch < 0:
+        from gradsync.errors import ConfigError
+
+        raise ConfigError(f"record {record.get('strategy', '?')!r} ({record['np']} workers): batch_s must be a time "
+                          f">= 0 in seconds, got {batch!r}; record it again with gradsync bench")
     k = record.get("dilation", 1.0)
     together = [rates[key] for key in ("concurrent", "concurrent_after") if key in rates and min(ranks, cores) > 1]
     fraction = {key: statistics.fmean([t[key] for t in together] or [1.0]) for key in ("copy_Bps", "update_Bps")}
@@ -183,7 +189,7 @@ def _host(record: dict, rates: dict, cores: int, memory: float | None = None, co
     return Host(copy * k / share, update * k / share, codec_speed=encode, decode_speed=decode,
                 handoff_s=rates.get("handoff_s", 20e-6) * share / k, message_s=rates.get("message_s", 0.0) / k,
                 busy_wake_s=None if wake is None else wake / k, cores=cores, jitter=_jitter(rates.get("jitter"), ranks),
-                net_cpu_s=_net_cpu(rates, record) / k, batch_s=record.get("batch_s", 0.0))
+                net_cpu_s=_net_cpu(rates, record) / k, batch_s=batch)
 
 
 def codec_speeds(record: dict, codecs: dict) -> tuple[float, float] | None:
