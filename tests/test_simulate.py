@@ -6,6 +6,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 from gradsync.errors import ConfigError
 from gradsync.simulate import Host, Network, SimulationError, simulate
@@ -376,6 +377,70 @@ def test_hybrid_pulls_before_the_lookup_and_pushes_rows_beside_the_dense_all_red
     # the ring the other 500 B/s of the worker's link meanwhile, then its last 524 B alone.
     dedicated = simulate("hybrid", _with_table(10), 2, NET, host=FREE_HOST, servers=1, steps=4, warmup=1)
     assert dedicated["step_s"] == pytest.approx(0.96 + 0.96 + 0.524)
+
+
+def test_hybrid_lays_rows_out_as_the_strategy_does_and_the_busiest_nic_paces_the_exchange():
+    # The case above, but the reads fall where the model's own batches put them (Table.samples).
+    # partitions=1 per server: rows 0-49 on server 0, 50-99 on server 1 (Layout.make). All 10 ids
+    # read are below 50, so server 0 holds every one: worker 1 sends it all its rows and server 0
+    # sends worker 1 all of them back, twice the bytes an even spread crosses. Pull: 80 B of ids
+    # (0.08 s), 400 B of rows (0.4 s); push: 480 B beside the ring (0.96 s at 500 B/s), the ring's
+    # last 524 B alone. Ids spread over both halves: auto takes the fewest partitions that spread
+    # them evenly (2), and the step is the even spread's (0.24 + 0.48 + 0.764 s).
+    work = _with_table(10)
+    table = work.tables["layer0.p0"]
+    table.samples = (torch.arange(10),)
+    assert table.server_shares(0, 2, 2) == [1.0, 0.0] and table.server_shares(1, 2, 2) == [0.0, 1.0]
+    hot = simulate("hybrid", work, 2, NET, host=FREE_HOST, options={"partitions": 1}, steps=4, warmup=1)
+    assert hot["step_s"] == pytest.approx(0.48 + 0.96 + 0.524)
+    assert hot["plan"].endswith("100% on the busiest of 2 servers; 2 partitions per table")
+    table.samples = (torch.arange(0, 100, 10),)
+    even = simulate("hybrid", work, 2, NET, host=FREE_HOST, steps=4, warmup=1)
+    assert even["step_s"] == pytest.approx(0.24 + 0.48 + 0.764) and even["plan"].endswith("; 2 partitions per table")
+    # One dedicated server holds every row whatever the layout: the case above's 2.444 s
+    assert simulate("hybrid", work, 2, NET, host=FREE_HOST, servers=1, steps=4,
+                    warmup=1)["step_s"] == pytest.approx(0.96 + 0.96 + 0.524)
+
+
+def test_a_tables_reads_fall_on_the_servers_of_the_strategys_layout():
+    from gradsync.simulate.workload import Table, load
+
+    table = Table(rows=8, row_bytes=4, read=5, samples=(torch.tensor([0, 1, 2, 3, 4]),))
+    assert table.server_shares(0, 2, 2) == [0.8, 0.2]  # rows 0-3 on server 0, 4-7 on server 1
+    assert table.server_shares(1, 2, 2) == [0.2, 0.8]  # table 1's first range goes to server 1
+    assert table.server_shares(0, 8, 2) == [0.6, 0.4]  # one row a partition, taken in turn
+    assert Table(rows=8, row_bytes=4, read=5).server_shares(0, 2, 4) == [0.25] * 4  # no samples: even
+    # The language model's word ids follow a Zipf law: the first of 4 ranges holds most reads,
+    # more partitions spread them (the model's own batches, as hybrid's probes see them)
+    classes = load("lstm-lm:cpu", 32, "flops:11.11tflops").tables["softmax.classes.weight"]
+    few, many = max(classes.server_shares(1, 4, 4)), max(classes.server_shares(1, 64, 4))
+    assert sum(classes.server_shares(1, 4, 4)) == pytest.approx(1.0) and few > 0.7 and 0.25 < many < few
+
+
+def test_the_last_of_several_hosts_waits_for_the_spread_only_where_their_own_parts_are_alike():
+    from gradsync.simulate.worker import expected_last
+
+    assert expected_last([1.0, 1.0], 2.0) == pytest.approx(1.0 + 2.0 / math.sqrt(math.pi), rel=1e-5)
+    assert expected_last([0.0, 100.0, 3.0], 1.0) == pytest.approx(100.0, rel=1e-6)  # one far ahead
+    assert expected_last([2.0, 5.0], 0.0) == 5.0
+    from gradsync.simulate.worker import Worker
+
+    host = Host(copy_Bps=1e18, update_Bps=1e18, handoff_s=0.0, jitter=0.5)
+    wk = Worker(Sim(), _with_table(10), 4, NET, host)
+    assert wk.last_of(2.0, [0.0] * 4) == pytest.approx(2.0 * wk.slowest_of(4), rel=1e-5)  # alike: the slowest
+    assert wk.last_of(2.0, [30.0, 0.0, 0.0, 0.0]) == pytest.approx(2.0, rel=1e-4)  # the others end long before
+
+
+def test_a_hybrid_record_is_replayed_with_the_partitions_its_probes_chose():
+    from gradsync.simulate.validate import run_options
+
+    described = "hybrid(3 sparse tables on co-located on 4 workers, 4 partitions per table (measured 4: 904 ms))"
+    assert run_options({"strategy": "hybrid", "np": 4, "describe": described}) == ("hybrid", {"partitions": 1})
+    assert run_options({"strategy": "hybrid", "np": 4, "servers": 2,
+                        "describe": "hybrid(..., 16 partitions per table)"}) == ("hybrid", {"partitions": 8})
+    assert run_options({"strategy": "hybrid", "np": 2, "describe": "hybrid(dense only)"}) == ("hybrid", {})
+    assert run_options({"strategy": "casync-ps+topk:ratio=0.01", "np": 2, "describe": "8 partitions per table"}) == (
+        "casync-ps", {"compression": "topk:ratio=0.01"})
 
 
 def _two_tables():

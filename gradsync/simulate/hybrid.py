@@ -7,15 +7,25 @@ own batches) is at most ``sparse_threshold`` (default ``(N-1)/N``), or named in 
 and not in ``dense=[...]``; nothing at one worker. The rest is ``allreduce``'s buckets with the
 strategy's ``bucket_mb`` and ``first_bucket_mb``.
 
+The rows a step reads are laid out as the strategy lays them
+(:meth:`~gradsync.strategies.hybrid.layout.Layout.make`: each table cut into contiguous ranges,
+table t's range j on server (j + t) mod S), each server's share of them counted on the model's own
+batches (:meth:`~gradsync.simulate.workload.Table.server_shares`). Word ids follow a Zipf law, so
+a table's first range holds most reads and its server serves most rows. ``partitions="auto"``:
+of the counts the strategy's probes try (1 to 16 a server), the one that spreads the reads most
+evenly; a replayed record names the count its run chose.
+
 A step, as :class:`~gradsync.strategies.hybrid.strategy.Hybrid` and its
 :class:`~gradsync.strategies.hybrid.server.RowServer` run it, for one worker that stands for all
-(they do the same at the same time) and one server that stands for every server:
+(they do the same at the same time; the busiest NIC paces their exchange) and one server that
+stands for every server (the busiest's rows):
 
 - the forward of a table's layer first pulls the rows it reads: a header and the ids go to each
-  server (8 bytes an id), the rows come back; with co-located servers 1 in N rows are the worker's
-  own. A server answers step k's pulls once it applied step k-1's pushes, and a pull asks every
-  server: it waits for the slowest server's update
-  (:meth:`~gradsync.simulate.worker.Worker.slowest_of`, with the host's ``jitter``);
+  server (8 bytes an id), the rows come back; co-located, the share on the worker's own server
+  stays home. Every worker pulls at once, so the busiest NIC sets the time
+  (:meth:`Hybrid._factor`). A server answers step k's pulls once it applied step k-1's pushes,
+  and a pull asks every server: it waits for the last answer, each sent after that server's own
+  update (with the host's ``jitter``; :meth:`~gradsync.simulate.worker.Worker.last_of`);
 - the backward of a table's layer coalesces its row gradient (one pass over the rows read) and
   pushes a header, the ids and the rows to each server, in the layer's backward hook; the dense
   parameters' buckets are all-reduced as ready;
@@ -35,9 +45,6 @@ A step, as :class:`~gradsync.strategies.hybrid.strategy.Hybrid` and its
 
 Every other strategy gets each table's gradient as ``nn.Embedding`` makes it, a zeroed copy of
 the whole table (:meth:`~gradsync.simulate.worker.Worker.table_grad_s`); ``hybrid`` only the rows read.
-
-Rows are spread evenly over the servers: ``partitions="auto"`` measures the partition count that
-balances them (docs/hybrid.md), which the model takes as achieved.
 """
 from __future__ import annotations
 
@@ -98,8 +105,9 @@ class Hybrid(StrategyModel):
                 continue
             if name in st.force_sparse or (n > 1 and table.read > 0 and table.share <= threshold):
                 self.sparse[name] = table
-        self.row_tables = set(self.sparse)
         index = {p.name: i for i, p in enumerate(worker.params)}
+        self.sparse = dict(sorted(self.sparse.items(), key=lambda item: index[item[0]]))  # the strategy's table order
+        self.row_tables = set(self.sparse)
         dense = {i for i, p in enumerate(worker.params) if p.name not in self.sparse}
         mb = 2**20
         self.dense = Buckets(st, int(st.dense_options["bucket_mb"] * mb), int(st.dense_options["first_bucket_mb"] * mb),
@@ -107,6 +115,7 @@ class Hybrid(StrategyModel):
         self.dense.bind(worker)
         self.dense_bytes = sum(worker.params[i].nbytes for i in dense)
         self.servers = self.dedicated or n
+        self.partitions, self.shares = self._layout(st.partitions_option)
         self.server = worker.cpu_stream("row server")  # a server's requests are served in turn
         # Each message end (a send issued, a receive taken) is Python under the interpreter lock
         # (Host.message_s): the worker's and, co-located, its server's, one at a time.
@@ -119,13 +128,43 @@ class Hybrid(StrategyModel):
             self.tables_of_layer.setdefault(worker.params[index[name]].layer, []).append(name)
         self.loop = worker.thread("row server receive loop")  # one message at a time (not busy while blocked)
         self.applied = -1  # the last step the servers applied
+        self.updates: list[float] | None = None  # each table's update, as the next pulls see it (_apply)
         self.waiting: list[tuple[int, Callable[[], None]]] = []
         self.pushed: dict[int, int] = {}  # step -> the tables whose pushes are in
         self.issued: dict[int, _Latch] = {}  # step -> the worker's pushes sent (in its backward hooks)
         self.taken: dict[int, _Latch] = {}  # step -> its pushes taken by the servers' loops (its sends complete)
 
+    def _layout(self, option) -> tuple[int, dict[str, list[float]]]:
+        """The partition count per table and each table's share of reads on each server. ``auto``:
+        of the counts the strategy probes (1 to 16 per server), the one that spreads the reads the
+        most evenly (its probes measure what spreads them; the model has no cost per partition)."""
+        shares = lambda p: {name: t.server_shares(i, p, self.servers)  # noqa: E731
+                            for i, (name, t) in enumerate(self.sparse.items())}
+        if option != "auto":
+            return option * self.servers, shares(option * self.servers)
+        counts = [m * self.servers for m in (1, 2, 4, 8, 16)]
+        best = min(counts, key=lambda p: (self._busiest(shares(p)), p))
+        return best, shares(best)
+
+    def _busiest(self, shares: dict[str, list[float]]) -> float:
+        """The bytes the busiest link of the exchange carries, over the rows a worker reads (see :meth:`_factor`)."""
+        total = sum(t.read * t.row_bytes for t in self.sparse.values()) or 1.0
+        return sum(self._factor(shares[name]) * t.read * t.row_bytes for name, t in self.sparse.items()) / total
+
+    def _factor(self, shares: list[float]) -> float:
+        """Of a table's rows a worker reads, how many cross the busiest NIC in one direction while
+        every worker pushes (or pulls) them at once: co-located, a host sends its rows for the other
+        servers (``1 - s``) and its server receives ``s`` of each other worker's (``(N-1) s``);
+        dedicated, server ``s``'s NIC carries ``N s``. Spread evenly, ``(N-1)/N`` and ``N/S``."""
+        n = self.wk.np
+        if self.dedicated:
+            return n * max(shares)
+        return max(max(1.0 - s, (n - 1) * s) for s in shares)
+
     def describe(self) -> str:
-        return ", ".join(f"{name}: {t.share:.2%} of {t.rows} rows read" for name, t in self.sparse.items())
+        return ", ".join(f"{name}: {t.share:.2%} of {t.rows} rows read, {max(self.shares[name]):.0%} on the busiest "
+                         f"of {self.servers} servers" for name, t in self.sparse.items()) + \
+            f"; {self.partitions} partition{'s' if self.partitions != 1 else ''} per table"
 
     def min_bytes_per_host(self) -> float:
         """The physical bound's traffic, as the strategy's own: the dense part's ring all-reduce and
@@ -138,16 +177,18 @@ class Hybrid(StrategyModel):
         """Of a worker's messages to all servers, what leaves its host (co-located: its own share stays)."""
         return nbytes if self.dedicated else nbytes * (self.wk.np - 1) / self.wk.np
 
-    def _exchange(self, nbytes: float, done: Callable[[], None], name: str, *, to_servers: bool) -> None:
-        """A worker's messages of ``nbytes`` in all to the servers (``to_servers``) or from them."""
-        wk = self.wk
-        if not self.dedicated:  # every worker to every co-located server: an all-to-all (Network.mesh)
-            wk.message(self._remote(nbytes), [(wk.tx, 1), (wk.rx, 1)], done, name, mesh=True)
+    def _exchange(self, nbytes: float, name: str, done: Callable[[], None], what: str, *, to_servers: bool) -> None:
+        """A worker's messages of ``nbytes`` of table ``name`` in all to the servers (``to_servers``)
+        or from them, each server's share of them (:attr:`shares`)."""
+        wk, shares = self.wk, self.shares[name]
+        if not self.dedicated:  # every worker to every co-located server: an all-to-all (Network.mesh),
+            # paced by the busiest NIC (_factor)
+            wk.message(nbytes * self._factor(shares), [(wk.tx, 1), (wk.rx, 1)], done, what, mesh=True)
             return
         arrive = Barrier(self.dedicated, done)  # every worker talks to every server: its side carries N shares
-        for tx, rx in wk.servers:
+        for (tx, rx), share in zip(wk.servers, shares):
             uses = [(wk.tx, 1), (rx, wk.np)] if to_servers else [(tx, wk.np), (wk.rx, 1)]
-            wk.message(nbytes / self.dedicated, uses, arrive.arrive, name)
+            wk.message(nbytes * share, uses, arrive.arrive, what)
 
     # -- a step ----------------------------------------------------------------------------------------
     def before_forward(self, step: int, go: Callable[[], None]) -> None:
@@ -173,22 +214,23 @@ class Hybrid(StrategyModel):
             self.server_interpreter, count, lambda: then(finish))), what="take")
 
     def _pull(self, step: int, name: str, done: Callable[[], None]) -> None:
-        table, wk = self.sparse[name], self.wk
+        table, wk, shares = self.sparse[name], self.wk, self.shares[name]
         rows = table.read * table.row_bytes
-        served = rows * wk.np / self.servers if self.dedicated else rows * (wk.np - 1) / wk.np
+        served = rows * self.clients * max(shares)  # the busiest server's answers
+        received = rows if self.dedicated else rows * (1 - min(shares))  # the worker whose own server holds least
 
         def answer() -> None:  # once applied: the rows gathered and sent back
             self.server.run(wk.copy_s(served), lambda: wk.message_ends(self.server_interpreter, self.clients, lambda: (
-                self._exchange(rows, lambda: wk.sim.after(wk.wake_s(), receive), f"pull {name}", to_servers=False))),
+                self._exchange(rows, name, lambda: wk.sim.after(wk.wake_s(), receive), f"pull {name}", to_servers=False))),
                 what=f"gather {name}")
 
         def receive() -> None:  # the worker takes the rows and copies them into the table
             wk.message_ends(self.interpreter, self.peers, lambda: wk.host.run(
-                wk.copy_s(self._remote(rows)), done, what=f"rows of {name}"))
+                wk.copy_s(received), done, what=f"rows of {name}"))
 
         # a header and the ids: two sends to each server, taken by its loop, answered once applied
         wk.message_ends(self.interpreter, 2 * self.peers, lambda: self._exchange(
-            table.read * ID_BYTES, lambda: self._take(2, lambda finish: (
+            table.read * ID_BYTES, name, lambda: self._take(2, lambda finish: (
                 finish(), self._after_applied(step - 1, answer))), f"ids of {name}", to_servers=True))
 
     def on_layer_ready(self, step: int, layer: int) -> None:
@@ -206,7 +248,7 @@ class Hybrid(StrategyModel):
 
         def sent() -> None:
             self.issued[step].arrive()
-            self._exchange(table.read * (table.row_bytes + ID_BYTES), lambda: self._take(3, lambda finish: (
+            self._exchange(table.read * (table.row_bytes + ID_BYTES), name, lambda: self._take(3, lambda finish: (
                 taken.arrive(), self._pushed(step, finish))), f"push {name}", to_servers=True)
 
         wk.message_ends(self.interpreter, 3 * self.peers, sent)
@@ -223,17 +265,34 @@ class Hybrid(StrategyModel):
         """Every worker's pushes of every table are in (they are alike): each server updates its
         partitions table by table on the loop that took the last push, and answers the next
         step's pulls once all are applied (server.py's ``_apply``)."""
-        wk, names = self.wk, list(self.sparse)
-        for i, name in enumerate(names):
-            table = self.sparse[name]
-            part = table.rows * table.row_bytes / self.servers
-            # a zeroed partition, the rows added, divided by N, then the optimizer
-            build = (ZEROED_PASSES + 1) * part + table.read * table.row_bytes * wk.np / self.servers
+        names = list(self.sparse)
+        if self.updates is None:  # the same every step
+            updates = [self._update_s(name) for name in names]
+            late = self._late(sum(updates)) / max(sum(updates), 1e-30)
+            self.updates = [update * late for update in updates]
+        for i, (name, update) in enumerate(zip(names, self.updates)):
             last = i == len(names) - 1
-            # the next pull waits for every server: for the slowest of them (Host.jitter)
-            update = (wk.copy_s(build) + wk.update_s(part)) * wk.slowest_of(self.servers)
             self.server.run(update, (lambda: (self._applied(step), finish())) if last else (lambda: None),
                             what=f"update {name}")
+
+    def _update_s(self, name: str) -> float:
+        """A server's update of its partitions of table ``name``: a zeroed gradient, the rows added
+        (the busiest server's), divided by N, then the optimizer."""
+        table, wk = self.sparse[name], self.wk
+        part = table.rows * table.row_bytes / self.servers
+        build = (ZEROED_PASSES + 1) * part + table.read * table.row_bytes * wk.np * max(self.shares[name])
+        return wk.copy_s(build) + wk.update_s(part)
+
+    def _late(self, update_s: float) -> float:
+        """The update's time as the next pulls see it: they wait for every server's answer, each sent
+        after that server's own update (Host.jitter), the busiest's taking the longest on its NIC
+        (Worker.last_of). Spread evenly, the slowest server's update."""
+        rate = self.wk.net.rate_bps
+        if not rate:
+            return update_s * self.wk.slowest_of(self.servers)
+        answers = [sum(t.read * t.row_bytes * self.clients * self.shares[name][s] for name, t in self.sparse.items())
+                   * 8 / rate for s in range(self.servers)]
+        return self.wk.last_of(update_s, answers)
 
     def _applied(self, step: int) -> None:
         self.applied = step

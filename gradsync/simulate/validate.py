@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import statistics
 import time
 
@@ -152,6 +153,19 @@ def options_of(label: str) -> tuple[str, dict]:
     """``casync-ring+topk:ratio=0.01`` -> ``("casync-ring", {"compression": "topk:ratio=0.01"})``."""
     name, _, spec = label.partition("@")[0].partition("+")
     return name, ({"compression": spec} if spec else {})
+
+
+def run_options(record: dict) -> tuple[str, dict]:
+    """The strategy and options a recorded run ran with: its label's (:func:`options_of`) and, for
+    ``hybrid``, the partition count its probes chose (its ``describe``), by which the model lays
+    the rows out over the servers."""
+    name, options = options_of(record["strategy"])
+    if name == "hybrid" and "partitions" not in options:
+        found = re.search(r"(\d+) partitions per table", record.get("describe", ""))
+        servers = record.get("servers", 0) or record["np"]
+        if found and int(found.group(1)) % servers == 0:
+            options["partitions"] = int(found.group(1)) // servers
+    return name, options
 
 
 def _host(record: dict, rates: dict, cores: int, memory: float | None = None, codecs: dict | None = None):
@@ -339,7 +353,7 @@ def replay(path: str = MATRIX, rates: dict | None = None, steps: int = 8, warmup
         hosts = group_hosts(group["records"], [workloads[key] for key in keys], here, cores, codecs)
         for rec, key, (host, source) in zip(group["records"], keys, hosts):
             net = record_network(matrix, rec)
-            name, options = options_of(rec["strategy"])
+            name, options = run_options(rec)
             # as many steps as a round of the run measured, after its warm-up (the rounds repeat it)
             run_warmup = rec.get("warmup", warmup)
             run_steps = run_warmup + rec["steps"] // rec.get("rounds", 1) if "steps" in rec else steps

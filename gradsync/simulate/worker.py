@@ -124,6 +124,22 @@ def expected_max_normal(n: int) -> float:
     return total * h
 
 
+def expected_last(means: list[float], sd: float) -> float:
+    """E[max of independent normals of ``means`` and standard deviation ``sd``]: the integral of
+    one less their joint CDF above the lowest mean less 9 sd (the midpoint rule); ``max(means)``
+    without spread."""
+    if sd <= 0 or len(means) < 2:
+        return max(means)
+    import torch
+
+    steps, low, high = 4_000, min(means) - 9 * sd, max(means) + 9 * sd
+    h = (high - low) / steps
+    x = low + (torch.arange(steps, dtype=torch.float64) + 0.5) * h
+    mu = torch.tensor(means, dtype=torch.float64)
+    below = torch.special.ndtr((x[:, None] - mu[None, :]) / sd).prod(dim=1).sum().item()
+    return high - below * h
+
+
 class Worker:
     """The representative worker: its accelerator, its host, its NIC, and the step driver."""
 
@@ -269,6 +285,14 @@ class Worker:
         """The slowest of ``n`` hosts' runs of the same work, as a multiple of its mean: ``1 +
         jitter * E[max of n standard normals]`` (1.11x for 2 hosts at a jitter of 0.19)."""
         return 1.0 + self.host_rates.jitter * expected_max_normal(n)
+
+    def last_of(self, work_s: float, then_s: list[float]) -> float:
+        """When the last of several hosts is done, each running the same ``work_s`` (with the host's
+        ``jitter``) and then what is its own (``then_s``), less the longest of ``then_s``: the
+        work's time as the last one's wait sees it. Alike, ``work_s * slowest_of(n)``; where one
+        host's own part is much the longest, ``work_s``: the others' spread ends before it."""
+        late = expected_last([work_s + t for t in then_s], self.host_rates.jitter * work_s)
+        return late - max(then_s)
 
     def copy_s(self, nbytes: float) -> float:
         return nbytes / self.host_rates.copy_Bps

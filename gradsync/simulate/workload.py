@@ -34,15 +34,37 @@ class Layer:
 @dataclass
 class Table:
     """An embedding table: the rows a worker's step reads (unique ids of its batch, the mean over
-    a few batches of the model's own data), out of ``rows`` of ``row_bytes`` each."""
+    a few batches of the model's own data), out of ``rows`` of ``row_bytes`` each; ``samples``:
+    those batches' unique ids (where the reads fall, for ``hybrid``'s row servers)."""
 
     rows: int
     row_bytes: int
     read: float
+    samples: tuple = ()
 
     @property
     def share(self) -> float:
         return self.read / max(self.rows, 1)
+
+    def server_shares(self, index: int, partitions: int, servers: int) -> list[float]:
+        """Of the rows a step reads, the share each server holds when this is table ``index`` of
+        ``hybrid``'s layout with ``partitions`` partitions per table over ``servers`` servers
+        (:meth:`~gradsync.strategies.hybrid.layout.Layout.make`, the strategy's own). Ids drawn
+        from a Zipf law put most reads on the server of the first range. Without ``samples``: an
+        even spread."""
+        import torch
+
+        from gradsync.strategies.hybrid.layout import Layout
+
+        if not self.samples:
+            return [1.0 / servers] * servers
+        layout = Layout.make([1] * index + [self.rows], partitions, list(range(servers)))
+        held = [0] * servers
+        for ids in self.samples:
+            for server, where in layout.split(index, torch.as_tensor(ids)).items():
+                held[server] += where.numel()
+        total = sum(held)
+        return [h / total for h in held] if total else [1.0 / servers] * servers
 
 
 @dataclass
@@ -125,10 +147,10 @@ def _tables(spec, model, batch_size: int) -> dict[str, Table]:
         module = modules.get(name)
         if not isinstance(module, (nn.Embedding, nn.EmbeddingBag)) or users.get(id(module.weight), 0) > 1:
             continue
-        read = [ids_of(spec.batch(batch_size, seed)[0]).unique().numel() for seed in range(TABLE_BATCHES)]
+        samples = tuple(ids_of(spec.batch(batch_size, seed)[0]).unique() for seed in range(TABLE_BATCHES))
         weight = module.weight
         found[f"{name}.weight"] = Table(weight.shape[0], weight[0].numel() * weight.element_size(),
-                                        sum(read) / len(read))
+                                        sum(ids.numel() for ids in samples) / len(samples), samples)
     return found
 
 
