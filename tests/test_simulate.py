@@ -500,6 +500,24 @@ def test_hybrid_servers_loop_wakes_for_each_receive_and_runs_the_update_that_a_p
     assert record["step_s"] == pytest.approx(2 + 1 + 1 + 2 + 1 + 3 + 3 + 4)
 
 
+def test_hybrid_servers_take_the_other_workers_messages_while_the_workers_own_are_in_flight():
+    # One table (100 rows of 40 B, 10 read), 3 co-located workers, a wire of 100 B/s, free host
+    # work but a thread's wakeup of 1 s. The ranks do not run in step: the simulated worker is the
+    # last, and each server's loop takes the other two clients' messages (a wake per receive) from
+    # when the worker sends its own. Pull: the others' header and ids (2 s) while its ids cross
+    # (80 B, 2/3 of them leave the host: 0.533 s), then its own (2 s), the rows back (266.7 B,
+    # 2.667 s) and the worker's wake (1 s): 7.667 s. Push: the others' three receives (3 s) while
+    # its 480 B cross (320 B: 3.2 s), then its own three (3 s): 6.2 s. A loop that took all three
+    # clients' messages once the worker's arrived would give 8.2 + 9.2 s.
+    from gradsync.simulate.workload import Table
+
+    work = synthetic([(0.0, 0.0, [4000])])
+    work.tables = {"layer0.p0": Table(rows=100, row_bytes=40, read=10)}
+    host = Host(copy_Bps=1e18, update_Bps=1e18, handoff_s=1.0)
+    record = simulate("hybrid", work, 3, Network(rate_bps=800.0, latency_s=0.0), host=host, steps=6, warmup=2)
+    assert record["step_s"] == pytest.approx((2 + 2 + 8 / 3 + 1) + (3.2 + 3))
+
+
 def test_the_slowest_of_n_is_the_mean_plus_the_expected_maximum_of_n_normals():
     from gradsync.simulate.worker import expected_max_normal
 

@@ -35,7 +35,10 @@ stands for every server (the busiest's rows):
 - a server's receive loop takes one message at a time, every client's in turn. Gloo moves a
   message only once its receiver posted the receive, so the loop, blocked in each receive (the
   header, the ids, the rows), wakes for each (:meth:`~gradsync.simulate.worker.Worker.wake_s`,
-  longer where the ranks share busy cores); the worker's thread wakes once for the rows it waits for;
+  longer where the ranks share busy cores); the worker's thread wakes once for the rows it waits for.
+  The ranks do not run in step: the simulated worker is the last of them (the slowest rank's step
+  is the one ``gradsync bench`` reports), and a loop takes the other clients' messages from when
+  the worker sends its own, so a message that crosses slowly finds them taken (:meth:`Hybrid._others`);
 - the push that completes a step at a server runs the update on the loop, which takes nothing
   meanwhile: each partition's gradient built (a zeroed partition, the rows added, divided by N)
   and the optimizer run on it, table after table, the dense update ``hybrid`` uses for momentum
@@ -205,13 +208,23 @@ class Hybrid(StrategyModel):
         for name in names:
             self._pull(step, name, pulled.arrive)
 
+    def _others(self, receives: int) -> None:
+        """The servers' receive loop takes the other clients' messages like the worker's (see
+        :meth:`_take`), sent as it sends its own: the ranks do not run in step, and the worker
+        that stands for all is the last of them (the slowest rank's step is the one measured)."""
+        wk, count = self.wk, receives * (self.clients - 1)
+        if count > 0:
+            self.loop.submit(lambda finish: wk.sim.after(count * wk.wake_s(), lambda: wk.message_ends(
+                self.server_interpreter, count, finish)), what="take (other workers)")
+
     def _take(self, receives: int, then: Callable[[Callable[[], None]], None]) -> None:
-        """The servers' receive loop takes a message of each client (``receives`` receives each,
-        every one woken for), their ends under the server's interpreter, then ``then(finish)``,
-        the loop busy until ``finish``."""
-        wk, count = self.wk, receives * self.clients
-        self.loop.submit(lambda finish: wk.sim.after(count * wk.wake_s(), lambda: wk.message_ends(
-            self.server_interpreter, count, lambda: then(finish))), what="take")
+        """The servers' receive loop takes the worker's message (``receives`` receives, every one
+        woken for), their ends under the server's interpreter, then ``then(finish)``, the loop
+        busy until ``finish``; after the other clients' (:meth:`_others`) where they are still
+        being taken."""
+        wk = self.wk
+        self.loop.submit(lambda finish: wk.sim.after(receives * wk.wake_s(), lambda: wk.message_ends(
+            self.server_interpreter, receives, lambda: then(finish))), what="take")
 
     def _pull(self, step: int, name: str, done: Callable[[], None]) -> None:
         table, wk, shares = self.sparse[name], self.wk, self.shares[name]
@@ -229,9 +242,9 @@ class Hybrid(StrategyModel):
                 wk.copy_s(received), done, what=f"rows of {name}"))
 
         # a header and the ids: two sends to each server, taken by its loop, answered once applied
-        wk.message_ends(self.interpreter, 2 * self.peers, lambda: self._exchange(
+        wk.message_ends(self.interpreter, 2 * self.peers, lambda: (self._others(2), self._exchange(
             table.read * ID_BYTES, name, lambda: self._take(2, lambda finish: (
-                finish(), self._after_applied(step - 1, answer))), f"ids of {name}", to_servers=True))
+                finish(), self._after_applied(step - 1, answer))), f"ids of {name}", to_servers=True)))
 
     def on_layer_ready(self, step: int, layer: int) -> None:
         for name in self.tables_of_layer.get(layer, []):
@@ -248,6 +261,7 @@ class Hybrid(StrategyModel):
 
         def sent() -> None:
             self.issued[step].arrive()
+            self._others(3)
             self._exchange(table.read * (table.row_bytes + ID_BYTES), name, lambda: self._take(3, lambda finish: (
                 taken.arrive(), self._pushed(step, finish))), f"push {name}", to_servers=True)
 
