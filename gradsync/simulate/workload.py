@@ -40,7 +40,7 @@ class Table:
     rows: int
     row_bytes: int
     read: float
-    samples: tuple = ()
+    samples: tuple = field(default=(), compare=False, repr=False)
 
     @property
     def share(self) -> float:
@@ -58,6 +58,7 @@ class Table:
 
         if not self.samples:
             return [1.0 / servers] * servers
+        # the tables before it only turn where its ranges start (range j of table t on server (j + t) mod S)
         layout = Layout.make([1] * index + [self.rows], partitions, list(range(servers)))
         held = [0] * servers
         for ids in self.samples:
