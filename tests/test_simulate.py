@@ -551,6 +551,7 @@ def test_hybrid_keeps_a_table_most_of_which_a_step_reads_dense_as_the_strategy_d
     work = _with_table(60)
     dense = simulate("hybrid", work, 2, NET, host=FREE_HOST, steps=4, warmup=1)
     assert dense["step_s"] == pytest.approx(simulate("allreduce", work, 2, NET, host=FREE_HOST, steps=4, warmup=1)["step_s"])
+    assert dense["plan"] == ""  # no row servers to describe (advise: "the same as allreduce")
     served = simulate("hybrid", work, 2, NET, host=FREE_HOST, options={"sparse_threshold": 0.7}, steps=4, warmup=1)
     assert served["step_s"] != pytest.approx(dense["step_s"])
     assert served["bytes_per_step"] < dense["bytes_per_step"]

@@ -165,6 +165,8 @@ class Hybrid(StrategyModel):
         return max(max(1.0 - s, (n - 1) * s) for s in shares)
 
     def describe(self) -> str:
+        if not self.sparse:
+            return ""
         return ", ".join(f"{name}: {t.share:.2%} of {t.rows} rows read, {max(self.shares[name]):.0%} on the busiest "
                          f"of {self.servers} servers" for name, t in self.sparse.items()) + \
             f"; {self.partitions} partition{'s' if self.partitions != 1 else ''} per table"
