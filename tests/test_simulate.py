@@ -425,6 +425,7 @@ def test_the_last_of_several_hosts_waits_for_the_spread_only_where_their_own_par
     assert expected_last([1.0, 1.0], 2.0) == pytest.approx(1.0 + 2.0 / math.sqrt(math.pi), rel=1e-5)
     assert expected_last([0.0, 100.0, 3.0], 1.0) == pytest.approx(100.0, rel=1e-6)  # one far ahead
     assert expected_last([2.0, 5.0], 0.0) == 5.0
+    assert expected_last([0.001, 10.001], 0.0002) == pytest.approx(10.001, abs=1e-6)  # far apart, narrow
     from gradsync.simulate.worker import Worker
 
     host = Host(copy_Bps=1e18, update_Bps=1e18, handoff_s=0.0, jitter=0.5)
@@ -440,6 +441,8 @@ def test_a_hybrid_record_is_replayed_with_the_partitions_its_probes_chose():
     assert run_options({"strategy": "hybrid", "np": 4, "describe": described}) == ("hybrid", {"partitions": 1})
     assert run_options({"strategy": "hybrid", "np": 4, "servers": 2,
                         "describe": "hybrid(..., 16 partitions per table)"}) == ("hybrid", {"partitions": 8})
+    assert run_options({"strategy": "hybrid", "np": 4, "describe": "hybrid(..., 7 partitions per table)"}) == (
+        "hybrid", {"partitions": 2})  # the probes' fit chose a count between multiples: the nearer
     assert run_options({"strategy": "hybrid", "np": 2, "describe": "hybrid(dense only)"}) == ("hybrid", {})
     assert run_options({"strategy": "casync-ps+topk:ratio=0.01", "np": 2, "describe": "8 partitions per table"}) == (
         "casync-ps", {"compression": "topk:ratio=0.01"})
@@ -504,13 +507,13 @@ def test_hybrid_servers_loop_wakes_for_each_receive_and_runs_the_update_that_a_p
 
 def test_hybrid_servers_take_the_other_workers_messages_while_the_workers_own_are_in_flight():
     # One table (100 rows of 40 B, 10 read), 3 co-located workers, a wire of 100 B/s, free host
-    # work but a thread's wakeup of 1 s. The ranks do not run in step: the simulated worker is the
-    # last, and each server's loop takes the other two clients' messages (a wake per receive) from
-    # when the worker sends its own. Pull: the others' header and ids (2 s) while its ids cross
-    # (80 B, 2/3 of them leave the host: 0.533 s), then its own (2 s), the rows back (266.7 B,
-    # 2.667 s) and the worker's wake (1 s): 7.667 s. Push: the others' three receives (3 s) while
-    # its 480 B cross (320 B: 3.2 s), then its own three (3 s): 6.2 s. A loop that took all three
-    # clients' messages once the worker's arrived would give 8.2 + 9.2 s.
+    # work but a thread's wakeup of 1 s. A server hears from the 2 other workers. The ranks do not
+    # run in step: the simulated worker is the last, and each server's loop takes the other
+    # client's messages (a wake per receive) from when the worker sends its own. Pull: the other's
+    # header and ids (2 s) while its ids cross (80 B, 2/3 of them leave the host: 0.533 s), then its
+    # own (2 s), the rows back (266.7 B, 2.667 s) and the worker's wake (1 s): 7.667 s. Push: the
+    # other's three receives (3 s) while its 480 B cross (320 B: 3.2 s), then its own three (3 s):
+    # 6.2 s. A loop that took both clients' messages once the worker's arrived would give 8.2 + 9.2 s.
     from gradsync.simulate.workload import Table
 
     work = synthetic([(0.0, 0.0, [4000])])
@@ -518,6 +521,10 @@ def test_hybrid_servers_take_the_other_workers_messages_while_the_workers_own_ar
     host = Host(copy_Bps=1e18, update_Bps=1e18, handoff_s=1.0)
     record = simulate("hybrid", work, 3, Network(rate_bps=800.0, latency_s=0.0), host=host, steps=6, warmup=2)
     assert record["step_s"] == pytest.approx((2 + 2 + 8 / 3 + 1) + (3.2 + 3))
+    # One worker with its table named sparse: its own server holds every row, nothing to take
+    alone = simulate("hybrid", work, 1, Network(rate_bps=800.0, latency_s=0.0), host=host,
+                     options={"sparse": ["layer0.p0"]}, steps=4, warmup=1)
+    assert alone["step_s"] == pytest.approx(0.0)
 
 
 def test_the_slowest_of_n_is_the_mean_plus_the_expected_maximum_of_n_normals():

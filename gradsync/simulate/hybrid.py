@@ -10,10 +10,11 @@ strategy's ``bucket_mb`` and ``first_bucket_mb``.
 The rows a step reads are laid out as the strategy lays them
 (:meth:`~gradsync.strategies.hybrid.layout.Layout.make`: each table cut into contiguous ranges,
 table t's range j on server (j + t) mod S), each server's share of them counted on the model's own
-batches (:meth:`~gradsync.simulate.workload.Table.server_shares`). Word ids follow a Zipf law, so
-a table's first range holds most reads and its server serves most rows. ``partitions="auto"``:
-of the counts the strategy's probes try (1 to 16 a server), the one that spreads the reads most
-evenly; a replayed record names the count its run chose.
+batches (:meth:`~gradsync.simulate.workload.Table.server_shares`). Ids drawn from a Zipf law (a
+language model's words) put most reads in a table's first range, and its server serves most
+rows. ``partitions="auto"``: of the counts the strategy's probes try (1 to 16 a server, at most a
+table's rows), the one that spreads the reads most evenly; a replayed record names the count its
+run chose.
 
 A step, as :class:`~gradsync.strategies.hybrid.strategy.Hybrid` and its
 :class:`~gradsync.strategies.hybrid.server.RowServer` run it, for one worker that stands for all
@@ -108,9 +109,8 @@ class Hybrid(StrategyModel):
                 continue
             if name in st.force_sparse or (n > 1 and table.read > 0 and table.share <= threshold):
                 self.sparse[name] = table
+        self.row_tables = set(self.sparse)  # in the model's parameter order, as the strategy numbers them
         index = {p.name: i for i, p in enumerate(worker.params)}
-        self.sparse = dict(sorted(self.sparse.items(), key=lambda item: index[item[0]]))  # the strategy's table order
-        self.row_tables = set(self.sparse)
         dense = {i for i, p in enumerate(worker.params) if p.name not in self.sparse}
         mb = 2**20
         self.dense = Buckets(st, int(st.dense_options["bucket_mb"] * mb), int(st.dense_options["first_bucket_mb"] * mb),
@@ -139,20 +139,23 @@ class Hybrid(StrategyModel):
 
     def _layout(self, option) -> tuple[int, dict[str, list[float]]]:
         """The partition count per table and each table's share of reads on each server. ``auto``:
-        of the counts the strategy probes (1 to 16 per server), the one that spreads the reads the
-        most evenly (its probes measure what spreads them; the model has no cost per partition)."""
-        shares = lambda p: {name: t.server_shares(i, p, self.servers)  # noqa: E731
-                            for i, (name, t) in enumerate(self.sparse.items())}
+        of the counts the strategy probes (1 to 16 per server, at most a table's rows), the one
+        that spreads the reads the most evenly (its probes measure what spreads them; the model
+        has no cost per partition)."""
+        def shares(p: int) -> dict[str, list[float]]:
+            return {name: t.server_shares(i, p, self.servers) for i, (name, t) in enumerate(self.sparse.items())}
+
         if option != "auto":
             return option * self.servers, shares(option * self.servers)
-        counts = [m * self.servers for m in (1, 2, 4, 8, 16)]
-        best = min(counts, key=lambda p: (self._busiest(shares(p)), p))
-        return best, shares(best)
+        most = max((t.rows for t in self.sparse.values()), default=0)
+        counts = [m * self.servers for m in (1, 2, 4, 8, 16) if m * self.servers <= most] or [self.servers]
+        laid = {p: shares(p) for p in counts}
+        best = min(counts, key=lambda p: (self._busiest(laid[p]), p))
+        return best, laid[best]
 
     def _busiest(self, shares: dict[str, list[float]]) -> float:
-        """The bytes the busiest link of the exchange carries, over the rows a worker reads (see :meth:`_factor`)."""
-        total = sum(t.read * t.row_bytes for t in self.sparse.values()) or 1.0
-        return sum(self._factor(shares[name]) * t.read * t.row_bytes for name, t in self.sparse.items()) / total
+        """The bytes the busiest links of the exchange carry, each table's (see :meth:`_factor`)."""
+        return sum(self._factor(shares[name]) * t.read * t.row_bytes for name, t in self.sparse.items())
 
     def _factor(self, shares: list[float]) -> float:
         """Of a table's rows a worker reads, how many cross the busiest NIC in one direction while
@@ -210,23 +213,25 @@ class Hybrid(StrategyModel):
         for name in names:
             self._pull(step, name, pulled.arrive)
 
+    def _receive(self, count: int, then: Callable[[Callable[[], None]], None], what: str) -> None:
+        """The servers' receive loop takes ``count`` receives, waking for each, their ends under the
+        server's interpreter, then ``then(finish)``, the loop busy until ``finish``."""
+        wk = self.wk
+        self.loop.submit(lambda finish: wk.sim.after(count * wk.wake_s(), lambda: wk.message_ends(
+            self.server_interpreter, count, lambda: then(finish))), what=what)
+
     def _others(self, receives: int) -> None:
-        """The servers' receive loop takes the other clients' messages like the worker's (see
-        :meth:`_take`), sent as it sends its own: the ranks do not run in step, and the worker
-        that stands for all is the last of them (the slowest rank's step is the one measured)."""
-        wk, count = self.wk, receives * (self.clients - 1)
-        if count > 0:
-            self.loop.submit(lambda finish: wk.sim.after(count * wk.wake_s(), lambda: wk.message_ends(
-                self.server_interpreter, count, finish)), what="take (other workers)")
+        """The loop takes the other clients' messages like the worker's (:meth:`_take`), from when
+        the worker sends its own: the ranks do not run in step, and the worker that stands for
+        all is the last of them (the slowest rank's step is the one measured)."""
+        if self.clients > 1:
+            self._receive(receives * (self.clients - 1), lambda finish: finish(), "take (other workers)")
 
     def _take(self, receives: int, then: Callable[[Callable[[], None]], None]) -> None:
-        """The servers' receive loop takes the worker's message (``receives`` receives, every one
-        woken for), their ends under the server's interpreter, then ``then(finish)``, the loop
-        busy until ``finish``; after the other clients' (:meth:`_others`) where they are still
-        being taken."""
-        wk = self.wk
-        self.loop.submit(lambda finish: wk.sim.after(receives * wk.wake_s(), lambda: wk.message_ends(
-            self.server_interpreter, receives, lambda: then(finish))), what="take")
+        """The loop takes the worker's message (``receives`` receives), then ``then(finish)``;
+        after the other clients' (:meth:`_others`) where it is still taking them. One worker
+        alone sends nothing to take."""
+        self._receive(receives if self.clients else 0, then, "take")
 
     def _pull(self, step: int, name: str, done: Callable[[], None]) -> None:
         table, wk, shares = self.sparse[name], self.wk, self.shares[name]
@@ -236,7 +241,8 @@ class Hybrid(StrategyModel):
 
         def answer() -> None:  # once applied: the rows gathered and sent back
             self.server.run(wk.copy_s(served), lambda: wk.message_ends(self.server_interpreter, self.clients, lambda: (
-                self._exchange(rows, name, lambda: wk.sim.after(wk.wake_s(), receive), f"pull {name}", to_servers=False))),
+                self._exchange(rows, name, lambda: wk.sim.after(wk.wake_s() if self.peers else 0.0, receive),
+                               f"pull {name}", to_servers=False))),
                 what=f"gather {name}")
 
         def receive() -> None:  # the worker takes the rows and copies them into the table

@@ -158,13 +158,14 @@ def options_of(label: str) -> tuple[str, dict]:
 def run_options(record: dict) -> tuple[str, dict]:
     """The strategy and options a recorded run ran with: its label's (:func:`options_of`) and, for
     ``hybrid``, the partition count its probes chose (its ``describe``), by which the model lays
-    the rows out over the servers."""
+    the rows out over the servers: per server, as the option counts them (the probes' fit may
+    choose a count between two multiples of the servers: the nearer)."""
     name, options = options_of(record["strategy"])
     if name == "hybrid" and "partitions" not in options:
         found = re.search(r"(\d+) partitions per table", record.get("describe", ""))
         servers = record.get("servers", 0) or record["np"]
-        if found and int(found.group(1)) % servers == 0:
-            options["partitions"] = int(found.group(1)) // servers
+        if found:
+            options["partitions"] = max(1, round(int(found.group(1)) / servers))
     return name, options
 
 

@@ -117,13 +117,13 @@ def expected_max_normal(n: int) -> float:
 
 def expected_last(means: list[float], sd: float) -> float:
     """E[max of independent normals of ``means`` and standard deviation ``sd``]: the integral of
-    one less their joint CDF above the lowest mean less 9 sd (the midpoint rule); ``max(means)``
-    without spread."""
+    one less their joint CDF from the highest mean less 9 sd (below it the joint CDF is at most
+    that normal's, under 1e-18), by the midpoint rule; ``max(means)`` without spread."""
     if sd <= 0 or len(means) < 2:
         return max(means)
     import torch
 
-    steps, low, high = 4_000, min(means) - 9 * sd, max(means) + 9 * sd
+    steps, low, high = 4_000, max(means) - 9 * sd, max(means) + 9 * sd
     h = (high - low) / steps
     x = low + (torch.arange(steps, dtype=torch.float64) + 0.5) * h
     mu = torch.tensor(means, dtype=torch.float64)

@@ -58,11 +58,11 @@ class Table:
 
         if not self.samples:
             return [1.0 / servers] * servers
-        # the tables before it only turn where its ranges start (range j of table t on server (j + t) mod S)
-        layout = Layout.make([1] * index + [self.rows], partitions, list(range(servers)))
+        # table t's range j is on server (j + t) mod S: as table 0 over the servers turned by t
+        layout = Layout.make([self.rows], partitions, [(k + index) % servers for k in range(servers)])
         held = [0] * servers
         for ids in self.samples:
-            for server, where in layout.split(index, torch.as_tensor(ids)).items():
+            for server, where in layout.split(0, torch.as_tensor(ids)).items():
                 held[server] += where.numel()
         total = sum(held)
         return [h / total for h in held] if total else [1.0 / servers] * servers
@@ -144,6 +144,7 @@ def _tables(spec, model, batch_size: int) -> dict[str, Table]:
             users[id(p)] = users.get(id(p), 0) + 1
     found = {}
     modules = dict(model.named_modules())
+    order = {name: i for i, (name, _) in enumerate(model.named_parameters())}
     for name, ids_of in spec.lookups.items():
         module = modules.get(name)
         if not isinstance(module, (nn.Embedding, nn.EmbeddingBag)) or users.get(id(module.weight), 0) > 1:
@@ -152,7 +153,8 @@ def _tables(spec, model, batch_size: int) -> dict[str, Table]:
         weight = module.weight
         found[f"{name}.weight"] = Table(weight.shape[0], weight[0].numel() * weight.element_size(),
                                         sum(ids.numel() for ids in samples) / len(samples), samples)
-    return found
+    # in the model's parameter order, the order in which hybrid numbers its tables
+    return dict(sorted(found.items(), key=lambda item: order.get(item[0], len(order))))
 
 
 def synthetic(layers: list[tuple[float, float, list[int]]], batch_size: int = 32, name: str = "synthetic") -> Workload:
