@@ -103,13 +103,13 @@ class Hybrid(StrategyModel):
                 raise ConfigError(f"hybrid: {name!r} cannot go to the servers: it is not an embedding table read "
                                   f"only through its lookup (tables of {worker.w.model}: "
                                   f"{', '.join(worker.w.tables) or 'none'})")
-        self.sparse = {}
+        self.sparse = {}  # in the model's parameter order (the workload's), as the strategy numbers its tables
         for name, table in worker.w.tables.items():
             if name in st.force_dense:
                 continue
             if name in st.force_sparse or (n > 1 and table.read > 0 and table.share <= threshold):
                 self.sparse[name] = table
-        self.row_tables = set(self.sparse)  # in the model's parameter order, as the strategy numbers them
+        self.row_tables = set(self.sparse)
         index = {p.name: i for i, p in enumerate(worker.params)}
         dense = {i for i, p in enumerate(worker.params) if p.name not in self.sparse}
         mb = 2**20
