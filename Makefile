@@ -21,10 +21,7 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/gradsync bench --out bench-out --json bench-out/bench.json
 
-# Bytecode first: the tests start many processes (ranks, launchers, CLI runs), and where
-# PYTHONDONTWRITEBYTECODE is set each would compile gradsync again (0.6-0.9 s a process here).
 test: $(STAMP)
-	$(BIN)/python -m compileall -q gradsync tests > /dev/null
 	$(BIN)/python -m pytest -q --durations=15 tests
 
 clean:
