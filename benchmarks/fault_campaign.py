@@ -10,6 +10,10 @@ training (``GRADSYNC_TIMEOUT=5``):
   is alive and silent). The job must fail, and the launcher's output must name the victim's rank:
   the first line naming it must come within ``GRADSYNC_TIMEOUT`` of the fault (``error_s``); the
   launcher's exit follows after its grace.
+- ``stuck-in-code``: a random worker sleeps in its own code (a stuck data loader) for 3x
+  ``GRADSYNC_TIMEOUT`` at a random step (benchmarks/fault_job.py ``--stuck``); its peers stay alive
+  and its own threads keep running. The job must fail, naming the stuck rank, within the timeout
+  of the moment it got stuck. Its trials go through every strategy in turn (:data:`ALL_STRATEGIES`).
 - ``corrupt-message``: worker 1 sends the server a header no worker sends (benchmarks/fault_job.py
   ``--corrupt``): the job must fail naming rank 1 (``PeerProtocolError``).
 - ``elastic-kill``: SIGKILL of a worker of an elastic job (examples/elastic.py, 3 workers): the
@@ -49,11 +53,14 @@ ELASTIC = os.path.join(ROOT, "examples", "elastic.py")
 GRADSYNC = [sys.executable, "-m", "gradsync.cli"]
 TIMEOUT_S = 5.0
 DEADLINE_S = 90.0
-KINDS = ["kill-worker", "kill-server", "stop-worker", "corrupt-message", "elastic-kill", "hostile-store",
+KINDS = ["kill-worker", "kill-server", "stop-worker", "stuck-in-code", "corrupt-message", "elastic-kill", "hostile-store",
          "link-down", "link-flap", "packet-loss"]
 SURVIVABLE = ("elastic-kill", "hostile-store", "link-flap", "packet-loss")
 STEPS, SLEEP_S = 60, 0.05
 STRATEGIES = ["allreduce", "ddp", "casync-ring", "ps", "p3", "allreduce-priority", "compressed-allgather"]
+ALL_STRATEGIES = ["allreduce", "ddp", "ps", "ps-async", "p3", "ps-sliced", "allreduce-priority", "casync-ring",
+                  "casync-ps", "compressed-allgather", "sma", "hybrid", "pair-averaging"]
+"""The strategies ``stuck-in-code`` goes through, one a trial (``ps-async`` with a dedicated server)."""
 
 
 def _alive(pid: int) -> bool:
@@ -128,29 +135,37 @@ def _start(command: list[str]) -> subprocess.Popen:
 def failing_trial(kind: str, strategy: str, rng: random.Random) -> dict:
     """A fault the job cannot survive: it must stop, naming the victim, in bounded time."""
     pids = tempfile.mkdtemp(prefix="gradsync-campaign-")
-    servers = 1 if kind in ("kill-server", "corrupt-message") else 0
+    servers = 1 if kind in ("kill-server", "corrupt-message") or strategy == "ps-async" else 0
     workers = rng.choice([2, 3])
     command = [*GRADSYNC, "run", "-np", str(workers), "--servers", str(servers), "--", sys.executable, JOB,
                "--strategy", strategy, "--pids", pids, "--steps", str(STEPS), "--sleep", str(SLEEP_S)]
+    victim = {"kill-server": workers, "corrupt-message": 1}.get(kind, rng.randrange(workers))
     if kind == "corrupt-message":
         command += ["--corrupt", str(rng.randint(2, 10))]
+    if kind == "stuck-in-code":
+        command += ["--stuck", f"{victim}:{rng.randint(5, 25)}:{3 * TIMEOUT_S:g}"]
     shm = _shm()
     started = time.monotonic()
     proc = _start(command)
-    victim = {"kill-server": workers, "corrupt-message": 1}.get(kind, rng.randrange(workers))
     deadline = started + DEADLINE_S
     while len(_pids(pids)) < workers + servers and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
     time.sleep(rng.uniform(0.5, 2.0))  # into training
     injected = time.monotonic()
     pid = _pids(pids).get(victim)
-    if kind != "corrupt-message" and pid is not None and proc.poll() is None:
+    if kind not in ("corrupt-message", "stuck-in-code") and pid is not None and proc.poll() is None:
         os.kill(pid, signal.SIGSTOP if kind == "stop-worker" else signal.SIGKILL)
     hung, _, lines = _finish(proc, deadline)
+    if kind == "stuck-in-code":  # the fault's moment is when the victim's sleep began (its wall clock)
+        try:
+            injected = time.monotonic() - (time.time() - float(open(os.path.join(pids, "stuck")).read()))
+        except (OSError, ValueError):
+            pass  # it never got stuck (the job failed before): judged from the start of training
     seconds = time.monotonic() - injected
     err = "".join(line for _, line in lines)
-    named = bool(re.search(rf"\brank {victim}\b", err))
-    error_s = _first(lines, rf"\brank {victim}\b", injected)
+    blame = rf"\(rank {victim}\) is alive but" if kind == "stuck-in-code" else rf"\brank {victim}\b"
+    named = bool(re.search(blame, err))
+    error_s = _first(lines, blame, injected)
     left = [p for p in _pids(pids).values() if _alive(p)]
     for p in left:
         os.kill(p, signal.SIGKILL)
@@ -317,7 +332,13 @@ def run_trial(kind: str, rng: random.Random, strategies: list[str] = STRATEGIES)
         return link_trial(kind, rng.choice(strategies), rng)
     servers = [s for s in strategies if s in ("ps", "p3")] or ["ps", "p3"]
     strategy = {"kill-server": rng.choice(servers), "corrupt-message": "ps"}.get(kind, rng.choice(strategies))
+    if kind == "stuck-in-code":
+        _STUCK[0] += 1
+        strategy = ALL_STRATEGIES[(_STUCK[0] - 1) % len(ALL_STRATEGIES)]
     return failing_trial(kind, strategy, rng)
+
+
+_STUCK = [0]  # stuck-in-code trials so far: the next one takes the next strategy
 
 
 def table(trials: list[dict]) -> list[str]:
@@ -338,6 +359,23 @@ def table(trials: list[dict]) -> list[str]:
                     f"{statistics.median(secs):.1f}, {max(secs):.1f} | "
                     f"{sum(t['left_processes'] for t in mine)} | {sum(t['left_shm'] for t in mine)} | "
                     f"{sum(t.get('left_netns', 0) for t in mine)} |")
+    return rows
+
+
+def stuck_table(trials: list[dict]) -> list[str]:
+    """``stuck-in-code`` per strategy: seconds from the hang to the first error naming the rank."""
+    mine = [t for t in trials if t["kind"] == "stuck-in-code"]
+    if not mine:
+        return []
+    rows = ["| strategy (stuck-in-code) | trials | named the rank | seconds from the hang to the first error naming "
+            "it (max) | processes left |", "|---|---|---|---|---|"]
+    for strategy in ALL_STRATEGIES:
+        runs = [t for t in mine if t["strategy"] == strategy]
+        if runs:
+            named = [t["error_s"] for t in runs if t.get("error_s") is not None]
+            rows.append(f"| {strategy} | {len(runs)} | {sum(t['named'] for t in runs)} | "
+                        f"{max(named):.1f} |" if named else f"| {strategy} | {len(runs)} | 0 | - |")
+            rows[-1] += f" {sum(t['left_processes'] for t in runs)} |"
     return rows
 
 
@@ -364,9 +402,11 @@ def main() -> None:
               f"{trial['seconds']:5.1f} s{error_s}{'  <-- ' + trial['tail'][-300:] if bad else ''}", flush=True)
     print(f"\n{args.trials} trials in {time.monotonic() - started:.0f} s\n")
     print("\n".join(table(trials)))
+    if stuck_table(trials):
+        print("\n" + "\n".join(stuck_table(trials)))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"trials": trials, "table": table(trials)}, f, indent=1)
+            json.dump({"trials": trials, "table": table(trials), "stuck": stuck_table(trials)}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,9 @@
 ``--steps`` steps of ``--sleep`` seconds each under ``--strategy``. Every rank writes its pid to
 ``--pids DIR/rank-R``; worker 0 writes the final parameters to ``--out``.
 
+``--stuck RANK:STEP:SECONDS``: worker RANK sleeps in its own code (a stuck data loader) at the start of
+step STEP, after writing the time it starts to ``DIR/stuck``.
+
 ``--corrupt STEP``: worker 1 plays a bad peer at that step, sending each dedicated parameter
 server a header with an operation no worker sends (``ps`` with ``--servers``), instead of training.
 """
@@ -26,7 +29,9 @@ def main() -> None:
     parser.add_argument("--pids", required=True)
     parser.add_argument("--out", default="")
     parser.add_argument("--corrupt", type=int, default=-1)
+    parser.add_argument("--stuck", default="-1:-1:0")
     args = parser.parse_args()
+    stuck_rank, stuck_step, stuck_s = (float(v) for v in args.stuck.split(":"))
     topo = gradsync.init()
     with open(os.path.join(args.pids, f"rank-{topo.rank}"), "w") as f:
         f.write(str(os.getpid()))
@@ -35,6 +40,10 @@ def main() -> None:
     opt = gradsync.distribute(model, torch.optim.SGD(model.parameters(), lr=0.05), args.strategy)
     gen = torch.Generator().manual_seed(topo.rank)
     for step in range(args.steps):
+        if step == stuck_step and topo.rank == stuck_rank:
+            with open(os.path.join(args.pids, "stuck"), "w") as f:
+                f.write(repr(time.time()))
+            time.sleep(stuck_s)
         if step == args.corrupt and topo.rank == 1:
             from gradsync import runtime
             from gradsync.strategies.ps import TAG_CONTROL

@@ -54,6 +54,7 @@ class FlightRecorder:
         self.counts: dict[str, int] = {}
         self.step = 1  # the optimizer step in progress, from 1 (counted by distribute's wrapped step)
         self.waiting: Record | None = None  # what the training (main) thread is blocked in
+        self.since = time.monotonic()  # when the training thread last entered or left a wait
         self.blocked: dict[int, Record] = {}  # what each thread blocked in an operation waits for
         self.dumped_for: float = 0.0  # the request file's mtime this rank last answered
 
@@ -75,14 +76,32 @@ class FlightRecorder:
         if record is not None:
             self.blocked[ident] = record
         if main:
-            self.waiting = record
+            self.waiting, self.since = record, time.monotonic()
         return ident, record, main
 
     def unblock(self, token: tuple) -> None:
         ident, record, main = token
         self.blocked.pop(ident, None)
         if main and self.waiting is record:
-            self.waiting = None
+            self.waiting, self.since = None, time.monotonic()
+
+    @contextlib.contextmanager
+    def waiting_for(self, what: str):
+        """The training thread waits for its own communication threads (``what``: "wait for
+        parameters of 'fc.weight'"): shown in the summary as any other wait, and in :meth:`position`."""
+        record = self.issue(what, "wait", 0)
+        token = self.block(record, True)
+        try:
+            yield record
+        finally:
+            record.done = time.time()
+            self.unblock(token)
+
+    def position(self) -> str:
+        """Where the training thread is, as the heartbeat publishes it: ``"STEP WAITING SECONDS TIME"``
+        (waiting: 1 while it waits in a gradsync operation, 0 while it runs the script's own code;
+        seconds: how long it has been so, as of TIME, this host's clock)."""
+        return f"{self.step} {int(self.waiting is not None)} {time.monotonic() - self.since:.2f} {time.time():.3f}"
 
     @contextlib.contextmanager
     def blocked_in(self, record: Record | None, *, main: bool):

@@ -1,5 +1,8 @@
 """The heartbeat: every rank bumps a counter in the rendezvous store once a second, on a thread and a
-store connection of its own, and reads its peers' counters to name the ones that stopped.
+store connection of its own, and reads its peers' counters to name the ones that stopped. With each
+beat it also publishes where its training thread is (the step, and whether it waits in a gradsync
+operation or runs the script's own code, for how long), so that a rank alive but absent from an
+operation (a stuck data loader, an evaluation on one rank) is named too (:meth:`Heartbeat.positions`).
 
 In a job of up to :data:`WATCH_ALL_MAX` ranks the heartbeat also reads every peer's counter each
 beat, so it always knows since when each peer has been silent: when an operation fails the silent
@@ -11,6 +14,7 @@ thread of the rank has waited long in one operation (half the timeout less the s
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from datetime import timedelta
@@ -78,17 +82,19 @@ class Heartbeat:
         self._thread.start()
 
     def _run(self) -> None:
-        key = f"gradsync/hb/{self.topology.rank}"
+        key, at = f"gradsync/hb/{self.topology.rank}", f"gradsync/at/{self.topology.rank}"
         while not self._stop.wait(HEARTBEAT_S):
             store = self.store
             if store is None:
                 return
+            recorder = flight.current()
             try:
                 store.add(key, 1)
+                if recorder is not None:
+                    store.set(at, recorder.position())
             except Exception:  # noqa: BLE001 - a slow or vanished store host (diagnosis says which):
                 continue  # try again next beat; each call is bounded by HEARTBEAT_STORE_S
             self.answered = time.monotonic()
-            recorder = flight.current()
             if self.watch_after_s == 0.0 or (recorder is not None and recorder.longest_wait_s() >= self.watch_after_s):
                 self._watch()
             else:
@@ -112,6 +118,74 @@ class Heartbeat:
             return _within(HEARTBEAT_STORE_S, lambda: {r: store.add(f"gradsync/hb/{r}", 0) for r in others})
         except Exception:
             return None
+
+    def positions(self) -> dict[int, tuple[int, bool, float]]:
+        """Where every other rank's training thread was at its last beat: ``(step, waiting in a
+        gradsync operation, seconds it has been so)`` (see :meth:`gradsync.flight.FlightRecorder.position`);
+        a rank that published nothing yet, or a store that does not answer, leaves it out."""
+        store = self.store
+        if store is None:
+            return {}
+        keys = {r: f"gradsync/at/{r}" for r in range(self.topology.world_size) if r != self.topology.rank}
+
+        def read() -> dict[int, bytes]:
+            return {r: store.get(k) for r, k in keys.items() if store.check([k])}
+
+        try:
+            raw = _within(HEARTBEAT_STORE_S, read)
+        except Exception:  # noqa: BLE001 - no answer: nothing known
+            return {}
+        out, now = {}, time.time()
+        for rank, value in raw.items():
+            try:
+                step, waiting, seconds, at = value.decode().split()
+            except ValueError:
+                continue
+            age = now - float(at)  # under a beat, unless the hosts' clocks disagree: then not counted
+            out[rank] = (int(step), waiting == "1", float(seconds) + (age if 0 <= age <= 2 * HEARTBEAT_S else 0.0))
+        return out
+
+    def say_left(self) -> None:
+        """This rank is shutting down: the store's host need not stay up for it (:meth:`wait_for_leavers`)."""
+        store = self.store
+        if store is not None:
+            with contextlib.suppress(Exception):
+                _within(HEARTBEAT_STORE_S, lambda: store.set(f"gradsync/left/{self.topology.rank}", "1"))
+
+    def left(self, ranks: list[int]) -> list[int]:
+        """Those of ``ranks`` that said they were shutting down (:meth:`say_left`): silent, but no fault."""
+        store = self.store
+        if store is None or not ranks:
+            return []
+        try:
+            return _within(HEARTBEAT_STORE_S, lambda: [r for r in ranks if store.check([f"gradsync/left/{r}"])])
+        except Exception:  # noqa: BLE001 - no answer: nothing known
+            return []
+
+    def wait_for_leavers(self, poll_s: float = 0.05) -> None:
+        """On the rank that serves the store, at a clean shutdown: return once every peer has said
+        it is shutting down (:meth:`say_left`) or its heartbeat stood still for :data:`SILENT_S`
+        (it died). A rank that finishes first (``ps-async``, ``pair-averaging``: no barrier at the
+        end) would otherwise take the store away from the ones still training."""
+        store = self.store
+        peers = [r for r in range(self.topology.world_size) if r != self.topology.rank]
+        seen: dict[int, tuple[int, float, bool]] = {}
+        next_beat = 0.0
+        while store is not None and peers:
+            try:
+                peers = _within(HEARTBEAT_STORE_S, lambda: [r for r in peers if not store.check([f"gradsync/left/{r}"])])
+            except Exception:  # noqa: BLE001 - this rank's own store does not answer: nothing to keep up
+                return
+            if not peers:
+                return
+            if time.monotonic() >= next_beat:
+                observed = self._observe(seen)
+                if observed is None:
+                    return
+                seen, next_beat = observed, time.monotonic() + HEARTBEAT_S / 2
+                now = time.monotonic()
+                peers = [r for r in peers if now - seen[r][1] < SILENT_S]
+            time.sleep(poll_s)
 
     def _observe(self, seen: dict[int, tuple[int, float, bool]]) -> dict[int, tuple[int, float, bool]] | None:
         """``seen`` (per rank: its count, since when it has had that count as far as watched, and

@@ -18,6 +18,7 @@ of a wait, shutdown and exit after a failure) is one sequence; the heartbeat liv
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import re
 import sys
@@ -81,10 +82,15 @@ class Runtime:
     :func:`shutdown` runs them even for a rank going down with an error, which runs no closer."""
 
     def explain(self, what: str, exc: BaseException) -> PeerFailureError:
-        """Turn a failed communication into an error naming the rank(s) at fault."""
+        """Turn a failed communication into an error naming the rank(s) at fault: the ones whose
+        heartbeat stopped, else the ones alive but absent from the operation (:meth:`behind`)."""
         me = self.topology.describe(self.topology.rank)
         timed_out = isinstance(exc, TimeoutError) or "timed out" in str(exc).lower()
         silent = self.heartbeat.silent_ranks(fresh=not timed_out) if self.heartbeat else []
+        if silent:  # a rank that shut down cleanly (no barrier at the end: ps-async) is no fault
+            gone = self.heartbeat.left(silent)
+            silent = [r for r in silent if r not in gone]
+        behind = self.behind() if timed_out and silent == [] else []
         if silent is None:
             self.store_lost = True
             cause = ("rank 0, which hosts the rendezvous store, is unreachable "
@@ -94,6 +100,13 @@ class Runtime:
             if len(silent) >= 2 and len(silent) == self.topology.world_size - 1:
                 cause += (f" (every peer fell silent at once: {me}'s own network link or host is the likely "
                           "cause, not the peers)")
+        elif behind:
+            cause = "; ".join(
+                f"{self.topology.describe(r)} is alive but has not reached this operation: it has been in its own "
+                f"code (not in a gradsync operation) for {seconds:.1f} s at step {step}" for r, step, seconds in behind)
+            cause += (" (a stuck data loader, an evaluation or a checkpoint on one rank only, a deadlock?). "
+                      f"Every rank waits for it; the timeout is {self.timeout_s:g} s (raise it with "
+                      "gradsync.init(timeout_s=...) or GRADSYNC_TIMEOUT if that rank's work legitimately takes longer)")
         else:
             cause = (f"no peer died; the operation did not complete within {self.timeout_s:g} s. "
                      "Either ranks issued different operations (different models, step counts or "
@@ -107,7 +120,19 @@ class Runtime:
             recorder.dump(str(error))
         return error
 
-    def overdue(self, what: str) -> PeerFailureError | None:
+    def behind(self) -> list[tuple[int, int, float]]:
+        """The workers alive but absent from synchronization, as their heartbeats last published
+        it: ``(rank, step, seconds)`` for each whose training thread has run the script's own code,
+        outside every gradsync operation, for at least half the timeout (a rank merely computing a
+        step shorter than the timeout is never named). Servers are never behind: they only serve."""
+        if self.heartbeat is None:
+            return []
+        positions = self.heartbeat.positions()
+        workers = set(self.topology.worker_ranks)
+        return sorted((r, step, seconds) for r, (step, waiting, seconds) in positions.items()
+                      if r in workers and not waiting and seconds >= self.timeout_s / 2)
+
+    def overdue(self, what: str, since: float | None = None) -> PeerFailureError | None:
         """The error to end a wait with now, or None to go on waiting.
 
         A wait ends early when nothing this rank waited on has completed for the timeout (less the
@@ -118,41 +143,54 @@ class Runtime:
         unreachable since about the last completion, so the error comes within the timeout of the
         fault even for an operation issued after it (Gloo's own timeout counts from the
         operation's start). A link that comes back within the timeout is survived: operations
-        complete meanwhile, or the heartbeat moves."""
+        complete meanwhile, or the heartbeat moves.
+
+        ``since``: a training thread that waits on its strategy's communication threads (which
+        no Gloo timeout ends: their other traffic, keep-alives included, keeps completing) passes
+        when what it waits for last arrived (or its wait began). That wait ends at the timeout
+        after it, whatever else completed, naming the ranks that hold it back (:meth:`explain`)."""
         heartbeat, transport = self.heartbeat, self.transport
-        if heartbeat is None or transport is None or transport.failure is not None:
+        if transport is None or transport.failure is not None:
             return None
-        idle_s = time.monotonic() - transport.progress
-        if idle_s < self.timeout_s - REPORT_S:
+        now, limit = time.monotonic(), self.timeout_s - REPORT_S
+        idle_s = now - transport.progress
+        if heartbeat is not None and idle_s >= limit:
+            silent = heartbeat.watched_silent()
+            silent = [r for r in silent if r not in heartbeat.left(silent)]
+            if not silent and heartbeat.store_lost():  # the store's host stopped: the watch sees nothing
+                return self.explain(what, TimeoutError(
+                    f"nothing completed for {idle_s:.1f} s (the timeout is {self.timeout_s:g} s) while the "
+                    "rendezvous store did not answer"))
+            if silent:
+                who = ", ".join(self.topology.describe(r) for r in silent)
+                return self.explain(what, TimeoutError(
+                    f"nothing completed for {idle_s:.1f} s (the timeout is {self.timeout_s:g} s) while {who} "
+                    "stayed silent"))
+        if since is None or now - since < limit:
             return None
-        silent = heartbeat.watched_silent()
-        if not silent and heartbeat.store_lost():  # the store's host stopped: the watch sees nothing
-            return self.explain(what, TimeoutError(
-                f"nothing completed for {idle_s:.1f} s (the timeout is {self.timeout_s:g} s) while the "
-                "rendezvous store did not answer"))
-        if not silent:
-            return None
-        who = ", ".join(self.topology.describe(r) for r in silent)
         return self.explain(what, TimeoutError(
-            f"nothing completed for {idle_s:.1f} s (the timeout is {self.timeout_s:g} s) while {who} "
-            "stayed silent"))
+            f"nothing this wait needs arrived for {now - since:.1f} s (the timeout is {self.timeout_s:g} s)"))
 
 
-def poll_s(longest: float = 0.5) -> float:
+def poll_s(longest: float = 0.5, since: float | None = None) -> float:
     """How long a waiting training thread may sleep before calling :func:`check_progress` again:
-    ``longest``, or less near the transport's deadline."""
+    ``longest``, or less near the transport's deadline (or the wait's own, from ``since``)."""
     runtime = _RUNTIME
     if runtime is None or runtime.transport is None:
         return longest
-    return min(longest, max(0.05, runtime.transport.until_overdue()))
+    left = runtime.transport.until_overdue()
+    if since is not None:
+        left = min(left, since + runtime.timeout_s - REPORT_S - time.monotonic())
+    return min(longest, max(0.05, left))
 
 
-def check_progress(what: str) -> None:
+def check_progress(what: str, since: float | None = None) -> None:
     """Raise :meth:`Runtime.overdue`'s error, if any: for a strategy's training thread that waits on
-    its communication threads (they may be blocked in an operation that cannot be interrupted)."""
+    its communication threads (they may be blocked in an operation that cannot be interrupted).
+    ``since``: when what the thread waits for last arrived, or its wait began (see ``overdue``)."""
     runtime = _RUNTIME
     if runtime is not None:
-        error = runtime.overdue(what)
+        error = runtime.overdue(what, since)
         if error is not None:
             raise error
 
@@ -423,8 +461,16 @@ def shutdown() -> None:
             except BaseException as exc:  # noqa: BLE001 - the rest must still close; raised below
                 error = error or exc
         failed = abandoned or (runtime.transport is not None and runtime.transport.failure is not None)
-        if failed and runtime.hosts_store and runtime.heartbeat is not None:
-            runtime.heartbeat.wait_for_peers()  # they may still be naming the failed rank: keep the store up
+        if runtime.heartbeat is not None:
+            if not runtime.hosts_store:
+                runtime.heartbeat.say_left()
+            elif failed:
+                runtime.heartbeat.wait_for_peers()  # they may still be naming the failed rank: keep the store up
+            else:  # ranks still training need the store
+                recorder = flight.current()
+                with recorder.waiting_for("shutdown (serving the rendezvous store to the ranks still running)") \
+                        if recorder is not None else contextlib.nullcontext():
+                    runtime.heartbeat.wait_for_leavers()
     finally:
         _RUNTIME = None
         _stop_threads(runtime)

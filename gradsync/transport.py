@@ -122,9 +122,11 @@ class Handle:
             if error is not None:
                 raise error
 
-    def wait(self, *, background: bool = False) -> None:
+    def wait(self, *, background: bool = False, quiet: bool = False) -> None:
         """Block until done. ``background``: a communication thread waits, not training (no wait
-        span, and the flight record does not show the rank blocked in it)."""
+        span, and the flight record does not show the rank blocked in it). ``quiet``: Gloo's
+        timeout is a quiet spell, no peer's fault (a server waiting for any request): it raises
+        ``TimeoutError`` without explaining it or marking the transport failed."""
         if self._done:
             return
         tracer = trace.current()
@@ -140,6 +142,8 @@ class Handle:
         except PeerFailureError:
             raise
         except RuntimeError as exc:
+            if quiet and re.search("timed? ?out", str(exc), re.IGNORECASE):
+                raise TimeoutError(str(exc)) from exc
             # Explained while still registered as waiting: the heartbeat keeps what it watched meanwhile.
             raise self._owner._explain(self._what, exc) from exc
         finally:
@@ -388,11 +392,9 @@ class Transport:
         group's timeout (a quiet spell, not a failure: the caller keeps serving)."""
         handle = self.recv_async(tensor, None, tag, what=what, traced=False)
         try:
-            handle.wait(background=True)
-        except Exception as exc:  # noqa: BLE001 - Gloo raises plain RuntimeErrors
-            if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
-                return None
-            raise
+            handle.wait(background=True, quiet=True)
+        except TimeoutError:
+            return None
         return handle.source_rank()
 
     # -- messages of any length (compressed payloads) -----------------------------------------------

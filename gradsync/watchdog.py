@@ -20,8 +20,9 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 
-from gradsync import runtime
+from gradsync import flight, runtime
 from gradsync.transport import RECHECK_S
 
 IDLE_S = 0.5
@@ -53,9 +54,14 @@ class Watchdog:
         self._wake = threading.Event()  # set by enter and close: look again now
         self._idle = False  # the thread sleeps IDLE_S, not until the deadline
         self._thread: threading.Thread | None = None
+        self._token: tuple | None = None  # the flight record's wait while a window is open
 
     def enter(self) -> None:
-        """The training thread may block from now on."""
+        """The training thread may block from now on (the flight record shows it waiting in
+        ``what``: its peers' heartbeats then do not take it for a rank stuck in its own code)."""
+        recorder = flight.current()
+        if not self.open and recorder is not None:
+            self._token = recorder.block(recorder.issue(self.what, "wait", 0), True)
         self.open = True
         if self._thread is None:
             self._thread = threading.Thread(target=self._watch, name="gradsync-watchdog", daemon=True)
@@ -67,10 +73,16 @@ class Watchdog:
     def leave(self) -> None:
         """The training thread no longer waits on its peers."""
         self.open = False
+        token, self._token = self._token, None
+        recorder = flight.current()
+        if token is not None and recorder is not None:
+            token[1].done = time.time()
+            recorder.unblock(token)
 
     def close(self) -> None:
         """Stop the thread (it is gone when this returns: no gradsync thread outlives shutdown)."""
-        self.open, self._closed = False, True
+        self.leave()
+        self._closed = True
         self._wake.set()
         stoppers = getattr(runtime._RUNTIME, "stoppers", [])
         if self.close in stoppers:

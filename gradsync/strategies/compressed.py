@@ -40,6 +40,7 @@ three strategies and change together; each strategy's own exchange lives in its 
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import deque
@@ -48,7 +49,7 @@ from typing import Any
 
 import torch
 
-from gradsync import runtime, trace
+from gradsync import flight, runtime, trace
 from gradsync.compress import CompressionError, Compressor, NonFiniteGradientError, PowerSGD, build, parse_spec
 from gradsync.compress.base import Payload, all_finite, from_bytes, message_problem, to_bytes
 from gradsync.errors import ConfigError, GradsyncError
@@ -188,10 +189,14 @@ class CompressedSync(BucketedSync):
         for k in summed:
             for handle in self.buckets[k].handle.handles:
                 handle.wait()
-        with self.cv:
+        recorder, what = flight.current(), "wait for the compressed buckets"
+        with self.cv, recorder.waiting_for(what) if recorder is not None else contextlib.nullcontext():
+            began, done = time.monotonic(), self.done
             while self.done < self.threaded and self.error is None:
-                if not self.cv.wait(runtime.poll_s()):  # the thread may be blocked in a receive
-                    runtime.check_progress("wait for the compressed buckets")
+                if self.done != done:  # a bucket finished: the wait's progress
+                    began, done = time.monotonic(), self.done
+                if not self.cv.wait(runtime.poll_s(since=began)):  # the thread may be blocked in a receive
+                    runtime.check_progress(what, since=began)
         faults = (*map(self._plain_fault, plain), *map(self._summed_finish, summed))
         error = self.error or self.step_fault or next((e for e in faults if e is not None), None)
         self.deferred = self.step_fault = None

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 
 import torch
 from torch import nn
 
-from gradsync import runtime, trace
+from gradsync import flight, runtime, trace
 from gradsync.errors import ConfigError, GradsyncError
 from gradsync.strategies.optstate import StateLayout, cut
 from gradsync.strategies.slicing import SlicePlan, flat_view
@@ -84,10 +85,12 @@ class Arrivals:
         self.names = names
         self.error: BaseException | None = None
         self.cv = threading.Condition()
+        self.last = time.monotonic()  # the latest arrival: a waiting thread's progress
 
     def mark(self, k: int, step: int) -> None:
         with self.cv:
             self.arrived[k] = step + 1
+            self.last = time.monotonic()
             self.cv.notify_all()
 
     def fail(self, exc: BaseException) -> None:
@@ -100,19 +103,25 @@ class Arrivals:
             raise self.error
 
     def wait(self, slices, steps: int, indices=None) -> None:
-        """Block until every slice in ``slices`` holds ``steps`` updates (or a thread failed)."""
+        """Block until every slice in ``slices`` holds ``steps`` updates (or a thread failed).
+
+        The wait's progress is an arrival, not other traffic (keep-alives): with nothing arriving
+        for the timeout it raises, naming the ranks that hold it back (``runtime.check_progress``)."""
         arrived = self.arrived
         if all(arrived[k] >= steps for k in slices):
             return
-        tracer = trace.current()
-        what = ("parameters of " + ", ".join(repr(self.names[i]) for i in indices[:2]) if indices
-                else "every parameter")
-        with tracer.waiting(f"wait for {what}") if tracer is not None else contextlib.nullcontext():
+        tracer, recorder = trace.current(), flight.current()
+        what = "wait for " + ("parameters of " + ", ".join(repr(self.names[i]) for i in indices[:2]) if indices
+                              else "every parameter")
+        began = time.monotonic()
+        with tracer.waiting(what) if tracer is not None else contextlib.nullcontext(), \
+                recorder.waiting_for(what) if recorder is not None else contextlib.nullcontext():
             with self.cv:
                 while not all(arrived[k] >= steps for k in slices):
                     self.check()
-                    if not self.cv.wait(runtime.poll_s()):
-                        runtime.check_progress(f"wait for {what}")
+                    since = max(began, self.last)
+                    if not self.cv.wait(runtime.poll_s(since=since)):
+                        runtime.check_progress(what, since=max(began, self.last))
         self.check()
 
 

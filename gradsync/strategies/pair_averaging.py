@@ -10,22 +10,24 @@ each of its own steps). Workers may therefore average models from different step
 Wire (no pickle): a pull is an ``int64[2] = (op, rank)`` request on tag ``TAG_REQUEST`` (op 1 = pull,
 2 = this worker is leaving), answered by the flat model (one buffer per dtype) on tag ``TAG_REPLY``.
 At ``close`` a worker tells every peer it is leaving and keeps serving until every peer has said the
-same, so a peer's last pull is always answered.
+same, so a peer's last pull is always answered; a peer from which nothing came for the timeout
+(``GRADSYNC_TIMEOUT``) while it had not left is named in the error.
 
 Not exact (see :mod:`gradsync.strategies.sma`); the bench reports its loss next to the reference.
 """
 from __future__ import annotations
 
+import contextlib
 import random
 import threading
+import time
 from typing import Any, Callable
 
 import torch
 
-from gradsync import runtime
-from gradsync.errors import GradsyncError
+from gradsync import flight, runtime
 from gradsync.strategies.base import Strategy, SyncContext
-from gradsync.transport import check_peer
+from gradsync.transport import REPORT_S, check_peer
 
 TAG_REQUEST, TAG_REPLY = 910_001, 910_002
 OP_PULL, OP_LEAVE = 1, 2
@@ -57,6 +59,7 @@ class PairAveraging(Strategy):
         self.failure: BaseException | None = None
         self.closed = False
         self.left: set[int] = set()
+        self.heard = time.monotonic()  # the last request from a peer (pull or leave)
         self.thread = None
         if self.peers:
             self.thread = threading.Thread(target=self._serve, name="gradsync-pair-averaging", daemon=True)
@@ -75,6 +78,7 @@ class PairAveraging(Strategy):
                     if self.closed:
                         return
                     raise
+                self.heard = time.monotonic()
                 op, peer = request.tolist()
                 check_peer(op in (OP_PULL, OP_LEAVE) and peer == src and peer in self.peers, src,
                            "a pair-averaging request", f"operation {op} for worker {peer}")
@@ -115,18 +119,26 @@ class PairAveraging(Strategy):
         for peer in self.peers:
             self.ctx.transport.send_async(torch.tensor([OP_LEAVE, self.me]), peer, TAG_REQUEST,
                                           what=f"leave message to worker {peer}").wait()
-        timeout = runtime.current().timeout_s
-        try:
-            self.thread.join(timeout)
+        rt = runtime.current()
+        what = "wait for every worker to leave pair-averaging"
+        recorder = flight.current()
+        try:  # the peers still training pull from this worker meanwhile: each request is progress
+            with recorder.waiting_for(what) if recorder is not None else contextlib.nullcontext():
+                began = time.monotonic()
+                while self.thread.is_alive():
+                    left = max(began, self.heard) + rt.timeout_s - REPORT_S - time.monotonic()
+                    if left <= 0:
+                        break
+                    self.thread.join(min(left, 0.5))
         finally:
             self.closed = True
         if self.failure is not None:
             raise self.failure
         if self.thread.is_alive():
-            missing = sorted(set(self.peers) - self.left)
-            raise GradsyncError(f"pair-averaging on worker {self.me}: workers {missing} did not say they were "
-                                f"leaving within {timeout:g} s (GRADSYNC_TIMEOUT); one may have died. This worker's "
-                                "model is complete; it stops answering pulls now")
+            missing = ", ".join(rt.topology.describe(r) for r in sorted(set(self.peers) - self.left))
+            raise rt.explain(what, TimeoutError(
+                f"{missing} did not say they were leaving within {rt.timeout_s:g} s (GRADSYNC_TIMEOUT); this "
+                "worker's model is complete, it stops answering pulls now"))
 
     def describe(self) -> str:
         return "pair-averaging"

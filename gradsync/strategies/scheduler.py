@@ -29,6 +29,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import threading
+import time
 from collections import deque
 from typing import Callable
 
@@ -54,6 +55,7 @@ class PrioritySender:
         self._order = itertools.count()
         self._cv = threading.Condition()
         self._stopping = False
+        self.sent_at = time.monotonic()  # when a send last completed
         self.error: BaseException | None = None
         self._threads = [threading.Thread(target=self._guard, args=(self._issue,), name=f"{name}-issue", daemon=True)]
         self._threads[0].start()
@@ -68,11 +70,13 @@ class PrioritySender:
             self._cv.notify_all()
 
     def drain(self) -> None:
-        """Block until every queued message has been sent."""
+        """Block until every queued message has been sent (progress: a send completing)."""
         with self._cv:
+            began = time.monotonic()
             while (self._queue or self._busy()) and self.error is None:
-                if not self._cv.wait(runtime.poll_s()):
-                    runtime.check_progress("wait for queued messages to leave")
+                since = max(began, self.sent_at)
+                if not self._cv.wait(runtime.poll_s(since=since)):
+                    runtime.check_progress("wait for queued messages to leave", since=max(began, self.sent_at))
         self.check()
 
     def close(self) -> None:
@@ -146,6 +150,7 @@ class PrioritySender:
                 on_sent()
             with self._cv:
                 pending.popleft()
+                self.sent_at = time.monotonic()
                 self._inflight_bytes -= nbytes
                 self._sending -= 1
                 self._cv.notify_all()
