@@ -1,4 +1,4 @@
-# Two entry points for a new user: `make demo` and `make test`.
+# Two entry points for a new user: `make demo` and `make test` (`make lint`: ruff, as CI runs it).
 # Both create .venv when missing. torch is pinned to the CPU build for this kind of machine;
 # GPU users install gradsync with `pip install -e .` over their own torch (pyproject says torch>=2.4).
 PY      := python3
@@ -7,7 +7,7 @@ BIN     := $(VENV)/bin
 TORCH   := torch==2.13.0
 STAMP   := $(VENV)/.installed
 
-.PHONY: demo test venv clean
+.PHONY: demo test lint venv clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -19,10 +19,13 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/gradsync bench --out bench-out --json bench-out/bench.json
+	$(BIN)/gradsync demo --out bench-out
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=15 tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
 
 clean:
 	rm -rf $(VENV) bench-out

@@ -17,6 +17,7 @@ from gradsync.argtypes import plain
 COMMANDS = {
     "run": ("gradsync.launch.cli", "start the workers and servers of a job"),
     "resize": ("gradsync.launch.cli", "ask a running elastic job (gradsync run --elastic) for N workers"),
+    "demo": ("gradsync.demo", "why the strategies differ: an emulated and a simulated comparison"),
     "bench": ("gradsync.bench.cli", "measure strategies side by side and check them against a reference"),
     "simulate": ("gradsync.simulate.cli", "predict strategies' throughput at any scale (event simulator)"),
     "advise": ("gradsync.simulate.advise", "rank strategies and compressors for a model on a cluster (simulated)"),

@@ -326,3 +326,31 @@ def test_unknown_targets_machines_and_hosts_files(tmp_path):
     # a one-host machine that is this host runs like --target local
     toy = write_spec(tmp_path, HOLDS, speeds=(1,))
     assert run(["run", toy, "--target", "lab"], store, **env).returncode == 0
+
+
+def test_a_fresh_installation_lists_reports_and_validates_the_shipped_runs(tmp_path, monkeypatch):
+    """With an empty store of the user's, the runs behind docs/results answer (read only: the
+    shipped file is not written), and a run of the user's own comes first once there is one."""
+    from gradsync.experiment import cli
+    from gradsync.experiment.store import SHIPPED
+
+    before = os.stat(SHIPPED).st_mtime_ns, open(SHIPPED, "rb").read()
+    monkeypatch.setenv("GRADSYNC_STORE", str(tmp_path / "mine.sqlite"))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert cli.main(types.SimpleNamespace(action="list", store=None)) == 0
+    listed = [line for line in out.getvalue().splitlines() if not line.startswith(" ")]
+    assert listed and all("(shipped with gradsync)" in line for line in listed), out.getvalue()
+    report = tmp_path / "report"
+    with contextlib.redirect_stdout(io.StringIO()):
+        cli.main(types.SimpleNamespace(action="report", store=None, names=["p3-bandwidth"], all=False,
+                                       target=None, out=str(report)))
+    assert "P3" in (report / "p3-bandwidth.md").read_text()
+    assert (os.stat(SHIPPED).st_mtime_ns, open(SHIPPED, "rb").read()) == before
+    mine = Store(str(tmp_path / "mine.sqlite"))
+    mine.finish_run(mine.start_run("p3-bandwidth", "local", "default", {}, {}), "done")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        cli.main(types.SimpleNamespace(action="list", store=None))
+    p3 = next(line for line in out.getvalue().splitlines() if line.startswith("p3-bandwidth"))
+    assert "last run 1: done, target local" in p3 and "shipped" not in p3, p3

@@ -93,14 +93,16 @@ def main(args) -> int:
 
 def _list(args) -> int:
     from gradsync.experiment import spec as specs
-    from gradsync.experiment.store import Store
+    from gradsync.experiment.store import open_stores
 
-    store = Store(args.store)
+    stores = open_stores(args.store)
     for name in specs.names():
         s = specs.load(name)
         vary, settings = s.scaled("default", {})
-        last = store.latest(name, done=False)
+        store, last = next(((st, r) for st in stores if (r := st.latest(name, done=False)) is not None), (None, None))
         state = "never run" if last is None else f"last run {last['id']}: {last['status']}, target {last['target']}"
+        if store is not None and store.readonly:
+            state += " (shipped with gradsync)"
         print(f"{name:<24} {s.figure:<28} {len(s.cells(vary, settings)):>3} cells  {state}\n    {s.title}")
     return 0
 
@@ -217,22 +219,26 @@ def _run(args) -> int:
     return 1 if failures else 0
 
 
-def _runs_for(store, s, target: str | None):
-    """The latest finished run of ``s`` (every cell tried, some may have failed) and the one before."""
-    runs = [r for r in store.runs(s.name) if r["status"] in ("done", "failed")
-            and (target is None or r["target"] == target)]
-    return runs[-1] if runs else None, (runs[-2] if len(runs) > 1 else None)
+def _runs_for(stores, s, target: str | None):
+    """The first store with a finished run of ``s`` (every cell tried, some may have failed): that
+    store, its latest such run and the one before; ``(stores[0], None, None)`` when none has one."""
+    for store in stores:
+        runs = [r for r in store.runs(s.name) if r["status"] in ("done", "failed")
+                and (target is None or r["target"] == target)]
+        if runs:
+            return store, runs[-1], (runs[-2] if len(runs) > 1 else None)
+    return stores[0], None, None
 
 
 def _report(args) -> int:
     from gradsync.experiment import report
-    from gradsync.experiment.store import Store
+    from gradsync.experiment.store import open_stores
 
-    store = Store(args.store)
+    stores = open_stores(args.store)
     os.makedirs(args.out, exist_ok=True)
     entries, sections = [], []
     for s in _specs(args):
-        run, previous = _runs_for(store, s, args.target)
+        store, run, previous = _runs_for(stores, s, args.target)
         if run is None:
             print(f"{s.name}: no finished run in {store.path}", file=sys.stderr)
             entries.append((s, None, 0, 0))
@@ -259,12 +265,12 @@ def _report(args) -> int:
 
 def _validate(args) -> int:
     from gradsync.experiment.report import verdicts
-    from gradsync.experiment.store import Store
+    from gradsync.experiment.store import open_stores
 
-    store = Store(args.store)
+    stores = open_stores(args.store)
     failing = 0
     for s in _specs(args):
-        run, _ = _runs_for(store, s, args.target)
+        store, run, _ = _runs_for(stores, s, args.target)
         if run is None:
             print(f"{s.name}: FAILS: no finished run in {store.path} (gradsync experiment run {s.name})")
             failing += 1

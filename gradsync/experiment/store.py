@@ -1,7 +1,10 @@
 """The results store: every experiment run, cell by cell, in one sqlite file.
 
 Default place: ``$GRADSYNC_STORE``, else ``$XDG_DATA_HOME/gradsync/experiments.sqlite``
-(``~/.local/share/gradsync/experiments.sqlite``); ``--store FILE`` picks another. A run records the
+(``~/.local/share/gradsync/experiments.sqlite``); ``--store FILE`` picks another. gradsync also ships
+the runs its docs/results pages were generated from (:data:`SHIPPED`, read only): without
+``--store``, ``gradsync experiment list/report/validate`` fall back to them for an experiment the
+user's store has not run (:func:`open_stores`). A run records the
 spec, target, scale and overrides, the environment it ran in, and per cell: the exact command, its
 records, its duration and outcome. Each cell is committed in its own transaction as it finishes, so
 an interrupted run leaves the store consistent and ``gradsync experiment run`` resumes it at the
@@ -38,23 +41,43 @@ def default_path() -> str:
     return os.path.join(base, "gradsync", "experiments.sqlite")
 
 
+SHIPPED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shipped.sqlite")
+"""The stored runs behind docs/results, installed with the package."""
+
+
+def open_stores(path: str | None) -> list["Store"]:
+    """``--store PATH``: that store alone. Without it: the user's store, then the shipped runs."""
+    if path is not None:
+        return [Store(path)]
+    stores = [Store()]
+    if os.path.exists(SHIPPED) and os.path.abspath(stores[0].path) != SHIPPED:
+        stores.append(Store(SHIPPED, readonly=True))
+    return stores
+
+
 def cell_key(cell: dict) -> str:
     """A cell's identity in its run: its values, as sorted JSON."""
     return json.dumps(cell, sort_keys=True)
 
 
 class Store:
-    def __init__(self, path: str | None = None):
+    def __init__(self, path: str | None = None, *, readonly: bool = False):
         self.path = path or default_path()
-        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        self.readonly = readonly
+        """Opened for reading only (the shipped runs): nothing is written, not even the schema."""
+        if not readonly:
+            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
         try:
-            self.db = sqlite3.connect(self.path)
+            self.db = (sqlite3.connect(f"file:{os.path.abspath(self.path)}?mode=ro", uri=True) if readonly
+                       else sqlite3.connect(self.path))
             version = self._version()
         except sqlite3.DatabaseError as exc:
             raise ConfigError(f"{self.path} is not a gradsync results store ({exc})") from None
         if version is not None and version > SCHEMA_VERSION:
             raise ConfigError(f"{self.path} was written by a newer gradsync (store version {version}, this one "
                               f"reads up to {SCHEMA_VERSION}): upgrade gradsync, or pass --store with another file")
+        if readonly:
+            return
         with self.db:
             self.db.executescript(_SCHEMA)
             self.db.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
