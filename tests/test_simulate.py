@@ -921,7 +921,7 @@ def test_shipped_matrix_covers_every_strategy_with_its_commands_and_rates():
         assert 0 < rates["handoff_s"] < 1e-3  # measured (validate.measure_handoff): tens of microseconds
         assert 1e-4 < rates["busy_wake_s"] < 0.05  # with every core busy (validate.measure_busy_wake): ms
         assert all(0 < cv < 1 for cv in rates["jitter"].values())  # hybrid's server updates, traced
-        # the network's measured share for an all-to-all and CPU per byte (benchmarks/mesh_exchange.py)
+        # the network's measured share for an all-to-all and CPU per byte (benchmarks/regenerate/mesh_exchange.py)
         assert all(0 < m <= 1.2 for by_rate in rates["mesh"].values() for m in by_rate.values())
         assert set(rates["mesh_command"]) == set(rates["mesh"])
         assert all(1e-10 < c < 1e-8 for c in rates["net_cpu_s"].values())

@@ -1,6 +1,6 @@
 """Record the emulated runs that ``gradsync simulate --validate`` replays.
 
-    python benchmarks/simulator_matrix.py --out gradsync/simulate/validation.json
+    python benchmarks/regenerate/simulator_matrix.py --out gradsync/simulate/validation.json
 
 Runs one ``gradsync bench --compute emulated`` per (model, workers, link rate) on the emulated
 cluster (root needed), with every simulated strategy side by side, and writes the records, each
