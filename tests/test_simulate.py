@@ -931,16 +931,12 @@ def test_shipped_matrix_covers_every_strategy_with_its_commands_and_rates():
         assert len(costs) == 5 and 0 < costs[4] <= 1, spec  # encode and decode lines, the wire ratio
 
 
-def test_slice_link_trace_bins_a_traced_runs_received_slices_by_their_time_into_the_step(tmp_path):
-    """benchmarks/slice_link_trace.py, whose figures docs/simulate.md quotes, on a trace made by
+def test_traced_slice_downlink_bins_a_runs_received_slices_by_their_time_into_the_step(tmp_path):
+    """gradsync.simulate.traced's ``link``, whose figures docs/mechanisms.md quotes, on a trace made by
     hand: two workers at dilation 2, one warm-up step and one measured step each (1.0 and 1.2 s
     of wall time), the slices they received and their backward() starts."""
-    scripts = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
-    sys.path.insert(0, scripts)
-    try:
-        import slice_link_trace
-    finally:
-        sys.path.remove(scripts)
+    from gradsync.simulate import traced
+
 
     def span(pid, name, start, dur, **args):
         return {"ph": "X", "pid": pid, "tid": 0, "name": name, "ts": start * 1e6, "dur": dur * 1e6, "args": args}
@@ -954,7 +950,7 @@ def test_slice_link_trace_bins_a_traced_runs_received_slices_by_their_time_into_
               span(1, "push slice 6 (w) from rank 0", 0.5, 0.1, bytes=200_000)]  # in the warm-up step
     path = tmp_path / "t.json"
     path.write_text(json.dumps({"traceEvents": events}))
-    bins, step_s, per_step, spread = slice_link_trace.measured(str(path), "p3", 2.0, 1, 0.1)
+    bins, step_s, per_step, spread = traced.slice_downlink(str(path), "p3", 2.0, 1, 0.1)
     assert step_s == pytest.approx(0.55)  # the median of 0.5 and 0.6 emulated seconds
     assert per_step == pytest.approx(300_000)  # the median of 400 and 200 KB: the warm-up's slice left out
     assert bins[(0, "push")] == pytest.approx(200_000)  # per step, over the two workers' steps: one push each
@@ -963,15 +959,10 @@ def test_slice_link_trace_bins_a_traced_runs_received_slices_by_their_time_into_
     assert spread == pytest.approx([0.1])  # backward() began 0.2 s of wall time apart
 
 
-def test_ps_phase_trace_times_a_traced_runs_phases_from_each_step_start(tmp_path):
-    """benchmarks/ps_phase_trace.py, whose figures docs/simulate.md quotes, on a trace made by hand:
+def test_traced_ps_phases_times_a_runs_phases_from_each_step_start(tmp_path):
+    """gradsync.simulate.traced's ``phases``, whose figures docs/mechanisms.md quotes, on a trace made by hand:
     two co-located ps workers at dilation 2, one warm-up step and one measured step each."""
-    scripts = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
-    sys.path.insert(0, scripts)
-    try:
-        import ps_phase_trace
-    finally:
-        sys.path.remove(scripts)
+    from gradsync.simulate import traced
 
     def span(pid, name, start, dur):
         return {"ph": "X", "pid": pid, "tid": 0, "name": name, "ts": start * 1e6, "dur": dur * 1e6}
@@ -989,28 +980,49 @@ def test_ps_phase_trace_times_a_traced_runs_phases_from_each_step_start(tmp_path
               mark(1, "b", "pull of 'w' from rank 0", 1.84)]
     path = tmp_path / "t.json"
     path.write_text(json.dumps({"traceEvents": events}))
-    phases, spread = ps_phase_trace.measured(str(path), 2.0, 1)
+    phases, spread = traced.ps_phases(str(path), 2.0, 1)
     assert phases == pytest.approx({"backward ends": 0.075, "pushes of its share in": 0.35,
                                     "answers begin": 0.365, "step ends": 0.525})
     assert spread == {"steps begin apart": pytest.approx([0.05]), "answers begin apart": pytest.approx([0.06]),
                       "last answer to the step's last end": pytest.approx([0.18])}
-    model, _ = ps_phase_trace.simulated("resnet50", 2, 1e9, 6, 3)
-    times = [model[phase] for phase in ps_phase_trace.PHASES]
+    model, _ = traced.simulated_ps_phases("resnet50", 2, 1e9, 6, 3)
+    times = [model[phase] for phase in traced.PHASES]
     assert 0 < times[0] < times[1] <= times[2] < times[3]  # the model's phases come in the step's order
 
 
-def test_ps_phase_trace_refuses_a_trace_without_ps_steps_by_name(tmp_path):
-    scripts = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
-    sys.path.insert(0, scripts)
-    try:
-        import ps_phase_trace
-    finally:
-        sys.path.remove(scripts)
+def test_traced_ps_phases_refuses_a_trace_without_ps_steps_by_name(tmp_path):
+    from gradsync.simulate import traced
+
     path = tmp_path / "p3.json"  # a trace of another strategy
     path.write_text(json.dumps({"traceEvents": [{"ph": "X", "pid": 0, "tid": 0, "name": "p3 step 0", "ts": 0,
                                                  "dur": 1e6}]}))
-    with pytest.raises(SystemExit, match=r"p3\.json: no traced ps steps after 3 warm-up steps"):
-        ps_phase_trace.measured(str(path), 2.0, 3)
+    with pytest.raises(ConfigError, match=r"p3\.json: no traced ps steps after 3 warm-up steps"):
+        traced.ps_phases(str(path), 2.0, 3)
+
+
+def test_traced_pair_waits_finds_the_requests_queued_behind_a_model_on_their_connection(tmp_path, capsys):
+    """gradsync.simulate.traced's ``pairs`` on a trace made by hand at dilation 2: worker 0 asks
+    worker 1 for its model while its own server still sends worker 1 one, then asks worker 2 with
+    nothing in the way."""
+    from gradsync.simulate import traced
+
+    def pair(pid, ident, name, start, end):
+        return [{"ph": "b", "pid": pid, "tid": 3, "id": ident, "name": name, "ts": start * 1e6},
+                {"ph": "e", "pid": pid, "tid": 3, "id": ident, "name": name, "ts": end * 1e6}]
+
+    events = (pair(0, 1, "model for worker 1", 0.0, 1.0) + pair(0, 2, "pull request to worker 1", 0.4, 1.6)
+              + pair(0, 3, "pull request to worker 2", 2.0, 2.5) + pair(1, 1, "model for worker 0", 3.0, 4.0))
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    behind, others = traced.pair_waits(str(path), 2.0)
+    assert behind == [pytest.approx((0.3, 0.6, 0, 1))]  # 0.6 s of wall time until the model was sent, 1.2 answered
+    assert others == pytest.approx([0.25])
+    assert traced.main(["pairs", str(path), "--dilation", "2"]) == 0
+    assert "2 pull requests; 1 posted while the requester's server was sending that peer a model" in capsys.readouterr().out
+    empty = tmp_path / "none.json"
+    empty.write_text(json.dumps({"traceEvents": []}))
+    assert traced.main(["pairs", str(empty)]) == 2
+    assert "none.json: no pair-averaging pull requests in this trace" in capsys.readouterr().err
 
 
 def test_link_counters_reads_drops_and_tcp_resends_from_the_kernels_text():
