@@ -2,7 +2,6 @@
 2-worker ring, one parameter server, P3 slices under credit, hybrid's row pulls and pushes; and `gradsync simulate` itself."""
 import json
 import math
-import os
 import sys
 
 import pytest
@@ -1023,32 +1022,6 @@ def test_traced_pair_waits_finds_the_requests_queued_behind_a_model_on_their_con
     empty.write_text(json.dumps({"traceEvents": []}))
     assert traced.main(["pairs", str(empty)]) == 2
     assert "none.json: no pair-averaging pull requests in this trace" in capsys.readouterr().err
-
-
-def test_link_counters_reads_drops_and_tcp_resends_from_the_kernels_text():
-    """benchmarks/link_counters.py, whose figures docs/simulate.md quotes, on tc's and /proc's text."""
-    scripts = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
-    sys.path.insert(0, scripts)
-    try:
-        import link_counters
-    finally:
-        sys.path.remove(scripts)
-    tc = ("qdisc tbf 8001: dev p0 root refcnt 2 rate 500Mbit burst 256Kb lat 20ms\n"
-          " Sent 2319598681 bytes 289769 pkt (dropped 3, overlimits 1200 requeues 0)\n"
-          "qdisc tbf 8002: dev p1 root refcnt 2 rate 500Mbit burst 256Kb lat 20ms\n"
-          " Sent 19598681 bytes 2769 pkt (dropped 14, overlimits 0 requeues 0)\n")
-    assert link_counters.tc_drops(tc) == 17
-    snmp = ("Ip: Forwarding DefaultTTL\nIp: 2 64\n"
-            "Tcp: RtoAlgorithm RtoMin OutSegs RetransSegs InErrs\nTcp: 1 200 290338 2 0\n"
-            "TcpExt: SyncookiesSent TCPTimeouts TCPLossProbes\nTcpExt: 0 1 6\n")
-    assert link_counters.tcp_counters(snmp) == {"OutSegs": 290338, "RetransSegs": 2, "TCPTimeouts": 1}
-    for argv in (["link_counters.py"], ["link_counters.py", "--"]):  # no command to run
-        sys.argv, saved = argv, sys.argv
-        try:
-            with pytest.raises(SystemExit, match=r"usage: sudo python benchmarks/link_counters\.py -- COMMAND"):
-                link_counters.main()
-        finally:
-            sys.argv = saved
 
 
 def test_a_traced_simulation_gives_its_step_ends():
