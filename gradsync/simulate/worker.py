@@ -156,7 +156,7 @@ class Worker:
             self.ring_links = [(Link("NIC tx (ring)", rate), 1), (Link("NIC rx (ring)", rate), 1),
                                (Link("intra-host", intra), 1)]
         # Gloo's point-to-point messages between two hosts in both directions get half the rate
-        # each way when each side posts its send before its receive (benchmarks/duplex.py; its
+        # each way when each side posts its send before its receive (docs/mechanisms.md; its
         # all-reduce uses both directions at full rate): such exchanges also pass through this
         # one link of the NIC's rate.
         self.duplex = Link("worker send+receive", share)
