@@ -308,3 +308,19 @@ def test_auto_dilation_to_a_lower_real_rate():
         _dilation("auto:fast", 1e9)
     with pytest.raises(SystemExit, match="--dilation must be"):
         _dilation("lots", 1e9)
+
+
+def test_counters_read_drops_and_tcp_resends_from_the_kernels_text():
+    """gradsync.cluster.counters (benchmarks/link_counters.py; docs/mechanisms.md quotes its counts) on tc's
+    and /proc's text."""
+    from gradsync.cluster import counters
+
+    tc = ("qdisc tbf 8001: dev p0 root refcnt 2 rate 500Mbit burst 256Kb lat 20ms\n"
+          " Sent 2319598681 bytes 289769 pkt (dropped 3, overlimits 1200 requeues 0)\n"
+          "qdisc tbf 8002: dev p1 root refcnt 2 rate 500Mbit burst 256Kb lat 20ms\n"
+          " Sent 19598681 bytes 2769 pkt (dropped 14, overlimits 0 requeues 0)\n")
+    assert counters.tc_drops(tc) == 17
+    snmp = ("Ip: Forwarding DefaultTTL\nIp: 2 64\n"
+            "Tcp: RtoAlgorithm RtoMin OutSegs RetransSegs InErrs\nTcp: 1 200 290338 2 0\n"
+            "TcpExt: SyncookiesSent TCPTimeouts TCPLossProbes\nTcpExt: 0 1 6\n")
+    assert counters.tcp_counters(snmp) == {"OutSegs": 290338, "RetransSegs": 2, "TCPTimeouts": 1}

@@ -94,7 +94,7 @@ def pull_order_job():
 
 def test_co_located_ps_posts_its_pull_receives_before_its_answers():
     # Gloo halves each direction of a pair's large exchange when both sides send first
-    # (benchmarks/duplex.py): every receive of a step's pulls is posted before the first answer.
+    # (docs/mechanisms.md): every receive of a step's pulls is posted before the first answer.
     for receives, answers in run_ranks(pull_order_job, 2):
         assert receives and answers
         assert max(receives) < min(answers)

@@ -2,7 +2,6 @@
 2-worker ring, one parameter server, P3 slices under credit, hybrid's row pulls and pushes; and `gradsync simulate` itself."""
 import json
 import math
-import os
 import sys
 
 import pytest
@@ -921,7 +920,7 @@ def test_shipped_matrix_covers_every_strategy_with_its_commands_and_rates():
         assert 0 < rates["handoff_s"] < 1e-3  # measured (validate.measure_handoff): tens of microseconds
         assert 1e-4 < rates["busy_wake_s"] < 0.05  # with every core busy (validate.measure_busy_wake): ms
         assert all(0 < cv < 1 for cv in rates["jitter"].values())  # hybrid's server updates, traced
-        # the network's measured share for an all-to-all and CPU per byte (benchmarks/mesh_exchange.py)
+        # the network's measured share for an all-to-all and CPU per byte (benchmarks/regenerate/mesh_exchange.py)
         assert all(0 < m <= 1.2 for by_rate in rates["mesh"].values() for m in by_rate.values())
         assert set(rates["mesh_command"]) == set(rates["mesh"])
         assert all(1e-10 < c < 1e-8 for c in rates["net_cpu_s"].values())
@@ -931,16 +930,12 @@ def test_shipped_matrix_covers_every_strategy_with_its_commands_and_rates():
         assert len(costs) == 5 and 0 < costs[4] <= 1, spec  # encode and decode lines, the wire ratio
 
 
-def test_slice_link_trace_bins_a_traced_runs_received_slices_by_their_time_into_the_step(tmp_path):
-    """benchmarks/slice_link_trace.py, whose figures docs/simulate.md quotes, on a trace made by
+def test_traced_slice_downlink_bins_a_runs_received_slices_by_their_time_into_the_step(tmp_path):
+    """gradsync.simulate.traced's ``link``, whose figures docs/mechanisms.md quotes, on a trace made by
     hand: two workers at dilation 2, one warm-up step and one measured step each (1.0 and 1.2 s
     of wall time), the slices they received and their backward() starts."""
-    scripts = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
-    sys.path.insert(0, scripts)
-    try:
-        import slice_link_trace
-    finally:
-        sys.path.remove(scripts)
+    from gradsync.simulate import traced
+
 
     def span(pid, name, start, dur, **args):
         return {"ph": "X", "pid": pid, "tid": 0, "name": name, "ts": start * 1e6, "dur": dur * 1e6, "args": args}
@@ -954,7 +949,7 @@ def test_slice_link_trace_bins_a_traced_runs_received_slices_by_their_time_into_
               span(1, "push slice 6 (w) from rank 0", 0.5, 0.1, bytes=200_000)]  # in the warm-up step
     path = tmp_path / "t.json"
     path.write_text(json.dumps({"traceEvents": events}))
-    bins, step_s, per_step, spread = slice_link_trace.measured(str(path), "p3", 2.0, 1, 0.1)
+    bins, step_s, per_step, spread = traced.slice_downlink(str(path), "p3", 2.0, 1, 0.1)
     assert step_s == pytest.approx(0.55)  # the median of 0.5 and 0.6 emulated seconds
     assert per_step == pytest.approx(300_000)  # the median of 400 and 200 KB: the warm-up's slice left out
     assert bins[(0, "push")] == pytest.approx(200_000)  # per step, over the two workers' steps: one push each
@@ -963,15 +958,10 @@ def test_slice_link_trace_bins_a_traced_runs_received_slices_by_their_time_into_
     assert spread == pytest.approx([0.1])  # backward() began 0.2 s of wall time apart
 
 
-def test_ps_phase_trace_times_a_traced_runs_phases_from_each_step_start(tmp_path):
-    """benchmarks/ps_phase_trace.py, whose figures docs/simulate.md quotes, on a trace made by hand:
+def test_traced_ps_phases_times_a_runs_phases_from_each_step_start(tmp_path):
+    """gradsync.simulate.traced's ``phases``, whose figures docs/mechanisms.md quotes, on a trace made by hand:
     two co-located ps workers at dilation 2, one warm-up step and one measured step each."""
-    scripts = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
-    sys.path.insert(0, scripts)
-    try:
-        import ps_phase_trace
-    finally:
-        sys.path.remove(scripts)
+    from gradsync.simulate import traced
 
     def span(pid, name, start, dur):
         return {"ph": "X", "pid": pid, "tid": 0, "name": name, "ts": start * 1e6, "dur": dur * 1e6}
@@ -989,54 +979,49 @@ def test_ps_phase_trace_times_a_traced_runs_phases_from_each_step_start(tmp_path
               mark(1, "b", "pull of 'w' from rank 0", 1.84)]
     path = tmp_path / "t.json"
     path.write_text(json.dumps({"traceEvents": events}))
-    phases, spread = ps_phase_trace.measured(str(path), 2.0, 1)
+    phases, spread = traced.ps_phases(str(path), 2.0, 1)
     assert phases == pytest.approx({"backward ends": 0.075, "pushes of its share in": 0.35,
                                     "answers begin": 0.365, "step ends": 0.525})
     assert spread == {"steps begin apart": pytest.approx([0.05]), "answers begin apart": pytest.approx([0.06]),
                       "last answer to the step's last end": pytest.approx([0.18])}
-    model, _ = ps_phase_trace.simulated("resnet50", 2, 1e9, 6, 3)
-    times = [model[phase] for phase in ps_phase_trace.PHASES]
+    model, _ = traced.simulated_ps_phases("resnet50", 2, 1e9, 6, 3)
+    times = [model[phase] for phase in traced.PHASES]
     assert 0 < times[0] < times[1] <= times[2] < times[3]  # the model's phases come in the step's order
 
 
-def test_ps_phase_trace_refuses_a_trace_without_ps_steps_by_name(tmp_path):
-    scripts = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
-    sys.path.insert(0, scripts)
-    try:
-        import ps_phase_trace
-    finally:
-        sys.path.remove(scripts)
+def test_traced_ps_phases_refuses_a_trace_without_ps_steps_by_name(tmp_path):
+    from gradsync.simulate import traced
+
     path = tmp_path / "p3.json"  # a trace of another strategy
     path.write_text(json.dumps({"traceEvents": [{"ph": "X", "pid": 0, "tid": 0, "name": "p3 step 0", "ts": 0,
                                                  "dur": 1e6}]}))
-    with pytest.raises(SystemExit, match=r"p3\.json: no traced ps steps after 3 warm-up steps"):
-        ps_phase_trace.measured(str(path), 2.0, 3)
+    with pytest.raises(ConfigError, match=r"p3\.json: no traced ps steps after 3 warm-up steps"):
+        traced.ps_phases(str(path), 2.0, 3)
 
 
-def test_link_counters_reads_drops_and_tcp_resends_from_the_kernels_text():
-    """benchmarks/link_counters.py, whose figures docs/simulate.md quotes, on tc's and /proc's text."""
-    scripts = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
-    sys.path.insert(0, scripts)
-    try:
-        import link_counters
-    finally:
-        sys.path.remove(scripts)
-    tc = ("qdisc tbf 8001: dev p0 root refcnt 2 rate 500Mbit burst 256Kb lat 20ms\n"
-          " Sent 2319598681 bytes 289769 pkt (dropped 3, overlimits 1200 requeues 0)\n"
-          "qdisc tbf 8002: dev p1 root refcnt 2 rate 500Mbit burst 256Kb lat 20ms\n"
-          " Sent 19598681 bytes 2769 pkt (dropped 14, overlimits 0 requeues 0)\n")
-    assert link_counters.tc_drops(tc) == 17
-    snmp = ("Ip: Forwarding DefaultTTL\nIp: 2 64\n"
-            "Tcp: RtoAlgorithm RtoMin OutSegs RetransSegs InErrs\nTcp: 1 200 290338 2 0\n"
-            "TcpExt: SyncookiesSent TCPTimeouts TCPLossProbes\nTcpExt: 0 1 6\n")
-    assert link_counters.tcp_counters(snmp) == {"OutSegs": 290338, "RetransSegs": 2, "TCPTimeouts": 1}
-    for argv in (["link_counters.py"], ["link_counters.py", "--"]):  # no command to run
-        sys.argv, saved = argv, sys.argv
-        try:
-            with pytest.raises(SystemExit, match=r"usage: sudo python benchmarks/link_counters\.py -- COMMAND"):
-                link_counters.main()
-        finally:
-            sys.argv = saved
+def test_traced_pair_waits_finds_the_requests_queued_behind_a_model_on_their_connection(tmp_path, capsys):
+    """gradsync.simulate.traced's ``pairs`` on a trace made by hand at dilation 2: worker 0 asks
+    worker 1 for its model while its own server still sends worker 1 one, then asks worker 2 with
+    nothing in the way."""
+    from gradsync.simulate import traced
+
+    def pair(pid, ident, name, start, end):
+        return [{"ph": "b", "pid": pid, "tid": 3, "id": ident, "name": name, "ts": start * 1e6},
+                {"ph": "e", "pid": pid, "tid": 3, "id": ident, "name": name, "ts": end * 1e6}]
+
+    events = (pair(0, 1, "model for worker 1", 0.0, 1.0) + pair(0, 2, "pull request to worker 1", 0.4, 1.6)
+              + pair(0, 3, "pull request to worker 2", 2.0, 2.5) + pair(1, 1, "model for worker 0", 3.0, 4.0))
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    behind, others = traced.pair_waits(str(path), 2.0)
+    assert behind == [pytest.approx((0.3, 0.6, 0, 1))]  # 0.6 s of wall time until the model was sent, 1.2 answered
+    assert others == pytest.approx([0.25])
+    assert traced.main(["pairs", str(path), "--dilation", "2"]) == 0
+    assert "2 pull requests; 1 posted while the requester's server was sending that peer a model" in capsys.readouterr().out
+    empty = tmp_path / "none.json"
+    empty.write_text(json.dumps({"traceEvents": []}))
+    assert traced.main(["pairs", str(empty)]) == 2
+    assert "none.json: no pair-averaging pull requests in this trace" in capsys.readouterr().err
 
 
 def test_a_traced_simulation_gives_its_step_ends():

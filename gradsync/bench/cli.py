@@ -39,7 +39,7 @@ EMULATED_ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRES
 on every thread. (glibc gives other threads arenas of their own, whose heaps hold at most 64 MB:
 a larger block there is always fresh pages, whatever the thresholds: a hybrid row server's update
 of a 101.6 MB partition, whose optimizer makes a partition-sized temporary every step, takes 1.14-1.19x
-as long on a thread of its own arena, ``python benchmarks/server_update.py [--own-arenas]``.)"""
+as long on a thread of its own arena, docs/mechanisms.md.)"""
 
 
 def emulated_rank_env() -> dict[str, str]:

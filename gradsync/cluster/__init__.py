@@ -2,7 +2,8 @@
 
 - :mod:`gradsync.cluster.netns`: the namespaces, veth pairs, bridge and ``tc tbf`` of one cluster,
   their teardown, and the cleanup of leftovers;
-- :mod:`gradsync.cluster.netcheck`: measures what the emulated links deliver.
+- :mod:`gradsync.cluster.netcheck`: measures what the emulated links deliver;
+- :mod:`gradsync.cluster.counters`: the packets its links dropped and its hosts' TCP resent.
 
 Running a job's ranks inside a cluster (``gradsync run --net``, ``gradsync bench --net``) is
 :func:`gradsync.launch.emulated.launch_emulated`: the launcher uses the cluster, not the reverse.

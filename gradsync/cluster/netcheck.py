@@ -31,7 +31,7 @@ def _timed_exchange(transport, send_to, recv_from, payload, inbox, chunk: int, n
     """Seconds until this rank's receive (if any) of ``nbytes`` completed; 0 when it only sends or idles.
 
     The bytes go as messages of ``chunk`` bytes, cycling over the buffers: a single large
-    exchange posted send first gets half the rate each way from Gloo (benchmarks/duplex.py);
+    exchange posted send first gets half the rate each way from Gloo (docs/mechanisms.md);
     messages of about 10 ms of link time each, interleaved, keep both directions busy.
     """
     outs, ins = payload.split(chunk // 4), inbox.split(chunk // 4)

@@ -118,7 +118,7 @@ class PairAveraging(StrategyModel):
             def send(unlock: Callable[[], None]) -> None:
                 # The model moves once the requester, woken by its request's completion, posts its
                 # receive. Gloo moves a message both ways between two hosts at half the rate each
-                # way when each side posted its send before its receive (benchmarks/duplex.py):
+                # way when each side posted its send before its receive (docs/mechanisms.md):
                 # here when the two workers' servers took each other's requests within that time.
                 # One link per pair of hosts then carries both. (The rendezvous lasts at least an
                 # instant, so that an answer beginning at this same moment is seen.)

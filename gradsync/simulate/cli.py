@@ -49,11 +49,11 @@ def add_host_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--net-cpu-ns", type=float, default=0.0,
                    help="host CPU per byte a host sends or receives, where the ranks share --shared-cores: a load "
                         "that message ends share the cores with (default 0: not counted; 1.2-2 on a 2-core VM's "
-                        "emulated cluster, benchmarks/mesh_exchange.py)")
+                        "emulated cluster, benchmarks/regenerate/mesh_exchange.py)")
     p.add_argument("--mesh", type=float, default=1.0,
                    help="share of a link's rate an all-to-all among 3 or more hosts moves (co-located ps, p3, "
                         "ps-sliced, casync-ps, hybrid's rows), relative to one flow (default 1: fair shares; 0.91-0.98 "
-                        "among 4 emulated hosts, benchmarks/mesh_exchange.py)")
+                        "among 4 emulated hosts, benchmarks/regenerate/mesh_exchange.py)")
 
 
 def at_least(args, error, **lowest) -> None:

@@ -285,7 +285,7 @@ def updates_met(record: dict, rates: dict, cores: int) -> float | None:
 def record_network(matrix: dict, record: dict):
     """The :class:`~gradsync.simulate.Network` of a recorded run: its link rate, the matrix's
     latency, and the all-to-all's share of the rate measured on the recording machine
-    (``host_rates.mesh``, benchmarks/mesh_exchange.py) for the run's hosts at its link's real rate
+    (``host_rates.mesh``, benchmarks/regenerate/mesh_exchange.py) for the run's hosts at its link's real rate
     (the emulated rate over the dilation); 1 where none was measured."""
     from gradsync.simulate import Network
 
@@ -297,7 +297,7 @@ def record_network(matrix: dict, record: dict):
 
 def _net_cpu(rates: dict, record: dict) -> float:
     """Host CPU per byte sent or received in a recorded run (undilated): the one measured nearest its
-    link's real rate (``net_cpu_s``, benchmarks/mesh_exchange.py), scaled from the speed of the
+    link's real rate (``net_cpu_s``, benchmarks/regenerate/mesh_exchange.py), scaled from the speed of the
     machine that measured it to the speed of the one that recorded the run, by their lone copy rates
     (``net_cpu_copy_Bps`` against the group's ``copy_Bps``: the kernel's TCP copies bytes); 0 if none
     was measured."""
@@ -327,7 +327,7 @@ def _nearest_rate(by_rate: dict | None, real_bps: float, default: float) -> floa
 
 def _jitter(measured: dict | None, ranks: int) -> float:
     """The host's jitter for ``ranks`` ranks on the machine: measured per rank count
-    (benchmarks/server_jitter.py), the largest count up to ``ranks``; 0 if none was."""
+    (benchmarks/regenerate/server_jitter.py), the largest count up to ``ranks``; 0 if none was."""
     counts = [int(n) for n in (measured or {}) if int(n) <= ranks]
     return measured[str(max(counts))] if counts else 0.0
 

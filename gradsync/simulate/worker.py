@@ -30,7 +30,7 @@ class Network:
     each other at ``intra_Bps`` bytes per second (PCIe or NVLink; None: unlimited). ``mesh``: the
     share of its rate a host's link moves while it carries an all-to-all among the job's hosts
     (flows to or from every other host at once, which TCP shares less well than fair shares),
-    relative to one flow; 1: fair shares (the default). ``benchmarks/mesh_exchange.py`` measures it."""
+    relative to one flow; 1: fair shares (the default). ``benchmarks/regenerate/mesh_exchange.py`` measures it."""
 
     rate_bps: float | None
     latency_s: float = 50e-6
@@ -84,7 +84,7 @@ class Host:
     interpreter lock): what bounds ``p3`` and ``ps-sliced``, thousands of slice messages a step,
     and ``hybrid``'s row requests and answers on a busy CPU, on a core of its own (where the ranks
     share ``cores``, :meth:`Worker.burst_sharing` slows it). 0: not counted (the default). The
-    validation measures it on loopback (benchmarks/simulator_matrix.py)."""
+    validation measures it on loopback (benchmarks/regenerate/simulator_matrix.py)."""
 
 
 class _Meta:
@@ -156,7 +156,7 @@ class Worker:
             self.ring_links = [(Link("NIC tx (ring)", rate), 1), (Link("NIC rx (ring)", rate), 1),
                                (Link("intra-host", intra), 1)]
         # Gloo's point-to-point messages between two hosts in both directions get half the rate
-        # each way when each side posts its send before its receive (benchmarks/duplex.py; its
+        # each way when each side posts its send before its receive (docs/mechanisms.md; its
         # all-reduce uses both directions at full rate): such exchanges also pass through this
         # one link of the NIC's rate.
         self.duplex = Link("worker send+receive", share)

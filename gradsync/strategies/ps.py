@@ -228,7 +228,7 @@ class ParameterServer(Strategy):
             self._clip()
             result = apply()
             # Receives before sends: Gloo carries a pair's messages both ways at once only when
-            # each side posted its receive first (benchmarks/duplex.py: the other order halves
+            # each side posted its receive first (docs/mechanisms.md: the other order halves
             # each direction of a large exchange).
             pulls = self._post_pulls()
             self.sends += self._answer(self.ctx.topology.worker_ranks)

@@ -1,6 +1,6 @@
 """How much a ``hybrid`` row server's update varies from step to step, traced in an emulated run.
 
-    sudo python benchmarks/server_jitter.py [--np 2] [--steps 20] [--matrix gradsync/simulate/validation.json]
+    sudo python benchmarks/regenerate/server_jitter.py [--np 2] [--steps 20] [--matrix gradsync/simulate/validation.json]
 
 Runs ``gradsync bench`` with ``hybrid`` on ``lstm-lm:cpu`` (the validation's shape; root needed for
 the emulated cluster) with ``--trace``, at the dilation the validation matrix records that shape at

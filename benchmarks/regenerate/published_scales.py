@@ -1,6 +1,6 @@
 """The source papers' cluster-scale results, predicted by ``gradsync simulate``, beside the published numbers.
 
-    python benchmarks/published_scales.py --out docs/published-scales.md
+    python benchmarks/regenerate/published_scales.py --out docs/published-scales.md
 
 Each experiment replays the paper's cluster shape (workers, GPUs per host, link rate) in the
 simulator, with every strategy's own schedule. Compute comes from the models' FLOPs at an
@@ -165,7 +165,7 @@ def main() -> None:
         parser.error(f"unknown experiment(s) {', '.join(unknown)}; known: {', '.join(EXPERIMENTS)}")
     started = time.monotonic()
     lines = ["# The source papers' cluster-scale results, predicted", "",
-             "Made by `python benchmarks/published_scales.py --out docs/published-scales.md` (the event "
+             "Made by `python benchmarks/regenerate/published_scales.py --out docs/published-scales.md` (the event "
              "simulator, docs/simulate.md; deterministic but for the compressors' costs, measured on this machine's CPU; under a minute on 2 cores). Each table gives "
              "the paper's setup and what gradsync assumes in its place; docs/simulate.md discusses where "
              "the two disagree.", ""]

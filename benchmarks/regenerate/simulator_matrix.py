@@ -1,6 +1,6 @@
 """Record the emulated runs that ``gradsync simulate --validate`` replays.
 
-    python benchmarks/simulator_matrix.py --out gradsync/simulate/validation.json
+    python benchmarks/regenerate/simulator_matrix.py --out gradsync/simulate/validation.json
 
 Runs one ``gradsync bench --compute emulated`` per (model, workers, link rate) on the emulated
 cluster (root needed), with every simulated strategy side by side, and writes the records, each
@@ -132,7 +132,7 @@ def measure_concurrency(rounds: int = 3, seconds: float = 1.5) -> dict:
     their host work together, in lock step. On the 2-core machine that recorded the latest groups
     it moves from minute to minute: measurements within one hour gave 0.59-0.95x for copies and
     for updates alike (two ``hybrid`` servers' update of 101.6 MB: 34-36 ms or 55-62 ms each at
-    once, 32-41 ms alone, ``python benchmarks/server_update.py``); on the machine that recorded
+    once, 32-41 ms alone, docs/mechanisms.md); on the machine that recorded
     the earlier ones, that update took 68 ms alone and 71-75 ms in each of two at once."""
     cores = os.cpu_count() or 1
     alone = [_calibrated(1, seconds)[0] for _ in range(rounds)]

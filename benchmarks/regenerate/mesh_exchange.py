@@ -1,6 +1,6 @@
 """How fast N hosts exchange a share with every other host at once, against one peer each.
 
-    sudo python benchmarks/mesh_exchange.py [--np 4] [--net 1gbit] [--mb 25] [--kb 256] [--repeats 3]
+    sudo python benchmarks/regenerate/mesh_exchange.py [--np 4] [--net 1gbit] [--mb 25] [--kb 256] [--repeats 3]
 
 ``--np`` emulated hosts (links of ``--net``, full duplex) run one rank each. In the mesh, every
 rank sends ``--mb`` MB to each other rank in messages of ``--kb`` KB, as co-located ``ps``
@@ -32,6 +32,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 
 RANK = r"""
 import json, os, sys, time, torch
@@ -90,8 +91,28 @@ gradsync.shutdown()
 """
 
 
+def run_on_hosts(rank_script: str, config: dict, rate_bps: float, prefix: str, np: int = 2) -> dict | None:
+    """Write ``config`` and ``rank_script`` to a temporary directory, run the script as
+    ``python SCRIPT CONFIG RESULT`` on ``np`` (default two) emulated hosts with links of ``rate_bps``, and
+    return the JSON rank 0 wrote to RESULT; None, with the ranks' error printed, if they failed."""
+    from gradsync.launch.emulated import launch_emulated
+
+    with tempfile.TemporaryDirectory(prefix=prefix) as d:
+        cfg, script, result = (os.path.join(d, n) for n in ("config.json", "rank.py", "result.json"))
+        with open(cfg, "w") as f:
+            json.dump(config, f)
+        with open(script, "w") as f:
+            f.write(rank_script)
+        job = launch_emulated([sys.executable, script, cfg, result], np=np, rate_bps=rate_bps,
+                              env={"GRADSYNC_TIMEOUT": "600"})
+        if job.returncode:
+            print(f"the ranks failed: {job.message}", file=sys.stderr)
+            return None
+        with open(result) as f:
+            return json.load(f)
+
+
 def main() -> int:
-    from _hosts import run_on_hosts
     from gradsync.cluster import format_rate, parse_rate
     from gradsync.errors import ConfigError
 
@@ -146,7 +167,7 @@ def main() -> int:
         key = str(round(rate))  # the link's real rate: an emulated run's rate over its dilation
         rates.setdefault("mesh", {}).setdefault(str(args.np), {})[key] = mesh
         rates.setdefault("mesh_command", {}).setdefault(str(args.np), {})[key] = (
-            "sudo python benchmarks/mesh_exchange.py " + " ".join(sys.argv[1:]))
+            "sudo python benchmarks/regenerate/mesh_exchange.py " + " ".join(sys.argv[1:]))
         rates.setdefault("net_cpu_s", {})[key] = cpu["shift"]  # per byte end, as a ring's or a pair's traffic
         rates.setdefault("net_cpu_copy_Bps", {})[key] = copy_Bps
         with open(args.matrix, "w") as f:
