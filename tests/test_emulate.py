@@ -1,7 +1,7 @@
 """Emulated compute: same parameters as the real model, gradients on the profile's clock, exact parity.
 
 Timing assertions here are lower bounds only (a sleep can overrun, never underrun), so they hold
-on a loaded machine; how closely emulation tracks real compute is a benchmark (docs/benchmarks.md).
+on a loaded machine; how closely emulation tracks real compute is a benchmark (docs/bench-emulated.md).
 """
 import time
 

@@ -1053,3 +1053,22 @@ def test_a_records_host_is_the_one_the_replay_simulates_it_on(tmp_path):
     assert "default host" in validate.cell_host("resnet50", 3, 1e9, "allreduce")[2]  # no such record
     assert validate.cell_network(rec["model"], rec["np"], rec["net_bps"], "allreduce") == validate.record_network(matrix, rec)
     assert validate.cell_network("resnet50", 3, 1e9, "allreduce").mesh == 1.0
+
+
+def test_validate_writes_the_cells_as_a_markdown_page_with_the_command_that_regenerates_it(tmp_path, cli):
+    rec = {"model": "resnet50", "batch_size": 32, "np": 2, "net_bps": 1e9, "samples_per_s": 70.0, "steps": 4,
+           "warmup": 1, "compute": "emulated", "dilation": 2.0, "host_cpu_busy": 0.3}
+    command = "gradsync bench --model resnet50 --compute emulated --np 2 --net 1gbit --strategies allreduce,ps"
+    matrix = {"cores": 2, "host_rates": {"copy_Bps": 5e9, "update_Bps": 2e9},
+              "groups": [{"command": command, "records": [{**rec, "strategy": "allreduce"},
+                                                          {**rec, "strategy": "ps", "host_cpu_busy": 0.95}]}]}
+    path, page = tmp_path / "m.json", tmp_path / "docs" / "page.md"
+    path.write_text(json.dumps(matrix))
+    code, out, err = cli("simulate", "--validate", str(path), "--markdown", str(page))
+    assert code in (0, 1) and "markdown: " in out, err
+    text = page.read_text()
+    assert text.startswith("# Simulator validation") and f"--validate {path} --markdown {page}" in text.splitlines()[2]
+    assert "### resnet50, 2 workers, 1 Gbit/s" in text and command in text
+    assert "| `allreduce` | 70.0 |" in text and "(not counted: CPU-bound)" in text and "1 of 2 cells counted" in text
+    code, _, err = cli("simulate", "--markdown", str(page))
+    assert code == 2 and "--markdown needs --validate" in err

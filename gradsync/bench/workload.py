@@ -22,13 +22,13 @@ from gradsync.models import ModelSpec, get_model
 # A ring all-reduce or a server sums the workers' gradients in another order than the reference,
 # so each step differs by a few ulps (relative 2^-24 per addition). SGD with momentum carries
 # those differences forward almost unchanged: measured below 1e-6 after 30 steps of the tiny
-# models (docs/benchmarks.md), so 1e-5 + 1e-4 |p| leaves a margin of ten. Adam divides by the
+# models, so 1e-5 + 1e-4 |p| leaves a margin of ten. Adam divides by the
 # root of the squared gradient, so a relative rounding error in a small gradient becomes the same
 # relative error in an lr-sized update: measured up to 4e-5 after 4 steps, identical for PyTorch
 # DDP, hence 1e-4. Any real error (a gradient missed, doubled or not averaged) moves parameters by
 # about lr = 1e-2 per step, a hundred times more than either tolerance.
 # fp32 parity tests use well-conditioned models (the toy); the bench replays in float64 because
-# its models can be chaotic (see docs/benchmarks.md, "Correctness check").
+# its models can be chaotic (see docs/methods.md, "Correctness").
 OPTIMIZERS = {
     "sgd": (lambda params, lr: torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=1e-4), 1e-5, 1e-4),
     "adam": (lambda params, lr: torch.optim.Adam(params, lr=lr), 1e-4, 1e-4),

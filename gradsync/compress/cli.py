@@ -5,7 +5,7 @@ Throughput is input bytes (float32) per second, the median over ``--repeats`` ti
 untimed call; error is ``||decompress(compress(x)) - x|| / ||x||`` for one call on ``x ~ N(0, 1)``
 (error feedback and momentum make later calls different by design). State is the bytes of tensors a
 compressor keeps between calls (residuals, momenta, warm starts). These numbers feed the cost model
-of compression-aware synchronization (when compression pays on a given link) and docs/benchmarks.md.
+of compression-aware synchronization (when compression pays on a given link) and docs/bench-codecs.md.
 """
 from __future__ import annotations
 

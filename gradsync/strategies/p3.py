@@ -14,7 +14,7 @@ everything else. P3's three parts, each an option here so that a benchmark can s
    step's message goes first. Without the step, a worker that finished its backward early pushed
    the next step's first layers ahead of the answers a slower worker still waited for (its last
    layers), which slowed that worker further: on VGG-19 the workers fell into alternating long and
-   short steps (docs/benchmarks.md, VGG-19 trace).
+   short steps (docs/bench-priority.md, VGG-19 trace).
 3. **Forward overlap** (``overlap=True``): ``optimizer.step()`` returns at once; the next forward
    runs each module as soon as *its* slices have arrived (the ``on_params_needed`` hook point).
 
@@ -108,7 +108,7 @@ class P3(Strategy):
     tune_space = {"credit_mb": [1.0, 4.0, 16.0], "slice_params": [12_500, 50_000, 200_000],
                   "overlap": [True, False]}
     """What ``gradsync bench --tune`` searches (gradsync.bench.tune). Forward overlap is a cost where
-    communication is already hidden (docs/benchmarks.md, loopback overhead), so it is tuned too."""
+    communication is already hidden (docs/bench-priority.md, loopback overhead), so it is tuned too."""
 
     def __init__(self, slice_params: int = 50_000, credit_mb: float | None = 1.0,
                  priority: bool | Callable[[str, int], float] = True, overlap: bool = True,
