@@ -460,10 +460,14 @@ def shutdown() -> None:
                 runtime.closers.pop()()
             except BaseException as exc:  # noqa: BLE001 - the rest must still close; raised below
                 error = error or exc
-        failed = abandoned or (runtime.transport is not None and runtime.transport.failure is not None)
+        # A strategy that failed to close (a peer out of step) may leave peers waiting on this rank's
+        # goodbye: it leaves as a failed rank does, never waiting on them.
+        failed = (abandoned or error is not None
+                  or (runtime.transport is not None and runtime.transport.failure is not None))
         if runtime.heartbeat is not None:
             if not runtime.hosts_store:
-                runtime.heartbeat.say_left()
+                if not failed:  # a rank going down with an error is a fault its peers must name
+                    runtime.heartbeat.say_left()
             elif failed:
                 runtime.heartbeat.wait_for_peers()  # they may still be naming the failed rank: keep the store up
             else:  # ranks still training need the store
