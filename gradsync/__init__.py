@@ -18,7 +18,7 @@ from gradsync.errors import (ConfigError, GradientEditedError, GradsyncError, Mo
 # Public name -> the module that defines it (each of these imports torch).
 _LAZY = {
     "shutdown": "gradsync.runtime", "is_initialized": "gradsync.runtime",
-    "distribute": "gradsync.distribute", "sampler": "gradsync.data",
+    "distribute": "gradsync.attach", "sampler": "gradsync.data",
     **{name: "gradsync.strategies" for name in ("Strategy", "AllReduce", "ParameterServer", "DDP", "P3",
                                                  "PriorityAllReduce", "CaSyncRing", "CaSyncPS", "CompressedAllGather", "SMA", "PairAveraging",
                                                  "Hybrid", "STRATEGIES", "register", "strategy_names")},
@@ -52,7 +52,7 @@ def device():
     return runtime.current().transport.device
 
 
-lazy_names(__name__, _LAZY, functions=("distribute", "topology"))
+lazy_names(__name__, _LAZY, functions=("topology",))
 
 __all__ = ["init", "shutdown", "is_initialized", "distribute", "sampler", "topology", "device", "Strategy", "AllReduce",
            "ParameterServer", "DDP", "P3", "PriorityAllReduce", "CaSyncRing", "CaSyncPS", "CompressedAllGather", "SMA", "PairAveraging",

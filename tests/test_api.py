@@ -315,13 +315,13 @@ def test_a_strategy_on_a_backend_it_does_not_run_on_is_refused(monkeypatch, name
     from types import SimpleNamespace
 
     from gradsync import runtime
-    from gradsync.distribute import _check_backend
+    from gradsync.checks import check_backend
     from gradsync.strategies import resolve
 
     monkeypatch.setattr(runtime, "current", lambda: SimpleNamespace(topology=SimpleNamespace(rank=3)))
     strategy = resolve(name)
-    _check_backend(strategy, SimpleNamespace(device=torch.device("cpu")))  # Gloo: fine
+    check_backend(strategy, SimpleNamespace(device=torch.device("cpu")))  # Gloo: fine
     with pytest.raises(ConfigError, match=rf"rank 3: strategy '{name}' runs on Gloo only .* NCCL cannot\); "
                                           r"start the job with GRADSYNC_BACKEND=gloo"):
-        _check_backend(strategy, SimpleNamespace(device=torch.device("cuda", 0)))
-    _check_backend(resolve("ps"), SimpleNamespace(device=torch.device("cuda", 0)))  # runs on both
+        check_backend(strategy, SimpleNamespace(device=torch.device("cuda", 0)))
+    check_backend(resolve("ps"), SimpleNamespace(device=torch.device("cuda", 0)))  # runs on both

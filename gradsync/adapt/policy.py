@@ -346,7 +346,7 @@ class Controller:
 
     def _regroup(self, gen: int, *, cause: str, failed: bool = False, start: float | None = None,
                  asked: float | None = None) -> None:
-        from gradsync.distribute import detach, reattach
+        from gradsync.optimizer import detach, reattach
 
         start = time.perf_counter() if start is None else start
         phases, mark = {}, [time.perf_counter()]
