@@ -36,7 +36,7 @@ import torch
 from gradsync import runtime
 from gradsync.adapt import durable, elastic
 from gradsync.adapt.data import GlobalBatches
-from gradsync.adapt.monitor import Monitors, NoiseScale, Throughput
+from gradsync.adapt.monitors import Monitors, NoiseScale, Throughput
 from gradsync.consistency import broadcast_model, check_models_match
 from gradsync.errors import ConfigError, PeerFailureError
 
