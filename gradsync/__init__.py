@@ -6,23 +6,41 @@
     for x, y in loader:
         loss_fn(model(x), y).backward(); opt.step(); opt.zero_grad()
 
-See README.md and docs/architecture.md.
+The top level is the training script's API: :func:`init`, :func:`shutdown`, :func:`distribute`,
+:func:`topology`, :func:`device`, :func:`sampler`, :func:`register` (a strategy of your own, by
+name) and the errors. The strategies, their registry and the base class of a strategy live in
+:mod:`gradsync.strategies`. See README.md and docs/architecture.md.
 
 Importing the package does not import torch: the public names below load their module on first
 use (PEP 562), so ``gradsync run`` (``gradsync.launch``, no torch) starts in milliseconds.
 """
-from gradsync._lazy import lazy_names
+from importlib import import_module as _import_module
+
+from gradsync._lazy import lazy_names as _lazy_names
 from gradsync.errors import (ConfigError, GradientEditedError, GradsyncError, ModelMismatchError, PeerFailureError,
                              PeerProtocolError)
 
 # Public name -> the module that defines it (each of these imports torch).
 _LAZY = {
     "shutdown": "gradsync.runtime", "is_initialized": "gradsync.runtime",
-    "distribute": "gradsync.distribute", "sampler": "gradsync.data",
-    **{name: "gradsync.strategies" for name in ("Strategy", "AllReduce", "ParameterServer", "DDP", "P3",
-                                                 "PriorityAllReduce", "CaSyncRing", "CaSyncPS", "CompressedAllGather", "SMA", "PairAveraging",
-                                                 "Hybrid", "STRATEGIES", "register", "strategy_names")},
+    "distribute": "gradsync.attach", "sampler": "gradsync.data", "register": "gradsync.strategies",
 }
+
+# Old spellings -> the new ones; reading an old one warns (DeprecationWarning) and returns the new.
+_RENAMED = {
+    **{name: f"gradsync.strategies.{name}" for name in (
+        "Strategy", "AllReduce", "PriorityAllReduce", "ParameterServer", "P3", "CaSyncRing", "CaSyncPS",
+        "CompressedAllGather", "PairAveraging", "STRATEGIES")},
+    "DDP": "gradsync.strategies.TorchDDP",
+    "SMA": "gradsync.strategies.ModelAveraging",
+    "Hybrid": "gradsync.strategies.SparseHybrid",
+    "strategy_names": "gradsync.strategies.names",
+}
+
+# The submodule gradsync.topology (the Topology class; no torch) is loaded here, before the function
+# of the same name below: Python sets a package's attribute to a submodule when it first loads it,
+# so loading it first leaves ``gradsync.topology`` the function from here on.
+_import_module("gradsync.topology")
 
 
 def init(*, backend: str | None = None, timeout_s: float | None = None, servers: int | None = None):
@@ -52,10 +70,9 @@ def device():
     return runtime.current().transport.device
 
 
-lazy_names(__name__, _LAZY, functions=("distribute", "topology"))
+_lazy_names(__name__, _LAZY, modules=("strategies",), renamed=_RENAMED)
 
-__all__ = ["init", "shutdown", "is_initialized", "distribute", "sampler", "topology", "device", "Strategy", "AllReduce",
-           "ParameterServer", "DDP", "P3", "PriorityAllReduce", "CaSyncRing", "CaSyncPS", "CompressedAllGather", "SMA", "PairAveraging",
-           "Hybrid", "STRATEGIES", "register", "strategy_names", "GradsyncError",
-           "ConfigError", "GradientEditedError", "ModelMismatchError", "PeerFailureError", "PeerProtocolError"]
+__all__ = ["init", "shutdown", "is_initialized", "distribute", "topology", "device", "sampler", "register",
+           "GradsyncError", "ConfigError", "GradientEditedError", "ModelMismatchError", "PeerFailureError",
+           "PeerProtocolError"]
 __version__ = "0.1.0"

@@ -208,8 +208,8 @@ def test_second_backward_without_no_sync_raises(strategy, options):
 
 
 # -- the strategy registry ------------------------------------------------------------------------
-def small_buckets(**options) -> gradsync.Strategy:
-    return gradsync.AllReduce(bucket_mb=0.0001, **options)
+def small_buckets(**options) -> gradsync.strategies.Strategy:
+    return gradsync.strategies.AllReduce(bucket_mb=0.0001, **options)
 
 
 def use_registered() -> dict:
@@ -221,7 +221,7 @@ def use_registered() -> dict:
         loss_of(model, step, rank).backward()
         opt.step()
         opt.zero_grad()
-    return {"names": gradsync.strategy_names(), "strategy": opt.strategy.describe(), "params": params_of(model)}
+    return {"names": gradsync.strategies.names(), "strategy": opt.strategy.describe(), "params": params_of(model)}
 
 
 def test_registered_strategy_is_usable_by_name():
@@ -230,6 +230,61 @@ def test_registered_strategy_is_usable_by_name():
     assert first["strategy"].startswith("allreduce(bucket_mb=0.0001, "), first["strategy"]
     for name, value in first["params"].items():  # trained on different data, synchronized
         torch.testing.assert_close(second["params"][name], value, rtol=0, atol=0)
+
+
+# -- the public namespace --------------------------------------------------------------------------
+TOP_LEVEL = {"init", "shutdown", "is_initialized", "distribute", "topology", "device", "sampler", "register",
+             "GradsyncError", "ConfigError", "GradientEditedError", "ModelMismatchError", "PeerFailureError",
+             "PeerProtocolError"}
+RENAMED = {  # old top-level name -> (where it lives now, its name there)
+    "Strategy": "Strategy", "AllReduce": "AllReduce", "PriorityAllReduce": "PriorityAllReduce",
+    "ParameterServer": "ParameterServer", "P3": "P3", "CaSyncRing": "CaSyncRing", "CaSyncPS": "CaSyncPS",
+    "CompressedAllGather": "CompressedAllGather", "PairAveraging": "PairAveraging", "DDP": "TorchDDP",
+    "SMA": "ModelAveraging", "Hybrid": "SparseHybrid", "STRATEGIES": "STRATEGIES", "strategy_names": "names"}
+
+
+def test_the_top_level_is_the_training_scripts_api():
+    assert set(gradsync.__all__) == TOP_LEVEL
+    assert all(getattr(gradsync, name) is not None for name in TOP_LEVEL)
+    assert callable(gradsync.topology) and callable(gradsync.distribute)  # functions, not their modules
+    assert gradsync.register is gradsync.strategies.register
+
+
+def test_every_registered_name_has_its_class_under_gradsync_strategies():
+    import functools
+
+    classes = {name: getattr(c, "func", c) for name, c in gradsync.strategies.STRATEGIES.items()}
+    assert gradsync.strategies.names() == sorted(classes)
+    for name, cls in classes.items():
+        assert getattr(gradsync.strategies, cls.__name__) is cls, name
+        assert issubclass(cls, gradsync.strategies.Strategy)
+    assert isinstance(gradsync.strategies.STRATEGIES["ps-async"], functools.partial)
+
+
+@pytest.mark.parametrize("old,new", sorted(RENAMED.items()))
+def test_an_old_top_level_name_warns_and_still_works(old, new):
+    with pytest.warns(DeprecationWarning, match=rf"gradsync\.{old} is deprecated; use gradsync\.strategies\.{new}$"):
+        value = getattr(gradsync, old)
+    assert value is getattr(gradsync.strategies, new)
+    assert old not in gradsync.__all__
+
+
+@pytest.mark.parametrize("old,new", [("DDP", "TorchDDP"), ("SMA", "ModelAveraging"), ("Hybrid", "SparseHybrid"),
+                                     ("strategy_names", "names")])
+def test_an_old_name_in_gradsync_strategies_warns_and_still_works(old, new):
+    with pytest.warns(DeprecationWarning, match=rf"use gradsync\.strategies\.{new}$"):
+        value = getattr(gradsync.strategies, old)
+    assert value is getattr(gradsync.strategies, new)
+
+
+def test_old_names_still_import_and_build_strategies():
+    with pytest.warns(DeprecationWarning, match="gradsync.strategies.ModelAveraging"):
+        from gradsync import SMA
+    assert SMA(alpha=0.5).alpha == 0.5
+    with pytest.warns(DeprecationWarning):
+        assert gradsync.strategy_names() == gradsync.strategies.names()
+    with pytest.raises(AttributeError, match="has no attribute 'Nope'"):
+        gradsync.Nope
 
 
 # -- topology and partition (no processes) -----------------------------------------------------------
@@ -315,13 +370,13 @@ def test_a_strategy_on_a_backend_it_does_not_run_on_is_refused(monkeypatch, name
     from types import SimpleNamespace
 
     from gradsync import runtime
-    from gradsync.distribute import _check_backend
+    from gradsync.checks import check_backend
     from gradsync.strategies import resolve
 
     monkeypatch.setattr(runtime, "current", lambda: SimpleNamespace(topology=SimpleNamespace(rank=3)))
     strategy = resolve(name)
-    _check_backend(strategy, SimpleNamespace(device=torch.device("cpu")))  # Gloo: fine
+    check_backend(strategy, SimpleNamespace(device=torch.device("cpu")))  # Gloo: fine
     with pytest.raises(ConfigError, match=rf"rank 3: strategy '{name}' runs on Gloo only .* NCCL cannot\); "
                                           r"start the job with GRADSYNC_BACKEND=gloo"):
-        _check_backend(strategy, SimpleNamespace(device=torch.device("cuda", 0)))
-    _check_backend(resolve("ps"), SimpleNamespace(device=torch.device("cuda", 0)))  # runs on both
+        check_backend(strategy, SimpleNamespace(device=torch.device("cuda", 0)))
+    check_backend(resolve("ps"), SimpleNamespace(device=torch.device("cuda", 0)))  # runs on both

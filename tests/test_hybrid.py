@@ -14,7 +14,7 @@ from torch import nn
 import gradsync
 from gradsync.bench.workload import Workload, compare, reference, train_step
 from gradsync.errors import ConfigError
-from gradsync.strategies.hybrid import Hybrid, Layout, lazy_update
+from gradsync.strategies.hybrid import Layout, SparseHybrid, lazy_update
 from multirank import DEVICE, run_ranks, run_ranks_expect_failure
 
 STEPS = 4
@@ -352,10 +352,10 @@ def test_layout_cuts_contiguous_ranges_round_robin():
 def test_partition_count_comes_from_parallax_cost_model():
     b, a, c = 8.0, 0.05, 1.0
     probes = {n: b / n + a * (n - 1) + c for n in (2, 4, 8, 16, 32)}
-    assert Hybrid._fit(probes) == 13  # argmin of b/n + a(n-1): sqrt(b/a) = 12.6
-    assert Hybrid._fit({2: 1.0, 4: 0.5}) == 4  # fewer than 3 probes: the fastest
+    assert SparseHybrid._fit(probes) == 13  # argmin of b/n + a(n-1): sqrt(b/a) = 12.6
+    assert SparseHybrid._fit({2: 1.0, 4: 0.5}) == 4  # fewer than 3 probes: the fastest
     noise = {4: 0.305, 8: 0.363, 16: 0.351, 32: 0.320, 64: 0.313}  # measured once: no trend to fit
-    assert Hybrid._fit(noise) == 4
+    assert SparseHybrid._fit(noise) == 4
 
 
 def test_which_optimizers_update_lazily():
@@ -374,7 +374,7 @@ def test_which_optimizers_update_lazily():
 ])
 def test_bad_options(options, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
-        Hybrid(**options)
+        SparseHybrid(**options)
 
 
 def _attach(options):

@@ -179,7 +179,7 @@ def assert_matches(got: dict, phase: str, tolerance):
 
 def phases_for(strategy: str) -> list[str]:
     """The features each strategy must run; the in-place edits of the rest are tested below."""
-    cls = gradsync.STRATEGIES[strategy]
+    cls = gradsync.strategies.STRATEGIES[strategy]
     grad_edits = getattr(cls, "grad_edits", None) or cls.func.grad_edits
     base = ["accumulate", "schedule", "autocast", "clip-option"]
     if grad_edits == "refused":

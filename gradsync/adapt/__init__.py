@@ -1,6 +1,6 @@
 """Adaptive training (KungFu, Mai et al., OSDI 2020): monitors, policies, elastic resizing.
 
-- :mod:`gradsync.adapt.monitor`: gradient noise scale, gradient variance, throughput, link rates;
+- :mod:`gradsync.adapt.monitors`: gradient noise scale, gradient variance, throughput, link rates;
 - :mod:`gradsync.adapt.policy`: the policy hooks and their :class:`Controller`;
 - :mod:`gradsync.adapt.builtin`: the built-in policies;
 - :mod:`gradsync.adapt.data`: sharding that stays exact when the batch or the worker count changes;
@@ -19,10 +19,10 @@ from gradsync._lazy import lazy_names
 _LAZY = {
     **{name: "gradsync.adapt.builtin" for name in ("AdaptiveBatchSize", "ScheduledResize", "StrategySwitch")},
     "GlobalBatches": "gradsync.adapt.data",
-    **{name: "gradsync.adapt.monitor" for name in ("EMA", "GradientVariance", "Monitor", "Monitors", "NoiseScale",
+    **{name: "gradsync.adapt.monitors" for name in ("EMA", "GradientVariance", "Monitor", "Monitors", "NoiseScale",
                                                    "Throughput", "links", "monitor")},
     **{name: "gradsync.adapt.policy" for name in ("Controller", "Policy")},
 }
 
 __all__ = sorted(_LAZY)
-lazy_names(__name__, _LAZY, functions=("monitor",))
+lazy_names(__name__, _LAZY)

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from gradsync import runtime
-from gradsync.adapt.monitor import NoiseScale
+from gradsync.adapt.monitors import NoiseScale
 from gradsync.adapt.policy import Controller, Policy
 from gradsync.errors import ConfigError
 

@@ -36,9 +36,10 @@ import torch
 from gradsync import runtime
 from gradsync.adapt import durable, elastic
 from gradsync.adapt.data import GlobalBatches
-from gradsync.adapt.monitor import Monitors, NoiseScale, Throughput
+from gradsync.adapt.monitors import Monitors, NoiseScale, Throughput
 from gradsync.consistency import broadcast_model, check_models_match
 from gradsync.errors import ConfigError, PeerFailureError
+from gradsync.optimizer import detach, reattach, user_class
 
 
 class Policy:
@@ -317,7 +318,7 @@ class Controller:
                 p.grad = None  # the failed step's gradients must not add to its redo
             for b, v in zip(model.buffers(), c["buffers"]):
                 b.copy_(v)
-        type(self.optimizer).__mro__[1].load_state_dict(self.optimizer, copy.deepcopy(c["optimizer"]))
+        user_class(self.optimizer).load_state_dict(self.optimizer, copy.deepcopy(c["optimizer"]))
         self._load_counters(c["counters"])
 
     def _load_counters(self, c: dict) -> None:
@@ -346,8 +347,6 @@ class Controller:
 
     def _regroup(self, gen: int, *, cause: str, failed: bool = False, start: float | None = None,
                  asked: float | None = None) -> None:
-        from gradsync.distribute import detach, reattach
-
         start = time.perf_counter() if start is None else start
         phases, mark = {}, [time.perf_counter()]
         if asked is not None:

@@ -134,7 +134,8 @@ def _validate(args, parser_error) -> list[str]:
     from gradsync.bench.workload import OPTIMIZERS, Workload
     from gradsync.errors import ConfigError
     from gradsync.models import get_model
-    from gradsync.strategies import STRATEGIES, strategy_names
+    from gradsync.strategies import STRATEGIES
+    from gradsync.strategies import names as strategy_names
 
     _cluster_args(args, parser_error)
     for flag, value, low in [("--np", min(args.np_list), 1), ("--batch-size", args.batch_size, 1), ("--steps", args.steps, 1),

@@ -16,7 +16,7 @@ rows. ``partitions="auto"``: of the counts the strategy's probes try (1 to 16 a 
 table's rows), the one that spreads the reads most evenly; a replayed record names the count its
 run chose.
 
-A step, as :class:`~gradsync.strategies.hybrid.strategy.Hybrid` and its
+A step, as :class:`~gradsync.strategies.hybrid.strategy.SparseHybrid` and its
 :class:`~gradsync.strategies.hybrid.server.RowServer` run it, for one worker that stands for all
 (they do the same at the same time; the busiest NIC paces their exchange) and one server that
 stands for every server (the busiest's rows):

@@ -1,14 +1,32 @@
 """Synchronization strategies and their registry.
 
 A strategy is one module with one job: how gradients or parameters move between ranks (see
-:mod:`gradsync.strategies.base` for the hook points). :data:`STRATEGIES` maps a public name to a
-constructor; adding one is one line, and users may register their own with :func:`register`.
+:mod:`gradsync.strategies.base` for the hook points). Each class is named for what it does; its
+registered name is the short form users pass as ``strategy=``:
+
+============================  =================================================================
+``allreduce``                 :class:`AllReduce`
+``allreduce-priority``        :class:`PriorityAllReduce` (ByteScheduler)
+``ps``, ``ps-async``          :class:`ParameterServer`
+``ddp``                       :class:`TorchDDP` (PyTorch's ``DistributedDataParallel``)
+``p3``, ``ps-sliced``         :class:`P3`
+``casync-ring``               :class:`CaSyncRing`
+``casync-ps``                 :class:`CaSyncPS`
+``compressed-allgather``      :class:`CompressedAllGather`
+``sma``                       :class:`ModelAveraging` (synchronous model averaging)
+``pair-averaging``            :class:`PairAveraging`
+``hybrid``                    :class:`SparseHybrid` (Parallax)
+============================  =================================================================
+
+:data:`STRATEGIES` maps each name to a constructor; adding one is one line, and users add their
+own with :func:`register` (also ``gradsync.register``). :func:`names` lists them.
 """
 from __future__ import annotations
 
 from functools import partial
 from typing import Any, Callable
 
+from gradsync._lazy import lazy_names
 from gradsync.errors import ConfigError, options_error
 from gradsync.strategies.allreduce import AllReduce
 from gradsync.strategies.allreduce_priority import PriorityAllReduce
@@ -16,27 +34,27 @@ from gradsync.strategies.base import Strategy, SyncContext
 from gradsync.strategies.casync_ps import CaSyncPS
 from gradsync.strategies.casync_ring import CaSyncRing
 from gradsync.strategies.compressed_allgather import CompressedAllGather
-from gradsync.strategies.ddp import DDP
-from gradsync.strategies.hybrid import Hybrid
+from gradsync.strategies.ddp import TorchDDP
+from gradsync.strategies.hybrid import SparseHybrid
 from gradsync.strategies.p3 import P3
 from gradsync.strategies.pair_averaging import PairAveraging
 from gradsync.strategies.ps import ParameterServer
-from gradsync.strategies.sma import SMA
+from gradsync.strategies.sma import ModelAveraging
 
 STRATEGIES: dict[str, Callable[..., Strategy]] = {
     "allreduce": AllReduce,
     "allreduce-priority": PriorityAllReduce,
     "ps": ParameterServer,
     "ps-async": partial(ParameterServer, mode="async"),
-    "ddp": DDP,
+    "ddp": TorchDDP,
     "p3": P3,
     "ps-sliced": partial(P3, priority=False, overlap=False),
     "casync-ring": CaSyncRing,
     "casync-ps": CaSyncPS,
     "compressed-allgather": CompressedAllGather,
-    "sma": SMA,
+    "sma": ModelAveraging,
     "pair-averaging": PairAveraging,
-    "hybrid": Hybrid,
+    "hybrid": SparseHybrid,
 }
 
 
@@ -45,7 +63,8 @@ def register(name: str, constructor: Callable[..., Strategy]) -> None:
     STRATEGIES[name] = constructor
 
 
-def strategy_names() -> list[str]:
+def names() -> list[str]:
+    """The registered names, sorted."""
     return sorted(STRATEGIES)
 
 
@@ -56,7 +75,7 @@ def resolve(strategy: str | Strategy, **options: Any) -> Strategy:
             raise ConfigError("pass options to the strategy's constructor, not next to a strategy object")
         return strategy
     if strategy not in STRATEGIES:
-        raise ConfigError(f"unknown strategy {strategy!r}; valid strategies: {', '.join(strategy_names())}")
+        raise ConfigError(f"unknown strategy {strategy!r}; valid strategies: {', '.join(names())}")
     constructor = STRATEGIES[strategy]
     fixed = getattr(constructor, "keywords", {})  # ps-async is ps with mode="async": not to be undone
     for key, value in options.items():
@@ -71,5 +90,11 @@ def resolve(strategy: str | Strategy, **options: Any) -> Strategy:
     return made
 
 
-__all__ = ["STRATEGIES", "AllReduce", "CaSyncPS", "CaSyncRing", "CompressedAllGather", "DDP", "Hybrid", "P3", "PairAveraging", "ParameterServer", "SMA", "PriorityAllReduce", "Strategy", "SyncContext",
-           "register", "resolve", "strategy_names"]
+# Old spellings -> the new ones; reading an old one warns (DeprecationWarning) and returns the new.
+lazy_names(__name__, {}, renamed={"DDP": "gradsync.strategies.TorchDDP", "SMA": "gradsync.strategies.ModelAveraging",
+                                  "Hybrid": "gradsync.strategies.SparseHybrid",
+                                  "strategy_names": "gradsync.strategies.names"})
+
+__all__ = ["STRATEGIES", "AllReduce", "CaSyncPS", "CaSyncRing", "CompressedAllGather", "ModelAveraging", "P3",
+           "PairAveraging", "ParameterServer", "PriorityAllReduce", "SparseHybrid", "Strategy", "SyncContext",
+           "TorchDDP", "names", "register", "resolve"]

@@ -79,7 +79,8 @@ def describe(name: str) -> str:
 def main(args) -> int:
     import argparse
 
-    from gradsync.strategies import STRATEGIES, strategy_names
+    from gradsync.strategies import STRATEGIES
+    from gradsync.strategies import names as strategy_names
 
     if args.name is not None:
         if args.name not in STRATEGIES:

@@ -80,7 +80,7 @@ def _unused_parameters(exc: BaseException, module: nn.Module, rank: str) -> Conf
         "strategy \"allreduce\", which synchronizes only the gradients a step produced")
 
 
-class DDP(Strategy):
+class TorchDDP(Strategy):
     """``torch.nn.parallel.DistributedDataParallel`` with its usual options."""
 
     name = "ddp"

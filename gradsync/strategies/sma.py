@@ -21,7 +21,7 @@ from gradsync.errors import ConfigError
 from gradsync.strategies.base import Strategy, SyncContext, ring_bytes
 
 
-class SMA(Strategy):
+class ModelAveraging(Strategy):
     name = "sma"
     summary = "synchronous model averaging (CrossBow, KungFu): parameters averaged behind the step"
     grad_edits = "local"  # each worker steps with its own gradient; parameters are averaged

@@ -56,11 +56,11 @@ of the transport's byte count); ``STOP`` at close.
 Must match across ranks: the model and the optimizer. Gloo only (servers receive from any source).
 """
 # layout.py: message codes, the row layout, lazy_update; plan.py: the first step's decisions;
-# server.py: RowServer; strategy.py: Hybrid, the worker's side.
+# server.py: RowServer; strategy.py: SparseHybrid, the worker's side.
 from gradsync.strategies.hybrid.layout import (HEADER, OP_FLUSH, OP_PROBE_PULL, OP_PROBE_PUSH, OP_PULL, OP_PUSH, OP_STOP,
                                               TABLES, TAG_ANSWER, TAG_REQUEST, Layout, lazy_update)
 from gradsync.strategies.hybrid.server import RowServer
-from gradsync.strategies.hybrid.strategy import Hybrid
+from gradsync.strategies.hybrid.strategy import SparseHybrid
 
-__all__ = ["Hybrid", "RowServer", "Layout", "lazy_update", "TABLES", "HEADER", "TAG_REQUEST", "TAG_ANSWER",
+__all__ = ["SparseHybrid", "RowServer", "Layout", "lazy_update", "TABLES", "HEADER", "TAG_REQUEST", "TAG_ANSWER",
            "OP_PULL", "OP_PUSH", "OP_FLUSH", "OP_STOP", "OP_PROBE_PUSH", "OP_PROBE_PULL"]

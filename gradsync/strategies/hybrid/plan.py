@@ -5,7 +5,7 @@ whether any row outside those got gradient), the ranks agree by one all-reduce (
 tables found sparse get their row servers. With ``partitions="auto"`` the workers then push and
 pull their real rows under 1, 2, 4, ... partitions per server and fit Parallax's cost model
 ``t(n) = b/n + a(n-1) + c`` to the times (:meth:`Planning._fit`). :class:`Planning` is a part of
-:class:`~gradsync.strategies.hybrid.strategy.Hybrid`, kept apart because it runs once.
+:class:`~gradsync.strategies.hybrid.strategy.SparseHybrid`, kept apart because it runs once.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from gradsync.transport import wait_all
 
 
 class Planning:
-    """The first step's decisions of :class:`~gradsync.strategies.hybrid.strategy.Hybrid`."""
+    """The first step's decisions of :class:`~gradsync.strategies.hybrid.strategy.SparseHybrid`."""
 
     def _decide(self, closing: bool = False) -> None:
         """Every rank (servers too) agrees on the sparse tables from each worker's first step."""

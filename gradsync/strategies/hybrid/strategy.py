@@ -20,7 +20,7 @@ from gradsync.strategies.optstate import StateLayout, gather
 from gradsync.transport import wait_all
 
 
-class Hybrid(Planning, Strategy):
+class SparseHybrid(Planning, Strategy):
     """Sparse embedding tables through parameter servers as rows, the rest through all-reduce."""
 
     name = "hybrid"
