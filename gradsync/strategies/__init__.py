@@ -6,7 +6,6 @@ constructor; adding one is one line, and users may register their own with :func
 """
 from __future__ import annotations
 
-from functools import partial
 from typing import Any, Callable
 
 from gradsync.errors import ConfigError, options_error
@@ -18,19 +17,19 @@ from gradsync.strategies.casync_ring import CaSyncRing
 from gradsync.strategies.compressed_allgather import CompressedAllGather
 from gradsync.strategies.ddp import DDP
 from gradsync.strategies.hybrid import Hybrid
-from gradsync.strategies.p3 import P3
+from gradsync.strategies.p3 import P3, SlicedParameterServer
 from gradsync.strategies.pair_averaging import PairAveraging
-from gradsync.strategies.ps import ParameterServer
+from gradsync.strategies.ps import AsyncParameterServer, ParameterServer
 from gradsync.strategies.sma import SMA
 
 STRATEGIES: dict[str, Callable[..., Strategy]] = {
     "allreduce": AllReduce,
     "allreduce-priority": PriorityAllReduce,
     "ps": ParameterServer,
-    "ps-async": partial(ParameterServer, mode="async"),
+    "ps-async": AsyncParameterServer,
     "ddp": DDP,
     "p3": P3,
-    "ps-sliced": partial(P3, priority=False, overlap=False),
+    "ps-sliced": SlicedParameterServer,
     "casync-ring": CaSyncRing,
     "casync-ps": CaSyncPS,
     "compressed-allgather": CompressedAllGather,
@@ -58,7 +57,7 @@ def resolve(strategy: str | Strategy, **options: Any) -> Strategy:
     if strategy not in STRATEGIES:
         raise ConfigError(f"unknown strategy {strategy!r}; valid strategies: {', '.join(strategy_names())}")
     constructor = STRATEGIES[strategy]
-    fixed = getattr(constructor, "keywords", {})  # ps-async is ps with mode="async": not to be undone
+    fixed = getattr(constructor, "keywords", {})  # a registered functools.partial: not to be undone
     for key, value in options.items():
         if key in fixed and value != fixed[key]:
             raise ConfigError(f"strategy {strategy!r} is {constructor.func.__name__} with {key}={fixed[key]!r}; "
@@ -67,7 +66,7 @@ def resolve(strategy: str | Strategy, **options: Any) -> Strategy:
         made = constructor(**options)
     except TypeError as exc:
         raise options_error("strategy", strategy, constructor, options, exc) from None
-    made.name = strategy  # the name it was asked by ("ps-async", not its class's "ps"), which errors quote
+    made.name = strategy  # the name it was asked by (a registered alias, not its class's), which errors quote
     return made
 
 
