@@ -414,7 +414,7 @@ def test_strategies_name_shows_one_strategys_paper_and_options(cli, monkeypatch)
     assert "fuse_kb  256.0" in out and "fixed by this name" not in out  # its own class: nothing to fix
     from functools import partial
 
-    from gradsync.strategies import STRATEGIES, P3
+    from gradsync.strategies import P3, STRATEGIES
     monkeypatch.setitem(STRATEGIES, "p3-fifo", partial(P3, priority=False))  # a user's registered variant
     code, out, _ = cli("strategies", "p3-fifo")
     assert "priority               False  (fixed by this name)" in out
