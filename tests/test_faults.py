@@ -132,7 +132,7 @@ MISUSE = {  # case -> parts of the ConfigError's message
     "bucket_mb=0": ["bucket sizes must be > 0 MB", "bucket_mb=0"],
     "unknown option": ["strategy 'allreduce' has no option 'bucket_megabytes'", "its options: bucket_mb"],
     "ps mode": ["ps mode must be 'sync' or 'async'", "'nope'"],
-    "ps-async made sync": ["strategy 'ps-async' is ParameterServer with mode='async'", "mode='sync' is another strategy"],
+    "ps-async made sync": ["strategy 'ps-async' has no option 'mode'", "its options: fuse_kb"],
     "unknown compressed-strategy option": ["has no option 'bucket_megabytes'"],
     "ddp bucket_mb not a number": ["ddp bucket_mb must be a number > 0 (MB), got 'big'"],
     "hybrid sparse as one name": ["hybrid: 'nope.weight' is not a trainable parameter"],  # the name, not its letters

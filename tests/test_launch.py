@@ -405,13 +405,19 @@ def test_strategies_lists_every_strategy_with_exactness_and_backends():
     assert "Gloo/NCCL" in rows["allreduce"] and "Gloo " in rows["hybrid"] and "NCCL" not in rows["hybrid"]
 
 
-def test_strategies_name_shows_one_strategys_paper_and_options(cli):
+def test_strategies_name_shows_one_strategys_paper_and_options(cli, monkeypatch):
     code, out, err = cli("strategies", "p3")
     assert code == 0, err
     assert "Jayarajan et al., SysML 2019" in out and "``" not in out
     assert "slice_params           50000" in out and "credit_mb              1.0" in out
     code, out, _ = cli("strategies", "ps-async")
-    assert "mode     'async'  (fixed by this name)" in out
+    assert "fuse_kb  256.0" in out and "fixed by this name" not in out  # its own class: nothing to fix
+    from functools import partial
+
+    from gradsync.strategies import P3, STRATEGIES
+    monkeypatch.setitem(STRATEGIES, "p3-fifo", partial(P3, priority=False))  # a user's registered variant
+    code, out, _ = cli("strategies", "p3-fifo")
+    assert "priority               False  (fixed by this name)" in out
     code, out, _ = cli("strategies", "casync-ps")  # its own options, its bases', then the compressor's
     assert "partition_mb" in out and "bucket_mb" in out and "the compressor's own options" in out
     code, _, err = cli("strategies", "nope")

@@ -7,9 +7,11 @@ registered name is the short form users pass as ``strategy=``:
 ============================  =================================================================
 ``allreduce``                 :class:`AllReduce`
 ``allreduce-priority``        :class:`PriorityAllReduce` (ByteScheduler)
-``ps``, ``ps-async``          :class:`ParameterServer`
+``ps``                        :class:`ParameterServer`
+``ps-async``                  :class:`AsyncParameterServer`
 ``ddp``                       :class:`TorchDDP` (PyTorch's ``DistributedDataParallel``)
-``p3``, ``ps-sliced``         :class:`P3`
+``p3``                        :class:`P3`
+``ps-sliced``                 :class:`SlicedParameterServer` (P3's slicing alone)
 ``casync-ring``               :class:`CaSyncRing`
 ``casync-ps``                 :class:`CaSyncPS`
 ``compressed-allgather``      :class:`CompressedAllGather`
@@ -23,7 +25,6 @@ own with :func:`register` (also ``gradsync.register``). :func:`names` lists them
 """
 from __future__ import annotations
 
-from functools import partial
 from typing import Any, Callable
 
 from gradsync._lazy import lazy_names
@@ -36,19 +37,19 @@ from gradsync.strategies.casync_ring import CaSyncRing
 from gradsync.strategies.compressed_allgather import CompressedAllGather
 from gradsync.strategies.ddp import TorchDDP
 from gradsync.strategies.hybrid import SparseHybrid
-from gradsync.strategies.p3 import P3
+from gradsync.strategies.p3 import P3, SlicedParameterServer
 from gradsync.strategies.pair_averaging import PairAveraging
-from gradsync.strategies.ps import ParameterServer
+from gradsync.strategies.ps import AsyncParameterServer, ParameterServer
 from gradsync.strategies.sma import ModelAveraging
 
 STRATEGIES: dict[str, Callable[..., Strategy]] = {
     "allreduce": AllReduce,
     "allreduce-priority": PriorityAllReduce,
     "ps": ParameterServer,
-    "ps-async": partial(ParameterServer, mode="async"),
+    "ps-async": AsyncParameterServer,
     "ddp": TorchDDP,
     "p3": P3,
-    "ps-sliced": partial(P3, priority=False, overlap=False),
+    "ps-sliced": SlicedParameterServer,
     "casync-ring": CaSyncRing,
     "casync-ps": CaSyncPS,
     "compressed-allgather": CompressedAllGather,
@@ -77,7 +78,7 @@ def resolve(strategy: str | Strategy, **options: Any) -> Strategy:
     if strategy not in STRATEGIES:
         raise ConfigError(f"unknown strategy {strategy!r}; valid strategies: {', '.join(names())}")
     constructor = STRATEGIES[strategy]
-    fixed = getattr(constructor, "keywords", {})  # ps-async is ps with mode="async": not to be undone
+    fixed = getattr(constructor, "keywords", {})  # a registered functools.partial: not to be undone
     for key, value in options.items():
         if key in fixed and value != fixed[key]:
             raise ConfigError(f"strategy {strategy!r} is {constructor.func.__name__} with {key}={fixed[key]!r}; "
@@ -86,7 +87,7 @@ def resolve(strategy: str | Strategy, **options: Any) -> Strategy:
         made = constructor(**options)
     except TypeError as exc:
         raise options_error("strategy", strategy, constructor, options, exc) from None
-    made.name = strategy  # the name it was asked by ("ps-async", not its class's "ps"), which errors quote
+    made.name = strategy  # the name it was asked by (a registered alias, not its class's), which errors quote
     return made
 
 
@@ -95,6 +96,6 @@ lazy_names(__name__, {}, renamed={"DDP": "gradsync.strategies.TorchDDP", "SMA": 
                                   "Hybrid": "gradsync.strategies.SparseHybrid",
                                   "strategy_names": "gradsync.strategies.names"})
 
-__all__ = ["STRATEGIES", "AllReduce", "CaSyncPS", "CaSyncRing", "CompressedAllGather", "ModelAveraging", "P3",
-           "PairAveraging", "ParameterServer", "PriorityAllReduce", "SparseHybrid", "Strategy", "SyncContext",
-           "TorchDDP", "names", "register", "resolve"]
+__all__ = ["STRATEGIES", "AllReduce", "AsyncParameterServer", "CaSyncPS", "CaSyncRing", "CompressedAllGather",
+           "ModelAveraging", "P3", "PairAveraging", "ParameterServer", "PriorityAllReduce", "SlicedParameterServer",
+           "SparseHybrid", "Strategy", "SyncContext", "TorchDDP", "names", "register", "resolve"]

@@ -28,7 +28,7 @@ from gradsync.compress.powersgd import PowerSGD
 from gradsync.errors import ConfigError
 from gradsync.strategies import costmodel
 from gradsync.strategies.allreduce import MB
-from gradsync.strategies.compressed import FAULT_COMPRESSION, CompressedSync, Fault
+from gradsync.strategies.compressed import CompressedSync
 from gradsync.transport import wait_all
 
 
@@ -78,7 +78,7 @@ class CaSyncPS(CompressedSync):
             for w in range(n):
                 if w != me:
                     sends += self.send(message, w, k)
-            if result is not None and self.fault is None:
+            if result is not None and self.faults.known is None:
                 part.copy_(result)
         for j, part in enumerate(parts):  # pull
             if owner[j] == me:
@@ -100,14 +100,14 @@ class CaSyncPS(CompressedSync):
             if w == self.me:
                 continue
             message = self.recv(w, k)
-            if self.fault is None:
+            if self.faults.known is None:
                 for t, p in zip(total, from_bytes(message, total)):
                     t.add_(p)
-        if self.fault is not None:
+        if self.faults.known is not None:
             return torch.empty(0, dtype=torch.uint8), None
         result = self.decompress(self.site(k, f"push{j}"), total, ctx)
         if not all_finite(result):
-            self.fault = Fault(FAULT_COMPRESSION, self.ctx.topology.rank, -1)
+            self.faults.note_compression(-1)
             return torch.empty(0, dtype=torch.uint8), None
         return to_bytes(total), result
 

@@ -55,7 +55,8 @@ class CaSyncRing(CompressedSync):
         if codec.lossless:  # a plain bucket cannot fail to encode: no agreement round, a NaN shows in the sum
             self._allreduce(flat)
             if not all_finite(flat):
-                mine = "" if self.fault is None else f" (gradient of {self.ctx.names[self.fault.param]!r} on this rank)"
+                fault = self.faults.known
+                mine = "" if fault is None else f" (gradient of {self.ctx.names[fault.param]!r} on this rank)"
                 raise NonFiniteGradientError(
                     f"the sum over workers of bucket {k} ({self.ctx.names[self.buckets[k].indices[0]]!r}..) holds "
                     f"NaN/Inf: some worker's gradient was non-finite{mine}. Lower the learning rate, clip "
@@ -75,7 +76,7 @@ class CaSyncRing(CompressedSync):
     def _agree_no_fault(self, k: int) -> bool:
         """Collectives must not start while some worker has a fault: one flag all-reduce, then, if any
         worker has one, a ring pass of headers that tells everyone which."""
-        flag = torch.tensor([float(self.fault is not None)])
+        flag = torch.tensor([float(self.faults.known is not None)])
         self._allreduce(flag)
         if float(flag):
             self._share_fault(k)

@@ -39,7 +39,7 @@ def rows() -> list[tuple[str, str, str, str]]:
 
 def options(constructor) -> tuple[list[tuple[str, str, bool]], str | None]:
     """``(option, default, fixed)`` of a strategy's constructor (and of the bases its ``**options``
-    reach; ``fixed``: set by the registered name, as ``ps-async`` is ``ps`` with ``mode="async"``),
+    reach; ``fixed``: set by the registered name, where it is a ``functools.partial`` of a class),
     and the name of a catch-all that passes the rest on (a compressed strategy's compressor options)."""
     from gradsync.errors import accepted_options
 

@@ -15,7 +15,7 @@ from gradsync.compress import Compressor
 from gradsync.compress.base import from_bytes, message_problem
 from gradsync.compress.powersgd import PowerSGD
 from gradsync.errors import ConfigError
-from gradsync.strategies.compressed import CompressedSync, Fault
+from gradsync.strategies.compressed import CompressedSync
 from gradsync.transport import check_peer, payload_limit
 
 
@@ -33,14 +33,12 @@ class CompressedAllGather(CompressedSync):
     def exchange(self, k: int, flat: torch.Tensor) -> None:
         codec = self.site(k, "all")
         message, payload, ctx = self.encode(codec, flat, param=self.buckets[k].indices[0])
-        info = self.fault.info if self.fault is not None else (0, -1, -1)
-        messages, infos = self.ctx.transport.allgather_bytes(message, info=info, group=self.group,
+        messages, infos = self.ctx.transport.allgather_bytes(message, info=self.faults.header, group=self.group,
                                                              limit=payload_limit(flat.numel()),
                                                              what=f"all-gather of compressed bucket {k}")
-        for code, rank, param in infos:
-            if code and self.fault is None:
-                self.fault = Fault(code, rank, param)
-        if self.fault is not None:
+        for info in infos:
+            self.faults.note_header(info)
+        if self.faults.known is not None:
             return
         for w, received in enumerate(messages):
             problem = None if w == self.me else message_problem(received)

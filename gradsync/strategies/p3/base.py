@@ -1,0 +1,251 @@
+"""What ``p3`` and ``ps-sliced`` share: set-up, the worker's hook points and pushes, checkpoints.
+
+Parameters are laid end to end in forward order and cut into slices of ``slice_params`` elements,
+spread round-robin over the servers (:mod:`gradsync.strategies.slicing`). The forward order is
+learned in the first step and agreed (rank 0's); the plan, the per-slice optimizers and the
+communication threads start at the first ``optimizer.step()``. A worker pushes each slice as soon
+as backward has produced every gradient in it, through one
+:class:`~gradsync.strategies.scheduler.PrioritySender` keyed ``(step, priority)`` (an older step's
+message goes first); the options that differ between the two strategies are attributes:
+``priority`` (False: FIFO within a step), ``credit_mb`` (bytes in flight; None: no limit) and
+``overlap`` (whether ``step()`` returns at once and the next forward waits per module).
+"""
+from __future__ import annotations
+
+import math
+import threading
+from typing import Any, Callable
+
+from gradsync import runtime
+from gradsync.errors import ConfigError, GradsyncError
+from gradsync.strategies.base import Strategy, SyncContext, ring_bytes
+from gradsync.strategies.optstate import StateLayout, gather, install
+from gradsync.strategies.overlap import (Arrivals, ForwardOrder, SliceOptimizers, check_elementwise_flag,
+                                         check_sliceable, hyper, out_of_step)
+from gradsync.strategies.p3.serving import SliceServing
+from gradsync.strategies.p3.wire import PUSH, TAG, Wire
+from gradsync.strategies.scheduler import PrioritySender
+from gradsync.strategies.slicing import SlicePlan
+
+
+class SlicedServer(SliceServing, Strategy):
+    """A sliced parameter server; subclasses fix or take ``priority``, ``credit_mb`` and ``overlap``."""
+
+    uses_servers = True
+    priority: bool | Callable[[str, int], float]
+    credit_mb: float | None
+    overlap: bool
+
+    def __init__(self, slice_params: int = 50_000, elementwise_optimizer: bool | None = None):
+        if isinstance(slice_params, bool) or not isinstance(slice_params, int) or slice_params < 1:
+            raise ConfigError(f"slice_params must be an integer >= 1 (elements per slice), got {slice_params!r}")
+        check_elementwise_flag(elementwise_optimizer)
+        self.slice_params = slice_params
+        self.elementwise = elementwise_optimizer
+
+    # -- set-up ------------------------------------------------------------------------------------
+    def attach(self, ctx: SyncContext) -> None:
+        super().attach(ctx)
+        topo = ctx.topology
+        self.dedicated = topo.num_servers > 0
+        self.servers = topo.server_ranks if self.dedicated else topo.worker_ranks
+        self.me, self.workers = topo.rank, topo.worker_ranks
+        if topo.is_server:
+            self.peers = self.workers
+        else:
+            self.peers = [r for r in (self.servers if self.dedicated else self.workers) if r != self.me]
+        check_sliceable(self.name, ctx, self.elementwise)
+        self.optimizer_class = type(ctx.optimizer)  # before distribute wraps it
+        self.state_location = "servers" if self.dedicated else ("workers" if topo.num_workers > 1 else "here")
+        self.order = ForwardOrder(len(ctx.params))
+        self.plan: SlicePlan | None = None
+        self.steps, self.open, self.closed = 0, False, False
+        self.stopped: dict[int, int] = {}  # worker peer -> the steps it took before it stopped
+        self.stopping = False  # our stop messages are queued: no keep-alive may follow them
+        self.lock = threading.Lock()
+
+    def _make_plan(self) -> None:
+        """Agree on the forward order (rank 0's), slice, and start the communication threads."""
+        ctx = self.ctx
+        eager, order = self.order.eager(), self.order.agree(ctx.transport, world=self.dedicated)
+        plan = SlicePlan(ctx.params, order, self.slice_params, self.servers)
+        wire = Wire(plan, ctx.params[0].dtype)
+        credit = None if self.credit_mb is None or not self.priority else int(self.credit_mb * 2**20)
+        if credit is not None and credit < wire.nbytes:
+            raise ConfigError(f"credit_mb={self.credit_mb:g} is less than one slice ({wire.nbytes / 2**20:.3g} MB "
+                              f"with slice_params={self.slice_params}): nothing could be sent; raise credit_mb")
+        self.prio = self._priorities(plan, order)
+        self.plan, self.wire = plan, wire
+        self.eager = plan.slices_of(eager)
+        self.needs: dict[tuple[int, ...], list[int]] = {}
+        self.arrivals = Arrivals(len(plan.slices), ctx.names)
+        owned = [sl.index for sl in plan.slices if sl.owner == self.me]
+        self.updaters = SliceOptimizers(plan, owned, ctx.params, ctx.optimizer, self.optimizer_class)
+        self.accum: dict[tuple[int, int], list] = {}
+        self.hyper: dict[int, list[dict]] = {}
+        # Receives stay posted between steps: keep-alives when idle, well inside the transport timeout.
+        self.sender = PrioritySender(ctx.transport, credit, idle=(runtime.current().timeout_s / 3, self._keepalive))
+        self.threads = [threading.Thread(target=self._receive, args=(peer,), daemon=True,
+                                         name=f"gradsync-{self.name}-from-{peer}") for peer in self.peers]
+        for thread in self.threads:
+            thread.start()
+
+    def _priorities(self, plan: SlicePlan, order: list[int]) -> list[float]:
+        """Per slice: its index (forward order), or the minimum of the user's function over its parameters."""
+        if not callable(self.priority):
+            return [float(k) for k in range(len(plan.slices))]
+        position = {i: pos for pos, i in enumerate(order)}
+        per_param = {}
+        for i, name in enumerate(self.ctx.names):
+            value = self.priority(name, position[i])
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+                raise ConfigError(f"the priority function returned {value!r} for parameter {name!r}; "
+                                  "it must return a number (smaller = sent first)")
+            per_param[i] = float(value)
+        return [min(per_param[s.param] for s in sl.segments) for sl in plan.slices]
+
+    # -- worker: hook points -------------------------------------------------------------------------
+    def on_params_needed(self, indices: tuple[int, ...]) -> None:
+        if self.plan is None:  # the first forward: learn the order
+            self.order.announced.update(dict.fromkeys(indices))
+        elif self.overlap:
+            needed = self.needs.get(indices)
+            if needed is None:
+                needed = self.needs[indices] = self.plan.slices_of(indices)
+            self.arrivals.wait(needed, self.steps, indices)
+            self.sender.check()
+
+    def before_forward(self) -> None:
+        if self.plan is not None and self.overlap and self.eager:
+            self.arrivals.wait(self.eager, self.steps)
+
+    def on_grad_ready(self, index: int) -> None:
+        if self.plan is None:
+            self.order.got_grad.add(index)
+            return
+        if not self.open:
+            self._open_step()
+        if self.ready[index]:
+            raise GradsyncError(
+                f"parameter {self.ctx.names[index]!r} received a second gradient after it was pushed. "
+                "For gradient accumulation, run all but the last backward inside `with optimizer.no_sync():`")
+        self.ready[index] = True
+        for k in self.plan.of_param[index]:
+            self.pending[k] -= 1
+            if self.pending[k] == 0:
+                self._push(k)
+
+    def step(self, apply: Callable[[], Any]) -> Any:
+        self._check()
+        if self.plan is None:
+            self._make_plan()
+            self._open_step()
+            for i in self.order.got_grad:
+                self.ready[i] = True
+        elif not self.open:
+            self._open_step()
+        for k, sl in enumerate(self.plan.slices):
+            if not self.pushed[k]:
+                self._push(k)
+        self.steps += 1
+        self.open = False
+        for peer, steps in self.stopped.items():
+            if self.steps > steps:
+                raise self._out_of_step(peer, steps)
+        if not self.overlap:
+            self.flush()
+        return None
+
+    def _out_of_step(self, peer: int, steps: int) -> GradsyncError:
+        topo = self.ctx.topology
+        return out_of_step(topo.describe(peer), steps, topo.describe(self.me), self.steps)
+
+    def flush(self) -> None:
+        if self.plan is not None:
+            self.arrivals.wait(range(len(self.plan.slices)), self.steps)
+            self.sender.check()
+
+    def _open_step(self) -> None:
+        self.open = True
+        self.ready = [False] * len(self.ctx.params)
+        self.pending = [len(sl.segments) for sl in self.plan.slices]
+        self.pushed = [False] * len(self.plan.slices)
+        if not self.dedicated:  # this step's hyperparameters, for the co-located server's updates
+            self.hyper[self.steps] = [hyper(g) for g in self.ctx.optimizer.param_groups]
+            self.hyper.pop(self.steps - 4, None)
+
+    def _push(self, k: int) -> None:
+        sl, params = self.plan.slices[k], self.ctx.params
+        self.pushed[k] = True
+        buf = self.wire.new(PUSH, k, self.steps)
+        payload, used = self.wire.payload(buf), self.wire.used(buf)
+        for j, seg in enumerate(sl.segments):
+            grad = params[seg.param].grad
+            part = payload[seg.offset:seg.offset + seg.length]
+            if grad is None:
+                part.zero_()
+                used[j] = 0
+            else:
+                if grad.is_sparse:
+                    raise ConfigError(f"{self.name} sends dense slices; parameter {self.ctx.names[seg.param]!r} "
+                                      "has a sparse gradient (use a dense embedding, or the hybrid strategy)")
+                part.copy_(grad.reshape(-1)[seg.start:seg.start + seg.length])
+                used[j] = 1
+        if sl.owner == self.me:
+            self._accept(self.me, k, self.steps, payload, used)
+        else:
+            self.sender.put(self._send_priority(k, self.steps), buf, sl.owner, TAG,
+                            what=f"push of slice {k} to rank {sl.owner}")
+
+    def _send_priority(self, k: int, step: int) -> tuple[int, float]:
+        """Older steps first, then forward order (equal keys leave in FIFO order)."""
+        return step, (self.prio[k] if self.priority is not False else 0.0)
+
+    def _check(self) -> None:
+        if self.plan is not None:
+            self.arrivals.check()
+            self.sender.check()
+
+    def close(self) -> None:
+        """Workers: wait for the last answers, then end every stream. Safe to call twice."""
+        if self.closed or self.ctx.topology.is_server:
+            return
+        self.closed = True
+        if self.plan is None:  # no step was taken; dedicated servers still wait for the plan
+            self._make_plan()
+        self.flush()
+        self._stop_peers()
+        self.sender.close()
+        for thread in self.threads:
+            thread.join()
+        self._check()
+
+    # -- checkpoints -----------------------------------------------------------------------------------
+    def gather_state(self) -> None:
+        """Co-located servers: each worker holds the state of the slices it serves."""
+        if self.plan is None:  # no step yet: the user's optimizer holds all there is (what was loaded)
+            return
+        self.flush()
+        ctx, spread = self.ctx, self.state_location == "workers"
+        layout = StateLayout(self.optimizer_class, ctx.optimizer, ctx.params)
+        install(ctx.optimizer, ctx.params, gather(layout, self.updaters.pieces(), ctx.transport if spread else None))
+
+    def load_state(self) -> None:
+        if self.plan is not None:
+            self.flush()
+            ctx = self.ctx
+            self.updaters.load(StateLayout(self.optimizer_class, ctx.optimizer, ctx.params), ctx.optimizer.state)
+
+    # -- reports ---------------------------------------------------------------------------------------
+    def min_bytes_per_host(self, model_bytes: int) -> float:
+        """As ``ps``: dedicated servers serve N workers their share; co-located hosts exchange like a ring."""
+        n, s = self.ctx.topology.num_workers, self.ctx.topology.num_servers
+        return max(model_bytes, n * model_bytes / s) if s else ring_bytes(model_bytes, n)
+
+    def describe(self) -> str:
+        where = f"{len(self.servers)} dedicated servers" if self.dedicated else f"co-located on {len(self.servers)} workers"
+        slices = f"{len(self.plan.slices)} slices" if self.plan is not None else "slices"
+        order = "custom priority" if callable(self.priority) else ("forward priority" if self.priority else "FIFO")
+        credit = f", credit {self.credit_mb:g} MB" if self.priority and self.credit_mb else ""
+        return (f"{self.name}({where}, {slices} of <= {self.slice_params} params, {order}{credit}, "
+                f"{'forward overlap' if self.overlap else 'pull at step'})")

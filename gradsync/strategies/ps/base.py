@@ -1,0 +1,232 @@
+"""What ``ps`` and ``ps-async`` share: the worker's pushes and pulls, and a server's aggregate and answer.
+
+One step, on a worker:
+1. at the first gradient of the step, tell every dedicated server "step k" (a control header);
+2. push gradients to their server as soon as backward has produced a whole group
+   (:mod:`~gradsync.strategies.ps.wire`);
+3. at ``optimizer.step()``: push zeros for parameters that got no gradient, let the subclass have
+   the servers update (:meth:`ParameterServerBase._update`), then pull every parameter from its
+   server into ``param.data``.
+
+A server sets each owned parameter's ``grad`` from the pushes it received (:meth:`_aggregate`: a
+worker that did not use a parameter contributes zero; a parameter nobody used is skipped, as in
+DDP), runs the user's optimizer, and answers with the updated parameters (:meth:`_answer`). When
+and for whom is the subclass's: :class:`~gradsync.strategies.ps.sync.ParameterServer` or
+:class:`~gradsync.strategies.ps.asynchronous.AsyncParameterServer`.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, ClassVar
+
+import torch
+
+from gradsync.errors import ConfigError, GradsyncError
+from gradsync.strategies.base import Strategy, SyncContext, fill_slot, mean_of_used, ring_bytes
+from gradsync.strategies.ps.wire import OP_STEP, OP_STOP, TAG_CONTROL, Fused, check_header, partition, plan_groups
+from gradsync.transport import wait_all
+
+
+class ParameterServerBase(Strategy):
+    """Whole tensors pushed during backward, updated where they are served, pulled at step."""
+
+    uses_servers = True
+    moves_server_state = True
+    mode: ClassVar[str]
+    """``"sync"`` or ``"async"``: what :meth:`describe` says (and the simulator models)."""
+
+    def __init__(self, fuse_kb: float = 256.0):
+        if fuse_kb < 0:
+            raise ConfigError(f"fuse_kb must be >= 0 (0: one message per tensor), got {fuse_kb}")
+        self.fuse_bytes = int(fuse_kb * 1024)
+
+    def attach(self, ctx: SyncContext) -> None:
+        super().attach(ctx)
+        topo = ctx.topology
+        self.dedicated = topo.num_servers > 0
+        self.servers = topo.server_ranks if self.dedicated else topo.worker_ranks
+        self.owner = partition([p.numel() for p in ctx.params], self.servers)
+        self.groups, self.group_owner = plan_groups(ctx.params, self.owner, self.servers, self.fuse_bytes)
+        self.where = {i: (g, slot) for g, grp in enumerate(self.groups) for slot, i in enumerate(grp)}
+        me, params = topo.rank, ctx.params
+        mine = [g for g, grp in enumerate(self.groups) if self.group_owner[g] == me]
+        self.owned = [i for g in mine for i in self.groups[g]]
+        self.owned_groups = mine
+        self.optimizer_class = type(ctx.optimizer)  # before distribute wraps it
+        self.state_location = "servers" if self.dedicated else ("workers" if topo.num_workers > 1 else "optimizer")
+        self.step_no = 0
+        self.open = False
+        self.closed = False
+        self.sends: list = []
+        theirs = [g for g in range(len(self.groups)) if self.group_owner[g] != me]
+        self.outbox = {g: Fused([params[i] for i in self.groups[g]], flags=True) for g in theirs}
+        # Fused pulls land in a buffer and are copied out; a single tensor lands in place.
+        self.pull_buf = {g: Fused([params[i] for i in self.groups[g]], flags=False)
+                         for g in theirs if len(self.groups[g]) > 1}
+        self.answer_buf = {g: Fused([params[i] for i in self.groups[g]], flags=False)
+                           for g in mine if len(self.groups[g]) > 1}
+        peers = [w for w in topo.worker_ranks if w != me]
+        self.inbox = {(w, g): Fused([params[i] for i in self.groups[g]], flags=True) for w in peers for g in mine}
+        self.recvs: list = []
+        self._reset_pushes()
+
+    def _reset_pushes(self) -> None:
+        self.pending = [len(grp) for grp in self.groups]
+        self.ready = [[False] * len(grp) for grp in self.groups]
+        self.pushed = [False] * len(self.groups)
+
+    def _label(self, g: int) -> str:
+        names = self.ctx.names
+        grp = self.groups[g]
+        return repr(names[grp[0]]) if len(grp) == 1 else f"{len(grp)} tensors from {names[grp[0]]!r}"
+
+    # -- worker side ---------------------------------------------------------------------------
+    def _open_step(self) -> None:
+        self.open = True
+        t = self.ctx.transport
+        if self.dedicated:
+            header = torch.tensor([OP_STEP, self.step_no], dtype=torch.int64, device=t.device)
+            self.sends += [t.send_async(header, s, TAG_CONTROL, what=f"step header to rank {s}")
+                           for s in self.servers]
+        else:  # co-located: this worker serves its partition, so it listens for pushes now
+            self.recvs = self._post_pushes([w for w in self.ctx.topology.worker_ranks if w != t.topology.rank])
+
+    def _post_pushes(self, workers: list[int]) -> list:
+        t = self.ctx.transport
+        return [t.recv_async(self.inbox[(w, g)].wire, w, 1 + self.groups[g][0],
+                             what=f"push of {self._label(g)} from rank {w}")
+                for w in workers for g in self.owned_groups]
+
+    def on_grad_ready(self, index: int) -> None:
+        if not self.open:
+            self._open_step()
+        g, slot = self.where[index]
+        if self.group_owner[g] == self.ctx.topology.rank:
+            return
+        if self.pushed[g]:
+            raise GradsyncError(
+                f"parameter {self.ctx.names[index]!r} received a second gradient after it was pushed. "
+                "For gradient accumulation, run all but the last backward inside `with optimizer.no_sync():`")
+        self._fill(g, slot)
+        if not self.ready[g][slot]:
+            self.ready[g][slot] = True
+            self.pending[g] -= 1
+        if self.pending[g] == 0:
+            self._push(g)
+
+    def _fill(self, g: int, slot: int) -> None:
+        msg = self.outbox[g]
+        msg.used[slot] = fill_slot(msg.parts[slot], self.ctx.params[self.groups[g][slot]].grad)
+
+    def _push(self, g: int) -> None:
+        self.pushed[g] = True
+        owner = self.group_owner[g]
+        self.sends.append(self.ctx.transport.send_async(
+            self.outbox[g].wire, owner, 1 + self.groups[g][0], what=f"push of {self._label(g)} to rank {owner}"))
+
+    def step(self, apply: Callable[[], Any]) -> Any:
+        if not self.open:
+            self._open_step()
+        for g in self.outbox:
+            if not self.pushed[g]:  # tensors without a gradient this step: zeros, flagged unused
+                for slot, done in enumerate(self.ready[g]):
+                    if not done:
+                        self._fill(g, slot)
+                self._push(g)
+        result, pulls = self._update(apply)
+        self._finish_pulls(pulls)
+        wait_all(self.sends)
+        self.sends, self.open = [], False
+        self._reset_pushes()
+        self.step_no += 1
+        return result
+
+    def _update(self, apply: Callable[[], Any]) -> tuple[Any, list]:
+        """After this worker's pushes: whatever update happens here, and the posted pulls."""
+        return None, self._post_pulls()
+
+    def _post_pulls(self) -> list:
+        """Receives for the updated parameters of every group this rank does not own (a single
+        tensor lands in place: its owner answers after this rank's own update, which skips it)."""
+        t, params = self.ctx.transport, self.ctx.params
+        handles = []
+        for g in self.outbox:
+            target = self.pull_buf[g].wire if g in self.pull_buf else params[self.groups[g][0]].data
+            handles.append(t.recv_async(target, self.group_owner[g], 1 + self.groups[g][0],
+                                        what=f"pull of {self._label(g)} from rank {self.group_owner[g]}"))
+        return handles
+
+    def _finish_pulls(self, handles: list) -> None:
+        wait_all(handles)
+        params = self.ctx.params
+        with torch.no_grad():
+            for g, buf in self.pull_buf.items():
+                for i, part in zip(self.groups[g], buf.parts):
+                    params[i].copy_(part)
+
+    # -- server side (dedicated ranks, and co-located workers for their partition) ---------------
+    def _aggregate(self, workers: list[int], divisor: int, own: bool = False) -> None:
+        """Set ``grad`` of owned parameters to the workers' sum over ``divisor``; other parameters get ``None``."""
+        me, params = self.ctx.topology.rank, self.ctx.params
+        for g, grp in enumerate(self.groups):
+            if self.group_owner[g] != me:
+                for i in grp:
+                    params[i].grad = None
+                continue
+            msgs = [self.inbox[(w, g)] for w in workers if w != me]
+            flags = [m.used.tolist() for m in msgs]
+            for slot, i in enumerate(grp):
+                p = params[i]
+                # Sum in place: into the owner's own gradient when it has one, else a zeroed buffer.
+                total = p.grad if own and p.grad is not None else torch.zeros_like(p)
+                used = 1.0 if own and p.grad is not None else 0.0
+                for m, f in zip(msgs, flags):
+                    total.add_(m.parts[slot])
+                    used += f[slot]
+                p.grad = mean_of_used(total, used, divisor)
+
+    def _answer(self, workers: list[int]) -> list:
+        """Send each owned group's updated parameters to ``workers`` (one fused message per group)."""
+        t, me, params = self.ctx.transport, self.ctx.topology.rank, self.ctx.params
+        handles = []
+        for g in self.owned_groups:
+            if g in self.answer_buf:
+                buf = self.answer_buf[g]
+                with torch.no_grad():
+                    for i, part in zip(self.groups[g], buf.parts):
+                        part.copy_(params[i])
+                data = buf.wire
+            else:
+                data = params[self.groups[g][0]].data
+            handles += [t.send_async(data, w, 1 + self.groups[g][0], what=f"pull of {self._label(g)} to rank {w}")
+                        for w in workers if w != me]
+        return handles
+
+    def _headers(self, workers: list[int]) -> list[torch.Tensor]:
+        headers = [torch.zeros(2, dtype=torch.int64, device=self.ctx.transport.device) for _ in workers]
+        wait_all([self.ctx.transport.recv_async(h, w, TAG_CONTROL, what=f"step header from rank {w}")
+                  for h, w in zip(headers, workers)])
+        for h, w in zip(headers, workers):
+            check_header(h, w)
+        return headers
+
+    def close(self) -> None:
+        """Workers tell dedicated servers to stop. Safe to call twice."""
+        if self.closed or not self.dedicated or self.ctx.topology.is_server:
+            return
+        self.closed = True
+        header = torch.tensor([OP_STOP, self.step_no], dtype=torch.int64, device=self.ctx.transport.device)
+        t = self.ctx.transport
+        wait_all([t.send_async(header, s, TAG_CONTROL, what=f"stop to rank {s}") for s in self.servers])
+
+    def min_bytes_per_host(self, model_bytes: int) -> float:
+        """Dedicated servers: a worker pushes and pulls everything once, a server serves N workers its
+        share; co-located: each host exchanges the other hosts' shares, as much as a ring all-reduce."""
+        n, s = self.ctx.topology.num_workers, self.ctx.topology.num_servers
+        if s:
+            return max(model_bytes, n * model_bytes / s)
+        return ring_bytes(model_bytes, n)
+
+    def describe(self) -> str:
+        where = f"{len(self.servers)} dedicated servers" if self.dedicated else f"co-located on {len(self.servers)} workers"
+        fused = f"fuse_kb={self.fuse_bytes / 1024:g}" if self.fuse_bytes else "one message per tensor"
+        return f"ps({self.mode}, {where}, {len(self.groups)} messages per push, {fused})"
