@@ -14,10 +14,10 @@ The costs come from the strategy and the compressor themselves:
 - which buckets are compressed and into how many partitions: the strategy's decision code
   (:func:`gradsync.strategies.costmodel.decide_ring` / ``decide_ps``) fed the simulated network's
   latency and rate and the compressor's measured costs, or ``default_parts`` without ``selective``;
-- encode and decode times and the wire ratio: :func:`gradsync.strategies.costmodel.measure_codec`
-  on this machine (one thread, in a child process with the emulated ranks' allocator settings, as
-  a rank meets its codec), divided by :attr:`Host.codec_speed` (decodes by :attr:`Host.decode_speed`
-  where it is given);
+- encode and decode times and the wire ratio: the host's recorded line for the compressor
+  (:attr:`Host.codecs`), else :func:`gradsync.strategies.costmodel.measure_codec` on this machine
+  (one thread, in a child process with the emulated ranks' allocator settings, as a rank meets its
+  codec), divided by :attr:`Host.codec_speed` (decodes by :attr:`Host.decode_speed` where it is given);
 - the message pattern per bucket of ``s`` bytes, ``N`` workers, ratio ``r``: as each strategy's
   docstring gives it (a ring: ``2 (N-1)`` hops of ``r s / N``, each hop's decode-merge-encode after
   its message; CaSync-PS: pushes, the aggregator's decode-merge-encode, answers; all-gather:
@@ -36,6 +36,7 @@ import sys
 from dataclasses import dataclass
 from typing import Callable
 
+from gradsync.compress import build, parse_spec
 from gradsync.simulate.worker import ZEROED_PASSES, StrategyModel, Worker
 from gradsync.strategies import costmodel
 
@@ -57,21 +58,37 @@ class CodecCost:
     summable: bool
 
 
-def codec_cost(name: str, options: dict, speed: float, decode_speed: float | None = None) -> CodecCost:
-    """Measured once per process and compressor on this machine's CPU (one thread, as a rank meets
-    it: :func:`_measured_as_a_rank`), scaled by ``speed`` (decodes by ``decode_speed`` where given)
-    (or taken from :data:`_CODECS`, where :mod:`gradsync.simulate.validate` puts the rates of the
-    machine that recorded its matrix)."""
-    from gradsync.compress import build
-
-    key = (name, tuple(sorted(options.items())))
-    if key not in _CODECS:
-        _CODECS[key] = _measured_as_a_rank(name, options)
-    enc, dec, ratio = _CODECS[key]
+def codec_cost(name: str, options: dict, speed: float, decode_speed: float | None = None,
+               recorded: dict | None = None) -> CodecCost:
+    """The compressor's line in ``recorded`` (spec -> cost line, :attr:`Host.codecs`: another
+    machine's rates) where it has one, else measured once per process and compressor on this
+    machine's CPU (one thread, as a rank meets it: :func:`_measured_as_a_rank`; kept in
+    :data:`_CODECS`); scaled by ``speed`` (decodes by ``decode_speed`` where given)."""
+    line = recorded_line(recorded or {}, name, options)
+    if line is not None:
+        ea, eb, da, db, ratio = line
+        enc, dec = costmodel.Linear(ea, eb), costmodel.Linear(da, db)
+    else:
+        key = codec_key(name, options)
+        if key not in _CODECS:
+            _CODECS[key] = _measured_as_a_rank(name, options)
+        enc, dec, ratio = _CODECS[key]
     probe = build(name, **options)
     scale = lambda line, k: costmodel.Linear(line.a / k, line.b / k)  # noqa: E731
     return CodecCost(scale(enc, speed), scale(dec, speed if decode_speed is None else decode_speed), ratio,
                      bool(probe.summable))
+
+
+def codec_key(name: str, options: dict) -> tuple:
+    """A compressor's identity: its name and its options in order (``topk``, ``(("ratio", 0.01),)``)."""
+    return name, tuple(sorted(options.items()))
+
+
+def recorded_line(lines: dict, name: str, options: dict) -> list | None:
+    """The cost line of compressor ``name`` with ``options`` in ``lines`` (spec, as
+    ``--compression`` takes it, -> ``[encode a, encode b, decode a, decode b, ratio]``), or None."""
+    want = codec_key(name, options)
+    return next((line for spec, line in lines.items() if codec_key(*parse_spec(spec)) == want), None)
 
 
 def _measured_as_a_rank(name: str, options: dict) -> tuple:
@@ -97,8 +114,6 @@ def measure_here(name: str, options: dict) -> list[float]:
     """Encode and decode cost lines and ratio of compressor ``name`` in this process, one thread."""
     import torch
 
-    from gradsync.compress import build
-
     torch.set_num_threads(1)
     enc, dec, ratio = costmodel.measure_codec(lambda: build(name, **options), torch.float32, PROBE_NUMEL, repeats=7)
     return [enc.a, enc.b, dec.a, dec.b, ratio]
@@ -119,8 +134,8 @@ class CompressedBuckets(StrategyModel):
         self.bucket_of = {i: b for b, members in enumerate(self.buckets) for i in members}
         self.index = {p.name: i for i, p in enumerate(worker.params)}
         self.bytes = [sum(worker.params[i].nbytes for i in b) for b in self.buckets]
-        self.codec = codec_cost(s.codec_name, s.codec_options, worker.host_rates.codec_speed,
-                                worker.host_rates.decode_speed)
+        host = worker.host_rates
+        self.codec = codec_cost(s.codec_name, s.codec_options, host.codec_speed, host.decode_speed, host.codecs)
         n = worker.np
         if s.selective:
             costs = costmodel.Costs(worker.net.latency_s, 0.0 if worker.net.rate_bps is None else 8 / worker.net.rate_bps,

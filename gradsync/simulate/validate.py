@@ -138,17 +138,6 @@ def calibrate_codecs(specs: list[str]) -> dict:
     return out
 
 
-def _seed_codecs(codecs: dict) -> None:
-    """Use the recording machine's compressor costs, not this machine's."""
-    from gradsync.compress import parse_spec
-    from gradsync.simulate import compressed
-    from gradsync.strategies.costmodel import Linear
-
-    for spec, (ea, eb, da, db, ratio) in codecs.items():
-        name, options = parse_spec(spec)
-        compressed._CODECS[(name, tuple(sorted(options.items())))] = (Linear(ea, eb), Linear(da, db), ratio)
-
-
 def options_of(label: str) -> tuple[str, dict]:
     """``casync-ring+topk:ratio=0.01`` -> ``("casync-ring", {"compression": "topk:ratio=0.01"})``."""
     name, _, spec = label.partition("@")[0].partition("+")
@@ -204,7 +193,7 @@ def _host(record: dict, rates: dict, cores: int, memory: float | None = None, co
     return Host(copy * k / share, update * k / share, codec_speed=encode, decode_speed=decode,
                 handoff_s=rates.get("handoff_s", 20e-6) * share / k, message_s=rates.get("message_s", 0.0) / k,
                 busy_wake_s=None if wake is None else wake / k, cores=cores, jitter=_jitter(rates.get("jitter"), ranks),
-                net_cpu_s=_net_cpu(rates, record) / k, batch_s=batch)
+                net_cpu_s=_net_cpu(rates, record) / k, batch_s=batch, codecs=codecs or {})
 
 
 def codec_speeds(record: dict, codecs: dict) -> tuple[float, float] | None:
@@ -217,17 +206,13 @@ def codec_speeds(record: dict, codecs: dict) -> tuple[float, float] | None:
     work = record.get("host_work") or {}
     if not ("encode" in work and "decode" in work):
         return None
-    from gradsync.compress import parse_spec
     from gradsync.errors import ConfigError
+    from gradsync.simulate.compressed import recorded_line
     from gradsync.strategies import resolve
-
-    def key(name: str, options: dict) -> tuple:
-        return name, tuple(sorted(options.items()))
 
     name, options = options_of(record["strategy"])
     strategy = resolve(name, **options)
-    want = key(strategy.codec_name, strategy.codec_options)
-    line = next((v for spec, v in codecs.items() if key(*parse_spec(spec)) == want), None)
+    line = recorded_line(codecs, strategy.codec_name, strategy.codec_options)
     if line is None:
         return None
     speeds = []
@@ -345,8 +330,7 @@ def replay(path: str = MATRIX, rates: dict | None = None, steps: int = 8, warmup
     for group in matrix["groups"]:
         # a group recorded with the machine's rates of its own time uses them (unless rates are given)
         here = rates if given else {**rates, **group.get("host_rates", {})}
-        codecs = {**matrix.get("codecs", {}), **group.get("codecs", {})}
-        _seed_codecs(codecs)  # and its compressors' costs
+        codecs = {**matrix.get("codecs", {}), **group.get("codecs", {})}  # and its compressors' costs
         keys = [_workload_key(rec) for rec in group["records"]]
         for key in keys:
             if key not in workloads:

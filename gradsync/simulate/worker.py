@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from gradsync.errors import ConfigError
@@ -85,6 +85,13 @@ class Host:
     and ``hybrid``'s row requests and answers on a busy CPU, on a core of its own (where the ranks
     share ``cores``, :meth:`Worker.burst_sharing` slows it). 0: not counted (the default). The
     validation measures it on loopback (benchmarks/regenerate/simulator_matrix.py)."""
+    codecs: dict = field(default_factory=dict)
+    """Compressors' cost lines measured on the machine this host stands for, by compressor spec
+    (as ``--compression`` takes it): ``[encode s, encode s per byte, decode s, decode s per byte,
+    wire ratio]``, one thread (``validate.calibrate_codecs`` writes them). A compressor named here
+    is costed by its line, scaled by ``codec_speed`` and ``decode_speed`` like a measured one; any
+    other is measured on this machine (:func:`~gradsync.simulate.compressed.codec_cost`). Empty:
+    every one measured here (the default)."""
 
 
 class _Meta:
