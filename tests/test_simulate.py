@@ -143,17 +143,17 @@ def test_co_located_servers_move_their_all_to_all_at_the_meshs_share_of_the_link
 
 
 def test_the_replay_takes_the_mesh_measured_for_a_runs_hosts_at_its_real_link_rate():
-    from gradsync.simulate import validate
+    from gradsync.simulate import hostmodel
 
     measured = {"4": {"250000000": 0.9, "1000000000": 0.95}, "3": {"1000000000": 0.97}}
-    assert validate._mesh(measured, 4, 2.5e8) == 0.9
-    assert validate._mesh(measured, 8, 1.2e9) == 0.95  # the largest count measured up to 8, the nearest rate
-    assert validate._mesh(measured, 3, 1e8) == 0.97
-    assert validate._mesh(measured, 2, 1e9) == 1.0 and validate._mesh(None, 4, 1e9) == 1.0
+    assert hostmodel._mesh(measured, 4, 2.5e8) == 0.9
+    assert hostmodel._mesh(measured, 8, 1.2e9) == 0.95  # the largest count measured up to 8, the nearest rate
+    assert hostmodel._mesh(measured, 3, 1e8) == 0.97
+    assert hostmodel._mesh(measured, 2, 1e9) == 1.0 and hostmodel._mesh(None, 4, 1e9) == 1.0
     matrix = {"latency_s": 1e-4, "host_rates": {"mesh": measured}}
-    net = validate.record_network(matrix, {"np": 4, "net_bps": 1e9, "dilation": 4.0})  # 250 Mbit/s for real
+    net = hostmodel.record_network(matrix, {"np": 4, "net_bps": 1e9, "dilation": 4.0})  # 250 Mbit/s for real
     assert (net.rate_bps, net.latency_s, net.mesh) == (1e9, 1e-4, 0.9)
-    assert validate.record_network(matrix, {"np": 4, "net_bps": 1e10, "dilation": 10.0}).mesh == 0.95
+    assert hostmodel.record_network(matrix, {"np": 4, "net_bps": 1e10, "dilation": 10.0}).mesh == 0.95
 
 
 def test_p3_sends_lowest_forward_position_first_under_credit():
@@ -687,27 +687,27 @@ def test_a_run_that_shows_no_update_rate_meets_what_its_group_met(tmp_path):
 
 
 def test_a_recorded_run_meets_the_host_rates_its_ranks_had():
-    from gradsync.simulate.validate import _host, memory_met
+    from gradsync.simulate.hostmodel import host_of, memory_met
 
     rates = {"copy_Bps": 8e9, "update_Bps": 2e9, "message_s": 1e-3,
              "concurrent": {"processes": 2, "copy_Bps": 0.9, "update_Bps": 0.8}}
     # 4 ranks on 2 cores, dilation 10: half a core each, every time divided by 10, both cores at once
-    host = _host({"np": 4, "dilation": 10.0}, rates, cores=2)
+    host = host_of({"np": 4, "dilation": 10.0}, rates, cores=2)
     assert host.copy_Bps == pytest.approx(8e9 * 0.9 * 10 / 2) and host.update_Bps == pytest.approx(2e9 * 0.8 * 10 / 2)
     assert host.message_s == pytest.approx(1e-3 / 10)  # on a core of its own: Worker.burst_sharing shares it
-    after = _host({"np": 2}, {**rates, "concurrent_after": {"processes": 2, "copy_Bps": 0.5, "update_Bps": 0.6}}, cores=2)
+    after = host_of({"np": 2}, {**rates, "concurrent_after": {"processes": 2, "copy_Bps": 0.5, "update_Bps": 0.6}}, cores=2)
     assert after.copy_Bps == pytest.approx(8e9 * 0.7) and after.update_Bps == pytest.approx(2e9 * 0.7)  # the mean of both
-    alone = _host({"np": 1}, rates, cores=2)  # one rank: no other core at work beside it
+    alone = host_of({"np": 1}, rates, cores=2)  # one rank: no other core at work beside it
     assert alone.copy_Bps == pytest.approx(8e9) and alone.update_Bps == pytest.approx(2e9)
     assert host.busy_wake_s is None and host.cores == 2  # not measured: every wake is a handoff
-    assert host.batch_s == 0.0 and _host({"np": 4, "batch_s": 0.02}, rates, cores=2).batch_s == 0.02  # as its run made them
+    assert host.batch_s == 0.0 and host_of({"np": 4, "batch_s": 0.02}, rates, cores=2).batch_s == 0.02  # as its run made them
     for bad in (-0.01, "1"):
         with pytest.raises(ConfigError, match=r"'ddp' \(4 workers\): batch_s must be a time >= 0"):
-            _host({"np": 4, "strategy": "ddp", "batch_s": bad}, rates, cores=2)
-    woken = _host({"np": 4, "dilation": 10.0}, {**rates, "busy_wake_s": 3e-3}, cores=2)
+            host_of({"np": 4, "strategy": "ddp", "batch_s": bad}, rates, cores=2)
+    woken = host_of({"np": 4, "dilation": 10.0}, {**rates, "busy_wake_s": 3e-3}, cores=2)
     assert woken.busy_wake_s == pytest.approx(3e-4)  # the scheduler's wait, divided by the dilation
     jittery = {**rates, "jitter": {"2": 0.15, "4": 0.35}}  # measured with 2 and with 4 ranks
-    assert [_host({"np": n}, jittery, cores=2).jitter for n in (1, 2, 3, 4, 8)] == [0.0, 0.15, 0.15, 0.35, 0.35]
+    assert [host_of({"np": n}, jittery, cores=2).jitter for n in (1, 2, 3, 4, 8)] == [0.0, 0.15, 0.15, 0.35, 0.35]
     # A run whose own optimizer.step() shows the memory rate it met: 4 ranks updating 1 GB at once
     # in 2 s of undilated time met 0.5 GB/s, a rank's half of 2 cores times a fraction of the lone
     # 2 GB/s / dilation 10: 0.5e9 * 2 / (10 * 2e9) = 0.05. Copies, updates and codecs move by it.
@@ -717,10 +717,10 @@ def test_a_recorded_run_meets_the_host_rates_its_ranks_had():
     for bad in (0, -1.0, "2"):
         with pytest.raises(ConfigError, match=r"'ddp' \(4 workers\): optimizer_s must be a time > 0"):
             memory_met({"np": 4, "strategy": "ddp", "optimizer_s": bad}, rates, 2, 1e9)
-    met = _host(ran, rates, cores=2, memory=memory)
+    met = host_of(ran, rates, cores=2, memory=memory)
     assert met.update_Bps == pytest.approx(1e9 / 2.0) and met.copy_Bps == pytest.approx(8e9 * 0.05 * 10 / 2)
     assert met.codec_speed == pytest.approx(0.05 * 10 / 2)
-    probed = _host(ran, rates, cores=2)  # none met: the probe
+    probed = host_of(ran, rates, cores=2)  # none met: the probe
     assert probed.update_Bps == pytest.approx(host.update_Bps) and probed.copy_Bps == pytest.approx(host.copy_Bps)
 
 
@@ -751,7 +751,7 @@ def test_a_hybrid_run_that_counts_its_servers_updates_is_replayed_at_the_memory_
 
 def test_a_compressed_run_that_counts_its_codecs_is_replayed_at_the_speeds_they_met(monkeypatch, tmp_path):
     from gradsync.simulate import compressed
-    from gradsync.simulate.validate import _host, codec_speeds
+    from gradsync.simulate.hostmodel import codec_speeds, host_of
 
     rates = {"copy_Bps": 8e9, "update_Bps": 2e9, "concurrent": {"processes": 2, "copy_Bps": 0.5, "update_Bps": 0.5}}
     lines = {"onebit": [1e-4, 5e-10, 2e-4, 1e-10, 1 / 32]}  # encode a + b x bytes, decode a + b x bytes, ratio
@@ -760,12 +760,12 @@ def test_a_compressed_run_that_counts_its_codecs_is_replayed_at_the_speeds_they_
     ran = {"np": 4, "dilation": 4.0, "strategy": "casync-ring", "host_work": work}
     encode, decode = codec_speeds(ran, lines)
     assert encode == pytest.approx((10 * 1e-4 + 1e8 * 5e-10) / 0.025) and decode == pytest.approx((20 * 2e-4 + 2e8 * 1e-10) / 0.04)
-    host = _host(ran, rates, cores=2, codecs=lines)
+    host = host_of(ran, rates, cores=2, codecs=lines)
     assert (host.codec_speed, host.decode_speed) == pytest.approx((encode, decode))
     # a compressor named in the label is looked up by its own line; none counted or no line: the copies' fraction
     assert codec_speeds({**ran, "strategy": "casync-ring+topk:ratio=0.01"}, lines) is None
     assert codec_speeds({"np": 4, "strategy": "casync-ring"}, lines) is None
-    plain = _host({"np": 4, "dilation": 4.0, "strategy": "casync-ring"}, rates, cores=2, codecs=lines)
+    plain = host_of({"np": 4, "dilation": 4.0, "strategy": "casync-ring"}, rates, cores=2, codecs=lines)
     assert plain.codec_speed == pytest.approx(0.5 * 4 / 2) and plain.decode_speed is None
     with pytest.raises(ConfigError, match=r"'casync-ring' \(4 workers\): host_work decode must have calls and seconds > 0"):
         codec_speeds({**ran, "host_work": {**work, "decode": {"calls": 20, "bytes": 2e8, "seconds": 0.0}}}, lines)
@@ -871,16 +871,16 @@ def test_a_message_end_shares_the_cores_with_the_networks_load_too():
     assert loaded(2, 2, servers=1).network_load() == pytest.approx(1.0)  # the server's ends too
     assert loaded(0, 2).network_load() == 0.0 and loaded(0, 2).burst_sharing() == 1.0  # cores to spare
     # the replay takes the CPU per byte measured nearest a run's real link rate, over its dilation
-    from gradsync.simulate import validate
+    from gradsync.simulate import hostmodel
 
     rates = {"copy_Bps": 1e9, "update_Bps": 1e9, "net_cpu_s": {"250000000": 2e-9, "1000000000": 1e-9}}
-    host = validate._host({"np": 4, "net_bps": 1e9, "dilation": 4.0}, rates, 2)
+    host = hostmodel.host_of({"np": 4, "net_bps": 1e9, "dilation": 4.0}, rates, 2)
     assert host.net_cpu_s == pytest.approx(2e-9 / 4)
-    assert validate._host({"np": 4, "net_bps": 1e10, "dilation": 10.0}, rates, 2).net_cpu_s == pytest.approx(1e-10)
-    assert validate._host({"np": 4, "net_bps": 1e9}, {"copy_Bps": 1e9, "update_Bps": 1e9}, 2).net_cpu_s == 0.0
+    assert hostmodel.host_of({"np": 4, "net_bps": 1e10, "dilation": 10.0}, rates, 2).net_cpu_s == pytest.approx(1e-10)
+    assert hostmodel.host_of({"np": 4, "net_bps": 1e9}, {"copy_Bps": 1e9, "update_Bps": 1e9}, 2).net_cpu_s == 0.0
     # measured on a machine that copies at half the speed of the one that recorded the run: half the CPU
     faster = {**rates, "net_cpu_copy_Bps": {"250000000": 0.5e9, "1000000000": 2e9}}
-    assert validate._host({"np": 4, "net_bps": 1e9, "dilation": 4.0}, faster, 2).net_cpu_s == pytest.approx(1e-9 / 4)
+    assert hostmodel.host_of({"np": 4, "net_bps": 1e9, "dilation": 4.0}, faster, 2).net_cpu_s == pytest.approx(1e-9 / 4)
 
 
 def test_calibration_measures_a_thread_handoff_and_starts_on_a_common_clock():
