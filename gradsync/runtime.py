@@ -1,4 +1,4 @@
-"""Process-level state: ``gradsync.init()``, ``gradsync.shutdown()`` and peer-failure diagnosis.
+"""Process-level state: ``gradsync.init()``, ``gradsync.shutdown()``, and the runtime they make current.
 
 ``init`` reads the standard environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
 ``MASTER_PORT``) that ``gradsync run``, torchrun, SLURM wrappers and Kubeflow's PyTorchJob all set,
@@ -8,21 +8,16 @@ At start-up a rank
 waits ``max(GRADSYNC_TIMEOUT, RENDEZVOUS_MIN_S)`` seconds (60 by default) for rank 0's store, then
 fails with an error saying so.
 
-Every rank runs a heartbeat thread (:mod:`gradsync.heartbeat`) that bumps a counter in the
-rendezvous store once a second. When an operation fails, the rank names the ranks whose counter
-stopped: "worker 1 (rank 1) stopped responding" instead of Gloo's "Connection reset by peer".
-
-Why one file of this size: a process's life in gradsync (start, the failure diagnosis, the deadline
-of a wait, shutdown and exit after a failure) is one sequence; the heartbeat lives in its own module.
+A process has at most one :class:`Runtime` at a time, made here and read by the layers above
+(:func:`current`). Its failure diagnosis, which names the rank at fault, is
+:mod:`gradsync.diagnosis`; how it comes down at shutdown, at exit and after a failure,
+:mod:`gradsync.teardown`; its heartbeat, :mod:`gradsync.heartbeat`.
 """
 from __future__ import annotations
 
 import atexit
-import contextlib
 import os
-import re
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -30,10 +25,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from gradsync import flight
-from gradsync.heartbeat import Heartbeat, _within
+from gradsync import flight, teardown
 from gradsync import store as stores
-from gradsync.errors import ConfigError, GradsyncError, PeerFailureError
+from gradsync.diagnosis import PeerDiagnosis, explain_uncaught
+from gradsync.errors import ConfigError, GradsyncError
+from gradsync.heartbeat import Heartbeat, _within
 from gradsync.topology import Topology
 from gradsync.transport import REPORT_S, Transport, gloo_timeout
 
@@ -57,7 +53,10 @@ def _env_int(name: str, default: int) -> int:
 
 
 @dataclass
-class Runtime:
+class Runtime(PeerDiagnosis):
+    """A rank's part in the job: its topology, transport and heartbeat, what runs at shutdown, and
+    the failure diagnosis (:meth:`explain`, :meth:`behind`, :meth:`overdue`: :class:`PeerDiagnosis`)."""
+
     topology: Topology
     transport: Transport
     timeout_s: float
@@ -80,96 +79,6 @@ class Runtime:
     stoppers: list = field(default_factory=list)
     """Callables that stop threads of this process without a word to any peer (a watchdog's):
     :func:`shutdown` runs them even for a rank going down with an error, which runs no closer."""
-
-    def explain(self, what: str, exc: BaseException) -> PeerFailureError:
-        """Turn a failed communication into an error naming the rank(s) at fault: the ones whose
-        heartbeat stopped, else the ones alive but absent from the operation (:meth:`behind`)."""
-        me = self.topology.describe(self.topology.rank)
-        timed_out = isinstance(exc, TimeoutError) or "timed out" in str(exc).lower()
-        silent = self.heartbeat.silent_ranks(fresh=not timed_out) if self.heartbeat else []
-        if silent:  # a rank that shut down cleanly (no barrier at the end: ps-async) is no fault
-            gone = self.heartbeat.left(silent)
-            silent = [r for r in silent if r not in gone]
-        behind = self.behind() if timed_out and silent == [] else []
-        if silent is None:
-            self.store_lost = True
-            cause = ("rank 0, which hosts the rendezvous store, is unreachable "
-                     f"(it has probably exited, crashed or been stopped; or {me}'s own network link is down)")
-        elif silent:
-            cause = ", ".join(self.topology.describe(r) for r in silent) + " stopped responding"
-            if len(silent) >= 2 and len(silent) == self.topology.world_size - 1:
-                cause += (f" (every peer fell silent at once: {me}'s own network link or host is the likely "
-                          "cause, not the peers)")
-        elif behind:
-            cause = "; ".join(
-                f"{self.topology.describe(r)} is alive but has not reached this operation: it has been in its own "
-                f"code (not in a gradsync operation) for {seconds:.1f} s at step {step}" for r, step, seconds in behind)
-            cause += (" (a stuck data loader, an evaluation or a checkpoint on one rank only, a deadlock?). "
-                      f"Every rank waits for it; the timeout is {self.timeout_s:g} s (raise it with "
-                      "gradsync.init(timeout_s=...) or GRADSYNC_TIMEOUT if that rank's work legitimately takes longer)")
-        else:
-            cause = (f"no peer died; the operation did not complete within {self.timeout_s:g} s. "
-                     "Either ranks issued different operations (different models, step counts or "
-                     "strategies) or a step takes longer than the timeout (raise it with "
-                     "gradsync.init(timeout_s=...) or GRADSYNC_TIMEOUT)")
-        error = PeerFailureError(f"{what} failed on {me}: {cause}. Original error: {exc}")
-        if self.transport is not None:
-            self.transport.failure = error
-        recorder = flight.current()
-        if recorder is not None:  # for the launcher's cross-rank summary (gradsync.flight)
-            recorder.dump(str(error))
-        return error
-
-    def behind(self) -> list[tuple[int, int, float]]:
-        """The workers alive but absent from synchronization, as their heartbeats last published
-        it: ``(rank, step, seconds)`` for each whose training thread has run the script's own code,
-        outside every gradsync operation, for at least half the timeout (a rank merely computing a
-        step shorter than the timeout is never named). Servers are never behind: they only serve."""
-        if self.heartbeat is None:
-            return []
-        positions = self.heartbeat.positions()
-        workers = set(self.topology.worker_ranks)
-        return sorted((r, step, seconds) for r, (step, waiting, seconds) in positions.items()
-                      if r in workers and not waiting and seconds >= self.timeout_s / 2)
-
-    def overdue(self, what: str, since: float | None = None) -> PeerFailureError | None:
-        """The error to end a wait with now, or None to go on waiting.
-
-        A wait ends early when nothing this rank waited on has completed for the timeout (less the
-        :data:`~gradsync.transport.REPORT_S` it takes to say so; a send's completion does not count:
-        it proves only that the message was buffered) and the heartbeat watch has seen a peer stand
-        still (:meth:`Heartbeat.watched_silent`), or the store has stopped answering its beats (its
-        host, rank 0, is stopped or cut off, and the watch sees nothing): that peer has been
-        unreachable since about the last completion, so the error comes within the timeout of the
-        fault even for an operation issued after it (Gloo's own timeout counts from the
-        operation's start). A link that comes back within the timeout is survived: operations
-        complete meanwhile, or the heartbeat moves.
-
-        ``since``: a training thread that waits on its strategy's communication threads (which
-        no Gloo timeout ends: their other traffic, keep-alives included, keeps completing) passes
-        when what it waits for last arrived (or its wait began). That wait ends at the timeout
-        after it, whatever else completed, naming the ranks that hold it back (:meth:`explain`)."""
-        heartbeat, transport = self.heartbeat, self.transport
-        if transport is None or transport.failure is not None:
-            return None
-        now, limit = time.monotonic(), self.timeout_s - REPORT_S
-        idle_s = now - transport.progress
-        if heartbeat is not None and idle_s >= limit:
-            silent = heartbeat.watched_silent()
-            silent = [r for r in silent if r not in heartbeat.left(silent)]
-            if not silent and heartbeat.store_lost():  # the store's host stopped: the watch sees nothing
-                return self.explain(what, TimeoutError(
-                    f"nothing completed for {idle_s:.1f} s (the timeout is {self.timeout_s:g} s) while the "
-                    "rendezvous store did not answer"))
-            if silent:
-                who = ", ".join(self.topology.describe(r) for r in silent)
-                return self.explain(what, TimeoutError(
-                    f"nothing completed for {idle_s:.1f} s (the timeout is {self.timeout_s:g} s) while {who} "
-                    "stayed silent"))
-        if since is None or now - since < limit:
-            return None
-        return self.explain(what, TimeoutError(
-            f"nothing this wait needs arrived for {now - since:.1f} s (the timeout is {self.timeout_s:g} s)"))
 
 
 def poll_s(longest: float = 0.5, since: float | None = None) -> float:
@@ -197,32 +106,20 @@ def check_progress(what: str, since: float | None = None) -> None:
 
 _RUNTIME: Runtime | None = None
 _AT_EXIT = False
-_PEER_TROUBLE = re.compile(r"gloo|nccl|c10d|connection (reset|closed|refused)|timed out", re.IGNORECASE)
 
 
 def _explain_uncaught(kind, value, tb) -> None:
-    """``sys.excepthook``: a communication failure raised inside PyTorch (DDP's reducer, a user's own
-    collective) leaves the script without passing through gradsync; before the traceback, say which
-    peer went silent, as gradsync's own operations do."""
-    runtime = _RUNTIME
-    if (runtime is not None and isinstance(value, RuntimeError) and not isinstance(value, GradsyncError)
-            and _PEER_TROUBLE.search(str(value))):
-        try:
-            explained = runtime.explain("a collective inside PyTorch (DDP's all-reduce, or the script's own)", value)
-            print(f"gradsync: {str(explained).split('. Original error')[0]}", file=sys.stderr, flush=True)
-        except Exception:  # noqa: BLE001 - the diagnosis must never hide the original error
-            pass
+    """``sys.excepthook``: before the traceback of a communication failure raised inside PyTorch,
+    say which peer went silent (:func:`gradsync.diagnosis.explain_uncaught`); then :func:`abandon`."""
+    explain_uncaught(_RUNTIME, value)
     _PREVIOUS_HOOK(kind, value, tb)
     abandon(value)
 
 
 def abandon(error: BaseException) -> None:
     """This rank is going down with ``error`` (uncaught in the script): :func:`shutdown` at exit
-    then runs no closer (a strategy's flush or goodbye would wait on peers that wait on this rank)
-    and, on the rank that serves the store, keeps it up while the others name this rank."""
-    runtime = _RUNTIME
-    if runtime is not None and not isinstance(error, (KeyboardInterrupt, SystemExit)):
-        runtime.abandoned = error
+    then runs no closer and keeps the store up while the others name this rank (:func:`gradsync.teardown.abandon`)."""
+    teardown.abandon(_RUNTIME, error)
 
 
 _PREVIOUS_HOOK = sys.excepthook
@@ -377,7 +274,7 @@ def leave() -> Runtime | None:
     runtime, _RUNTIME = _RUNTIME, None
     if runtime is None:
         return None
-    _stop_threads(runtime)
+    teardown.stop_threads(runtime)
     if runtime.owns_group and dist.is_initialized():
         dist.destroy_process_group()
     return runtime
@@ -388,33 +285,6 @@ def on_stop(stopper) -> None:
     stoppers = getattr(_RUNTIME, "stoppers", None)
     if stoppers is not None:
         stoppers.append(stopper)
-
-
-def _stop_threads(runtime: Runtime) -> None:
-    stoppers = getattr(runtime, "stoppers", [])
-    while stoppers:
-        stoppers.pop()()
-    if runtime.heartbeat:
-        runtime.heartbeat.stop(**({"wait_s": 0.5} if runtime.store_lost else {}))
-    if runtime.responder:
-        runtime.responder.stop()
-    transport = runtime.transport
-    if transport is not None and transport.waiter is not None:  # blocked for good after a failure: no wait
-        transport.waiter.close(wait_s=0.0 if transport.failure is not None else 1.0)
-
-
-def _warn_live_threads(store_lost: bool = False) -> None:
-    """Say which gradsync thread is still running after shutdown: one blocked in a torch call when
-    the interpreter finalizes would abort the process at exit, so this is a bug worth reporting.
-    Not the heartbeat's, when the store's host stopped answering: that call never returns."""
-    expected = ("gradsync-heartbeat", "gradsync-store-call") if store_lost else ()
-    alive = [t.name for t in threading.enumerate() if t.name.startswith("gradsync") and t.name not in expected
-             and t.is_alive() and t is not threading.current_thread()]
-    if alive:
-        import warnings
-
-        warnings.warn(f"gradsync threads still running after shutdown: {', '.join(alive)}; the process may "
-                      "abort at exit. Please report this with the strategy used", RuntimeWarning, stacklevel=3)
 
 
 def current() -> Runtime:
@@ -445,84 +315,23 @@ def shutdown() -> None:
 
     Every closer runs even if one raises (the first error is raised at the end), and the heartbeat
     is stopped in any case. After a peer failure the process group is broken: it is not torn down
-    (a thread may still be blocked in it), see :func:`_exit_after_failure`."""
-    global _RUNTIME, _FAILED_AT_SHUTDOWN
+    (a thread may still be blocked in it), see :func:`gradsync.teardown.exit_after_failure`."""
+    global _RUNTIME
     runtime = _RUNTIME
     if runtime is None:
         return
     # The runtime stays current while strategies close: they may still need its timeout and its
     # heartbeat (to name a peer that died). Closers are taken off the list as they run.
-    error: BaseException | None = None
-    abandoned = getattr(runtime, "abandoned", None) is not None
     try:
-        while runtime.closers and not abandoned:
-            try:
-                runtime.closers.pop()()
-            except BaseException as exc:  # noqa: BLE001 - the rest must still close; raised below
-                error = error or exc
-        # A strategy that failed to close (a peer out of step) may leave peers waiting on this rank's
-        # goodbye: it leaves as a failed rank does, never waiting on them.
-        failed = (abandoned or error is not None
-                  or (runtime.transport is not None and runtime.transport.failure is not None))
-        if runtime.heartbeat is not None:
-            if not runtime.hosts_store:
-                if not failed:  # a rank going down with an error is a fault its peers must name
-                    runtime.heartbeat.say_left()
-            elif failed:
-                runtime.heartbeat.wait_for_peers()  # they may still be naming the failed rank: keep the store up
-            else:  # ranks still training need the store
-                recorder = flight.current()
-                with recorder.waiting_for("shutdown (serving the rendezvous store to the ranks still running)") \
-                        if recorder is not None else contextlib.nullcontext():
-                    runtime.heartbeat.wait_for_leavers()
+        error = teardown.close(runtime)
     finally:
         _RUNTIME = None
-        _stop_threads(runtime)
-    failed = runtime.transport is not None and runtime.transport.failure is not None
-    if runtime.owns_group and dist.is_initialized() and not failed:
-        dist.destroy_process_group()
-    if not failed:
-        _warn_live_threads(runtime.store_lost)
-    _FAILED_AT_SHUTDOWN = failed
+        teardown.stop_threads(runtime)
+    teardown.leave_group(runtime)
     if error is not None:
         raise error
 
 
-_FAILED_AT_SHUTDOWN = False
-"""Whether the last :func:`shutdown` found the process group broken by a peer failure."""
-
-
 def _shutdown_at_exit() -> None:
-    """``atexit``: :func:`shutdown`, then :func:`_exit_after_failure`."""
-    try:
-        shutdown()
-    except BaseException as exc:
-        # Shown here: atexit would print it only after the interpreter's own exit, which may not come.
-        print(f"gradsync: while shutting down: {type(exc).__name__}: {exc}", file=sys.stderr)
-        _exit_after_failure()
-        raise
-    _exit_after_failure()
-
-
-def _exit_after_failure() -> None:
-    """After a peer failure, end the process here rather than let the interpreter finalize while a
-    gradsync thread is still blocked in a torch call on the broken group (a receive from a peer
-    whose link is down returns only at the operation timeout). Such a thread returning during
-    finalization is ended by ``pthread_exit``, which aborts the process (SIGABRT,
-    pytorch/pytorch#38228) and hides the job's exit status. The error is already printed: flush
-    the standard streams and the logging handlers and exit with status 1."""
-    recorder = flight.current()
-    if not _FAILED_AT_SHUTDOWN or recorder is None:
-        return
-    me = threading.get_ident()
-    if not any(ident != me for ident in list(recorder.blocked)):
-        return
-    import logging
-
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:  # noqa: BLE001 - a closed stream: nothing left to flush
-            pass
-    os._exit(1)
+    """``atexit``: :func:`shutdown`, then the exit after a peer failure (:func:`gradsync.teardown.at_exit`)."""
+    teardown.at_exit(shutdown)
