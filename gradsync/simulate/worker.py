@@ -88,10 +88,10 @@ class Host:
     codecs: dict = field(default_factory=dict)
     """Compressors' cost lines measured on the machine this host stands for, by compressor spec
     (as ``--compression`` takes it): ``[encode s, encode s per byte, decode s, decode s per byte,
-    wire ratio]``, one thread (``validate.calibrate_codecs`` writes them). A compressor named here
-    is costed by its line, scaled by ``codec_speed`` and ``decode_speed`` like a measured one; any
-    other is measured on this machine (:func:`~gradsync.simulate.compressed.codec_cost`). Empty:
-    every one measured here (the default)."""
+    wire ratio]``, one thread (:func:`~gradsync.simulate.calibration.calibrate_codecs` writes
+    them). A compressor named here is costed by its line, scaled by ``codec_speed`` and
+    ``decode_speed`` like a measured one; any other is measured on this machine
+    (:func:`~gradsync.simulate.compressed.codec_cost`). Empty: every one measured here (the default)."""
 
 
 class _Meta:
