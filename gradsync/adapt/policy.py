@@ -17,15 +17,14 @@ monitor values (reduced over workers, so equal everywhere) or from values the po
 
 Built-in policies are in :mod:`gradsync.adapt.builtin`. The Controller is one class because every
 action it offers (batch size, learning rate, strategy, workers) changes the same running state,
-which an elastic job must commit and hand to joining workers as one.
-
-Why one file of this size: the Controller alone (the built-in policies are in
-:mod:`gradsync.adapt.builtin`); its elastic regrouping is the part of its loop that restores state.
+which an elastic job must commit and hand to joining workers as one. Its class is written in three
+modules, one per job: this one runs the policies and acts; :mod:`gradsync.adapt.commits` commits
+and restores that state (in memory and to checkpoints); :mod:`gradsync.adapt.regroup` brings an
+elastic job to its next generation around it (``Controller.run``).
 """
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import os
 import time
@@ -35,11 +34,11 @@ import torch
 
 from gradsync import runtime
 from gradsync.adapt import durable, elastic
+from gradsync.adapt.commits import Commits
 from gradsync.adapt.data import GlobalBatches
 from gradsync.adapt.monitors import Monitors, NoiseScale, Throughput
-from gradsync.consistency import broadcast_model, check_models_match
-from gradsync.errors import ConfigError, PeerFailureError
-from gradsync.optimizer import detach, reattach, user_class
+from gradsync.adapt.regroup import Regrouping
+from gradsync.errors import ConfigError
 
 
 class Policy:
@@ -60,7 +59,7 @@ class Policy:
         pass
 
 
-class Controller:
+class Controller(Commits, Regrouping):
     """Runs the policies around the user's training loop and holds what they may change.
 
     ``batch_size``: samples per worker per step (policies may change it). ``dataset_size``: with it,
@@ -104,15 +103,7 @@ class Controller:
         self.strategy_spec: list | None = None  # [name, options] after ctl.switch_strategy; None: the script's
         self._resumed = False
         self._where = (0, 1)  # (rank, workers) when this worker last left a generation
-        self.checkpoint_dir = checkpoint_dir or os.environ.get(durable.DIR_ENV) or None
-        self._writer: durable.DurableCommits | None = None
-        if self.checkpoint_dir is not None:
-            self._check_elastic(optimizer.strategy)
-            every = checkpoint_every if checkpoint_every is not None else int(os.environ.get(durable.EVERY_ENV, "10"))
-            seconds = checkpoint_seconds
-            if seconds is None and os.environ.get(durable.SECONDS_ENV):
-                seconds = float(os.environ[durable.SECONDS_ENV])
-            self._schedule = durable.Schedule(every, seconds)
+        self._configure_checkpoints(checkpoint_dir, checkpoint_every, checkpoint_seconds)
         member = elastic.current()
         if member is not None:
             self._check_elastic(optimizer.strategy)
@@ -243,183 +234,3 @@ class Controller:
             return False
         self._regroup(gen, cause=f"resize to {num_workers}", start=start, asked=time.perf_counter() - start)
         return True
-
-    # -- elastic ---------------------------------------------------------------------------------
-    def run(self, train) -> None:
-        """Run ``train(ctl)``; in an elastic job, when a worker dies, restore the last commit, regroup
-        without it and run ``train`` again (it continues from ``ctl.epoch``, ``ctl.step`` and the data
-        position, as the ``epochs``/``steps`` iterators do). Returns when ``train`` returns, or when this
-        worker was removed from the job (``ctl.detached``)."""
-        member = elastic.current()
-        try:
-            if member is None:
-                return train(self)
-            if self._commit is None:
-                self.commit()
-            while True:
-                try:
-                    train(self)
-                    return
-                except PeerFailureError as exc:
-                    self._recover(exc)
-                    if self.detached:
-                        return
-        finally:
-            self.close()
-
-    def close(self) -> None:
-        """Wait for the checkpoint being written, if any, and stop its thread (``run`` does this)."""
-        if self._writer is not None:
-            writer, self._writer = self._writer, None
-            writer.close()
-
-    def _resume(self) -> None:
-        """Every worker: load the newest whole commit of the checkpoint folder, if there is one."""
-        commit = durable.latest(self.checkpoint_dir)
-        if commit is None:
-            print(f"gradsync: no checkpoint in {self.checkpoint_dir} yet: training starts from the beginning",
-                  flush=True)
-            return
-        self._commit = {key: commit[key] for key in ("params", "buffers", "optimizer", "counters")}
-        self._restore()
-        self._resumed = True  # mid-training: no before_train / before_epoch for the epoch under way
-        if self.rank == 0:
-            print(f"gradsync: resumed from {commit['path']} (step {self.step})", flush=True)
-
-    def _persist(self) -> None:
-        """After a commit: worker 0 hands it to the checkpoint writer when one is due."""
-        if self.checkpoint_dir is None or self.rank != 0 or not self._schedule.due(self.step):
-            return
-        if self._writer is None:
-            self._writer = durable.DurableCommits(self.checkpoint_dir, self._schedule)
-        self._writer.submit(self._commit)
-
-    def commit(self) -> None:
-        """Remember parameters, buffers, optimizer state and counters (restored if a worker dies)."""
-        model = self.optimizer._gradsync.model
-        self._commit = {
-            "params": [p.detach().clone() for p in model.parameters()],
-            "buffers": [b.detach().clone() for b in model.buffers()],
-            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
-            "counters": self._counters(),
-        }
-
-    def _counters(self) -> dict:
-        data = self.data.state() if self.data is not None else None
-        return {"step": self.step, "epoch": self.epoch, "data": data, "batch_size": self.batch_size,
-                "stop": self.stop_requested}
-
-    def _restore(self) -> None:
-        c = self._commit
-        model = self.optimizer._gradsync.model
-        with torch.no_grad():
-            for p, v in zip(model.parameters(), c["params"]):
-                p.copy_(v)
-                p.grad = None  # the failed step's gradients must not add to its redo
-            for b, v in zip(model.buffers(), c["buffers"]):
-                b.copy_(v)
-        user_class(self.optimizer).load_state_dict(self.optimizer, copy.deepcopy(c["optimizer"]))
-        self._load_counters(c["counters"])
-
-    def _load_counters(self, c: dict) -> None:
-        self.step, self.epoch, self.stop_requested = c["step"], c["epoch"], c["stop"]
-        self.set_batch_size(c["batch_size"])
-        if self.data is not None and c["data"] is not None:
-            self.data.load(*c["data"])
-
-    def _between_steps(self) -> None:
-        member = elastic.current()
-        if self._regrouped_at == self.step:
-            return  # a policy resized after this step (and committed): a worker that just joined does not ask again
-        if self.step % self.commit_every == 0:
-            self.commit()
-            self._persist()
-        gen = member.agree()
-        if gen > member.gen:
-            self._regroup(gen, cause="resize")
-
-    def _recover(self, exc: Exception) -> None:
-        member = elastic.current() or self._member
-        start = time.perf_counter()
-        self._restore()
-        gen = member.wait_for(member.gen, runtime.current().timeout_s if runtime.is_initialized() else 60.0)
-        self._regroup(gen, cause=f"failure: {exc}".splitlines()[0][:200], failed=True, start=start)
-
-    def _regroup(self, gen: int, *, cause: str, failed: bool = False, start: float | None = None,
-                 asked: float | None = None) -> None:
-        start = time.perf_counter() if start is None else start
-        phases, mark = {}, [time.perf_counter()]
-        if asked is not None:
-            phases["request (new workers start)"] = asked
-        elif failed:
-            phases["restore and wait for the launcher"] = mark[0] - start
-
-        def done(phase: str) -> None:
-            now = time.perf_counter()
-            phases[phase] = now - mark[0]
-            mark[0] = now
-
-        member = self._member = elastic.current() or self._member
-        before = len(member.members)
-        if runtime.is_initialized():
-            self._where = (runtime.current().topology.rank, before)
-        detach(self.optimizer, failed=failed)
-        try:
-            runtime.leave()
-        except Exception:
-            if not failed:
-                raise
-        done("leave")
-        if not member.enter(gen, needs_state=failed):
-            self.detached = self.stop_requested = True
-            return
-        done("new group")
-        sync = self.optimizer._gradsync
-        if member.any_new:  # what the new workers are doing in distribute(), in the same order
-            check_models_match(sync.model, runtime.current().transport, world=False)
-            broadcast_model(sync.model, runtime.current().transport, world=False, compare_first=False)
-            done("model check and broadcast")
-            reattach(self.optimizer, copy.deepcopy(sync.original))  # theirs; the hand-over switches all alike
-        else:
-            reattach(self.optimizer, copy.deepcopy(sync.template))
-        if sync.observer is not None:
-            for m in sync.observer:
-                m.attach(sync.params, sync.names, m.every)
-        done("strategy")
-        if member.needs_state:  # a new worker, or restored commits that may differ; not after a shrink
-            self._hand_over(joining=False)
-            done("state hand-over")
-        self._regrouped_at = self.step
-        self.resizes.append({"generation": gen, "from": before, "to": len(member.members), "cause": cause,
-                             "step": self.step, "seconds": time.perf_counter() - start, "phases": phases})
-        self.commit()  # the state to come back to (the step's own commit, which this replaces, is not timed either)
-
-    def _hand_over(self, *, joining: bool) -> None:
-        """Collective in a new generation: the worker with the newest state sends it to all (parameters,
-        buffers, optimizer state, counters). Joiners have none; after a failure, survivors may differ by a step."""
-        transport = runtime.current().transport
-        newest = -1 if joining else self.step
-        t = torch.tensor([newest], dtype=torch.int64)
-        transport.allreduce(t, op="max", what="elastic: newest state")
-        best = int(t)
-        t = torch.tensor([self.rank if newest == best else 1 << 40], dtype=torch.int64)
-        transport.allreduce(t, op="min", what="elastic: state source")
-        src = int(t)
-        sync = self.optimizer._gradsync
-        member = elastic.current()
-        if src != 0 or not member.any_new:  # with new workers, distribute() just broadcast rank 0's model
-            with torch.no_grad():
-                for tensor in [*sync.model.parameters(), *sync.model.buffers()]:
-                    transport.broadcast(tensor.data, src, what="elastic: model")
-        extra = {"counters": self._counters(), "strategy": self.strategy_spec,
-                 "policies": [p.state() for p in self.policies],
-                 "monitors": [m.state() for m in (sync.observer or [])]}
-        got = elastic.share_state(self.optimizer, extra, src)
-        self._load_counters(got["counters"])
-        for policy, state in zip(self.policies, got["policies"]):
-            policy.load_state(state)
-        for m, state in zip(sync.observer or [], got["monitors"]):
-            m.load_state(state)
-        self.strategy_spec = got["strategy"]
-        if member.any_new and self.strategy_spec is not None:  # everyone attached the script's strategy
-            self.optimizer.switch_strategy(self.strategy_spec[0], **self.strategy_spec[1])

@@ -36,8 +36,10 @@ from gradsync import flight
 from gradsync import store as stores
 from gradsync.errors import GradsyncError
 from gradsync.launch.hosts import RankSpec
-from gradsync.launch.processes import (_USR1, JobResult, _exit_code, _Output, _spawn, _start_pumps, _stop,
-                                       _trap_signals, fault_handler_env)
+from gradsync.launch.output import _Output, _start_pumps
+from gradsync.launch.processes import JobResult
+from gradsync.launch.spawn import _spawn, fault_handler_env
+from gradsync.launch.watch import _USR1, _exit_code, _stop, _trap_signals
 
 POLL_S = 0.02
 REQUEST_BODY_S = 5.0

@@ -1,32 +1,33 @@
 """Running one node's ranks: spawn, re-emit output with prefixes, stop everything on the first failure.
 
-Why one file of this size: spawning, forwarding output, watching exits and stopping the group
-share one table of live processes and one poll loop; split, each part would reach into the others.
+The job's loop: plan the ranks (:mod:`~gradsync.launch.hosts`), start them
+(:mod:`~gradsync.launch.spawn`), forward their output (:mod:`~gradsync.launch.output`), watch for
+the first failure and stop every rank (:mod:`~gradsync.launch.watch`).
 """
 from __future__ import annotations
 
-import collections
-import contextlib
-import ctypes
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
-import threading
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 from gradsync import flight
 from gradsync import store as stores
-from gradsync.launch.hosts import (DEFAULT_MULTI_HOST_PORT, RankSpec, _port_taken_message, find_free_port,
-                                   plan_ranks)
+from gradsync.launch.hosts import DEFAULT_MULTI_HOST_PORT, RankSpec, _port_taken_message, find_free_port, plan_ranks
+from gradsync.launch.output import _close, _Output, _pump, _start_pumps
+from gradsync.launch.spawn import (_PR_SET_PDEATHSIG, TAIL_LINES, _die_with_parent_hook, _Rank, _rank_envs, _spawn,
+                                   fault_handler_env, thread_env, usable_cores)
+from gradsync.launch.watch import (_POLL_S, _USR1, _exit_code, _failure_message, _group_exists, _live_groups,
+                                   _report_flight, _signal_groups, _stop, _stopped, _trap_signals, _wait_for_failure)
 
-TAIL_LINES = 20
-_POLL_S = 0.05
-_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+__all__ = [  # what this module defined before its parts moved to spawn, output and watch
+    "TAIL_LINES", "JobResult", "exit_status", "fault_handler_env", "launch_local", "thread_env", "usable_cores",
+    "_POLL_S", "_PR_SET_PDEATHSIG", "_USR1", "_Output", "_Rank", "_close", "_die_with_parent_hook", "_exit_code",
+    "_failure_message", "_group_exists", "_live_groups", "_pump", "_rank_envs", "_report_flight", "_run",
+    "_signal_groups", "_spawn", "_start_pumps", "_stop", "_stopped", "_trap_signals", "_wait_for_failure"]
 
 
 @dataclass
@@ -37,270 +38,6 @@ class JobResult:
     """The first rank seen failing, or None."""
     message: str
     """Human-readable failure text for stderr ('' on success)."""
-
-
-# --- one running rank ---------------------------------------------------------------------------
-
-@dataclass
-class _Rank:
-    spec: RankSpec
-    proc: subprocess.Popen
-    log: object = None
-    tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
-    pumps: list = field(default_factory=list)
-    started: float = field(default_factory=time.time)
-
-
-class _Output:
-    """Re-emits child lines. One lock for both streams and all logs, so lines never interleave."""
-
-    def __init__(self, prefix: bool):
-        # Resolved at launch time, so a caller's replaced sys.stdout (pytest capture, a pipe) is honoured.
-        self.stdout, self.stderr = sys.stdout, sys.stderr
-        self.prefix = prefix
-        self.lock = threading.Lock()
-
-    def emit(self, rank: _Rank, line: bytes, is_err: bool) -> None:
-        if not line.endswith(b"\n"):
-            line += b"\n"
-        text = line.decode("utf-8", "replace")
-        if self.prefix:
-            text = f"[{rank.spec.label}] {text}"
-        stream = self.stderr if is_err else self.stdout
-        with self.lock:
-            # A failing write (closed pipe, unencodable text) must not stop draining the child's
-            # pipe: a child blocked on a full pipe would hang the job.
-            with contextlib.suppress(Exception):
-                if rank.log is not None:
-                    rank.log.write(line)
-                    rank.log.flush()
-            with contextlib.suppress(Exception):
-                stream.write(text)
-                stream.flush()
-
-
-def _pump(pipe, rank: _Rank, is_err: bool, out: _Output) -> None:
-    with pipe:
-        for line in iter(pipe.readline, b""):
-            if is_err:
-                rank.tail.append(line.decode("utf-8", "replace").rstrip("\n"))
-            out.emit(rank, line, is_err)
-
-
-def _die_with_parent_hook():
-    """A ``preexec_fn`` giving the child SIGKILL when the launcher dies (Linux only; else None)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)  # loaded here: the child must not load libraries
-    except OSError:
-        return None
-    launcher = os.getpid()
-
-    def hook():
-        libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-        if os.getppid() != launcher:  # the launcher died before prctl took effect
-            os._exit(1)
-
-    return hook
-
-
-def _spawn(command: list[str], spec: RankSpec, env: dict[str, str], logdir: str | None) -> _Rank:
-    log = None if logdir is None else open(os.path.join(logdir, f"{spec.role}-{spec.role_rank}.log"), "wb")
-    try:
-        proc = subprocess.Popen(
-            command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            start_new_session=True,  # own process group: one killpg also reaches grandchildren
-            preexec_fn=_die_with_parent_hook())
-    except BaseException:
-        if log is not None:
-            log.close()
-        raise
-    return _Rank(spec, proc, log)
-
-
-def _start_pumps(rank: _Rank, out: _Output) -> None:
-    for pipe, is_err in ((rank.proc.stdout, False), (rank.proc.stderr, True)):
-        thread = threading.Thread(target=_pump, args=(pipe, rank, is_err, out), daemon=True)
-        thread.start()
-        rank.pumps.append(thread)
-
-
-# --- stopping -----------------------------------------------------------------------------------
-
-def _signal_groups(ranks: list[_Rank], sig: int) -> None:
-    for rank in ranks:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(rank.proc.pid, sig)
-
-
-def _stopped(pid: int) -> bool:
-    """Whether process ``pid`` is stopped (SIGSTOP, a debugger): it cannot answer anything."""
-    with contextlib.suppress(OSError, IndexError):
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
-    return False
-
-
-def _group_exists(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # someone is there
-    return True
-
-
-def _live_groups(pgids: set[int]) -> set[int]:
-    """The groups in ``pgids`` with a member that is not a zombie (orphaned zombies may never be reaped)."""
-    existing = set(filter(_group_exists, pgids))
-    if not existing or not os.path.isdir("/proc"):
-        return existing
-    live = set()
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        with contextlib.suppress(OSError, ValueError):
-            with open(f"/proc/{pid}/stat") as f:
-                state, _, pgrp = f.read().rsplit(")", 1)[1].split()[:3]
-            if state != "Z" and int(pgrp) in existing:
-                live.add(int(pgrp))
-    return live
-
-
-def _stop(ranks: list[_Rank], grace_s: float) -> None:
-    """SIGTERM every rank's group, SIGKILL whatever is left after ``grace_s``, reap the ranks.
-    SIGCONT follows the SIGTERM, so a stopped rank (SIGSTOP, Ctrl-Z) ends now, not after the grace."""
-    _signal_groups(ranks, signal.SIGTERM)
-    _signal_groups(ranks, signal.SIGCONT)
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline:
-        for rank in ranks:
-            rank.proc.poll()  # reap, so an exited rank's pid stops counting as a group member
-        if not _live_groups({rank.proc.pid for rank in ranks}):
-            break
-        time.sleep(_POLL_S)
-    _signal_groups(ranks, signal.SIGKILL)
-    for rank in ranks:
-        rank.proc.wait()
-
-
-@contextlib.contextmanager
-def _trap_signals(usr1: bool = False):
-    """Record SIGINT/SIGTERM instead of dying, so the launcher can stop its children first.
-    ``usr1``: SIGUSR1 sets a flag that :func:`_wait_for_failure` turns into the cross-rank
-    summary (:mod:`gradsync.flight`) instead of ending the launcher."""
-    caught: list[int] = []
-    if threading.current_thread() is not threading.main_thread():
-        yield caught  # signal handlers can only be set from the main thread
-        return
-    previous = {sig: signal.signal(sig, lambda signum, _frame: caught.append(signum))
-                for sig in (signal.SIGINT, signal.SIGTERM)}
-    if usr1:
-        previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, lambda _signum, _frame: _USR1.set())
-    try:
-        yield caught
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
-
-
-_USR1 = threading.Event()
-
-
-def _wait_for_failure(ranks: list[_Rank], caught: list[int], on_usr1: Callable[[], None] | None = None
-                      ) -> _Rank | None:
-    """Block until all ranks exit 0 (None), one fails (it), or the launcher is signalled (None)."""
-    running = list(ranks)
-    while running and not caught:
-        if _USR1.is_set() and on_usr1 is not None:
-            _USR1.clear()
-            on_usr1()
-        for rank in list(running):
-            code = rank.proc.poll()
-            if code is not None:
-                running.remove(rank)
-                if code != 0:
-                    return rank
-        time.sleep(_POLL_S)
-    return None
-
-
-def _report_flight(folder: str | None, ranks: list[_Rank], reason: str, out: _Output) -> None:
-    """Print where every rank is (each dumps its flight record on request; :mod:`gradsync.flight`)."""
-    if folder is None:
-        return
-    started = min((rank.started for rank in ranks), default=0.0)
-    gone = {rank.spec.rank for rank in ranks if rank.proc.poll() is not None or _stopped(rank.proc.pid)}
-    lines = flight.report(folder, [rank.spec.rank for rank in ranks], reason, started=started, gone=gone)
-    if not lines:
-        return
-    text = [f"gradsync run: where each rank is ({reason}):"] + [f"    {line}" for line in lines]
-    text.append(f"gradsync run: every rank's last operations: {os.path.join(folder, 'flight-summary.json')}")
-    with out.lock, contextlib.suppress(Exception):
-        out.stderr.write("\n".join(text) + "\n")
-        out.stderr.flush()
-
-
-def _exit_code(code: int) -> int:
-    return 128 - code if code < 0 else code
-
-
-def _failure_message(rank: _Rank) -> str:
-    code, spec = rank.proc.returncode, rank.spec
-    if code < 0:
-        how = f"was killed by signal {-code} ({signal.Signals(-code).name})"
-    else:
-        how = f"failed with exit code {code}"
-    lines = [f"gradsync run: {spec.label} (rank {spec.rank}) {how}"]
-    if rank.tail:
-        lines.append(f"gradsync run: last {len(rank.tail)} stderr lines of {spec.label}:")
-        lines += [f"    {line}" for line in rank.tail]
-    else:
-        lines.append(f"gradsync run: {spec.label} wrote nothing to stderr")
-    return "\n".join(lines)
-
-
-# --- the job ------------------------------------------------------------------------------------
-
-def usable_cores() -> int:
-    """Cores this process may run on (its CPU affinity, which containers and taskset narrow)."""
-    try:
-        return len(os.sched_getaffinity(0)) or 1
-    except (AttributeError, OSError):  # not Linux
-        return os.cpu_count() or 1
-
-
-def thread_env(local_ranks: int, env: dict[str, str] | None = None) -> dict[str, str]:
-    """``OMP_NUM_THREADS`` = cores / local ranks, unless the user set it: each rank's torch would
-    otherwise start one thread per core, and ranks sharing a machine oversubscribe it (torchrun
-    sets it too). Empty when already set."""
-    if "OMP_NUM_THREADS" in os.environ or "OMP_NUM_THREADS" in (env or {}):
-        return {}
-    return {"OMP_NUM_THREADS": str(max(1, usable_cores() // max(1, local_ranks)))}
-
-
-def fault_handler_env(env: dict[str, str] | None = None) -> dict[str, str]:
-    """``PYTHONFAULTHANDLER=1``, unless the user set it (even empty): a rank that a fatal signal ends
-    (a C++ abort, a segfault) then prints every Python thread's stack, which the failure report
-    shows. Empty when already set."""
-    if "PYTHONFAULTHANDLER" in os.environ or "PYTHONFAULTHANDLER" in (env or {}):
-        return {}
-    return {"PYTHONFAULTHANDLER": "1"}
-
-
-def _rank_envs(specs: list[RankSpec], *, np: int, servers: int, node_rank: int, master_addr: str,
-               port: int, env: dict[str, str] | None) -> list[dict[str, str]]:
-    job = {"WORLD_SIZE": np + servers, "LOCAL_WORLD_SIZE": len(specs), "GROUP_RANK": node_rank,
-           "MASTER_ADDR": master_addr, "MASTER_PORT": port, "GRADSYNC_NUM_WORKERS": np,
-           "GRADSYNC_NUM_SERVERS": servers, "PYTHONUNBUFFERED": 1}
-    fault = fault_handler_env(env)
-    envs = []
-    for spec in specs:
-        rank = {"RANK": spec.rank, "LOCAL_RANK": spec.local_rank,
-                "GRADSYNC_ROLE": spec.role, "GRADSYNC_ROLE_RANK": spec.role_rank}
-        contract = {key: str(value) for key, value in {**job, **rank}.items()}
-        envs.append({**os.environ, **(env or {}), **fault, **contract})
-    return envs
 
 
 def _run(commands, specs, envs, *, logdir, grace_s, prefix_output, flight_dir=None) -> JobResult:
@@ -330,15 +67,6 @@ def _run(commands, specs, envs, *, logdir, grace_s, prefix_output, flight_dir=No
         name = signal.Signals(caught[0]).name
         return JobResult(128 + caught[0], None, f"gradsync run: got {name}; stopped all ranks")
     return JobResult(0, None, "")
-
-
-def _close(ranks: list[_Rank], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    for rank in ranks:
-        for thread in rank.pumps:  # the pipes are at EOF once the groups are dead
-            thread.join(max(0.0, deadline - time.monotonic()))
-        if rank.log is not None:
-            rank.log.close()
 
 
 def exit_status(command_name: str, start: Callable[[], JobResult]) -> int:

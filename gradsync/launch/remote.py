@@ -27,8 +27,10 @@ from gradsync import store as stores
 from gradsync.errors import ConfigError
 from gradsync.launch import machines
 from gradsync.launch.hosts import RankSpec, find_free_port
-from gradsync.launch.processes import (JobResult, _close, _exit_code, _Output, _Rank, _start_pumps, _stop,
-                                       _trap_signals, _wait_for_failure)
+from gradsync.launch.output import _close, _Output, _start_pumps
+from gradsync.launch.processes import JobResult
+from gradsync.launch.spawn import _Rank
+from gradsync.launch.watch import _exit_code, _stop, _trap_signals, _wait_for_failure
 
 FILES_LINE = "gradsync-remote-files "
 """Prefix of the line a node prints last: the JSON object of the files it sends back."""

@@ -1,7 +1,7 @@
 """Transport: the one place where gradsync calls ``torch.distributed``.
 
 Strategies never touch process groups or sockets; they call these methods. That keeps three
-things in one file: which group a collective runs on (workers only, or the whole world with
+things in one place: which group a collective runs on (workers only, or the whole world with
 servers), how many bytes each call puts on the wire (for the benchmark's ``bytes_per_step``),
 and how a failed operation is turned into an error that names the rank that caused it.
 
@@ -11,13 +11,15 @@ Wire format: only tensors cross the wire. Control messages are fixed-format ``in
 Byte accounting uses the algorithm's cost, not a packet capture: a ring all-reduce of ``n`` bytes
 over ``p`` ranks sends ``2 (p-1)/p * n`` bytes per rank, a point-to-point send sends ``n``.
 
-Why one file of this size: being the one place that calls ``torch.distributed`` is the point; the
-waits that end within the timeout of a fault (``Handle``, ``Waiter``) are how every call waits.
+This module holds :class:`Transport`, the collectives and point-to-point calls over the job's
+process groups; :mod:`~gradsync.transport.waits` how each of its operations is waited on
+(:class:`Handle`, :class:`Waiter`, :func:`wait_all`), :mod:`~gradsync.transport.groups` the
+collectives on a plain process group (DDP's communication hooks), :mod:`~gradsync.transport.peers`
+the checks of what a peer sends. No collective or message leaves a rank outside this package.
 """
 from __future__ import annotations
 
 import contextlib
-import queue
 import re
 import threading
 import time
@@ -30,198 +32,19 @@ import torch.distributed as dist
 from gradsync import flight, trace
 from gradsync.errors import PeerFailureError, PeerProtocolError
 from gradsync.topology import Topology
+from gradsync.transport.groups import (allgather_bytes, allgather_with_info, allreduce_sum_, allreduce_sum_async,
+                                       global_rank, group_rank_and_size)
+from gradsync.transport.peers import check_peer, payload_limit
+from gradsync.transport.waits import _MAIN_THREAD, RECHECK_S, REPORT_S, Handle, Waiter, gloo_timeout, wait_all
+
+__all__ = ["HEADER_WORDS", "RECHECK_S", "REPORT_S", "Handle", "Transport", "Waiter", "allgather_bytes",
+           "allgather_with_info", "allreduce_sum_", "allreduce_sum_async", "check_peer", "global_rank",
+           "gloo_timeout", "group_rank_and_size", "payload_limit", "wait_all"]
 
 HEADER_WORDS = 4
-_MAIN_THREAD = threading.main_thread().ident
 _BROKEN_PAIR = re.compile(r"pair|timeout|timed out|connection|closed", re.IGNORECASE)
 """What Gloo says when an operation cannot even start because a peer's connection broke."""
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
-
-
-def check_peer(ok: bool, peer: int, what: str, detail: str) -> None:
-    """Refuse a message from ``peer`` unless ``ok``: every header field a peer supplies (a length,
-    an index, an operation) is checked against what that peer may send before it sizes an
-    allocation or indexes a table. ``detail`` says what was received and what was allowed."""
-    if not ok:
-        raise PeerProtocolError(
-            f"rank {peer} sent {what} with {detail}. Nothing was allocated for it and the job stops here: "
-            "every rank must run the same gradsync version, strategy and model (or the message was corrupted)")
-
-
-def payload_limit(numel: int) -> int:
-    """The most bytes a compressed message for ``numel`` gradient elements may hold: 16 per element
-    (a value and an int64 index, the largest any codec sends) plus 4 KiB of codec metadata."""
-    return 16 * numel + 4096
-
-
-RECHECK_S = 0.1
-"""Past the deadline (:meth:`Transport.until_overdue`), how often a blocked collective asks again."""
-REPORT_S = 0.3
-"""A wait is ended this long before the timeout: the time to explain the error and for the launcher
-to print it, so that the user reads it within the timeout of the fault."""
-
-
-def gloo_timeout(timeout_s: float) -> timedelta:
-    """The process groups' own timeout for a job timeout of ``timeout_s``: :data:`REPORT_S` shorter
-    (at most half), so that an operation that waits it out (DDP's reducer, a communication
-    thread's receive posted just before the fault) is reported within the timeout too."""
-    return timedelta(seconds=timeout_s - min(REPORT_S, timeout_s / 2))
-
-
-class Handle:
-    """An operation in flight. ``wait()`` raises a :class:`PeerFailureError` that names the peer.
-
-    A Gloo collective is waited on in chunks that end at the transport's deadline (the timeout after
-    its last completed operation): there the ``overdue`` check may end the wait early, when a
-    peer's heartbeat has stopped too (so the error comes within the timeout of the fault, not of
-    the operation's start). A point-to-point wait cannot be resumed once interrupted (Gloo closes
-    the pair): the training thread hands it to the transport's :class:`Waiter` and asks ``overdue``
-    while it waits for the waiter's answer; other threads block until done or Gloo's own timeout."""
-
-    __slots__ = ("_work", "_owner", "_what", "_done", "_trace", "_record", "_chunked", "ticket", "_local", "_landing")
-
-    def __init__(self, work, owner: "Transport", what: str, trace_token=None,
-                 record: flight.Record | None = None, *, chunked: bool = False, local: bool = False,
-                 landing: tuple[torch.Tensor, torch.Tensor] | None = None):
-        self._work = work
-        self._owner = owner
-        self._what = what
-        self._done = False
-        self._trace = trace_token  # a point-to-point operation's trace event, ended by wait()
-        self._record = record  # its entry in this rank's flight record
-        self._chunked = chunked
-        self._local = local  # a send: it completes once buffered, which does not prove the peer alive
-        self.ticket: list | None = None
-        """Tickets of a point-to-point wait queued on the :class:`Waiter`, waited for in order (wait_all:
-        the whole list's, then this operation's own)."""
-        self._landing = landing
-        """``(staged, tensor)``: the operation wrote a copy on the backend's device (:meth:`Transport.staged`),
-        copied into the caller's tensor once done."""
-
-    def _block(self, main: bool) -> None:
-        work = self._work
-        if not self._chunked:
-            waiter = self._owner.waiter
-            if main and waiter is not None:
-                if self.ticket is None:
-                    self.ticket = waiter.submit([work])[0]
-                for ticket in self.ticket:
-                    waiter.wait(ticket, self._owner, self._what)
-            else:
-                work.wait()
-            return
-        while True:
-            try:
-                work.wait(timeout=timedelta(seconds=max(RECHECK_S, self._owner.until_overdue())))
-                return
-            except RuntimeError:
-                if work.is_completed():  # finished (or failed) meanwhile: its own outcome counts
-                    work.wait()
-                    return
-            error = self._owner.overdue(self._what)
-            if error is not None:
-                raise error
-
-    def wait(self, *, background: bool = False, quiet: bool = False) -> None:
-        """Block until done. ``background``: a communication thread waits, not training (no wait
-        span, and the flight record does not show the rank blocked in it). ``quiet``: Gloo's
-        timeout is a quiet spell, no peer's fault (a server waiting for any request): it raises
-        ``TimeoutError`` without explaining it or marking the transport failed."""
-        if self._done:
-            return
-        tracer = trace.current()
-        recorder = flight.current()
-        main = not background and threading.get_ident() == _MAIN_THREAD
-        token = recorder.block(self._record, main) if recorder is not None else None
-        try:
-            if tracer is None or background:
-                self._block(main)
-            else:
-                with tracer.waiting(self._what):
-                    self._block(main)
-        except PeerFailureError:
-            raise
-        except RuntimeError as exc:
-            if quiet and re.search("timed? ?out", str(exc), re.IGNORECASE):
-                raise TimeoutError(str(exc)) from exc
-            # Explained while still registered as waiting: the heartbeat keeps what it watched meanwhile.
-            raise self._owner._explain(self._what, exc) from exc
-        finally:
-            if token is not None:
-                recorder.unblock(token)
-        self._done = True
-        if self._landing is not None:
-            staged, tensor = self._landing
-            tensor.copy_(staged)
-        if not self._local:
-            self._owner.progress = time.monotonic()
-        if self._record is not None:
-            self._record.done = time.time()
-        if self._trace is not None and tracer is not None:
-            tracer.end_async(self._trace)
-
-    def source_rank(self) -> int:
-        """For a receive from any source: the rank the message came from."""
-        return self._work._source_rank()
-
-
-class Waiter:
-    """One daemon thread that blocks in point-to-point waits for the training thread.
-
-    Gloo's point-to-point ``wait(timeout)`` cannot be resumed once it times out (the pair is
-    closed), so the training thread cannot wait in chunks as it does for collectives. Instead this
-    thread calls the plain ``wait()`` and the training thread sleeps on the operation's event in
-    chunks that end at the transport's deadline, asking ``overdue`` there: a stopped peer is named
-    within the timeout of the fault, not of the receive's start. :func:`wait_all` hands over a whole
-    list at once and sleeps until all of it is done (one thread switch per list, not per message:
-    a parameter server's step waits on dozens). After such an error the thread stays blocked until
-    Gloo's own timeout; the process is leaving by then."""
-
-    def __init__(self):
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-
-    def submit(self, works: list) -> tuple[list[list], list]:
-        """Queue ``works`` to be waited on in order: one ticket (``[event, error or None]``) each, and
-        one for the whole list (set when the last is done or the first fails)."""
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="gradsync-p2p-waiter", daemon=True)
-            self._thread.start()
-        tickets, whole = [[threading.Event(), None] for _ in works], [threading.Event(), None]
-        self._jobs.put((works, tickets, whole))
-        return tickets, whole
-
-    def wait(self, ticket: list, owner: "Transport", what: str) -> None:
-        """Block until ``ticket``'s operation is done; raise its error, or ``owner.overdue``'s."""
-        done = ticket[0]
-        while not done.wait(max(RECHECK_S, owner.until_overdue())):
-            error = owner.overdue(what)
-            if error is not None:
-                raise error
-        if ticket[1] is not None:
-            raise ticket[1]
-
-    def close(self, wait_s: float = 1.0) -> None:
-        """Let the thread end once its current wait (if any) is done; wait up to ``wait_s`` for it."""
-        if self._thread is not None:
-            self._jobs.put(None)
-            self._thread.join(wait_s)
-            self._thread = None
-
-    def _run(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            works, tickets, whole = job
-            for work, ticket in zip(works, tickets):
-                try:
-                    work.wait()
-                except BaseException as exc:  # noqa: BLE001 - handed to the training thread as is
-                    ticket[1] = exc
-                    whole[0].set()
-                ticket[0].set()
-            whole[0].set()
 
 
 class Transport:
@@ -453,65 +276,3 @@ class Transport:
             gathered = ([m.to(home) for m in gathered[0]], gathered[1])
         return gathered
 
-
-def wait_all(handles) -> None:
-    """Wait for every handle, in order. The training thread queues all point-to-point waits on the
-    transport's :class:`Waiter` at once."""
-    handles = list(handles)
-    if len(handles) > 1 and threading.get_ident() == _MAIN_THREAD:
-        waiter = handles[0]._owner.waiter
-        pending = [h for h in handles if not h._done and not h._chunked and h.ticket is None]
-        if waiter is not None and len(pending) > 1:
-            tickets, whole = waiter.submit([h._work for h in pending])
-            for handle, ticket in zip(pending, tickets):
-                handle.ticket = [ticket]
-            pending[0].ticket.insert(0, whole)
-    for handle in handles:
-        handle.wait()
-
-
-# -- collectives on a plain process group (for code that runs inside PyTorch's DDP, no Transport) --
-def group_rank_and_size(group=None) -> tuple[int, int]:
-    return dist.get_rank(group), dist.get_world_size(group)
-
-
-def global_rank(group, rank: int) -> int:
-    """The job-wide rank of ``group``'s rank ``rank`` (``group`` None: the whole job)."""
-    return rank if group is None else dist.get_global_rank(group, rank)
-
-
-def allreduce_sum_(tensor: torch.Tensor, group=None) -> torch.Tensor:
-    """Sum ``tensor`` in place over ``group`` (default: the whole job)."""
-    dist.all_reduce(tensor, group=group)
-    return tensor
-
-
-def allreduce_sum_async(tensor: torch.Tensor, group=None) -> torch.futures.Future:
-    """Start summing ``tensor`` in place over ``group``: a future that completes with the collective."""
-    return dist.all_reduce(tensor, group=group, async_op=True).get_future()
-
-
-def allgather_bytes(message: torch.Tensor, group=None, *, limit: int,
-                    what: str = "all-gather") -> list[torch.Tensor]:
-    """Every rank's ``uint8`` message, each at most ``limit`` bytes (lengths first, checked, then one
-    padded all-gather)."""
-    return allgather_with_info(message, (0, 0, 0), group, limit=limit, what=what)[0]
-
-
-def allgather_with_info(message: torch.Tensor, info: tuple[int, int, int], group=None, *, limit: int,
-                        what: str = "all-gather") -> tuple[list[torch.Tensor], list[tuple[int, int, int]]]:
-    """:func:`allgather_bytes`, and three words of ``info`` from every rank (as in :meth:`Transport.send_bytes`)."""
-    size = dist.get_world_size(group)
-    header = torch.tensor([message.numel(), *info], dtype=torch.int64, device=message.device)
-    headers = [torch.empty_like(header) for _ in range(size)]
-    dist.all_gather(headers, header, group=group)
-    rows = [h.tolist() for h in headers]
-    for r, row in enumerate(rows):
-        check_peer(0 <= row[0] <= limit, global_rank(group, r), what,
-                   f"a length of {row[0]} bytes (at most {limit} expected)")
-    longest = max(1, max(row[0] for row in rows))
-    padded = torch.zeros(longest, dtype=torch.uint8, device=message.device)
-    padded[: message.numel()] = message
-    gathered = [torch.empty_like(padded) for _ in range(size)]
-    dist.all_gather(gathered, padded, group=group)
-    return [g[: row[0]] for g, row in zip(gathered, rows)], [tuple(row[1:]) for row in rows]

@@ -1,0 +1,143 @@
+"""How an elastic job regroups around the :class:`~gradsync.adapt.policy.Controller`.
+
+When a worker dies, the survivors restore their last commit and wait for the launcher's next
+generation; when the job is resized, every worker goes there after the same step. Either way each
+worker leaves its process group, enters the new one, reattaches the strategy, and the worker with
+the newest state hands it to all (joiners have none; after a failure survivors may differ by a step).
+"""
+from __future__ import annotations
+
+import copy
+import time
+
+import torch
+
+from gradsync import runtime
+from gradsync.adapt import elastic
+from gradsync.consistency import broadcast_model, check_models_match
+from gradsync.errors import PeerFailureError
+from gradsync.optimizer import detach, reattach
+
+
+class Regrouping:
+    """The Controller's elastic regrouping (a mixin of it): its commits (:class:`~gradsync.adapt.commits.Commits`),
+    counters, ``policies``, ``strategy_spec`` and the ``optimizer`` it detaches and reattaches."""
+
+    def run(self, train) -> None:
+        """Run ``train(ctl)``; in an elastic job, when a worker dies, restore the last commit, regroup
+        without it and run ``train`` again (it continues from ``ctl.epoch``, ``ctl.step`` and the data
+        position, as the ``epochs``/``steps`` iterators do). Returns when ``train`` returns, or when this
+        worker was removed from the job (``ctl.detached``)."""
+        member = elastic.current()
+        try:
+            if member is None:
+                return train(self)
+            if self._commit is None:
+                self.commit()
+            while True:
+                try:
+                    train(self)
+                    return
+                except PeerFailureError as exc:
+                    self._recover(exc)
+                    if self.detached:
+                        return
+        finally:
+            self.close()
+
+    def _between_steps(self) -> None:
+        member = elastic.current()
+        if self._regrouped_at == self.step:
+            return  # a policy resized after this step (and committed): a worker that just joined does not ask again
+        if self.step % self.commit_every == 0:
+            self.commit()
+            self._persist()
+        gen = member.agree()
+        if gen > member.gen:
+            self._regroup(gen, cause="resize")
+
+    def _recover(self, exc: Exception) -> None:
+        member = elastic.current() or self._member
+        start = time.perf_counter()
+        self._restore()
+        gen = member.wait_for(member.gen, runtime.current().timeout_s if runtime.is_initialized() else 60.0)
+        self._regroup(gen, cause=f"failure: {exc}".splitlines()[0][:200], failed=True, start=start)
+
+    def _regroup(self, gen: int, *, cause: str, failed: bool = False, start: float | None = None,
+                 asked: float | None = None) -> None:
+        start = time.perf_counter() if start is None else start
+        phases, mark = {}, [time.perf_counter()]
+        if asked is not None:
+            phases["request (new workers start)"] = asked
+        elif failed:
+            phases["restore and wait for the launcher"] = mark[0] - start
+
+        def done(phase: str) -> None:
+            now = time.perf_counter()
+            phases[phase] = now - mark[0]
+            mark[0] = now
+
+        member = self._member = elastic.current() or self._member
+        before = len(member.members)
+        if runtime.is_initialized():
+            self._where = (runtime.current().topology.rank, before)
+        detach(self.optimizer, failed=failed)
+        try:
+            runtime.leave()
+        except Exception:
+            if not failed:
+                raise
+        done("leave")
+        if not member.enter(gen, needs_state=failed):
+            self.detached = self.stop_requested = True
+            return
+        done("new group")
+        sync = self.optimizer._gradsync
+        if member.any_new:  # what the new workers are doing in distribute(), in the same order
+            check_models_match(sync.model, runtime.current().transport, world=False)
+            broadcast_model(sync.model, runtime.current().transport, world=False, compare_first=False)
+            done("model check and broadcast")
+            reattach(self.optimizer, copy.deepcopy(sync.original))  # theirs; the hand-over switches all alike
+        else:
+            reattach(self.optimizer, copy.deepcopy(sync.template))
+        if sync.observer is not None:
+            for m in sync.observer:
+                m.attach(sync.params, sync.names, m.every)
+        done("strategy")
+        if member.needs_state:  # a new worker, or restored commits that may differ; not after a shrink
+            self._hand_over(joining=False)
+            done("state hand-over")
+        self._regrouped_at = self.step
+        self.resizes.append({"generation": gen, "from": before, "to": len(member.members), "cause": cause,
+                             "step": self.step, "seconds": time.perf_counter() - start, "phases": phases})
+        self.commit()  # the state to come back to (the step's own commit, which this replaces, is not timed either)
+
+    def _hand_over(self, *, joining: bool) -> None:
+        """Collective in a new generation: the worker with the newest state sends it to all (parameters,
+        buffers, optimizer state, counters). Joiners have none; after a failure, survivors may differ by a step."""
+        transport = runtime.current().transport
+        newest = -1 if joining else self.step
+        t = torch.tensor([newest], dtype=torch.int64)
+        transport.allreduce(t, op="max", what="elastic: newest state")
+        best = int(t)
+        t = torch.tensor([self.rank if newest == best else 1 << 40], dtype=torch.int64)
+        transport.allreduce(t, op="min", what="elastic: state source")
+        src = int(t)
+        sync = self.optimizer._gradsync
+        member = elastic.current()
+        if src != 0 or not member.any_new:  # with new workers, distribute() just broadcast rank 0's model
+            with torch.no_grad():
+                for tensor in [*sync.model.parameters(), *sync.model.buffers()]:
+                    transport.broadcast(tensor.data, src, what="elastic: model")
+        extra = {"counters": self._counters(), "strategy": self.strategy_spec,
+                 "policies": [p.state() for p in self.policies],
+                 "monitors": [m.state() for m in (sync.observer or [])]}
+        got = elastic.share_state(self.optimizer, extra, src)
+        self._load_counters(got["counters"])
+        for policy, state in zip(self.policies, got["policies"]):
+            policy.load_state(state)
+        for m, state in zip(sync.observer or [], got["monitors"]):
+            m.load_state(state)
+        self.strategy_spec = got["strategy"]
+        if member.any_new and self.strategy_spec is not None:  # everyone attached the script's strategy
+            self.optimizer.switch_strategy(self.strategy_spec[0], **self.strategy_spec[1])
