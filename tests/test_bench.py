@@ -46,14 +46,21 @@ def test_every_strategy_with_a_dedicated_server(tmp_path):
     assert "samples/s" in proc.stdout
 
 
-def test_monitored_variants_and_the_loss_of_strategies_that_are_not_exact(tmp_path):
-    out = tmp_path / "records.json"
+@pytest.fixture(scope="module")
+def mixed_run(tmp_path_factory):
+    """One bench run read by several checks: a monitored variant, two strategies that are not exact
+    or take no monitors, and a compressed one."""
+    out = tmp_path_factory.mktemp("mixed") / "records.json"
     proc = bench("--model", "toy", "--np", "2", "--batch-size", "4", "--steps", "3", "--warmup", "1",
-                 "--check-steps", "2", "--strategies", "allreduce,sma,p3", "--monitors", "noise-scale",
+                 "--check-steps", "2", "--strategies", "allreduce,sma,p3,casync-ring", "--monitors", "noise-scale",
                  "--json", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    records = {r["strategy"]: r for r in json.loads(out.read_text())}
-    assert list(records) == ["allreduce", "allreduce@noise-scale", "sma", "p3"]
+    return proc, {r["strategy"]: r for r in json.loads(out.read_text())}
+
+
+def test_monitored_variants_and_the_loss_of_strategies_that_are_not_exact(mixed_run):
+    proc, records = mixed_run
+    assert list(records) == ["allreduce", "allreduce@noise-scale", "sma", "p3", "casync-ring", "casync-ring@noise-scale"]
     assert "note: sma runs without monitors" in proc.stdout and "note: p3 runs without monitors" in proc.stdout
     assert records["allreduce@noise-scale"]["correct"] is True  # a monitor only reads
     assert records["sma"]["correct"] is None and records["sma"]["eval_loss"] > 0
@@ -61,12 +68,8 @@ def test_monitored_variants_and_the_loss_of_strategies_that_are_not_exact(tmp_pa
     assert "sma: not exact; held-out loss" in proc.stdout
 
 
-def test_the_compressors_host_work_is_recorded_per_step(tmp_path):
-    out = tmp_path / "records.json"
-    proc = bench("--model", "toy", "--np", "2", "--batch-size", "4", "--steps", "3", "--warmup", "1",
-                 "--check-steps", "0", "--strategies", "allreduce,casync-ring", "--json", str(out))
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    records = {r["strategy"]: r for r in json.loads(out.read_text())}
+def test_the_compressors_host_work_is_recorded_per_step(mixed_run):
+    _, records = mixed_run
     assert "host_work" not in records["allreduce"]  # it counts none
     work = records["casync-ring"]["host_work"]
     toy_bytes = 4 * sum(p.numel() for p in Workload("toy", 4).build()[0].parameters())
