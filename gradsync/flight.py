@@ -90,7 +90,7 @@ class FlightRecorder:
         """The training thread waits for its own communication threads (``what``: "wait for
         parameters of 'fc.weight'"): shown in the summary as any other wait, and in :meth:`position`."""
         record = self.issue(what, "wait", 0)
-        token = self.block(record, True)
+        token = self.block(record, threading.current_thread() is threading.main_thread())
         try:
             yield record
         finally:

@@ -324,3 +324,10 @@ def test_counters_read_drops_and_tcp_resends_from_the_kernels_text():
             "Tcp: RtoAlgorithm RtoMin OutSegs RetransSegs InErrs\nTcp: 1 200 290338 2 0\n"
             "TcpExt: SyncookiesSent TCPTimeouts TCPLossProbes\nTcpExt: 0 1 6\n")
     assert counters.tcp_counters(snmp) == {"OutSegs": 290338, "RetransSegs": 2, "TCPTimeouts": 1}
+
+
+@pytest.mark.parametrize("args", [[], ["--"]], ids=["nothing", "no-command"])
+def test_link_counters_without_a_command_says_how_to_run_it(args):
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "link_counters.py")
+    done = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "usage: sudo python benchmarks/link_counters.py -- COMMAND" in done.stderr, done
