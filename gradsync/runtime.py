@@ -25,7 +25,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from gradsync import flight, teardown
+from gradsync import flight, hosts, teardown
 from gradsync import store as stores
 from gradsync.diagnosis import PeerDiagnosis, explain_uncaught
 from gradsync.errors import ConfigError, GradsyncError
@@ -201,6 +201,7 @@ def init(*, backend: str | None = None, timeout_s: float | None = None,
             addr = addr or "127.0.0.1"
             port = _env_int("MASTER_PORT", 29500)
             store = _make_store(addr, port, topology, timeout_s)
+            topology = hosts.exchange(store, topology, max(timeout_s, RENDEZVOUS_MIN_S))
     return start(topology, store, backend=backend, timeout_s=timeout_s, heartbeat_at=(addr, port)).topology
 
 

@@ -66,7 +66,9 @@ def _child(fn, rank, world_size, servers, port, env, args, results):
 
 def _launch(fn, world_size, args, servers, env):
     port, results = free_port(), _CTX.Queue()
-    procs = [_CTX.Process(target=_child, args=(fn, r, world_size, servers, port, env or {}, args, results),
+    # ``env``: the same variables for every rank, or a list with each rank's own
+    envs = env if isinstance(env, list) else [env or {}] * world_size
+    procs = [_CTX.Process(target=_child, args=(fn, r, world_size, servers, port, envs[r], args, results),
                           daemon=True) for r in range(world_size)]
     for p in procs:
         p.start()

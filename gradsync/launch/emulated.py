@@ -20,7 +20,12 @@ def launch_emulated(command: list[str], *, np: int, servers: int = 0, rate_bps: 
     hosts = -(-world // ranks_per_host)
     with EmulatedCluster(hosts, rate_bps, delay_ms, loss) as cluster:
         def placement(spec):
-            return cluster.exec_prefix(spec.rank // ranks_per_host), cluster.env()
+            # Each emulated host is a host of its own to the ranks (gradsync.hosts); LOCAL_RANK stays
+            # the rank on the real machine, whose GPUs the ranks share.
+            host = spec.rank // ranks_per_host
+            local = {"GRADSYNC_HOST": f"emulated host {host}",
+                     "LOCAL_WORLD_SIZE": str(min(ranks_per_host, world - host * ranks_per_host))}
+            return cluster.exec_prefix(host), {**cluster.env(), **local}
 
         return launch_local(command, np=np, servers=servers, master_addr=cluster.address(0),
                             placement=placement, **launch_options)

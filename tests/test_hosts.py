@@ -1,0 +1,56 @@
+"""Which ranks share a host: the layout found at init (gradsync.hosts), its checks, the Topology."""
+import pytest
+
+import gradsync
+from gradsync.errors import ConfigError
+from gradsync.hosts import host_name, layout
+from gradsync.topology import Topology
+from multirank import run_ranks, run_ranks_expect_failure
+
+
+def test_hosts_are_numbered_by_their_lowest_rank_and_grouped():
+    entries = [("b", 0, 2), ("a", 0, 1), ("b", 1, 2)]
+    assert layout(entries) == (0, 1, 0)
+    topo = Topology(3, 2, 0, 1, host_of=(0, 1, 0))
+    assert topo.hosts == [[0, 2], [1]] and topo.host() == 0 and topo.host_ranks == [0, 2]
+    assert topo.shares_hosts  # two hosts, one of two workers
+    assert not Topology(4, 0, host_of=(0, 0, 0, 0)).shares_hosts  # one host: nothing crosses a network
+    assert not Topology(3, 0, 1, host_of=(0, 1, 1)).shares_hosts  # the server's host holds one worker
+    unknown = Topology(3, 1)
+    assert unknown.hosts == [[0], [1], [2]] and unknown.host() == 1 and not unknown.shares_hosts
+
+
+@pytest.mark.parametrize("entries,message", [
+    ([("a", 0, 2), ("a", 1, 3)], "host 'a' runs ranks [0, 1], but they were told LOCAL_WORLD_SIZE rank 0: 2, rank 1: 3"),
+    ([("a", 0, 2), ("b", 0, 2)], "host 'a' runs ranks [0], but they were told LOCAL_WORLD_SIZE rank 0: 2"),
+    ([("a", 0, None), ("a", 0, None)], "host 'a': ranks [0, 1] share LOCAL_RANK 0"),
+])
+def test_a_layout_the_ranks_disagree_on_is_refused_naming_ranks_and_hosts(entries, message):
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        layout(entries)
+    with pytest.raises(ConfigError, match="without gaps"):
+        Topology(2, 0, host_of=(0, 2))
+
+
+def test_the_host_is_named_by_the_launchers_variables_first():
+    assert host_name({"GRADSYNC_HOST": "emulated host 1", "GROUP_RANK": "0"}) == "GRADSYNC_HOST=emulated host 1"
+    assert host_name({"GROUP_RANK": "3", "SLURM_NODEID": "7"}) == "GROUP_RANK=3"
+    assert host_name({"SLURM_NODEID": "7"}) == "SLURM_NODEID=7"
+
+
+def layout_seen():
+    return gradsync.topology().host_of
+
+
+def test_every_rank_learns_the_same_layout_at_init_two_hosts_and_one():
+    env = [{"GRADSYNC_HOST": f"h{r // 2}", "LOCAL_RANK": str(r % 2), "LOCAL_WORLD_SIZE": "2" if r < 2 else "1"}
+           for r in range(3)]
+    assert run_ranks(layout_seen, 3, env=env, timeout=60) == [(0, 0, 1)] * 3
+
+
+def test_ranks_told_different_local_world_sizes_all_fail_at_init():
+    env = [{"GRADSYNC_HOST": "h", "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": "3"} for r in range(2)]
+    errors = run_ranks_expect_failure(layout_seen, 2, env=env, timeout=60)
+    assert sorted(errors) == [0, 1], errors
+    for text in errors.values():
+        assert "ConfigError: host 'GRADSYNC_HOST=h' runs ranks [0, 1], but they were told LOCAL_WORLD_SIZE" in text, text
