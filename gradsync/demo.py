@@ -1,4 +1,4 @@
-"""``gradsync demo``: why the strategies differ, in about two minutes.
+"""``gradsync demo``: why the strategies differ, in about a minute.
 
 On one machine's loopback every strategy moves its bytes at memory speed, so strategies measure
 within noise of each other there. What separates them is a link slower than the compute, which is
@@ -29,11 +29,11 @@ EMULATED = ["bench", "--model", "resnet50", "--compute", "emulated", "--np", "2"
 SIMULATED = ["simulate", "--model", "resnet50", "--np", "8", "--net", "1gbit,10gbit",
              "--strategies", "ddp,allreduce,ps,p3,allreduce-priority,casync-ring"]
 WHY = """\
-Why they differ: at 1 Gbit/s a ResNet-50 step moves ~100 MB per worker and the link, not the GPU,
-sets the pace: ring all-reduce (ddp, allreduce) and the parameter server are near their bound;
-casync-ring sends 1/32 of the bytes (onebit) and wins several-fold, at the cost of a lossy
-gradient. At 10 Gbit/s communication is shorter than compute, so what matters is overlap: p3 and
-allreduce-priority send the layers the next forward pass needs first and start it early.
+Why they differ: at 1 Gbit/s a ResNet-50 step moves ~100 MB per worker, so the link, not the GPU,
+sets the pace, and a strategy can at best reach its bound (compute against its fewest bytes).
+casync-ring sends 1/32 of the bytes (onebit), which raises its bound several-fold, at the cost of
+a lossy gradient. Where communication is shorter than compute (10 Gbit/s), overlap decides: p3
+and allreduce-priority send the layers the next forward pass needs first and start it early.
 Pick with `gradsync advise --model MODEL --np N --net RATE`; measure on your cluster with
 `gradsync bench --machine NAME`."""
 

@@ -183,6 +183,12 @@ def current() -> FlightRecorder | None:
     return _CURRENT
 
 
+def waiting(what: str):
+    """:meth:`FlightRecorder.waiting_for` on this rank's recorder; nothing without one."""
+    recorder = _CURRENT
+    return recorder.waiting_for(what) if recorder is not None else contextlib.nullcontext()
+
+
 def install(recorder: FlightRecorder | None) -> None:
     global _CURRENT
     _CURRENT = recorder

@@ -15,6 +15,7 @@ thread of the rank has waited long in one operation (half the timeout less the s
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -73,6 +74,7 @@ class Heartbeat:
         self.store.set_timeout(timedelta(seconds=HEARTBEAT_STORE_S))
         if prefix:  # an elastic job's generation: ranks are renumbered in each
             self.store = dist.PrefixStore(prefix, self.store)
+        self.timeout_s = timeout_s
         self.watch_after_s = 0.0 if topology.world_size <= WATCH_ALL_MAX else max(HEARTBEAT_S, timeout_s / 2 - SILENT_S)
         self._seen: dict[int, tuple[int, float, bool]] = {}  # rank -> (count, still since, moved), while watching
         self.answered = time.monotonic()  # the store's last answer to this thread's beat
@@ -90,11 +92,12 @@ class Heartbeat:
             recorder = flight.current()
             try:
                 store.add(key, 1)
-                if recorder is not None:
-                    store.set(at, recorder.position())
             except Exception:  # noqa: BLE001 - a slow or vanished store host (diagnosis says which):
                 continue  # try again next beat; each call is bounded by HEARTBEAT_STORE_S
             self.answered = time.monotonic()
+            if recorder is not None:
+                with contextlib.suppress(Exception):  # the position is a diagnosis' detail: never the beat
+                    store.set(at, recorder.position())
             if self.watch_after_s == 0.0 or (recorder is not None and recorder.longest_wait_s() >= self.watch_after_s):
                 self._watch()
             else:
@@ -129,6 +132,8 @@ class Heartbeat:
         keys = {r: f"gradsync/at/{r}" for r in range(self.topology.world_size) if r != self.topology.rank}
 
         def read() -> dict[int, bytes]:
+            if store.check(list(keys.values())):  # every rank published: one round trip
+                return dict(zip(keys, store.multi_get(list(keys.values()))))
             return {r: store.get(k) for r, k in keys.items() if store.check([k])}
 
         try:
@@ -170,7 +175,7 @@ class Heartbeat:
         store = self.store
         peers = [r for r in range(self.topology.world_size) if r != self.topology.rank]
         seen: dict[int, tuple[int, float, bool]] = {}
-        next_beat = 0.0
+        next_beat, said, unread, began = 0.0, False, 0, time.monotonic()
         while store is not None and peers:
             try:
                 peers = _within(HEARTBEAT_STORE_S, lambda: [r for r in peers if not store.check([f"gradsync/left/{r}"])])
@@ -180,11 +185,18 @@ class Heartbeat:
                 return
             if time.monotonic() >= next_beat:
                 observed = self._observe(seen)
-                if observed is None:
+                unread = 0 if observed is not None else unread + 1
+                if unread >= 3:  # this rank's own store stopped answering: nothing left to keep up
                     return
-                seen, next_beat = observed, time.monotonic() + HEARTBEAT_S / 2
+                seen, next_beat = observed or seen, time.monotonic() + HEARTBEAT_S / 2
                 now = time.monotonic()
-                peers = [r for r in peers if now - seen[r][1] < SILENT_S]
+                peers = [r for r in peers if r not in seen or now - seen[r][1] < SILENT_S]
+                if not said and now - began >= self.timeout_s:
+                    said = True
+                    who = ", ".join(self.topology.describe(r) for r in peers)
+                    print(f"gradsync: {self.topology.describe(self.topology.rank)} has shut down and keeps the "
+                          f"rendezvous store up for {who}, still running after {now - began:.0f} s (they have not "
+                          "called gradsync.shutdown() or exited)", file=sys.stderr, flush=True)
             time.sleep(poll_s)
 
     def _observe(self, seen: dict[int, tuple[int, float, bool]]) -> dict[int, tuple[int, float, bool]] | None:

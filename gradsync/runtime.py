@@ -93,6 +93,17 @@ def poll_s(longest: float = 0.5, since: float | None = None) -> float:
     return min(longest, max(0.05, left))
 
 
+def wait_until(cv, done, what: str, progress) -> None:
+    """With ``cv`` (a ``threading.Condition``) held, wait on it until ``done()``: for a training
+    thread that waits on its strategy's communication threads, which notify ``cv``. ``progress()``:
+    when what it waits for last arrived (or the wait began); at the timeout after it the wait
+    raises :meth:`Runtime.overdue`'s error. The flight record shows the thread waiting in ``what``."""
+    with flight.waiting(what):
+        while not done():
+            if not cv.wait(poll_s(since=progress())):
+                check_progress(what, since=progress())
+
+
 def check_progress(what: str, since: float | None = None) -> None:
     """Raise :meth:`Runtime.overdue`'s error, if any: for a strategy's training thread that waits on
     its communication threads (they may be blocked in an operation that cannot be interrupted).

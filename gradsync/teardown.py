@@ -8,7 +8,6 @@ responder, the waiter, a watchdog), :func:`leave_group`. A rank going down with 
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import sys
@@ -56,9 +55,7 @@ def close(runtime) -> BaseException | None:
         elif failed:
             runtime.heartbeat.wait_for_peers()  # they may still be naming the failed rank: keep the store up
         else:  # ranks still training need the store
-            recorder = flight.current()
-            with recorder.waiting_for("shutdown (serving the rendezvous store to the ranks still running)") \
-                    if recorder is not None else contextlib.nullcontext():
+            with flight.waiting("shutdown (serving the rendezvous store to the ranks still running)"):
                 runtime.heartbeat.wait_for_leavers()
     return error
 

@@ -59,9 +59,7 @@ class Watchdog:
     def enter(self) -> None:
         """The training thread may block from now on (the flight record shows it waiting in
         ``what``: its peers' heartbeats then do not take it for a rank stuck in its own code)."""
-        recorder = flight.current()
-        if not self.open and recorder is not None:
-            self._token = recorder.block(recorder.issue(self.what, "wait", 0), True)
+        self.record()
         self.open = True
         if self._thread is None:
             self._thread = threading.Thread(target=self._watch, name="gradsync-watchdog", daemon=True)
@@ -70,14 +68,26 @@ class Watchdog:
         elif self._idle:
             self._wake.set()  # a window opened long after the last progress may be overdue at once
 
-    def leave(self) -> None:
-        """The training thread no longer waits on its peers."""
-        self.open = False
+    def record(self) -> None:
+        """Show the training thread waiting in ``what`` in the flight record (from the window's start,
+        and again from backward's start after :meth:`pause`)."""
+        recorder = flight.current()
+        if self._token is None and recorder is not None:
+            self._token = recorder.block(recorder.issue(self.what, "wait", 0), True)
+
+    def pause(self) -> None:
+        """The window stays open, but the training thread runs the script's own code (between a
+        forward and its backward: the loss, a micro-batch's loading)."""
         token, self._token = self._token, None
         recorder = flight.current()
         if token is not None and recorder is not None:
             token[1].done = time.time()
             recorder.unblock(token)
+
+    def leave(self) -> None:
+        """The training thread no longer waits on its peers."""
+        self.open = False
+        self.pause()
 
     def close(self) -> None:
         """Stop the thread (it is gone when this returns: no gradsync thread outlives shutdown)."""

@@ -198,10 +198,10 @@ def test_a_slice_message_waits_for_a_receive_its_receiver_has_posted(monkeypatch
 
     work = synthetic([(0.0, 0.0, [3000])])
     host = Host(copy_Bps=1e18, update_Bps=1000.0, handoff_s=0.0)
-    monkeypatch.setattr(p3, "POSTED", 1)
+    monkeypatch.setattr(p3.wire, "POSTED", 1)
     one = simulate("ps-sliced", work, 2, NET, host=host, servers=1, options={"slice_params": 250}, steps=4, warmup=1)
     assert one["step_s"] == pytest.approx(11.16)
-    monkeypatch.setattr(p3, "POSTED", 3)  # all three pushes leave at once and share the link until 6.12 s
+    monkeypatch.setattr(p3.wire, "POSTED", 3)  # all three pushes leave at once and share the link until 6.12 s
     three = simulate("ps-sliced", work, 2, NET, host=host, servers=1, options={"slice_params": 250}, steps=4,
                      warmup=1, trace=True)
     pushes = [(start, end) for lane, what, start, end in three["timeline"] if what.startswith("push")][-3:]

@@ -12,7 +12,7 @@ picks a subset by index (``--groups ""``: none);
 ``--message-cost`` measures the host cost of a slice message's end on loopback
 (:func:`measure_message_cost`), ``--concurrency`` the rates with every core at it
 (:func:`measure_concurrency`), ``--handoff`` a thread handoff
-(:func:`gradsync.simulate.validate.measure_handoff`) and ``--busy-wake`` one with every core busy
+(:func:`gradsync.simulate.calibration.measure_handoff`) and ``--busy-wake`` one with every core busy
 (:func:`measure_busy_wake`), and keep them with the matrix's rates.
 """
 from __future__ import annotations
@@ -113,7 +113,7 @@ def _calibrated(count: int, seconds: float | None = None) -> list[dict]:
     from gradsync.bench.cli import emulated_rank_env
 
     timing = "" if seconds is None else f"start_at={time.time() + 8.0!r}, seconds={seconds!r}, handoff_repeats=0"
-    code = ("import json; from gradsync.simulate.validate import calibrate; "
+    code = ("import json; from gradsync.simulate.calibration import calibrate; "
             f"print(json.dumps(calibrate({timing})))")
     env = {**os.environ, **emulated_rank_env()}
     runs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
@@ -160,8 +160,8 @@ def measure_host_rates(processes: int = 5) -> dict:
 
 def measure_busy_wake(rounds: int = 5) -> float:
     """``Host.busy_wake_s`` of this machine: the median of ``rounds`` of
-    :func:`gradsync.simulate.validate.measure_busy_wake` (each the mean of 300 wakes)."""
-    from gradsync.simulate.validate import measure_busy_wake as one
+    :func:`gradsync.simulate.calibration.measure_busy_wake` (each the mean of 300 wakes)."""
+    from gradsync.simulate.calibration import measure_busy_wake as one
 
     return statistics.median(one() for _ in range(rounds))
 
@@ -211,7 +211,7 @@ def main() -> None:
     parser.add_argument("--message-cost", action="store_true",
                         help="measure the slice messages' host cost (Host.message_s) and keep it with the matrix's rates")
     parser.add_argument("--handoff", action="store_true",
-                        help="measure a thread handoff (validate.measure_handoff) and keep it with the matrix's rates, "
+                        help="measure a thread handoff (calibration.measure_handoff) and keep it with the matrix's rates, "
                              "for the groups recorded without their own")
     parser.add_argument("--busy-wake", action="store_true",
                         help="measure a thread's wakeup with every core busy (Host.busy_wake_s) and keep it with "
@@ -228,7 +228,7 @@ def main() -> None:
     args = parser.parse_args()
     if not args.rank_cores > 0:
         parser.error(f"--rank-cores must be > 0, got {args.rank_cores:g}")
-    from gradsync.simulate.validate import calibrate_codecs
+    from gradsync.simulate.calibration import calibrate_codecs
 
     groups, host_rates, codecs, kept = [], None, None, {}
     if os.path.exists(args.out):  # keep the groups already recorded

@@ -23,7 +23,7 @@ from gradsync.launch.spawn import (_PR_SET_PDEATHSIG, TAIL_LINES, _die_with_pare
 from gradsync.launch.watch import (_POLL_S, _USR1, _exit_code, _failure_message, _group_exists, _live_groups,
                                    _report_flight, _signal_groups, _stop, _stopped, _trap_signals, _wait_for_failure)
 
-__all__ = [  # what this module defined before its parts moved to spawn, output and watch
+__all__ = [  # the launcher's names, its parts' included, for code that imports them from here
     "TAIL_LINES", "JobResult", "exit_status", "fault_handler_env", "launch_local", "thread_env", "usable_cores",
     "_POLL_S", "_PR_SET_PDEATHSIG", "_USR1", "_Output", "_Rank", "_close", "_die_with_parent_hook", "_exit_code",
     "_failure_message", "_group_exists", "_live_groups", "_pump", "_rank_envs", "_report_flight", "_run",

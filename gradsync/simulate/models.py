@@ -220,7 +220,7 @@ class ReceiveWindow:
 
     Gloo moves a point-to-point message's bytes only once the receiver has posted a matching
     receive (a rendezvous: the sender waits for the receiver's notice), and ``p3``'s receiving
-    threads keep :data:`gradsync.strategies.p3.POSTED` receives posted per peer, posting the next
+    threads keep :data:`gradsync.strategies.p3.wire.POSTED` receives posted per peer, posting the next
     only once a message has been handled (a push aggregated and, if it was the last, its slice
     updated; an answer copied into the parameters). So at most ``slots`` messages travel into a
     process at once, and a receiving thread that falls behind stops its peers' links: a message
@@ -285,7 +285,7 @@ class Slices(StrategyModel):
             # a dedicated server runs no training thread: its threads hand off without waiting
             self.server_senders = [CreditSender(worker.sim, self.credit) for _ in range(self.dedicated)]
         if not self.all_reduce:  # the receives posted for this worker's pushes, and for its answers
-            from gradsync.strategies.p3 import POSTED
+            from gradsync.strategies.p3.wire import POSTED
 
             senders = self.dedicated or max(worker.np - 1, 1)
             self.pushes_in = ReceiveWindow(POSTED * senders)  # at its owners (by symmetry: at this worker)

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from gradsync._lazy import lazy_names
 from gradsync.compress import build, hook, parse_spec
 from gradsync.errors import ConfigError
 from gradsync.strategies.base import Strategy, SyncContext, ring_bytes
@@ -136,9 +137,25 @@ class TorchDDP(Strategy):
                 raise
             if not torch.is_grad_enabled():  # an evaluation: no backward follows
                 self.watchdog.leave()
+            else:
+                self._wait_from_backward(out)
             return out
 
         return forward_through_ddp
+
+    def _wait_from_backward(self, out) -> None:
+        """Between this forward and its backward the script runs its own code (the loss, the next
+        micro-batch): shown as such, so that a rank stuck there is named by its peers. The wait
+        shows again when backward reaches the output (its all-reduces follow)."""
+        tensors = out if isinstance(out, (list, tuple)) else list(out.values()) if isinstance(out, dict) else [out]
+        first = next((t for t in tensors if isinstance(t, torch.Tensor) and t.requires_grad), None)
+        if first is not None:
+            self.watchdog.pause()
+            first.register_hook(self._backward_began)
+
+    def _backward_began(self, grad):
+        self.watchdog.record()
+        return None
 
     def step(self, apply: Callable[[], Any]) -> Any:
         if self.hook_state is None:
@@ -163,3 +180,6 @@ class TorchDDP(Strategy):
             " with error feedback" if self.error_feedback else "")
         return (f"ddp(bucket_mb={self.options['bucket_cap_mb']:g}, "
                 f"find_unused_parameters={self.options['find_unused_parameters']}{hooked})")
+
+# The old class name, kept as a deprecated alias.
+lazy_names(__name__, {}, renamed={"DDP": "gradsync.strategies.TorchDDP"})

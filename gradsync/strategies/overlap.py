@@ -19,7 +19,7 @@ import time
 import torch
 from torch import nn
 
-from gradsync import flight, runtime, trace
+from gradsync import runtime, trace
 from gradsync.errors import ConfigError, GradsyncError
 from gradsync.strategies.optstate import StateLayout, cut
 from gradsync.strategies.slicing import SlicePlan, flat_view
@@ -110,18 +110,13 @@ class Arrivals:
         arrived = self.arrived
         if all(arrived[k] >= steps for k in slices):
             return
-        tracer, recorder = trace.current(), flight.current()
+        tracer = trace.current()
         what = "wait for " + ("parameters of " + ", ".join(repr(self.names[i]) for i in indices[:2]) if indices
                               else "every parameter")
         began = time.monotonic()
-        with tracer.waiting(what) if tracer is not None else contextlib.nullcontext(), \
-                recorder.waiting_for(what) if recorder is not None else contextlib.nullcontext():
-            with self.cv:
-                while not all(arrived[k] >= steps for k in slices):
-                    self.check()
-                    since = max(began, self.last)
-                    if not self.cv.wait(runtime.poll_s(since=since)):
-                        runtime.check_progress(what, since=max(began, self.last))
+        with tracer.waiting(what) if tracer is not None else contextlib.nullcontext(), self.cv:
+            runtime.wait_until(self.cv, lambda: self.check() or all(arrived[k] >= steps for k in slices), what,
+                               lambda: max(began, self.last))
         self.check()
 
 

@@ -17,7 +17,6 @@ Not exact (see :mod:`gradsync.strategies.sma`); the bench reports its loss next 
 """
 from __future__ import annotations
 
-import contextlib
 import random
 import threading
 import time
@@ -121,9 +120,8 @@ class PairAveraging(Strategy):
                                           what=f"leave message to worker {peer}").wait()
         rt = runtime.current()
         what = "wait for every worker to leave pair-averaging"
-        recorder = flight.current()
         try:  # the peers still training pull from this worker meanwhile: each request is progress
-            with recorder.waiting_for(what) if recorder is not None else contextlib.nullcontext():
+            with flight.waiting(what):
                 began = time.monotonic()
                 while self.thread.is_alive():
                     left = max(began, self.heard) + rt.timeout_s - REPORT_S - time.monotonic()

@@ -26,7 +26,6 @@ from timing out while training pauses between steps (an evaluation pass, a check
 """
 from __future__ import annotations
 
-import contextlib
 import heapq
 import itertools
 import threading
@@ -36,7 +35,7 @@ from typing import Callable
 
 import torch
 
-from gradsync import flight, runtime
+from gradsync import runtime
 from gradsync.transport import Transport
 
 
@@ -72,13 +71,11 @@ class PrioritySender:
 
     def drain(self) -> None:
         """Block until every queued message has been sent (progress: a send completing)."""
-        what, recorder = "wait for queued messages to leave", flight.current()
-        with self._cv, recorder.waiting_for(what) if recorder is not None else contextlib.nullcontext():
-            began = time.monotonic()
-            while (self._queue or self._busy()) and self.error is None:
-                since = max(began, self.sent_at)
-                if not self._cv.wait(runtime.poll_s(since=since)):
-                    runtime.check_progress(what, since=max(began, self.sent_at))
+        with self._cv:
+            if (self._queue or self._busy()) and self.error is None:
+                began = time.monotonic()
+                runtime.wait_until(self._cv, lambda: not (self._queue or self._busy()) or self.error is not None,
+                                   "wait for queued messages to leave", lambda: max(began, self.sent_at))
         self.check()
 
     def close(self) -> None:

@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import torch
 
+from gradsync._lazy import lazy_names
 from gradsync.errors import ConfigError
 from gradsync.strategies.base import Strategy, SyncContext, ring_bytes
 
@@ -75,3 +76,6 @@ class ModelAveraging(Strategy):
 
     def min_bytes_per_host(self, model_bytes: int) -> float:
         return ring_bytes(model_bytes, self.ctx.topology.num_workers)
+
+# The old class name, kept as a deprecated alias.
+lazy_names(__name__, {}, renamed={"SMA": "gradsync.strategies.ModelAveraging"})

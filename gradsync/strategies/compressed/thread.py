@@ -11,13 +11,12 @@ any other failure stops the thread and is raised by the training thread at its n
 """
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from collections import deque
 from typing import Callable
 
-from gradsync import flight, runtime
+from gradsync import runtime
 from gradsync.compress import CompressionError, NonFiniteGradientError
 from gradsync.strategies.compressed.faults import Faults
 
@@ -44,14 +43,18 @@ class ExchangeThread:
     def wait(self, count: int) -> None:
         """Until ``count`` buckets were exchanged this step (or the thread failed); checks progress
         against the job's timeout while the thread may be blocked in a receive."""
-        recorder, what = flight.current(), "wait for the compressed buckets"
-        with self.cv, recorder.waiting_for(what) if recorder is not None else contextlib.nullcontext():
-            began, done = time.monotonic(), self.done
-            while self.done < count and self.error is None:
-                if self.done != done:  # a bucket finished: the wait's progress
-                    began, done = time.monotonic(), self.done
-                if not self.cv.wait(runtime.poll_s(since=began)):
-                    runtime.check_progress(what, since=began)
+        with self.cv:
+            if self.done >= count or self.error is not None:
+                return
+            seen = [self.done, time.monotonic()]  # buckets done, and since when: the wait's progress
+
+            def progress() -> float:
+                if self.done != seen[0]:
+                    seen[:] = [self.done, time.monotonic()]
+                return seen[1]
+
+            runtime.wait_until(self.cv, lambda: self.done >= count or self.error is not None,
+                               "wait for the compressed buckets", progress)
 
     def _run(self) -> None:
         try:

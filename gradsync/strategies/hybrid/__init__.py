@@ -57,6 +57,7 @@ Must match across ranks: the model and the optimizer. Gloo only (servers receive
 """
 # layout.py: message codes, the row layout, lazy_update; plan.py: the first step's decisions;
 # server.py: RowServer; strategy.py: SparseHybrid, the worker's side.
+from gradsync._lazy import lazy_names
 from gradsync.strategies.hybrid.layout import (HEADER, OP_FLUSH, OP_PROBE_PULL, OP_PROBE_PUSH, OP_PULL, OP_PUSH, OP_STOP,
                                               TABLES, TAG_ANSWER, TAG_REQUEST, Layout, lazy_update)
 from gradsync.strategies.hybrid.server import RowServer
@@ -64,3 +65,6 @@ from gradsync.strategies.hybrid.strategy import SparseHybrid
 
 __all__ = ["SparseHybrid", "RowServer", "Layout", "lazy_update", "TABLES", "HEADER", "TAG_REQUEST", "TAG_ANSWER",
            "OP_PULL", "OP_PUSH", "OP_FLUSH", "OP_STOP", "OP_PROBE_PUSH", "OP_PROBE_PULL"]
+
+# The old class name, kept as a deprecated alias.
+lazy_names(__name__, {}, renamed={"Hybrid": "gradsync.strategies.SparseHybrid"})

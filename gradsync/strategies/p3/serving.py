@@ -21,7 +21,8 @@ from collections import deque
 import torch
 
 from gradsync import trace
-from gradsync.strategies.p3.wire import ANSWER, KEEPALIVE, POSTED, PUSH, STOP, TAG
+from gradsync.strategies.p3 import wire as protocol
+from gradsync.strategies.p3.wire import ANSWER, KEEPALIVE, PUSH, STOP, TAG
 from gradsync.strategies.slicing import flat_view
 from gradsync.transport import check_peer
 
@@ -68,7 +69,7 @@ class SliceServing:
         t, wire = self.ctx.transport, self.wire
         try:
             posted = deque()
-            for _ in range(POSTED):
+            for _ in range(protocol.POSTED):
                 buf = torch.empty(wire.nbytes, dtype=torch.uint8)
                 posted.append((buf, t.recv_async(buf, peer, TAG, what=f"message from rank {peer}", traced=False)))
             since = time.perf_counter()
@@ -124,7 +125,7 @@ class SliceServing:
     def _stop_peers(self) -> None:
         self.stopping = True
         for peer in self.peers:
-            for _ in range(POSTED):
+            for _ in range(protocol.POSTED):
                 self.sender.put((math.inf, math.inf), self.wire.new(STOP, 0, self.steps), peer, TAG,
                                 what=f"stop to rank {peer}")
 
