@@ -57,10 +57,7 @@ def run_example(tmp_path, name, launcher_args, timeout=120):
 
 def test_resume_after_the_launcher_is_killed_ends_with_the_uninterrupted_model(tmp_path):
     folder = tmp_path / "ckpt"
-    ref_out, ref = run_example(tmp_path, "reference", [])
-    assert ref.wait(timeout=120) == 0, ref.stderr.read()[-3000:]
-    reference = json.loads(ref_out.read_text())
-
+    ref_out, ref = run_example(tmp_path, "reference", [])  # runs beside the job that gets killed
     _, job = run_example(tmp_path, "killed", ["--checkpoint-dir", str(folder), "--checkpoint-every", "1"])
     deadline = time.monotonic() + 60
     while not any(step >= 8 for step, _ in durable.commits(str(folder))):
@@ -72,6 +69,8 @@ def test_resume_after_the_launcher_is_killed_ends_with_the_uninterrupted_model(t
     killed_at = durable.commits(str(folder))[0][0]
     assert killed_at < 24
 
+    assert ref.wait(timeout=120) == 0, ref.stderr.read()[-3000:]
+    reference = json.loads(ref_out.read_text())
     out, resumed = run_example(tmp_path, "resumed", ["--resume", str(folder)])
     stdout, stderr = resumed.communicate(timeout=120)
     assert resumed.returncode == 0, stderr[-3000:]
