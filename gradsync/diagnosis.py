@@ -75,13 +75,14 @@ class PeerDiagnosis:
         """The workers alive but absent from synchronization, as their heartbeats last published
         it: ``(rank, step, seconds)`` for each whose training thread has run the script's own code,
         outside every gradsync operation, for at least half the timeout (a rank merely computing a
-        step shorter than the timeout is never named). Servers are never behind: they only serve."""
+        step shorter than the timeout is never named). Servers are never behind: they only serve; nor
+        is a rank whose training thread is not known (a loop on a thread other than the main one)."""
         if self.heartbeat is None:
             return []
         positions = self.heartbeat.positions()
         workers = set(self.topology.worker_ranks)
         return sorted((r, step, seconds) for r, (step, waiting, seconds) in positions.items()
-                      if r in workers and not waiting and seconds >= self.timeout_s / 2)
+                      if r in workers and waiting is False and seconds >= self.timeout_s / 2)
 
     def overdue(self, what: str, since: float | None = None) -> PeerFailureError | None:
         """The error to end a wait with now, or None to go on waiting.

@@ -55,6 +55,7 @@ class FlightRecorder:
         self.step = 1  # the optimizer step in progress, from 1 (counted by distribute's wrapped step)
         self.waiting: Record | None = None  # what the training (main) thread is blocked in
         self.since = time.monotonic()  # when the training thread last entered or left a wait
+        self.waited = False  # whether the training (main) thread ever waited in a gradsync operation
         self.blocked: dict[int, Record] = {}  # what each thread blocked in an operation waits for
         self.dumped_for: float = 0.0  # the request file's mtime this rank last answered
 
@@ -76,7 +77,7 @@ class FlightRecorder:
         if record is not None:
             self.blocked[ident] = record
         if main:
-            self.waiting, self.since = record, time.monotonic()
+            self.waiting, self.since, self.waited = record, time.monotonic(), True
         return ident, record, main
 
     def unblock(self, token: tuple) -> None:
@@ -99,9 +100,11 @@ class FlightRecorder:
 
     def position(self) -> str:
         """Where the training thread is, as the heartbeat publishes it: ``"STEP WAITING SECONDS TIME"``
-        (waiting: 1 while it waits in a gradsync operation, 0 while it runs the script's own code;
-        seconds: how long it has been so, as of TIME, this host's clock)."""
-        return f"{self.step} {int(self.waiting is not None)} {time.monotonic() - self.since:.2f} {time.time():.3f}"
+        (waiting: 1 while it waits in a gradsync operation, 0 while it runs the script's own code, -
+        while the main thread never waited in one: the script trains on another thread, so where it
+        is is not known; seconds: how long it has been so, as of TIME, this host's clock)."""
+        waiting = "-" if not self.waited else int(self.waiting is not None)
+        return f"{self.step} {waiting} {time.monotonic() - self.since:.2f} {time.time():.3f}"
 
     @contextlib.contextmanager
     def blocked_in(self, record: Record | None, *, main: bool):

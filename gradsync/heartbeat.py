@@ -124,7 +124,7 @@ class Heartbeat:
 
     def positions(self) -> dict[int, tuple[int, bool, float]]:
         """Where every other rank's training thread was at its last beat: ``(step, waiting in a
-        gradsync operation, seconds it has been so)`` (see :meth:`gradsync.flight.FlightRecorder.position`);
+        gradsync operation (None: not known), seconds it has been so)`` (see :meth:`gradsync.flight.FlightRecorder.position`);
         a rank that published nothing yet, or a store that does not answer, leaves it out."""
         store = self.store
         if store is None:
@@ -147,7 +147,8 @@ class Heartbeat:
             except ValueError:
                 continue
             age = now - float(at)  # under a beat, unless the hosts' clocks disagree: then not counted
-            out[rank] = (int(step), waiting == "1", float(seconds) + (age if 0 <= age <= 2 * HEARTBEAT_S else 0.0))
+            known = {"1": True, "0": False}.get(waiting)  # None: not known (see FlightRecorder.position)
+            out[rank] = (int(step), known, float(seconds) + (age if 0 <= age <= 2 * HEARTBEAT_S else 0.0))
         return out
 
     def say_left(self) -> None:

@@ -313,16 +313,16 @@ def test_a_rank_stuck_in_its_own_code_is_named_within_the_timeout(strategy, serv
 
 def test_who_is_behind_is_read_from_the_heartbeats():
     """Only a worker outside every gradsync operation for half the timeout is named; a rank waiting
-    with the others, one computing a normal step, a server, and then nobody at all give the
-    "no peer died" explanation."""
+    with the others, one computing a normal step, one whose training thread is not known (a loop
+    off the main thread) and a server are not, and with nobody behind it is "no peer died"."""
     from types import SimpleNamespace
 
     from gradsync.runtime import Runtime
     from gradsync.topology import Topology
 
-    positions = {1: (6, True, 9.0), 2: (6, False, 9.5), 3: (6, False, 1.0), 4: (1, False, 60.0)}
+    positions = {1: (6, True, 9.0), 2: (6, False, 9.5), 3: (6, False, 1.0), 4: (1, None, 60.0), 5: (1, False, 60.0)}
     heartbeat = SimpleNamespace(positions=lambda: positions, silent_ranks=lambda fresh: [], left=lambda ranks: [])
-    rt = Runtime(Topology(5, 0, 1), None, 10.0, heartbeat)
+    rt = Runtime(Topology(6, 0, 1), None, 10.0, heartbeat)  # rank 5 is the server
     assert rt.behind() == [(2, 6, 9.5)]
     message = str(rt.explain("all-reduce of bucket 0", TimeoutError("Timed out waiting 9700ms")))
     assert "worker 2 (rank 2) is alive but has not reached this operation" in message, message
