@@ -1,4 +1,4 @@
-"""Starting one rank: its process (own session, killed with the launcher) and its environment.
+"""Starting one rank: its process (in a process group of its own, killed with the launcher) and its environment.
 
 Every rank gets the launcher's environment, the caller's extra variables and the job's contract
 (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``GRADSYNC_ROLE`` ...; see :mod:`gradsync.launch`), and

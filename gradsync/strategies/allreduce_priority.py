@@ -40,7 +40,7 @@ import torch
 from gradsync import runtime
 from gradsync.errors import ConfigError, GradsyncError
 from gradsync.strategies.base import Strategy, SyncContext, ring_bytes
-from gradsync.strategies.overlap import (Arrivals, ForwardOrder, SliceOptimizers, check_elementwise_flag,
+from gradsync.strategies.overlap import (Arrivals, ForwardOrder, Gradients, SliceOptimizers, check_elementwise_flag,
                                          check_sliceable, hyper, out_of_step)
 from gradsync.strategies.optstate import StateLayout, gather, install
 from gradsync.strategies.slicing import SlicePlan
@@ -99,6 +99,7 @@ class PriorityAllReduce(Strategy):
         self.eager = plan.slices_of(eager)
         self.needs: dict[tuple[int, ...], list[int]] = {}
         self.arrivals = Arrivals(len(plan.slices), ctx.names)
+        self.grads = Gradients(plan, ctx.names, "sent")
         self.updaters = SliceOptimizers(plan, range(len(plan.slices)), ctx.params, ctx.optimizer, self.optimizer_class)
         self.hyper: dict[int, list[dict]] = {}
         self.filled = [-1] * len(plan.slices)  # the step each partition's buffer holds
@@ -133,15 +134,8 @@ class PriorityAllReduce(Strategy):
             return
         if not self.open:
             self._open_step()
-        if self.ready_params[index]:
-            raise GradsyncError(
-                f"parameter {self.ctx.names[index]!r} received a second gradient after it was sent. "
-                "For gradient accumulation, run all but the last backward inside `with optimizer.no_sync():`")
-        self.ready_params[index] = True
-        for k in self.plan.of_param[index]:
-            self.pending[k] -= 1
-            if self.pending[k] == 0:
-                self._fill(k)
+        for k in self.grads.arrived(index):
+            self._fill(k)
 
     def step(self, apply: Callable[[], Any]) -> Any:
         if self.plan is None:
@@ -182,8 +176,7 @@ class PriorityAllReduce(Strategy):
 
     def _open_step(self) -> None:
         self.open = True
-        self.ready_params = [False] * len(self.ctx.params)
-        self.pending = [len(sl.segments) for sl in self.plan.slices]
+        self.grads.open()
         self.hyper[self.steps] = [hyper(g) for g in self.ctx.optimizer.param_groups]
         self.hyper.pop(self.steps - 4, None)
 

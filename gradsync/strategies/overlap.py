@@ -120,6 +120,35 @@ class Arrivals:
         self.check()
 
 
+class Gradients:
+    """One step's gradients against a slice plan: which parameters have theirs, and which slices
+    a new gradient completes (every segment's gradient in: the slice can leave). ``sent`` names
+    what the strategy does with a complete slice, for the error on a second gradient."""
+
+    def __init__(self, plan: SlicePlan, names: list[str], sent: str):
+        self.plan, self.names, self.sent = plan, names, sent
+        self.open()
+
+    def open(self) -> None:
+        """A new step: no gradient yet."""
+        self.ready = [False] * len(self.names)
+        self.pending = [len(sl.segments) for sl in self.plan.slices]
+
+    def arrived(self, index: int) -> list[int]:
+        """Parameter ``index`` has its gradient: the slices that completes, in plan order."""
+        if self.ready[index]:
+            raise GradsyncError(
+                f"parameter {self.names[index]!r} received a second gradient after it was {self.sent}. "
+                "For gradient accumulation, run all but the last backward inside `with optimizer.no_sync():`")
+        self.ready[index] = True
+        complete = []
+        for k in self.plan.of_param[index]:
+            self.pending[k] -= 1
+            if self.pending[k] == 0:
+                complete.append(k)
+        return complete
+
+
 class SliceOptimizers:
     """Per slice, the user's optimizer over 1-D views of the slice's parameter memory."""
 

@@ -20,7 +20,7 @@ from gradsync import runtime
 from gradsync.errors import ConfigError, GradsyncError
 from gradsync.strategies.base import Strategy, SyncContext, ring_bytes
 from gradsync.strategies.optstate import StateLayout, gather, install
-from gradsync.strategies.overlap import (Arrivals, ForwardOrder, SliceOptimizers, check_elementwise_flag,
+from gradsync.strategies.overlap import (Arrivals, ForwardOrder, Gradients, SliceOptimizers, check_elementwise_flag,
                                          check_sliceable, hyper, out_of_step)
 from gradsync.strategies.p3.serving import SliceServing
 from gradsync.strategies.p3.wire import PUSH, TAG, Wire
@@ -79,6 +79,7 @@ class SlicedServer(SliceServing, Strategy):
         self.eager = plan.slices_of(eager)
         self.needs: dict[tuple[int, ...], list[int]] = {}
         self.arrivals = Arrivals(len(plan.slices), ctx.names)
+        self.grads = Gradients(plan, ctx.names, "pushed")
         owned = [sl.index for sl in plan.slices if sl.owner == self.me]
         self.updaters = SliceOptimizers(plan, owned, ctx.params, ctx.optimizer, self.optimizer_class)
         self.accum: dict[tuple[int, int], list] = {}
@@ -125,15 +126,8 @@ class SlicedServer(SliceServing, Strategy):
             return
         if not self.open:
             self._open_step()
-        if self.ready[index]:
-            raise GradsyncError(
-                f"parameter {self.ctx.names[index]!r} received a second gradient after it was pushed. "
-                "For gradient accumulation, run all but the last backward inside `with optimizer.no_sync():`")
-        self.ready[index] = True
-        for k in self.plan.of_param[index]:
-            self.pending[k] -= 1
-            if self.pending[k] == 0:
-                self._push(k)
+        for k in self.grads.arrived(index):
+            self._push(k)
 
     def step(self, apply: Callable[[], Any]) -> Any:
         self._check()
@@ -141,7 +135,7 @@ class SlicedServer(SliceServing, Strategy):
             self._make_plan()
             self._open_step()
             for i in self.order.got_grad:
-                self.ready[i] = True
+                self.grads.ready[i] = True
         elif not self.open:
             self._open_step()
         for k, sl in enumerate(self.plan.slices):
@@ -167,8 +161,7 @@ class SlicedServer(SliceServing, Strategy):
 
     def _open_step(self) -> None:
         self.open = True
-        self.ready = [False] * len(self.ctx.params)
-        self.pending = [len(sl.segments) for sl in self.plan.slices]
+        self.grads.open()
         self.pushed = [False] * len(self.plan.slices)
         if not self.dedicated:  # this step's hyperparameters, for the co-located server's updates
             self.hyper[self.steps] = [hyper(g) for g in self.ctx.optimizer.param_groups]
