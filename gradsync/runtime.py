@@ -31,7 +31,7 @@ from gradsync.diagnosis import PeerDiagnosis, explain_uncaught
 from gradsync.errors import ConfigError, GradsyncError
 from gradsync.heartbeat import Heartbeat, _within
 from gradsync.topology import Topology
-from gradsync.transport import REPORT_S, Transport, gloo_timeout
+from gradsync.transport import REPORT_S, Transport, TwoLevel, gloo_timeout
 
 DEFAULT_TIMEOUT_S = 30.0
 RENDEZVOUS_MIN_S = 60.0
@@ -268,7 +268,12 @@ def start(topology: Topology, store, *, backend: str, timeout_s: float, heartbea
                       responder=flight.Responder.start_for(recorder))
     runtime.hosts_store = (owns_group and topology.rank == 0 and not heartbeat_prefix
                            and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true")
-    runtime.transport = Transport(topology, worker_group, device, runtime.explain, timeout_s, runtime.overdue)
+    # Host groups where hosts run several workers: Gloo's two-level all-reduce (NCCL's own collectives
+    # already follow the machine's topology).
+    two_level = TwoLevel.create(topology, gloo_timeout(timeout_s)) \
+        if backend == "gloo" and topology.shares_hosts else None
+    runtime.transport = Transport(topology, worker_group, device, runtime.explain, timeout_s, runtime.overdue,
+                                  two_level=two_level)
     _RUNTIME = runtime
     global _AT_EXIT, _PREVIOUS_HOOK
     if not _AT_EXIT:

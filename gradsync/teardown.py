@@ -62,7 +62,8 @@ def close(runtime) -> BaseException | None:
 
 def stop_threads(runtime) -> None:
     """Stop ``runtime``'s threads: its stoppers (a watchdog's), the heartbeat, the flight responder,
-    the transport's waiter (at once where the group failed: it is blocked for good)."""
+    the transport's waiter (at once where the group failed: it is blocked for good) and its
+    two-level all-reduce's thread."""
     stoppers = getattr(runtime, "stoppers", [])
     while stoppers:
         stoppers.pop()()
@@ -73,6 +74,8 @@ def stop_threads(runtime) -> None:
     transport = runtime.transport
     if transport is not None and transport.waiter is not None:  # blocked for good after a failure: no wait
         transport.waiter.close(wait_s=0.0 if transport.failure is not None else 1.0)
+    if transport is not None and transport.two_level is not None and transport.failure is None:
+        transport.two_level.close()
 
 
 def leave_group(runtime) -> None:

@@ -98,3 +98,38 @@ def test_co_located_ps_posts_its_pull_receives_before_its_answers():
     for receives, answers in run_ranks(pull_order_job, 2):
         assert receives and answers
         assert max(receives) < min(answers)
+
+
+HOST_STRATEGIES = [("allreduce", {}), ("allreduce", {"bucket_mb": 0.001}),
+                   ("allreduce-priority", {"partition_params": 9})]
+
+
+def train_each(cases, work: Workload, steps: int):
+    from gradsync import flight
+
+    out = []
+    for strategy, options in cases:
+        trained = train(strategy, work, steps, options)
+        two_level = sum(r.group == "two-level" for r in flight.current().records)
+        out.append((trained, two_level))
+        flight.current().records.clear()
+    return out
+
+
+@pytest.mark.parametrize("hosts", [(0, 0, 1, 1), (0, 0, 1)], ids=["2x2", "2+1"])
+def test_strategies_on_hosts_of_several_workers_match_the_reference(hosts):
+    # Ranks named onto hosts as a launcher would (gradsync.hosts): the topology-aware strategies
+    # take their two-level paths, which must still give the reference and one model on every worker.
+    workers = len(hosts)
+    env = [{"GRADSYNC_HOST": f"h{h}", "LOCAL_WORLD_SIZE": str(hosts.count(h))} for h in hosts]
+    work = Workload(model="toy", batch_size=6, device=DEVICE)
+    results = run_ranks(train_each, workers, HOST_STRATEGIES, work, STEPS, env=env)
+    ref = reference(work, workers, STEPS)
+    for case, (first, two_level) in zip(HOST_STRATEGIES, results[0]):
+        assert two_level >= STEPS, (case, "no two-level all-reduce was issued")
+        report = compare(first, ref, work.tolerance)
+        assert report["correct"], (case, report)
+    for rank in range(1, workers):
+        for case, (first, _), (mine, _) in zip(HOST_STRATEGIES, results[0], results[rank]):
+            for name, value in mine.items():
+                torch.testing.assert_close(value, first[name], rtol=0, atol=0, msg=f"{case} rank {rank} {name}")

@@ -82,6 +82,7 @@ class PriorityAllReduce(Strategy):
         # Our threads issue all-reduces while the script runs: on a group of their own, so that a
         # loss the script all-reduces meanwhile can never be paired with one of our partitions.
         self.group = ctx.transport.new_worker_group()
+        self.hosts = ctx.transport.new_two_level()  # hosts of several workers: partitions cross once per host
 
     def _make_plan(self) -> None:
         ctx = self.ctx
@@ -268,7 +269,7 @@ class PriorityAllReduce(Strategy):
 
     def _launch(self, k: int, step: int) -> None:
         what = f"all-reduce of partition {k} ({self.ctx.names[self.plan.slices[k].segments[0].param]!r}..)"
-        handle = self.ctx.transport.allreduce_async(self.buffers[k], what=what, group=self.group)
+        handle = self.ctx.transport.allreduce_async(self.buffers[k], what=what, group=self.hosts or self.group)
         with self.cv:
             self.launched.append((k, step, handle))
             self.cv.notify_all()
@@ -310,6 +311,7 @@ class PriorityAllReduce(Strategy):
         if self.ctx.topology.is_worker:  # every worker past its last all-reduce on the group: free it
             self.ctx.transport.allreduce(torch.zeros(1), what="end of the partition group", group=self.group)
             self.ctx.transport.free_group(self.group)
+            self.ctx.transport.free_group(self.hosts)
 
     def min_bytes_per_host(self, model_bytes: int) -> float:
         return ring_bytes(model_bytes, self.ctx.topology.num_workers)

@@ -9,7 +9,8 @@ forward and backward compute: communication is hidden behind the whole step.
 
 Not exact: with ``alpha < 1`` workers' models differ, and even with ``alpha = 1`` each applies its
 own gradient after averaging. The bench reports its loss next to the synchronous reference.
-Wire: one all-reduce per step of all parameters (one flat buffer per dtype).
+Wire: one all-reduce per step of all parameters (one flat buffer per dtype), two-level where the
+job's hosts run several workers (averaged inside the host first; :mod:`gradsync.transport.twolevel`).
 """
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ class ModelAveraging(Strategy):
         self.handles = []
         for group, buffer in zip(self.groups, self.buffers):
             torch.cat([p.detach().reshape(-1) for p in group], out=buffer)
-            self.handles.append(self.ctx.transport.allreduce_async(buffer, what="sma parameter average"))
+            self.handles.append(self.ctx.transport.allreduce_async(buffer, what="sma parameter average", hosts=True))
 
     def step(self, apply: Callable[[], Any]) -> Any:
         if self.handles is None:

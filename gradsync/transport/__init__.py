@@ -35,9 +35,10 @@ from gradsync.topology import Topology
 from gradsync.transport.groups import (allgather_bytes, allgather_with_info, allreduce_sum_, allreduce_sum_async,
                                        global_rank, group_rank_and_size)
 from gradsync.transport.peers import check_peer, payload_limit
+from gradsync.transport.twolevel import TwoLevel
 from gradsync.transport.waits import _MAIN_THREAD, RECHECK_S, REPORT_S, Handle, Waiter, gloo_timeout, wait_all
 
-__all__ = ["HEADER_WORDS", "RECHECK_S", "REPORT_S", "Handle", "Transport", "Waiter", "allgather_bytes",
+__all__ = ["HEADER_WORDS", "RECHECK_S", "REPORT_S", "Handle", "Transport", "TwoLevel", "Waiter", "allgather_bytes",
            "allgather_with_info", "allreduce_sum_", "allreduce_sum_async", "check_peer", "global_rank",
            "gloo_timeout", "group_rank_and_size", "payload_limit", "wait_all"]
 
@@ -52,7 +53,7 @@ class Transport:
 
     def __init__(self, topology: Topology, worker_group, device: torch.device,
                  explain: Callable[[str, BaseException], Exception] | None = None, timeout_s: float = 30.0,
-                 overdue: Callable[[str], Exception | None] | None = None):
+                 overdue: Callable[[str], Exception | None] | None = None, two_level: TwoLevel | None = None):
         self.topology = topology
         self.timeout = timedelta(seconds=timeout_s)
         self.worker_group = worker_group
@@ -71,6 +72,9 @@ class Transport:
         self._chunked = device.type == "cpu"  # Gloo; a CUDA work's wait(timeout) means something else
         self.waiter = Waiter() if self._chunked else None
         """Where the training thread's point-to-point waits block (Gloo only; :class:`Waiter`)."""
+        self.two_level = two_level
+        """The job's host groups when its hosts run several workers on Gloo (:mod:`.twolevel`), else
+        None: what ``allreduce_async(..., hosts=True)`` runs on."""
 
     def until_overdue(self) -> float:
         """Seconds until the timeout, less :data:`REPORT_S`, has passed since this rank's last
@@ -128,14 +132,37 @@ class Transport:
         default is 30 minutes)."""
         return dist.new_group(self.topology.worker_ranks, timeout=gloo_timeout(self.timeout.total_seconds()))
 
+    def new_two_level(self) -> TwoLevel | None:
+        """A private :class:`TwoLevel` (host groups of the strategy's own, as :meth:`new_worker_group`
+        for a flat group) where the job's hosts run several workers on Gloo; else None.
+        Collective: every rank calls it at the same point."""
+        if self.two_level is None:
+            return None
+        return TwoLevel.create(self.topology, gloo_timeout(self.timeout.total_seconds()))
+
     def free_group(self, group) -> None:
-        """Release a group from :meth:`new_worker_group` (on a rank outside it, nothing to do)."""
-        if group is not None and group is not dist.GroupMember.NON_GROUP_MEMBER:
+        """Release a group from :meth:`new_worker_group` or :meth:`new_two_level` (on a rank outside
+        it, nothing to do)."""
+        if isinstance(group, TwoLevel):
+            group.close()
+            for member in group.groups():
+                dist.destroy_process_group(member)
+        elif group is not None and group is not dist.GroupMember.NON_GROUP_MEMBER:
             dist.destroy_process_group(group)
 
     def allreduce_async(self, tensor: torch.Tensor, *, op: str = "sum", world: bool = False,
-                        what: str = "all-reduce", group=None) -> Handle:
-        """In-place all-reduce among the workers (or every rank with ``world=True``, or ``group``)."""
+                        what: str = "all-reduce", group=None, hosts: bool = False) -> Handle:
+        """In-place all-reduce among the workers (or every rank with ``world=True``, or ``group``).
+
+        ``hosts``: a sum over the workers that may cross the network once per host: two-level
+        (:mod:`.twolevel`) where the job's hosts run several workers on Gloo, else the same flat
+        all-reduce. Strategies ask for it on their gradient buffers; all two-level operations of a
+        job run in the order they were issued, so every rank must issue them in the same order.
+        ``group`` may be a :meth:`new_two_level` of the strategy's own (a sum over the workers)."""
+        if hosts and self.two_level is not None and group is None and not world and op == "sum":
+            group = self.two_level
+        if isinstance(group, TwoLevel):
+            return self._allreduce_two_level(tensor, what, group)
         p = self._group_size(world)
         nbytes = tensor.numel() * tensor.element_size()
         self.bytes_sent += int(2 * (p - 1) / p * nbytes)
@@ -149,10 +176,22 @@ class Transport:
             work.get_future().add_done_callback(lambda _future: tracer.end_async(token))
         return Handle(work, self, what, record=record, chunked=self._chunked, landing=self._landing(staged, tensor))
 
+    def _allreduce_two_level(self, tensor: torch.Tensor, what: str, two_level: TwoLevel) -> Handle:
+        nbytes = tensor.numel() * tensor.element_size()
+        self.bytes_sent += two_level.network_bytes(nbytes)
+        record = self._record(what, "all-reduce", nbytes, group=two_level)
+        staged = self.staged(tensor)
+        if not staged.is_contiguous():
+            raise ValueError(f"{what}: a two-level all-reduce needs a contiguous tensor")
+        tracer = trace.current()
+        token = None if tracer is None else tracer.begin_async(what, "comm", bytes=nbytes, op="two-level all-reduce")
+        done = two_level.allreduce_async(staged, None if token is None else lambda: tracer.end_async(token))
+        return Handle(done, self, what, record=record, chunked=True, landing=self._landing(staged, tensor))
+
     def allreduce(self, tensor: torch.Tensor, *, op: str = "sum", world: bool = False,
-                  what: str = "all-reduce", group=None) -> torch.Tensor:
+                  what: str = "all-reduce", group=None, hosts: bool = False) -> torch.Tensor:
         """Blocking :meth:`allreduce_async`."""
-        self.allreduce_async(tensor, op=op, world=world, what=what, group=group).wait()
+        self.allreduce_async(tensor, op=op, world=world, what=what, group=group, hosts=hosts).wait()
         return tensor
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, *, world: bool = False,

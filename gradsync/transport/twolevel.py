@@ -1,0 +1,184 @@
+"""The two-level all-reduce of a job whose hosts run several workers (Gloo).
+
+A flat ring puts every rank on the network: on a host of R workers behind one NIC, the host's link
+carries R ranks' ring traffic. Horovod's hierarchical all-reduce and BytePS's intra-host reduce
+cross the network once per host instead; here, on Gloo, for a buffer cut into S shards (S: the
+most workers any host runs):
+
+1. reduce-scatter inside the host: local worker ``j`` ends with the host's sum of shard ``j``;
+2. all-reduce of each shard across hosts, among the ranks that own it (one per host): a host's
+   R workers use its NIC in parallel, each for 1/S of the bytes, ``2 (H-1)/H`` model bytes per
+   host NIC in all (H hosts), what one rank per host would send;
+3. all-gather inside the host.
+
+A host with fewer workers than S (an uneven layout: two hosts of 2 and 1) gives its worker ``j``
+every shard ``s`` with ``s % L == j`` (L: its workers); inside it the sum is an all-reduce and the
+gather one broadcast per shard. Sums are taken in another order than a flat ring's, so results
+differ from it in the last bits, as any two all-reduce algorithms' do.
+
+Intra-host traffic runs on Gloo's loopback/shared-memory path; only step 2 crosses hosts and only
+it counts in ``Transport.bytes_sent``. Under NCCL, whose rings and trees already follow the
+machine's topology, gradsync keeps NCCL's own all-reduce.
+
+All collectives of one :class:`TwoLevel` run on its own thread in the order they were issued (the
+same on every rank, as Gloo matches collectives by their order on a group); the issuing thread
+gets a :class:`~gradsync.transport.waits.Handle` and waits on it as on any collective.
+"""
+from __future__ import annotations
+
+import math
+import queue
+import threading
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from gradsync.topology import Topology
+
+
+class _Done:
+    """What the communication thread reports for one job, shaped as a Gloo work (``wait(timeout)``,
+    ``is_completed()``) so that :class:`~gradsync.transport.waits.Handle` waits on it in chunks."""
+
+    __slots__ = ("event", "error")
+
+    def __init__(self):
+        self.event = threading.Event()
+        self.error: BaseException | None = None
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        if not self.event.wait(None if timeout is None else timeout.total_seconds()):
+            raise RuntimeError("two-level all-reduce: timed out waiting for the communication thread")
+        if self.error is not None:
+            raise self.error
+        return True
+
+    def is_completed(self) -> bool:
+        return self.event.is_set()
+
+
+class TwoLevel:
+    """The process groups of a job whose hosts run several workers, and the all-reduce over them.
+
+    Made by :meth:`create` (collective: every rank, servers included, at the same point)."""
+
+    group_name = "two-level"
+    """How the flight record names the operations issued here."""
+
+    def __init__(self, topology: Topology, local, local_ranks: list[int], shards: int,
+                 cross: dict[int, tuple[list[int], object]]):
+        self.topology = topology
+        self.local = local
+        """This host's workers' group (None: the host runs one worker)."""
+        self.local_ranks = local_ranks
+        self.shards = shards
+        """S: the most workers any host runs; buffers are cut into S shards."""
+        self.cross = cross
+        """Shard -> (the ranks that own it, one per host; their group), for the shards this rank owns."""
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    @staticmethod
+    def plan(topology: Topology) -> tuple[list[list[int]], int, list[list[int]]]:
+        """``(workers of each host, S, owners of each shard)`` of the layout (hosts without workers left out)."""
+        hosts = [[r for r in ranks if r < topology.num_workers] for ranks in topology.hosts]
+        hosts = [h for h in hosts if h]
+        shards = max(len(h) for h in hosts)
+        owners = [[h[s % len(h)] for h in hosts] for s in range(shards)]
+        return hosts, shards, owners
+
+    @classmethod
+    def create(cls, topology: Topology, timeout: timedelta) -> "TwoLevel":
+        """Every host's local group and every shard's cross-host group, each made once, by every
+        rank in the same order (``dist.new_group`` is collective over the whole job)."""
+        hosts, shards, owners = cls.plan(topology)
+        me = topology.rank
+        local, local_ranks = None, []
+        for ranks in hosts:
+            group = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
+            if me in ranks:
+                local, local_ranks = group, ranks
+        made: dict[tuple[int, ...], object] = {}
+        cross = {}
+        for s, ranks in enumerate(owners):
+            key = tuple(ranks)
+            if key not in made:
+                made[key] = dist.new_group(ranks, timeout=timeout)
+            if me in ranks:
+                cross[s] = (ranks, made[key])
+        return cls(topology, local, local_ranks, shards, cross)
+
+    def network_bytes(self, nbytes: int) -> int:
+        """Bytes this rank sends across hosts for an all-reduce of ``nbytes``: its shards' rings."""
+        piece = math.ceil(nbytes / self.shards)
+        return sum(int(2 * (len(ranks) - 1) / len(ranks) * piece) for ranks, _ in self.cross.values())
+
+    def allreduce_async(self, tensor: torch.Tensor, on_done=None) -> _Done:
+        """Queue a sum of ``tensor`` (contiguous, on the CPU) over every worker; ``on_done()`` runs on the
+        communication thread once it is summed (or failed)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="gradsync-two-level", daemon=True)
+            self._thread.start()
+        done = _Done()
+        self._jobs.put((tensor, done, on_done))
+        return done
+
+    def groups(self) -> list:
+        """This rank's process groups here (to release a private one)."""
+        found = [self.local] if self.local is not None else []
+        for _, group in self.cross.values():
+            if all(group is not g for g in found):
+                found.append(group)
+        return found
+
+    def close(self) -> None:
+        """Let the thread end after the jobs queued so far."""
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join(1.0)
+            self._thread = None
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            tensor, done, on_done = job
+            try:
+                self._allreduce(tensor.view(-1))
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+                done.error = exc
+            done.event.set()
+            if on_done is not None:
+                on_done()
+
+    def _allreduce(self, flat: torch.Tensor) -> None:
+        n, s = flat.numel(), self.shards
+        piece = math.ceil(n / s)
+        padded = flat
+        if piece * s != n:  # shards of one length on every rank: pad with zeros
+            padded = flat.new_zeros(piece * s)
+            padded[:n] = flat
+        shard = [padded[k * piece:(k + 1) * piece] for k in range(s)]
+        size = len(self.local_ranks)
+        if size == s:  # every shard has its own local owner: reduce-scatter, cross, all-gather
+            mine = shard[self.local_ranks.index(self.topology.rank)].clone()
+            dist.reduce_scatter_single(mine, padded, group=self.local)
+            self._cross({k: mine for k in self.cross})
+            dist.all_gather_single(padded, mine, group=self.local)
+        else:
+            if self.local is not None:  # an uneven host: sum it whole, then each owner crosses its shards
+                dist.all_reduce(padded, group=self.local)
+            self._cross({k: shard[k] for k in self.cross})
+            if self.local is not None:
+                for k in range(s):
+                    dist.broadcast(shard[k], src=self.local_ranks[k % size], group=self.local)
+        if padded is not flat:
+            flat.copy_(padded[:n])
+
+    def _cross(self, parts: dict[int, torch.Tensor]) -> None:
+        works = [dist.all_reduce(part, group=self.cross[s_][1], async_op=True)
+                 for s_, part in parts.items() if len(self.cross[s_][0]) > 1]
+        for work in works:
+            work.wait()
