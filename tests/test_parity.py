@@ -101,7 +101,7 @@ def test_co_located_ps_posts_its_pull_receives_before_its_answers():
 
 
 HOST_STRATEGIES = [("allreduce", {}), ("allreduce", {"bucket_mb": 0.001}),
-                   ("allreduce-priority", {"partition_params": 9})]
+                   ("allreduce-priority", {"partition_params": 9}), ("ps", {}), ("ps", {"fuse_kb": 0})]
 
 
 def train_each(cases, work: Workload, steps: int):
@@ -116,20 +116,24 @@ def train_each(cases, work: Workload, steps: int):
     return out
 
 
-@pytest.mark.parametrize("hosts", [(0, 0, 1, 1), (0, 0, 1)], ids=["2x2", "2+1"])
-def test_strategies_on_hosts_of_several_workers_match_the_reference(hosts):
+@pytest.mark.parametrize("hosts,servers,cases", [
+    ((0, 0, 1, 1), 0, HOST_STRATEGIES), ((0, 0, 1), 0, HOST_STRATEGIES),
+    ((0, 0, 1, 1, 2), 1, [("ps", {"fuse_kb": 1})]),  # a dedicated server serves one model, on a host of its own
+], ids=["2x2", "2+1", "2x2-and-a-server-host"])
+def test_strategies_on_hosts_of_several_workers_match_the_reference(hosts, servers, cases):
     # Ranks named onto hosts as a launcher would (gradsync.hosts): the topology-aware strategies
-    # take their two-level paths, which must still give the reference and one model on every worker.
-    workers = len(hosts)
+    # take their two-level paths (all-reduces across hosts by shard owners, parameter servers fed
+    # by each host's sum), which must still give the reference and one model on every worker.
+    workers = len(hosts) - servers
     env = [{"GRADSYNC_HOST": f"h{h}", "LOCAL_WORLD_SIZE": str(hosts.count(h))} for h in hosts]
     work = Workload(model="toy", batch_size=6, device=DEVICE)
-    results = run_ranks(train_each, workers, HOST_STRATEGIES, work, STEPS, env=env)
+    results = run_ranks(train_each, len(hosts), cases, work, STEPS, env=env, servers=servers)
     ref = reference(work, workers, STEPS)
-    for case, (first, two_level) in zip(HOST_STRATEGIES, results[0]):
+    for case, (first, two_level) in zip(cases, results[0]):
         assert two_level >= STEPS, (case, "no two-level all-reduce was issued")
         report = compare(first, ref, work.tolerance)
         assert report["correct"], (case, report)
     for rank in range(1, workers):
-        for case, (first, _), (mine, _) in zip(HOST_STRATEGIES, results[0], results[rank]):
+        for case, (first, _), (mine, _) in zip(cases, results[0], results[rank]):
             for name, value in mine.items():
                 torch.testing.assert_close(value, first[name], rtol=0, atol=0, msg=f"{case} rank {rank} {name}")

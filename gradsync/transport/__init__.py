@@ -179,14 +179,29 @@ class Transport:
     def _allreduce_two_level(self, tensor: torch.Tensor, what: str, two_level: TwoLevel) -> Handle:
         nbytes = tensor.numel() * tensor.element_size()
         self.bytes_sent += two_level.network_bytes(nbytes)
-        record = self._record(what, "all-reduce", nbytes, group=two_level)
+        return self._two_level(two_level, "all-reduce", tensor, what)
+
+    def _two_level(self, two_level: TwoLevel, op: str, tensor: torch.Tensor, what: str) -> Handle:
+        record = self._record(what, op, tensor.numel() * tensor.element_size(), group=two_level)
         staged = self.staged(tensor)
         if not staged.is_contiguous():
-            raise ValueError(f"{what}: a two-level all-reduce needs a contiguous tensor")
+            raise ValueError(f"{what}: a two-level operation needs a contiguous tensor")
         tracer = trace.current()
-        token = None if tracer is None else tracer.begin_async(what, "comm", bytes=nbytes, op="two-level all-reduce")
-        done = two_level.allreduce_async(staged, None if token is None else lambda: tracer.end_async(token))
+        token = None if tracer is None else tracer.begin_async(what, "comm", bytes=tensor.numel() * tensor.element_size(),
+                                                               op=f"two-level {op}")
+        done = two_level.submit(op, staged, None if token is None else lambda: tracer.end_async(token))
         return Handle(done, self, what, record=record, chunked=True, landing=self._landing(staged, tensor))
+
+    def host_reduce(self, tensor: torch.Tensor, *, what: str) -> torch.Tensor:
+        """Sum ``tensor`` in place over this host's workers onto the host's first worker
+        (``two_level.leader``); intra-host, on the job's :class:`TwoLevel` (which must exist)."""
+        self._two_level(self.two_level, "reduce", tensor, what).wait()
+        return tensor
+
+    def host_broadcast(self, tensor: torch.Tensor, *, what: str) -> torch.Tensor:
+        """Copy ``tensor`` from the host's first worker to the host's other workers (intra-host)."""
+        self._two_level(self.two_level, "broadcast", tensor, what).wait()
+        return tensor
 
     def allreduce(self, tensor: torch.Tensor, *, op: str = "sum", world: bool = False,
                   what: str = "all-reduce", group=None, hosts: bool = False) -> torch.Tensor:

@@ -65,6 +65,7 @@ class TwoLevel:
 
     group_name = "two-level"
     """How the flight record names the operations issued here."""
+    _OPS = ("all-reduce", "reduce", "broadcast")
 
     def __init__(self, topology: Topology, local, local_ranks: list[int], shards: int,
                  cross: dict[int, tuple[list[int], object]]):
@@ -114,15 +115,24 @@ class TwoLevel:
         piece = math.ceil(nbytes / self.shards)
         return sum(int(2 * (len(ranks) - 1) / len(ranks) * piece) for ranks, _ in self.cross.values())
 
-    def allreduce_async(self, tensor: torch.Tensor, on_done=None) -> _Done:
-        """Queue a sum of ``tensor`` (contiguous, on the CPU) over every worker; ``on_done()`` runs on the
-        communication thread once it is summed (or failed)."""
+    def submit(self, op: str, tensor: torch.Tensor, on_done=None) -> _Done:
+        """Queue ``op`` on ``tensor`` (contiguous, on the CPU): ``"all-reduce"``, a sum over every
+        worker; ``"reduce"``, a sum over this host's workers onto its first; ``"broadcast"``, from
+        the host's first worker to the others. ``on_done()`` runs on the communication thread once
+        it is done (or failed)."""
+        if op not in self._OPS:
+            raise ValueError(f"unknown two-level operation {op!r}")
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="gradsync-two-level", daemon=True)
             self._thread.start()
         done = _Done()
-        self._jobs.put((tensor, done, on_done))
+        self._jobs.put((op, tensor, done, on_done))
         return done
+
+    @property
+    def leader(self) -> int:
+        """The first worker of this rank's host: where :meth:`submit`'s reduce lands."""
+        return self.local_ranks[0]
 
     def groups(self) -> list:
         """This rank's process groups here (to release a private one)."""
@@ -144,9 +154,14 @@ class TwoLevel:
             job = self._jobs.get()
             if job is None:
                 return
-            tensor, done, on_done = job
+            op, tensor, done, on_done = job
             try:
-                self._allreduce(tensor.view(-1))
+                if op == "all-reduce":
+                    self._allreduce(tensor.view(-1))
+                elif self.local is not None and op == "reduce":
+                    dist.reduce(tensor, dst=self.leader, group=self.local)
+                elif self.local is not None:
+                    dist.broadcast(tensor, src=self.leader, group=self.local)
             except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
                 done.error = exc
             done.event.set()

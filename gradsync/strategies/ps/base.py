@@ -13,6 +13,12 @@ worker that did not use a parameter contributes zero; a parameter nobody used is
 DDP), runs the user's optimizer, and answers with the updated parameters (:meth:`_answer`). When
 and for whom is the subclass's: :class:`~gradsync.strategies.ps.sync.ParameterServer` or
 :class:`~gradsync.strategies.ps.asynchronous.AsyncParameterServer`.
+
+Hosts of several workers (a subclass with ``aggregates_hosts``, on Gloo: BytePS's and Parallax's
+local aggregation): at ``optimizer.step()`` a host's workers sum their gradients onto the host's
+first worker (intra-host), which alone pushes, with how many of them used each tensor, and pulls;
+the pulled parameters are broadcast inside the host. Each host's NIC carries one push and one pull
+instead of one per worker; co-located servers are the hosts' first workers.
 """
 from __future__ import annotations
 
@@ -34,6 +40,9 @@ class ParameterServerBase(Strategy):
     mode: ClassVar[str]
     """``"sync"`` or ``"async"``: what :meth:`describe` says (and the simulator models)."""
 
+    aggregates_hosts: ClassVar[bool] = False
+    """Whether hosts of several workers aggregate inside the host (see the module docstring)."""
+
     def __init__(self, fuse_kb: float = 256.0):
         if fuse_kb < 0:
             raise ConfigError(f"fuse_kb must be >= 0 (0: one message per tensor), got {fuse_kb}")
@@ -42,8 +51,16 @@ class ParameterServerBase(Strategy):
     def attach(self, ctx: SyncContext) -> None:
         super().attach(ctx)
         topo = ctx.topology
+        self.host_sum = ctx.transport.two_level if self.aggregates_hosts else None
+        """The job's host groups when a host's workers aggregate before pushing, else None."""
+        self.pushers = topo.worker_ranks
+        """The workers that push and pull: every worker, or each host's first."""
+        if self.host_sum is not None:
+            self.pushers = [ranks[0] for ranks in self.host_sum.plan(topo)[0]]
+        self.counts: dict[int, float] = {}
+        """With host sums: how many of the host's workers used each parameter this step."""
         self.dedicated = topo.num_servers > 0
-        self.servers = topo.server_ranks if self.dedicated else topo.worker_ranks
+        self.servers = topo.server_ranks if self.dedicated else self.pushers
         self.owner = partition([p.numel() for p in ctx.params], self.servers)
         self.groups, self.group_owner = plan_groups(ctx.params, self.owner, self.servers, self.fuse_bytes)
         self.where = {i: (g, slot) for g, grp in enumerate(self.groups) for slot, i in enumerate(grp)}
@@ -64,7 +81,7 @@ class ParameterServerBase(Strategy):
                          for g in theirs if len(self.groups[g]) > 1}
         self.answer_buf = {g: Fused([params[i] for i in self.groups[g]], flags=False)
                            for g in mine if len(self.groups[g]) > 1}
-        peers = [w for w in topo.worker_ranks if w != me]
+        peers = [w for w in self.pushers if w != me]
         self.inbox = {(w, g): Fused([params[i] for i in self.groups[g]], flags=True) for w in peers for g in mine}
         self.recvs: list = []
         self._reset_pushes()
@@ -88,7 +105,7 @@ class ParameterServerBase(Strategy):
             self.sends += [t.send_async(header, s, TAG_CONTROL, what=f"step header to rank {s}")
                            for s in self.servers]
         else:  # co-located: this worker serves its partition, so it listens for pushes now
-            self.recvs = self._post_pushes([w for w in self.ctx.topology.worker_ranks if w != t.topology.rank])
+            self.recvs = self._post_pushes([w for w in self.pushers if w != t.topology.rank])
 
     def _post_pushes(self, workers: list[int]) -> list:
         t = self.ctx.transport
@@ -97,6 +114,10 @@ class ParameterServerBase(Strategy):
                 for w in workers for g in self.owned_groups]
 
     def on_grad_ready(self, index: int) -> None:
+        if self.host_sum is not None:  # pushed at step, once the host's gradients are summed
+            if not self.open and self.ctx.topology.rank in self.pushers:
+                self._open_step()
+            return
         if not self.open:
             self._open_step()
         g, slot = self.where[index]
@@ -114,8 +135,42 @@ class ParameterServerBase(Strategy):
             self._push(g)
 
     def _fill(self, g: int, slot: int) -> None:
-        msg = self.outbox[g]
-        msg.used[slot] = fill_slot(msg.parts[slot], self.ctx.params[self.groups[g][slot]].grad)
+        msg, i = self.outbox[g], self.groups[g][slot]
+        msg.used[slot] = fill_slot(msg.parts[slot], self.ctx.params[i].grad) * self.counts.get(i, 1.0)
+
+    # -- hosts of several workers ----------------------------------------------------------------
+    def _sum_host(self) -> None:
+        """Every worker's gradients, and whether it used each, summed onto the host's first worker,
+        whose ``grad`` (None where no worker of the host used it) and :attr:`counts` then hold the host's."""
+        params, t = self.ctx.params, self.ctx.transport
+        device = params[0].device
+        flat = torch.zeros(sum(p.numel() for p in params) + len(params), dtype=params[0].dtype, device=device)
+        at = 0
+        for i, p in enumerate(params):
+            if p.grad is not None:
+                flat[at:at + p.numel()].copy_(p.grad.reshape(-1))
+                flat[-len(params) + i] = 1.0
+            at += p.numel()
+        t.host_reduce(flat, what="sum of the host's gradients")
+        if t.topology.rank != self.host_sum.leader:
+            return
+        counts = flat[-len(params):].tolist()
+        at = 0
+        for i, p in enumerate(params):
+            self.counts[i] = counts[i]
+            p.grad = flat[at:at + p.numel()].view_as(p).clone() if counts[i] else None
+            at += p.numel()
+
+    def _share_host(self) -> None:
+        """The host's first worker's parameters (just pulled) to the host's other workers."""
+        params = self.ctx.params
+        flat = torch.cat([p.detach().reshape(-1) for p in params])
+        self.ctx.transport.host_broadcast(flat, what="the pulled parameters to the host's workers")
+        with torch.no_grad():
+            at = 0
+            for p in params:
+                p.copy_(flat[at:at + p.numel()].view_as(p))
+                at += p.numel()
 
     def _push(self, g: int) -> None:
         self.pushed[g] = True
@@ -124,6 +179,10 @@ class ParameterServerBase(Strategy):
             self.outbox[g].wire, owner, 1 + self.groups[g][0], what=f"push of {self._label(g)} to rank {owner}"))
 
     def step(self, apply: Callable[[], Any]) -> Any:
+        if self.host_sum is not None:
+            self._sum_host()
+            if self.ctx.topology.rank not in self.pushers:
+                return self._follow()
         if not self.open:
             self._open_step()
         for g in self.outbox:
@@ -137,8 +196,20 @@ class ParameterServerBase(Strategy):
         wait_all(self.sends)
         self.sends, self.open = [], False
         self._reset_pushes()
+        if self.host_sum is not None:
+            self._share_host()
         self.step_no += 1
         return result
+
+    def _follow(self) -> None:
+        """A step of a host's other workers: their part in the step's collectives, then the
+        parameters their host's first worker pulled."""
+        self._clip()
+        self._share_host()
+        self.step_no += 1
+
+    def _clip(self) -> None:
+        """Clip the owned mean gradients (subclasses that clip; collective where they do)."""
 
     def _update(self, apply: Callable[[], Any]) -> tuple[Any, list]:
         """After this worker's pushes: whatever update happens here, and the posted pulls."""
@@ -178,7 +249,7 @@ class ParameterServerBase(Strategy):
                 p = params[i]
                 # Sum in place: into the owner's own gradient when it has one, else a zeroed buffer.
                 total = p.grad if own and p.grad is not None else torch.zeros_like(p)
-                used = 1.0 if own and p.grad is not None else 0.0
+                used = self.counts.get(i, 1.0) if own and p.grad is not None else 0.0
                 for m, f in zip(msgs, flags):
                     total.add_(m.parts[slot])
                     used += f[slot]
@@ -211,7 +282,7 @@ class ParameterServerBase(Strategy):
 
     def close(self) -> None:
         """Workers tell dedicated servers to stop. Safe to call twice."""
-        if self.closed or not self.dedicated or self.ctx.topology.is_server:
+        if self.closed or not self.dedicated or self.ctx.topology.rank not in self.pushers:
             return
         self.closed = True
         header = torch.tensor([OP_STOP, self.step_no], dtype=torch.int64, device=self.ctx.transport.device)

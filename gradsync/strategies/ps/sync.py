@@ -40,6 +40,7 @@ class ParameterServer(ParameterServerBase):
     summary = "parameter server: whole tensors pushed in backward, updated on servers, pulled at step (TF-PS, KVStore)"
     mode = "sync"
     clips = True  # a synchronous server holds its share of the step's mean gradient
+    aggregates_hosts = True
 
     def __new__(cls, mode: str = "sync", fuse_kb: float = 256.0):
         """``mode="async"`` is the older spelling of :class:`AsyncParameterServer` (``ps-async``)."""
@@ -64,14 +65,14 @@ class ParameterServer(ParameterServerBase):
                 self._clip()  # this worker's share of the norm is zero
             return None, self._post_pulls()
         wait_all(self.recvs)
-        self._aggregate(self.ctx.topology.worker_ranks, len(self.ctx.topology.worker_ranks), own=True)
+        self._aggregate(self.pushers, self.ctx.topology.num_workers, own=True)
         self._clip()
         result = apply()
         # Receives before sends: Gloo carries a pair's messages both ways at once only when each
         # side posted its receive first (docs/mechanisms.md: the other order halves each
         # direction of a large exchange).
         pulls = self._post_pulls()
-        self.sends += self._answer(self.ctx.topology.worker_ranks)
+        self.sends += self._answer(self.pushers)
         return result, pulls
 
     def _clip(self) -> None:
@@ -118,6 +119,8 @@ class ParameterServer(ParameterServerBase):
 
     def _tell_servers(self, op: int, doing: str) -> None:
         t = self.ctx.transport
+        if t.topology.rank not in self.pushers:  # the servers hear from each host's first worker
+            return
         header = torch.tensor([op, self.step_no], dtype=torch.int64, device=t.device)
         wait_all([t.send_async(header, s, TAG_CONTROL, what=f"{doing} request to rank {s}") for s in self.servers])
 
@@ -146,7 +149,7 @@ class ParameterServer(ParameterServerBase):
     def serve(self) -> None:
         """Dedicated server loop: one update per step once every worker's pushes are in; runs until
         every worker has sent 'stop' (``gradsync.shutdown``)."""
-        workers, optimizer = self.ctx.topology.worker_ranks, self.ctx.optimizer
+        workers, optimizer = self.pushers, self.ctx.optimizer
         answers: list = []
         while True:
             headers = self._headers(workers)
@@ -164,7 +167,7 @@ class ParameterServer(ParameterServerBase):
                 raise self._out_of_step(workers, headers)
             wait_all(self._post_pushes(workers))
             wait_all(answers)  # the previous pull must be on the wire before parameters change
-            self._aggregate(workers, len(workers))
+            self._aggregate(workers, self.ctx.topology.num_workers)
             self._clip()
             optimizer.step()
             answers = self._answer(workers)
