@@ -25,7 +25,7 @@ from gradsync.syncstate import SyncState
 
 
 def distribute(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str | Strategy = "allreduce",
-               *, exit_servers: bool = True, clip_grad_norm: float | None = None,
+               *, exit_servers: bool = True, clip_grad_norm: float | None = None, hosts: str = "auto",
                **options: Any) -> torch.optim.Optimizer:
     """Make ``optimizer.step()`` a synchronized data-parallel step. Returns the same optimizer.
 
@@ -41,6 +41,10 @@ def distribute(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str
             the end of backward (``allreduce``, ``ddp``, ``casync-*``, ``compressed-allgather``)
             this equals calling ``torch.nn.utils.clip_grad_norm_`` between backward and step;
             under ``sma`` and ``pair-averaging`` it clips each worker's own gradient.
+        hosts: ``"auto"``: where the job's hosts run several workers (on Gloo), the strategies that
+            can cross the network once per host do (two-level all-reduce, host sums before a
+            parameter server; docs/launcher.md); ``"flat"``: every worker is a peer of every other,
+            as with one worker per host.
         **options: passed to the strategy's constructor when ``strategy`` is a name.
 
     Gradients on workers are the mean over workers (see :mod:`gradsync.strategies.base`); under
@@ -51,6 +55,9 @@ def distribute(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str
     but the last backward of an accumulation.
     """
     check_arguments(model, optimizer)
+    if hosts not in ("auto", "flat"):
+        raise ConfigError(f"hosts={hosts!r}: expected 'auto' (cross the network once per host where hosts run "
+                          "several workers) or 'flat' (every worker a peer of every other)")
     strategy = resolve(strategy, **options)
     check_clip(clip_grad_norm, strategy)
     rt = runtime.current()
@@ -73,7 +80,8 @@ def distribute(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str
     sync = SyncState(strategy, model, params, names)
     sync.clip = clip_grad_norm
     strategy.attach(SyncContext(model, optimizer, params, names, rt.transport, topology,
-                                clip_grad_norm=clip_grad_norm))
+                                clip_grad_norm=clip_grad_norm,
+                                two_level=rt.transport.two_level if hosts == "auto" else None))
     runtime.on_shutdown(sync.close)
     if topology.is_server:
         strategy.serve()

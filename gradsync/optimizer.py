@@ -235,7 +235,8 @@ def reattach(optimizer, strategy: Strategy) -> None:
     wrapped, optimizer.__class__ = optimizer.__class__, user_class(optimizer)  # strategies take the user's class
     try:
         strategy.attach(SyncContext(sync.model, optimizer, sync.params, sync.names, runtime.current().transport,
-                                    runtime.current().topology, clip_grad_norm=sync.clip))
+                                    runtime.current().topology, clip_grad_norm=sync.clip,
+                                    two_level=runtime.current().transport.two_level))
     finally:
         optimizer.__class__ = wrapped
     sync.strategy = strategy

@@ -332,6 +332,8 @@ def test_bad_clip_values_are_refused():
     for bad in (0, -1.0, float("nan"), float("inf"), "1", True):
         with pytest.raises(ConfigError, match="clip_grad_norm must be a positive finite number"):
             gradsync.distribute(model, opt, "allreduce", clip_grad_norm=bad)
+    with pytest.raises(ConfigError, match="hosts='two-level': expected 'auto'"):
+        gradsync.distribute(model, opt, "allreduce", hosts="two-level")
 
 
 def test_gradient_edited_error_is_a_gradsync_error():

@@ -315,7 +315,7 @@ class AllReduce(BucketedSync):
         if self.compression is not None:
             bucket.handle = self._launch_compressed(k, bucket, what)
         else:
-            bucket.handle = self.ctx.transport.allreduce_async(bucket.buffer, what=what, hosts=True)
+            bucket.handle = self.ctx.transport.allreduce_async(bucket.buffer, what=what, group=self.ctx.two_level)
         self.next_launch = k + 1
 
     def _launch_compressed(self, k: int, bucket: Bucket, what: str) -> "_Compressed":

@@ -82,7 +82,8 @@ class PriorityAllReduce(Strategy):
         # Our threads issue all-reduces while the script runs: on a group of their own, so that a
         # loss the script all-reduces meanwhile can never be paired with one of our partitions.
         self.group = ctx.transport.new_worker_group()
-        self.hosts = ctx.transport.new_two_level()  # hosts of several workers: partitions cross once per host
+        # Hosts of several workers: partitions cross the network once per host, on groups of our own too.
+        self.hosts = ctx.transport.new_two_level() if ctx.two_level is not None else None
 
     def _make_plan(self) -> None:
         ctx = self.ctx

@@ -59,6 +59,10 @@ class SyncContext:
     stats: dict = field(default_factory=dict)
     clip_grad_norm: float | None = None
     """Clip the mean gradient to this global L2 norm before each update (strategies with ``clips``)."""
+    two_level: Any = None
+    """The job's host groups (:class:`gradsync.transport.TwoLevel`) where its hosts run several
+    workers on Gloo and the strategy may cross the network once per host (``distribute(...,
+    hosts="auto")``, the default); None: flat, every worker a peer of every other."""
 
 
 class Strategy:

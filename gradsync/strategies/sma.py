@@ -50,7 +50,8 @@ class ModelAveraging(Strategy):
         self.handles = []
         for group, buffer in zip(self.groups, self.buffers):
             torch.cat([p.detach().reshape(-1) for p in group], out=buffer)
-            self.handles.append(self.ctx.transport.allreduce_async(buffer, what="sma parameter average", hosts=True))
+            self.handles.append(self.ctx.transport.allreduce_async(buffer, what="sma parameter average",
+                                                                     group=self.ctx.two_level))
 
     def step(self, apply: Callable[[], Any]) -> Any:
         if self.handles is None:

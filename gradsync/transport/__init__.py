@@ -73,8 +73,7 @@ class Transport:
         self.waiter = Waiter() if self._chunked else None
         """Where the training thread's point-to-point waits block (Gloo only; :class:`Waiter`)."""
         self.two_level = two_level
-        """The job's host groups when its hosts run several workers on Gloo (:mod:`.twolevel`), else
-        None: what ``allreduce_async(..., hosts=True)`` runs on."""
+        """The job's host groups when its hosts run several workers on Gloo (:mod:`.twolevel`), else None."""
 
     def until_overdue(self) -> float:
         """Seconds until the timeout, less :data:`REPORT_S`, has passed since this rank's last
@@ -151,16 +150,13 @@ class Transport:
             dist.destroy_process_group(group)
 
     def allreduce_async(self, tensor: torch.Tensor, *, op: str = "sum", world: bool = False,
-                        what: str = "all-reduce", group=None, hosts: bool = False) -> Handle:
+                        what: str = "all-reduce", group=None) -> Handle:
         """In-place all-reduce among the workers (or every rank with ``world=True``, or ``group``).
 
-        ``hosts``: a sum over the workers that may cross the network once per host: two-level
-        (:mod:`.twolevel`) where the job's hosts run several workers on Gloo, else the same flat
-        all-reduce. Strategies ask for it on their gradient buffers; all two-level operations of a
-        job run in the order they were issued, so every rank must issue them in the same order.
-        ``group`` may be a :meth:`new_two_level` of the strategy's own (a sum over the workers)."""
-        if hosts and self.two_level is not None and group is None and not world and op == "sum":
-            group = self.two_level
+        ``group`` a :class:`TwoLevel` (:attr:`two_level`, or a strategy's own from
+        :meth:`new_two_level`): a sum over the workers that crosses the network once per host
+        (:mod:`.twolevel`); its operations run in the order they were issued, so every rank must
+        issue them in the same order."""
         if isinstance(group, TwoLevel):
             return self._allreduce_two_level(tensor, what, group)
         p = self._group_size(world)
@@ -204,9 +200,9 @@ class Transport:
         return tensor
 
     def allreduce(self, tensor: torch.Tensor, *, op: str = "sum", world: bool = False,
-                  what: str = "all-reduce", group=None, hosts: bool = False) -> torch.Tensor:
+                  what: str = "all-reduce", group=None) -> torch.Tensor:
         """Blocking :meth:`allreduce_async`."""
-        self.allreduce_async(tensor, op=op, world=world, what=what, group=group, hosts=hosts).wait()
+        self.allreduce_async(tensor, op=op, world=world, what=what, group=group).wait()
         return tensor
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, *, world: bool = False,

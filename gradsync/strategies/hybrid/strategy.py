@@ -210,7 +210,8 @@ class SparseHybrid(Planning, Strategy):
         if dense:
             self.dense = AllReduce(**self.dense_options)
             self.dense.attach(SyncContext(ctx.model, ctx.optimizer, [ctx.params[i] for i in dense],
-                                          [ctx.names[i] for i in dense], ctx.transport, ctx.topology, ctx.stats))
+                                          [ctx.names[i] for i in dense], ctx.transport, ctx.topology, ctx.stats,
+                                          two_level=ctx.two_level))
 
     def step(self, apply: Callable[[], Any]) -> Any:
         if not self.decided:  # the first step: measure, decide, then replay backward's hooks

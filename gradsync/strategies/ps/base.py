@@ -51,7 +51,7 @@ class ParameterServerBase(Strategy):
     def attach(self, ctx: SyncContext) -> None:
         super().attach(ctx)
         topo = ctx.topology
-        self.host_sum = ctx.transport.two_level if self.aggregates_hosts else None
+        self.host_sum = ctx.two_level if self.aggregates_hosts else None
         """The job's host groups when a host's workers aggregate before pushing, else None."""
         self.pushers = topo.worker_ranks
         """The workers that push and pull: every worker, or each host's first."""
