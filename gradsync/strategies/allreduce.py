@@ -379,4 +379,5 @@ class AllReduce(BucketedSync):
     def describe(self) -> str:
         codec = "" if self.compression is None else f", compression={self.compression}" + (
             " with error feedback" if self.error_feedback else "")
-        return f"allreduce(bucket_mb={self.bucket_mb:g}, buckets={len(self.buckets)}{codec})"
+        hosts = "" if self.ctx.two_level is None else f", two-level over {len(self.ctx.two_level.plan(self.ctx.topology)[0])} hosts"
+        return f"allreduce(bucket_mb={self.bucket_mb:g}, buckets={len(self.buckets)}{codec}{hosts})"

@@ -300,4 +300,5 @@ class ParameterServerBase(Strategy):
     def describe(self) -> str:
         where = f"{len(self.servers)} dedicated servers" if self.dedicated else f"co-located on {len(self.servers)} workers"
         fused = f"fuse_kb={self.fuse_bytes / 1024:g}" if self.fuse_bytes else "one message per tensor"
-        return f"ps({self.mode}, {where}, {len(self.groups)} messages per push, {fused})"
+        hosts = "" if self.host_sum is None else f", host sums: {len(self.pushers)} hosts push"
+        return f"ps({self.mode}, {where}, {len(self.groups)} messages per push, {fused}{hosts})"
