@@ -128,6 +128,11 @@ def test_the_check_catches_a_wrong_model():
     (["--trace", TESTS], "is a folder; name a file in it"),  # refused before the run, not after it
     (["--json", TESTS], "is a folder; name a file in it"),
     (["--out", __file__], "is a file; name a folder"),
+    (["--ranks-per-host", "2"], "--ranks-per-host places ranks on emulated hosts: it needs --net"),
+    (["--net", "1gbit", "--np", "2,3", "--ranks-per-host", "2"], "--ranks-per-host 2 must divide --np 3"),
+    (["--net", "1gbit", "--ranks-per-host", "0"], "--ranks-per-host must be >= 1"),
+    (["--net", "1gbit", "--server-hosts", "shared"], "--server-hosts places dedicated servers: it needs --servers"),
+    (["--servers", "1", "--server-hosts", "own"], "--server-hosts places ranks on emulated hosts: it needs --net"),
 ])
 def test_bad_arguments_are_argument_errors(cli, args, message):
     code, _, err = cli("bench", *args, cwd=TESTS)
@@ -293,3 +298,51 @@ def test_rounds_rotate_the_order_of_the_strategies():
     assert all(sorted(o) == sorted(names) for o in orders)
     assert all(len({o[place] for o in orders}) == 3 for place in range(3))
     assert rotated(names, 3) == names and rotated([], 2) == []
+
+
+def test_host_links_count_per_step_from_the_device_counters():
+    from gradsync.bench.report import link_bytes_per_step
+    from gradsync.bench.worker import HostLinks
+    from gradsync.cluster.counters import dev_bytes
+
+    text = ("Inter-|   Receive |  Transmit\n face |bytes packets errs drop fifo frame compressed multicast|bytes ...\n"
+            "    lo:  900 9 0 0 0 0 0 0  900 9 0 0 0 0 0 0\n"
+            "  eth0: 5000 40 0 0 0 0 0 0 7000 50 0 0 0 0 0 0\n")
+    assert dev_bytes(text) == (7000, 5000)  # (tx, rx)
+    readings = iter([[(0, 0), (10, 5)], [(100, 40), (10, 5)], [(300, 90), (20, 5)], [(310, 95), (20, 5)]])
+    links = HostLinks([1, 2])
+    links.read = lambda: next(readings)
+    links.start()
+    links.step()
+    links.step()
+    links.step(into_last=True)  # what a flush after the last step moved belongs to it
+    assert links.steps == [[[100, 40], [0, 0]], [[210, 55], [10, 0]]]
+    got = link_bytes_per_step(links.steps[1:] + links.steps[:1])
+    assert got == {"host_tx_bytes_per_step": 155.0, "host_rx_bytes_per_step": 47.5,
+                   "hosts_tx_bytes_per_step": [155.0, 5.0], "hosts_rx_bytes_per_step": [47.5, 0.0]}
+
+
+def test_min_bytes_per_host_counts_hosts_and_is_unchanged_at_one_rank_a_host():
+    from types import SimpleNamespace
+
+    from gradsync.launch.emulated import placement
+    from gradsync.strategies import resolve
+    from gradsync.strategies.base import ring_bytes
+    from gradsync.topology import Topology
+
+    def at(name, np, servers=0, per_host=1, where="own", model=1000):
+        strategy = resolve(name)
+        hosts = tuple(placement(np, servers, per_host, where))
+        strategy.ctx = SimpleNamespace(topology=Topology(np + servers, 0, servers, host_of=hosts))
+        return strategy.min_bytes_per_host(model)
+
+    assert placement(4, 2, 2) == [0, 0, 1, 1, 2, 2] and placement(4, 3, 2, "shared") == [0, 0, 1, 1, 0, 1, 0]
+    for n in (1, 2, 3, 4):  # one rank a host: today's formulas, to the bit
+        assert at("allreduce", n) == at("ddp", n) == ring_bytes(1000, n) == at("ps", n) == at("p3", n)
+        assert at("ps", n, 1) == max(1000, n * 1000 / 1) and at("p3", n, 3) == max(1000, n * 1000 / 3)
+        assert at("pair-averaging", n) == 1000.0
+    # two workers a host: a ring over the hosts; servers on their own host serve each host once;
+    # servers on the workers' hosts leave each host the other hosts' share, as a ring
+    assert at("allreduce", 4, per_host=2) == ring_bytes(1000, 2) and at("allreduce", 2, per_host=2) == 0
+    assert at("ps", 4, 1, per_host=2) == 2000 and at("ps", 4, 2, per_host=2, where="shared") == ring_bytes(1000, 2)
+    assert at("pair-averaging", 4, per_host=2) == 2 * 2 * 1000 / 3  # a peer elsewhere 2 times in 3

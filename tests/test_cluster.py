@@ -158,14 +158,26 @@ def test_bench_on_an_emulated_cluster_records_the_bound_and_a_trace(tmp_path):
     records, trace = tmp_path / "records.json", tmp_path / "trace.json"
     out = subprocess.run(GRADSYNC + ["bench", "--model", "toy", "--batch-size", "4", "--compute", f"emulated:{profile}",
                                      "--dilation", "2", "--net", "100mbit", "--strategies", "allreduce,ps",
+                                     "--ranks-per-host", "2", "--servers", "1",
                                      "--steps", "3", "--warmup", "1", "--rounds", "1", "--check-steps", "2",
                                      "--json", str(records), "--trace", str(trace)],
                          capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stdout + out.stderr
-    for r in json.loads(records.read_text()):
+    records = {r["strategy"]: r for r in json.loads(records.read_text())}
+    for r in records.values():
         assert r["net"] == "0.1 Gbit/s" and r["compute"].startswith("emulated") and r["dilation"] == 2.0
         assert r["correct"] is True and 0 < r["efficiency"] and r["bound_samples_per_s"] <= r["ideal_samples_per_s"]
         assert r["t_comm_min_s"] == pytest.approx(r["min_bytes_per_host"] * 8 / 100e6)
+        # two hosts: both workers on the first, the server on its own; each link's counters per step
+        assert len(r["hosts_tx_bytes_per_step"]) == len(r["hosts_rx_bytes_per_step"]) == 2, r
+        assert r["host_tx_bytes_per_step"] == max(r["hosts_tx_bytes_per_step"])
+    # allreduce stays inside the workers' host: no bytes to cross a link, and next to none did
+    ring, served = records["allreduce"], records["ps"]
+    assert ring["min_bytes_per_host"] == 0 and ring["bytes_per_step"] > 0
+    assert max(ring["host_tx_bytes_per_step"], ring["host_rx_bytes_per_step"]) < ring["bytes_per_step"] / 4, ring
+    # ps: the workers' host pushes the model to the server's host at least once a step, and pulls it back
+    model = served["min_bytes_per_host"]
+    assert model > 0 and served["hosts_rx_bytes_per_step"][1] >= model and served["hosts_rx_bytes_per_step"][0] >= model
     events = json.loads(trace.read_text())["traceEvents"]
     for rank in (0, 1):
         names = {e["name"].split()[0] for e in events if e.get("pid") == rank and e["ph"] in "Xb"}

@@ -7,6 +7,7 @@ import argparse
 import json
 
 from gradsync.argtypes import available_bytes, output_dir, output_file
+from gradsync.launch.emulated import SERVER_HOSTS
 
 DEFAULT_STRATEGIES = ["ddp", "allreduce", "ps", "ps-async"]
 AUTO_REAL_RATE = 1e9  # bits/s: the fastest real link rate --dilation auto allows (see docs/emulation.md)
@@ -45,7 +46,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--check-steps", type=int, default=5,
                    help="steps of the float64 correctness replay (default 5; 0 skips the check)")
     p.add_argument("--net", metavar="RATE[,RATE...]",
-                   help="emulate hosts with links of RATE (e.g. 1gbit,10gbit), one rank per host; needs root")
+                   help="emulate hosts with links of RATE (e.g. 1gbit,10gbit), one rank per host unless "
+                        "--ranks-per-host; needs root")
+    p.add_argument("--ranks-per-host", type=int, default=1, metavar="R",
+                   help="with --net: R workers per emulated host, sharing its link (default 1); R must divide --np")
+    p.add_argument("--server-hosts", choices=SERVER_HOSTS, default=None,
+                   help="with --net and --servers: own (default) puts the servers on hosts of their own, "
+                        "--ranks-per-host to a host; shared puts them on the workers' hosts, server j on host j mod H")
     p.add_argument("--machine", metavar="NAME",
                    help="run on the hosts of a registered machine (gradsync machine add NAME --hosts FILE), "
                         "started over ssh from its first host, which is this one; its links are real, so no --net")
@@ -104,6 +111,7 @@ def _cluster_args(args, parser_error) -> None:
         args.np_list = [int(n) for n in str(args.np).split(",")]
     except ValueError:
         parser_error(f"--np must be a number or a comma-separated list of numbers, got {args.np!r}")
+    _placement_args(args, parser_error)
     args.rates = _rates(args, parser_error)
     if args.delay < 0 or (args.delay and not args.net):
         parser_error("--delay needs --net and must be >= 0")
@@ -128,6 +136,27 @@ def _cluster_args(args, parser_error) -> None:
         args.dilation = 1.0
     if (auto or args.dilation != 1) and not args.compute.startswith("emulated"):
         parser_error("--dilation needs --compute emulated: real computation cannot be slowed down")
+
+
+def _placement_args(args, parser_error) -> None:
+    """Check ``--ranks-per-host`` and ``--server-hosts`` against ``--net``, ``--np`` and ``--servers``
+    (``args.np_list`` parsed); ``args.server_hosts`` is set to its default where not given."""
+    per_host = getattr(args, "ranks_per_host", 1)  # a Namespace built without them runs here
+    where = getattr(args, "server_hosts", None)
+    args.ranks_per_host, args.server_hosts = per_host, where or "own"
+    if per_host < 1:
+        parser_error(f"--ranks-per-host must be >= 1, got {per_host}")
+    for flag, given in (("--ranks-per-host", per_host != 1), ("--server-hosts", where is not None)):
+        if given and not args.net:
+            machine = getattr(args, "machine", None)
+            parser_error(f"{flag} places ranks on emulated hosts: it needs --net"
+                         + (f" (machine {machine!r} places them on its own hosts)" if machine else ""))
+    if where is not None and not args.servers:
+        parser_error("--server-hosts places dedicated servers: it needs --servers 1 or more")
+    uneven = [n for n in args.np_list if n % per_host]
+    if uneven:
+        parser_error(f"--ranks-per-host {per_host} must divide --np {uneven[0]}: every host runs {per_host} workers "
+                     f"(--np {per_host}, {2 * per_host}, ...)")
 
 
 def _validate(args, parser_error) -> list[str]:
@@ -277,6 +306,7 @@ def _config(args, strategies: list[str], overrides: dict[str, dict], np: int, ra
     return {"workload": workload, "strategies": strategies, "np": np, "servers": args.servers,
             "steps": args.steps, "warmup": args.warmup, "threads": args.threads, "check_steps": args.check_steps,
             "rounds": args.rounds, "per_round": -(-args.steps // args.rounds), "rate_bps": rate,
+            "ranks_per_host": args.ranks_per_host, "server_hosts": args.server_hosts,
             "delay_ms": args.delay if rate is not None else 0.0,
             "dilation": dilation, "machine": args.machine_hosts, "trace": bool(args.trace), "tune": args.tune, "tune_steps": args.tune_steps,
             "options": {s: _options(s, hints, overrides) for s in strategies}}

@@ -7,7 +7,8 @@ warm-up steps): under a minute on a 2-core machine. The ranks run under the same
 exact strategy's parameters.
 
 An emulated cluster: ``--net 1gbit,10gbit`` puts every rank on its own emulated host with a link of
-that rate (one run per rate); ``--compute emulated`` replaces the model's computation by its
+that rate (one run per rate; ``--ranks-per-host R``: R workers to a host, sharing its link, and
+``--server-hosts own|shared``: dedicated servers on hosts of their own or on the workers'); ``--compute emulated`` replaces the model's computation by its
 profile (GPU-like layer times); ``--dilation K`` slows emulated compute and links alike by K, and
 every figure is reported back in undilated units (``--dilation auto``: per rate, just enough that
 no link really runs faster than 1 Gbit/s, which this machine emulates faithfully for 4+ hosts;
@@ -85,7 +86,9 @@ def _run_ranks(config: dict, run_dir: str) -> int:
     if config["rate_bps"] is None:
         return exit_status("bench", lambda: launch_local(command, **options))
     return exit_status("bench", lambda: launch_emulated(command, rate_bps=config["rate_bps"] / config["dilation"],
-                                                        delay_ms=config["delay_ms"] * config["dilation"], **options))
+                                                        delay_ms=config["delay_ms"] * config["dilation"],
+                                                        ranks_per_host=config["ranks_per_host"],
+                                                        server_hosts=config["server_hosts"], **options))
 
 
 def _records(config: dict, run_dir: str) -> list[dict]:
@@ -165,6 +168,10 @@ def _one_run(config: dict, args, records: list[dict]) -> int:
         net = f"machine {machine['name']} ({len(machine['hosts'])} hosts" + ("" if rate is None else f", {net}") + ")"
     if config["delay_ms"]:
         net += f", {config['delay_ms']:g} ms delay"
+    if config["ranks_per_host"] > 1:
+        net += f", {config['ranks_per_host']} workers per host"
+    if config["servers"] and config["rate_bps"] is not None and not config.get("machine"):
+        net += ", servers on the workers' hosts" if config["server_hosts"] == "shared" else ", servers on hosts of their own"
     print(f"gradsync bench: {args.model}, {config['np']} workers, {args.servers} servers, batch {args.batch_size}, "
           f"{args.warmup}+{args.steps} steps, {net}, compute {args.compute}"
           + (f", dilation {k:g}" if k != 1 else "") + f", strategies {', '.join(config['strategies'])}", flush=True)

@@ -31,6 +31,14 @@ measured steps; absent where the strategy counts none. With the compressors' cos
 the rate the run's codecs met, and with the host's rates the memory rate the server's updates met
 (``gradsync simulate --validate`` replays both).
 
+``host_tx_bytes_per_step`` and ``host_rx_bytes_per_step``: on an emulated cluster, the bytes each
+host's link sent and received per measured step, from the link's own device counters (Ethernet
+frames: headers, acknowledgements and the job's small control messages included), the busiest
+host's, and per host (``hosts_tx_bytes_per_step``, ``hosts_rx_bytes_per_step``; hosts in order, a
+host of servers alone included). Beside ``min_bytes_per_host`` they show how close a strategy's
+traffic comes to its pattern's minimum; ``bytes_per_step`` is what the strategy itself counts
+sending, per worker.
+
 ``host_cpu_busy``: the share of this machine's cores that were busy during the measured steps
 (rank 0's machine; on an emulated cluster, every emulated host's). With emulated compute, near 1
 means the run measured the host's CPU rather than the emulated cluster: at :data:`CPU_BOUND` and
@@ -47,7 +55,7 @@ import statistics
 FIELDS = ["strategy", "model", "np", "servers", "batch_size", "steps", "samples_per_s",
           "samples_per_s_min", "samples_per_s_max", "step_s", "compute_s", "comm_overhead_s",
           "bytes_per_step", "peak_mem_mb", "max_abs_diff", "max_rel_diff", "correct",
-          "net", "compute", "bound_samples_per_s", "efficiency", "host_cpu_busy"]
+          "net", "compute", "bound_samples_per_s", "efficiency", "min_bytes_per_host", "host_cpu_busy"]
 
 CPU_BOUND = 0.9
 """A run whose measured steps kept this share of the host's cores busy is reported as CPU-bound."""
@@ -65,6 +73,7 @@ def summarize(raw: dict, compute_times: list[float], config: dict, check: dict |
     record = {
         "strategy": raw["strategy"], "describe": raw["describe"], "model": config["workload"]["model"],
         "np": config["np"], "servers": config["servers"], "batch_size": config["workload"]["batch_size"],
+        "ranks_per_host": config.get("ranks_per_host", 1), "server_hosts": config.get("server_hosts", "own"),
         "steps": len(times), "warmup": warm, "rounds": config["rounds"], "threads": config["threads"],
         "samples_per_s": statistics.median(rates), "samples_per_s_min": min(rates),
         "samples_per_s_max": max(rates), "step_s": step_s, "compute_s": compute_s,
@@ -81,6 +90,8 @@ def summarize(raw: dict, compute_times: list[float], config: dict, check: dict |
         record["worker_step_s"] = statistics.median(t / k for t in raw["mean_times"])
     if raw.get("batch_times"):  # making the batch, before the step's timer starts
         record["batch_s"] = statistics.median(t / k for t in raw["batch_times"])
+    if raw.get("host_links"):
+        record.update(link_bytes_per_step(raw["host_links"]))
     work = [w for w in raw.get("host_work") or [] if w]
     if work:
         record["host_work"] = {kind: {"calls": statistics.fmean(w[kind][0] for w in work),
@@ -93,6 +104,15 @@ def summarize(raw: dict, compute_times: list[float], config: dict, check: dict |
         if not raw["exact"]:
             record["correct"] = None  # not expected to match the synchronous reference
     return record
+
+
+def link_bytes_per_step(steps: list) -> dict:
+    """From each measured step's ``[tx, rx]`` bytes per host: the mean per step of each host's
+    (``hosts_tx_bytes_per_step``, ``hosts_rx_bytes_per_step``) and of the busiest host's."""
+    tx = [sum(step[h][0] for step in steps) / len(steps) for h in range(len(steps[0]))]
+    rx = [sum(step[h][1] for step in steps) / len(steps) for h in range(len(steps[0]))]
+    return {"host_tx_bytes_per_step": max(tx), "host_rx_bytes_per_step": max(rx),
+            "hosts_tx_bytes_per_step": tx, "hosts_rx_bytes_per_step": rx}
 
 
 # A window shorter than this many clock ticks per core (100 ms at the usual 100 Hz) is too coarse to
@@ -168,6 +188,7 @@ def bound(min_bytes: float, compute_s: float, samples: int, config: dict) -> dic
 def table(records: list[dict]) -> str:
     w = max([11] + [len(r["strategy"]) for r in records])
     head = (f"{'strategy':<{w}} {'np':>3} {'net':>12} {'samples/s':>10} {'(min-max)':>15} {'bound':>8} {'eff':>5} "
+            f"{'host MB':>8} {'min MB':>8} "
             f"{'step ms':>8} {'compute':>8} {'comm ovh':>9} {'MB/step':>8} {'peak MB':>8} {'f64 |diff|':>10} "
             f"{'correct':>8} {'fp32 |diff|':>11} {'cpu':>4}")
     lines = [head, "-" * len(head)]
@@ -175,10 +196,13 @@ def table(records: list[dict]) -> str:
         diff = "-" if r["max_abs_diff"] is None else f"{r['max_abs_diff']:.1e}"
         correct = {True: "yes", False: "NO", None: "n/a"}[r["correct"]]
         cpu = "-" if r.get("host_cpu_busy") is None else f"{r['host_cpu_busy']:.0%}"
+        link = "-" if "host_tx_bytes_per_step" not in r else \
+            f"{max(r['host_tx_bytes_per_step'], r['host_rx_bytes_per_step']) / 2**20:.2f}"
         lines.append(
             f"{r['strategy']:<{w}} {r['np']:>3} {r['net']:>12} {r['samples_per_s']:>10.1f} "
             f"{'(' + format(r['samples_per_s_min'], '.0f') + '-' + format(r['samples_per_s_max'], '.0f') + ')':>15} "
-            f"{r['bound_samples_per_s']:>8.1f} {r['efficiency']:>5.2f} {r['step_s'] * 1e3:>8.1f} {r['compute_s'] * 1e3:>8.1f} {r['comm_overhead_s'] * 1e3:>9.1f} "
+            f"{r['bound_samples_per_s']:>8.1f} {r['efficiency']:>5.2f} {link:>8} {r['min_bytes_per_host'] / 2**20:>8.2f} "
+            f"{r['step_s'] * 1e3:>8.1f} {r['compute_s'] * 1e3:>8.1f} {r['comm_overhead_s'] * 1e3:>9.1f} "
             f"{r['bytes_per_step'] / 2**20:>8.2f} {r['peak_mem_mb']:>8.1f} {diff:>10} {correct:>8} {r['fp32_max_abs_diff']:>11.1e} {cpu:>4}")
     return "\n".join(lines)
 

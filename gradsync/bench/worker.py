@@ -6,7 +6,8 @@ Reads ``RUN_DIR/config.json`` (written by :mod:`gradsync.bench.cli`), then on ev
    CPU contention is the same as in the real run): the step time without communication;
 2. for each strategy: build the model from the seed, ``distribute`` it, run ``warmup + per_round``
    timed steps (forward, backward, ``optimizer.step``, ``zero_grad``; batches made beforehand),
-   and record per-step time (the slowest worker's), bytes sent and peak resident memory;
+   and record per-step time (the slowest worker's), bytes sent and peak resident memory (on an
+   emulated cluster also each host link's bytes per step, read by rank 0: :class:`HostLinks`);
 3. check that all workers hold the same parameters; rank 0 saves its final parameters
    ``RUN_DIR/<strategy>.pt`` for the parent's comparison with the single-process reference;
 4. repeat 1-3 for ``rounds`` rounds, then rank 0 writes ``RUN_DIR/results.json``;
@@ -91,21 +92,63 @@ def host_cpu() -> tuple[int, int] | None:
     return total - ticks[3] - ticks[4], total
 
 
+class HostLinks:
+    """Each emulated host's link counters (:func:`gradsync.cluster.counters.link_bytes`), read by
+    one rank through ``/proc/PID/net/dev`` of a rank on each host, at every step's end: ``steps``
+    gets each step's ``[tx, rx]`` bytes per host appended, what crossed the links since the
+    previous read (the step, and anything still in flight from the one before)."""
+
+    def __init__(self, pids: list[int]):
+        self.pids, self.steps, self.last = pids, [], None
+
+    def read(self) -> list[tuple[int, int]]:
+        from gradsync.cluster.counters import link_bytes
+
+        return [link_bytes(pid) for pid in self.pids]
+
+    def start(self) -> None:
+        self.steps, self.last = [], self.read()
+
+    def step(self, into_last: bool = False) -> None:
+        """Close a step (``into_last``: add what crossed since to the last step, e.g. after a flush)."""
+        now = self.read()
+        delta = [[a - b for a, b in zip(n, m)] for n, m in zip(now, self.last)]
+        self.last = now
+        if into_last and self.steps:
+            self.steps[-1] = [[a + b for a, b in zip(x, y)] for x, y in zip(self.steps[-1], delta)]
+        else:
+            self.steps.append(delta)
+
+
+def host_links(config: dict) -> HostLinks | None:
+    """On an emulated cluster, rank 0's reader of every host's link (collective over every rank:
+    each names its process); None elsewhere and on every other rank."""
+    if config["rate_bps"] is None or config.get("machine"):
+        return None
+    topo, transport = gradsync.topology(), runtime.current().transport
+    pids = torch.zeros(topo.world_size, dtype=torch.int64, device=transport.device)
+    pids[topo.rank] = os.getpid()
+    transport.allreduce(pids, world=True, what="gather of the ranks' processes")
+    return HostLinks([int(pids[ranks[0]]) for ranks in topo.hosts]) if topo.rank == 0 else None
+
+
 def timed_steps(model, optimizer, work: Workload, total: int, label: str = "compute only",
                 cpu: list | None = None, updates: list | None = None, host_work: list | None = None,
-                batches: list | None = None) -> list[float]:
+                batches: list | None = None, links: HostLinks | None = None) -> list[float]:
     """Run ``total`` training steps; per-step seconds. ``cpu``: gets each step's host CPU ticks
     ``[busy, total]`` appended (an emulated cluster shares this machine's cores: a run that keeps
     them busy measures the host, not the emulated cluster). ``updates``: gets each step's
     ``optimizer.step()`` seconds appended. ``host_work``: gets each step's host work of the
     strategy appended (:meth:`~gradsync.strategies.base.Strategy.host_work`, that step's part).
     ``batches``: gets the seconds each step's batch took to make appended (before the step's
-    timer starts, and so not in its time)."""
+    timer starts, and so not in its time). ``links``: closes a step of its counters at each step's end."""
     topo = gradsync.topology()
     spec = work.spec()
     tracer = trace.current()
     times = []
     done = optimizer.strategy.host_work() if host_work is not None else None
+    if links is not None:
+        links.start()
     for step in range(total):
         made = time.perf_counter()
         inputs, target = work.batch(spec, step, topo.rank, topo.num_workers)
@@ -122,6 +165,8 @@ def timed_steps(model, optimizer, work: Workload, total: int, label: str = "comp
         optimizer.zero_grad()
         end = time.perf_counter()
         times.append(end - start)
+        if links is not None:
+            links.step()
         if updates is not None:
             updates.append(stepped - backward)
         if done is not None:
@@ -215,7 +260,8 @@ def peaks(transport, worker: float = 0.0, server: float = 0.0) -> tuple[float, f
     return float(mem[0]), float(mem[1])
 
 
-def run_strategy(name: str, options: dict, work: Workload, total: int, run_dir: str) -> dict | None:
+def run_strategy(name: str, options: dict, work: Workload, total: int, run_dir: str,
+                 links: HostLinks | None = None) -> dict | None:
     topo = gradsync.topology()
     transport = runtime.current().transport
     gc.collect()  # the previous strategy's model, held in reference cycles by its hooks and threads
@@ -233,9 +279,11 @@ def run_strategy(name: str, options: dict, work: Workload, total: int, run_dir: 
         work_done: list[dict] = []  # this rank's (rank 0 writes the record)
         batches: list[float] = []
         times = timed_steps(model, optimizer, work, total, label=name, cpu=cpu, updates=updates, host_work=work_done,
-                            batches=batches)
+                            batches=batches, links=links)
         optimizer.flush()  # the last step's lazily finished pulls (p3) count toward its bytes
         sent = transport.bytes_sent - sent_before
+        if links is not None:
+            links.step(into_last=True)
         for hook in hooks:
             hook.remove()
     optimizer.close()  # dedicated servers leave their loop; the model can be freed before the next strategy
@@ -250,6 +298,7 @@ def run_strategy(name: str, options: dict, work: Workload, total: int, run_dir: 
             "bytes_per_step": sent / total, "peak_mem_mb": worker_mb, "server_peak_mem_mb": server_mb,
             "workers_max_diff": agree, "stats": {k: v for k, v in getattr(optimizer.strategy, "stats", {}).items() if isinstance(v, (int, float))},
             "exact": bool(optimizer.strategy.exact), "model_bytes": model_bytes, "host_cpu": cpu,
+            "host_links": None if links is None else links.steps,
             "min_bytes_per_host": optimizer.strategy.min_bytes_per_host(model_bytes)}
 
 
@@ -258,10 +307,11 @@ def merge(into: dict | None, record: dict, warmup: int) -> dict:
     times, updates = record["times"][warmup:], record["optimizer_times"][warmup:]
     batches, means = record.get("batch_times", [])[warmup:], record.get("mean_times", [])[warmup:]
     cpu = None if record["host_cpu"] is None else record["host_cpu"][warmup:]
+    links = None if record.get("host_links") is None else record["host_links"][warmup:]
     work = record.get("host_work", [])[warmup:]
     if into is None:
         return {**record, "times": times, "optimizer_times": updates, "batch_times": batches, "mean_times": means,
-                "host_cpu": cpu, "host_work": work}
+                "host_cpu": cpu, "host_links": links, "host_work": work}
     into["times"] += times
     into["optimizer_times"] += updates
     into["batch_times"] = into.get("batch_times", []) + batches
@@ -269,6 +319,8 @@ def merge(into: dict | None, record: dict, warmup: int) -> dict:
     into["host_work"] = into.get("host_work", []) + work
     if cpu is not None:
         into["host_cpu"] += cpu
+    if links is not None:
+        into["host_links"] += links
     into["peak_mem_mb"] = max(into["peak_mem_mb"], record["peak_mem_mb"])
     into["server_peak_mem_mb"] = max(into["server_peak_mem_mb"], record["server_peak_mem_mb"])
     into["stats"] = {k: into["stats"].get(k, 0) + v for k, v in record["stats"].items()
@@ -337,6 +389,7 @@ def main(run_dir: str) -> int:
     # on a shared machine falls on every strategy alike instead of on whichever ran last, and each
     # takes every place in the order (following compute-only, following another strategy) in turn.
     warmup, records, compute = config["warmup"], {}, []
+    links = host_links(config)  # rank 0's, on an emulated cluster
     tuning = tune_strategies(config, work, run_dir) if config.get("tune") else {}
     for r in range(config["rounds"]):
         if config["trace"] and r == config["rounds"] - 1:  # the last round, when everything is warm
@@ -347,7 +400,7 @@ def main(run_dir: str) -> int:
             del model, optimizer  # not alive beside the strategies' models (VGG-19: 1.7 GB a worker)
         for name in rotated(config["strategies"], r):
             start = time.perf_counter()
-            record = run_strategy(name, config["options"].get(name, {}), work, total, run_dir)
+            record = run_strategy(name, config["options"].get(name, {}), work, total, run_dir, links)
             if record is not None:
                 records[name] = merge(records.get(name), record, warmup)
             runtime.current().transport.barrier(what=f"end of {name}")

@@ -6,26 +6,41 @@ from __future__ import annotations
 from gradsync.cluster import EmulatedCluster
 from gradsync.launch.processes import launch_local
 
+SERVER_HOSTS = ("own", "shared")
+"""Where dedicated servers go (:func:`placement`): on hosts of their own, or on the workers' hosts."""
+
+
+def placement(np: int, servers: int = 0, ranks_per_host: int = 1, server_hosts: str = "own") -> list[int]:
+    """Each rank's emulated host. Workers fill hosts ``ranks_per_host`` at a time in rank order;
+    servers then fill further hosts the same way (``"own"``: after a last host of fewer workers,
+    the first servers join it), or join the workers' hosts in turn, server ``j`` on host ``j mod H``
+    (``"shared"``)."""
+    if server_hosts not in SERVER_HOSTS:
+        raise ValueError(f"server_hosts must be one of {', '.join(SERVER_HOSTS)}, got {server_hosts!r}")
+    if server_hosts == "own":
+        return [rank // ranks_per_host for rank in range(np + servers)]
+    worker_hosts = -(-np // ranks_per_host)
+    return [rank // ranks_per_host for rank in range(np)] + [j % worker_hosts for j in range(servers)]
+
 
 def launch_emulated(command: list[str], *, np: int, servers: int = 0, rate_bps: float | None,
-           delay_ms: float = 0.0, loss: float = 0.0, ranks_per_host: int = 1, **launch_options):
-    """Run ``command`` as ``np`` workers and ``servers`` servers, ``ranks_per_host`` ranks per emulated host.
+           delay_ms: float = 0.0, loss: float = 0.0, ranks_per_host: int = 1, server_hosts: str = "own",
+           **launch_options):
+    """Run ``command`` as ``np`` workers and ``servers`` servers, ``ranks_per_host`` ranks per emulated
+    host, placed by :func:`placement` (``server_hosts``: ``"own"`` or ``"shared"``).
 
-    Ranks fill hosts in rank order (workers first, servers last), and every host's link has
-    ``rate_bps`` (None: unshaped), one-way host-to-host ``delay_ms`` and drops ``loss`` (a fraction)
-    of its frames. The cluster is removed afterwards, whatever happens.
+    Every host's link has ``rate_bps`` (None: unshaped), one-way host-to-host ``delay_ms`` and
+    drops ``loss`` (a fraction) of its frames. The cluster is removed afterwards, whatever happens.
     Returns the launcher's :class:`~gradsync.launch.JobResult`.
     """
-    world = np + servers
-    hosts = -(-world // ranks_per_host)
-    with EmulatedCluster(hosts, rate_bps, delay_ms, loss) as cluster:
-        def placement(spec):
+    hosts = placement(np, servers, ranks_per_host, server_hosts)
+    with EmulatedCluster(max(hosts) + 1, rate_bps, delay_ms, loss) as cluster:
+        def place(spec):
             # Each emulated host is a host of its own to the ranks (gradsync.hosts); LOCAL_RANK stays
             # the rank on the real machine, whose GPUs the ranks share.
-            host = spec.rank // ranks_per_host
-            local = {"GRADSYNC_HOST": f"emulated host {host}",
-                     "LOCAL_WORLD_SIZE": str(min(ranks_per_host, world - host * ranks_per_host))}
+            host = hosts[spec.rank]
+            local = {"GRADSYNC_HOST": f"emulated host {host}", "LOCAL_WORLD_SIZE": str(hosts.count(host))}
             return cluster.exec_prefix(host), {**cluster.env(), **local}
 
         return launch_local(command, np=np, servers=servers, master_addr=cluster.address(0),
-                            placement=placement, **launch_options)
+                            placement=place, **launch_options)

@@ -160,10 +160,11 @@ def bound(strategy: str, options: dict, model_bytes: int, np: int, servers: int,
     from types import SimpleNamespace
 
     from gradsync.strategies import resolve
+    from gradsync.topology import Topology
 
     if min_bytes is None:
         obj = resolve(strategy, **options)
-        obj.ctx = SimpleNamespace(topology=SimpleNamespace(num_workers=np, num_servers=servers))
+        obj.ctx = SimpleNamespace(topology=Topology(world_size=np + servers, rank=0, num_servers=servers))
         if hasattr(obj, "codec_name"):  # a compressed strategy: its wire ratio, as the simulator measured it
             from gradsync.simulate.compressed import codec_cost
 

@@ -32,7 +32,7 @@ import torch
 from gradsync.compress import CompressionError, PowerSGD, build, parse_spec
 from gradsync.compress.base import all_finite
 from gradsync.errors import ConfigError, GradsyncError
-from gradsync.strategies.base import Strategy, SyncContext, fill_slot, ring_bytes
+from gradsync.strategies.base import Strategy, SyncContext, fill_slot, host_ring_bytes
 from gradsync.strategies.buffers import BufferBroadcast
 
 MB = 1024 * 1024
@@ -374,7 +374,7 @@ class AllReduce(BucketedSync):
             sample = torch.randn(1 << 16, generator=torch.Generator().manual_seed(0))
             payload, _ = build(self.codec_name, **self.codec_options).compress(sample)
             ratio = to_bytes(payload).numel() / (sample.numel() * sample.element_size())
-        return ring_bytes(model_bytes * ratio, self.ctx.topology.num_workers)
+        return host_ring_bytes(model_bytes * ratio, self.ctx.topology)
 
     def describe(self) -> str:
         codec = "" if self.compression is None else f", compression={self.compression}" + (

@@ -39,7 +39,7 @@ import torch
 
 from gradsync import runtime
 from gradsync.errors import ConfigError, GradsyncError
-from gradsync.strategies.base import Strategy, SyncContext, ring_bytes
+from gradsync.strategies.base import Strategy, SyncContext, host_ring_bytes
 from gradsync.strategies.overlap import (Arrivals, ForwardOrder, Gradients, SliceOptimizers, check_elementwise_flag,
                                          check_sliceable, hyper, out_of_step)
 from gradsync.strategies.optstate import StateLayout, gather, install
@@ -315,7 +315,7 @@ class PriorityAllReduce(Strategy):
             self.ctx.transport.free_group(self.hosts)
 
     def min_bytes_per_host(self, model_bytes: int) -> float:
-        return ring_bytes(model_bytes, self.ctx.topology.num_workers)
+        return host_ring_bytes(model_bytes, self.ctx.topology)
 
     def describe(self) -> str:
         parts = f"{len(self.plan.slices)} partitions" if self.plan is not None else "partitions"

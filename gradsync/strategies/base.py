@@ -167,10 +167,12 @@ class Strategy:
         return {}
 
     def min_bytes_per_host(self, model_bytes: int) -> float:
-        """Bytes the busiest host must send (or receive, whichever is more) in one step, one rank per host.
+        """Bytes the busiest host's link must send (or receive, whichever is more) in one step.
 
         The lower bound of this strategy's traffic pattern, for the benchmark's physical bound
-        (``T_comm_min = min_bytes_per_host / link rate``). Each rank alone: nothing.
+        (``T_comm_min = min_bytes_per_host / link rate``), counted per host of the topology
+        (:func:`worker_hosts`): the ranks of one host may combine what they send before it
+        crosses the link, so with one rank per host it is per rank. Each rank alone: nothing.
         """
         return 0.0
 
@@ -178,6 +180,38 @@ class Strategy:
 def ring_bytes(model_bytes: int, num_workers: int) -> float:
     """A ring all-reduce: every host sends and receives ``2 (N-1)/N`` of the data (Patarasuk & Yuan)."""
     return 2 * (num_workers - 1) / num_workers * model_bytes
+
+
+def worker_hosts(topology: Topology) -> list[list[int]]:
+    """The workers of each host that runs any, hosts in order (one worker a host where the layout
+    is not known): the hosts a strategy's bound counts, as :meth:`Strategy.min_bytes_per_host` does."""
+    return [w for w in ([r for r in ranks if r < topology.num_workers] for ranks in topology.hosts) if w]
+
+
+def host_ring_bytes(model_bytes: float, topology: Topology) -> float:
+    """A ring all-reduce over the hosts that run workers, each host's workers summed inside it
+    first: :func:`ring_bytes` over the hosts (over the workers at one worker a host)."""
+    return ring_bytes(model_bytes, len(worker_hosts(topology)))
+
+
+def served_bytes_per_host(model_bytes: int, topology: Topology) -> float:
+    """Parameter servers' traffic, the busiest host's: each host with workers pushes, once for all
+    its workers, the share of the model held on other hosts and pulls it back; a host holding a
+    share takes it in from every other host with workers and answers each. Holders are the
+    dedicated servers, else (co-located) the workers, each holding an equal share.
+
+    One rank a host: dedicated servers ``max(M, N M / S)``; co-located, a ring's ``2 (N-1)/N M``."""
+    hosts = worker_hosts(topology)
+    if not topology.num_servers and len({len(w) for w in hosts}) == 1:  # co-located, even: a ring's
+        return host_ring_bytes(model_bytes, topology)
+    holders = topology.server_ranks or topology.worker_ranks
+    most = 0.0
+    for ranks in topology.hosts:
+        here = sum(1 for r in ranks if r in holders)
+        works = int(any(r < topology.num_workers for r in ranks))
+        out = works * (len(holders) - here) * model_bytes / len(holders) + here * (len(hosts) - works) * model_bytes / len(holders)
+        most = max(most, out)
+    return most
 
 
 def fill_slot(slot: torch.Tensor, grad: torch.Tensor | None) -> float:

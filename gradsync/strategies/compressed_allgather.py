@@ -15,6 +15,7 @@ from gradsync.compress import Compressor
 from gradsync.compress.base import from_bytes, message_problem
 from gradsync.compress.powersgd import PowerSGD
 from gradsync.errors import ConfigError
+from gradsync.strategies.base import worker_hosts
 from gradsync.strategies.compressed import CompressedSync
 from gradsync.transport import check_peer, payload_limit
 
@@ -49,4 +50,6 @@ class CompressedAllGather(CompressedSync):
         flat.copy_(total)
 
     def min_bytes_per_host(self, model_bytes: int) -> float:
-        return (self.ctx.topology.num_workers - 1) * model_bytes * self.ratio
+        # Payloads are not summed on the way: a host takes in every payload of the workers elsewhere.
+        fewest = min(len(w) for w in worker_hosts(self.ctx.topology))
+        return (self.ctx.topology.num_workers - fewest) * model_bytes * self.ratio

@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 from gradsync._lazy import lazy_names
 from gradsync.compress import build, hook, parse_spec
 from gradsync.errors import ConfigError
-from gradsync.strategies.base import Strategy, SyncContext, ring_bytes
+from gradsync.strategies.base import Strategy, SyncContext, host_ring_bytes
 from gradsync.watchdog import Watchdog
 
 
@@ -173,7 +173,7 @@ class TorchDDP(Strategy):
             self.watchdog.close()
 
     def min_bytes_per_host(self, model_bytes: int) -> float:
-        return ring_bytes(model_bytes, self.ctx.topology.num_workers)
+        return host_ring_bytes(model_bytes, self.ctx.topology)
 
     def describe(self) -> str:
         hooked = "" if self.compression is None else f", comm hook {self.compression}" + (

@@ -25,7 +25,7 @@ from typing import Any, Callable
 import torch
 
 from gradsync import flight, runtime
-from gradsync.strategies.base import Strategy, SyncContext
+from gradsync.strategies.base import Strategy, SyncContext, worker_hosts
 from gradsync.transport import REPORT_S, check_peer
 
 TAG_REQUEST, TAG_REPLY = 910_001, 910_002
@@ -142,5 +142,9 @@ class PairAveraging(Strategy):
         return "pair-averaging"
 
     def min_bytes_per_host(self, model_bytes: int) -> float:
-        # Each worker receives one model per step; a worker chosen by several peers sends more.
-        return float(model_bytes)
+        # Each worker receives one model per step, from a peer on another host as often as the peers
+        # are elsewhere (every time at one worker a host); a worker chosen by several peers sends more.
+        n = self.ctx.topology.num_workers
+        if n == 1:
+            return float(model_bytes)
+        return max(len(w) * (n - len(w)) * model_bytes / (n - 1) for w in worker_hosts(self.ctx.topology))

@@ -20,7 +20,7 @@ import torch
 
 from gradsync._lazy import lazy_names
 from gradsync.errors import ConfigError
-from gradsync.strategies.base import Strategy, SyncContext, ring_bytes
+from gradsync.strategies.base import Strategy, SyncContext, host_ring_bytes
 
 
 class ModelAveraging(Strategy):
@@ -77,7 +77,7 @@ class ModelAveraging(Strategy):
         return f"sma(alpha={self.alpha})"
 
     def min_bytes_per_host(self, model_bytes: int) -> float:
-        return ring_bytes(model_bytes, self.ctx.topology.num_workers)
+        return host_ring_bytes(model_bytes, self.ctx.topology)
 
 # The old class name, kept as a deprecated alias.
 lazy_names(__name__, {}, renamed={"SMA": "gradsync.strategies.ModelAveraging"})

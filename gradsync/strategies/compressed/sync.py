@@ -23,7 +23,7 @@ from gradsync.compress.base import Payload, from_bytes, message_problem, to_byte
 from gradsync.errors import ConfigError
 from gradsync.strategies import costmodel
 from gradsync.strategies.allreduce import MB, BucketedSync
-from gradsync.strategies.base import SyncContext, ring_bytes
+from gradsync.strategies.base import SyncContext, host_ring_bytes
 from gradsync.strategies.compressed.faults import Faults
 from gradsync.strategies.compressed.paths import ExchangedBucket, PlainBucket, SummedBucket
 from gradsync.strategies.compressed.thread import ExchangeThread
@@ -244,7 +244,7 @@ class CompressedSync(BucketedSync):
         self.ctx.transport.free_group(self.group)
 
     def min_bytes_per_host(self, model_bytes: int) -> float:
-        return ring_bytes(model_bytes * self.ratio, self.ctx.topology.num_workers)
+        return host_ring_bytes(model_bytes * self.ratio, self.ctx.topology)
 
     def report(self) -> str:
         """The per-bucket decisions, one line each (selective compression's cost model, or "always")."""

@@ -11,7 +11,7 @@ from torch import nn
 
 from gradsync.errors import ConfigError, GradsyncError
 from gradsync.strategies.allreduce import AllReduce
-from gradsync.strategies.base import Strategy, SyncContext, ring_bytes
+from gradsync.strategies.base import Strategy, SyncContext, host_ring_bytes, worker_hosts
 from gradsync.strategies.hybrid.layout import (OP_FLUSH, OP_PULL, OP_PUSH, OP_STOP, TABLES, TAG_ANSWER, TAG_REQUEST,
                                               Layout, _lr_bits)
 from gradsync.strategies.hybrid.plan import Planning
@@ -321,11 +321,13 @@ class SparseHybrid(Planning, Strategy):
             self.ctx.transport.allreduce(torch.zeros(1), what="hybrid: every worker loaded the model")
 
     def min_bytes_per_host(self, model_bytes: int) -> float:
-        """The dense part's ring all-reduce, plus each worker's rows out (push) and back (pull)."""
+        """The dense part's ring all-reduce over the hosts, plus the rows out (push) and back (pull)
+        of the busiest host's workers (each this worker's count: their ids differ)."""
         params = self.ctx.params
         sparse_bytes = sum(params[i].numel() * params[i].element_size() for i in self.sparse)
         row_bytes = self.stats["row_bytes"] / max(1, self.stats["steps"])
-        return ring_bytes(model_bytes - sparse_bytes, self.ctx.topology.num_workers) + row_bytes
+        most = max(len(w) for w in worker_hosts(self.ctx.topology))
+        return host_ring_bytes(model_bytes - sparse_bytes, self.ctx.topology) + most * row_bytes
 
     def host_work(self) -> dict[str, list]:
         """This rank's row server's updates so far, ``{"update": [tables updated, partition bytes,

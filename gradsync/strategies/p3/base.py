@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from gradsync import runtime
 from gradsync.errors import ConfigError, GradsyncError
-from gradsync.strategies.base import Strategy, SyncContext, ring_bytes
+from gradsync.strategies.base import Strategy, SyncContext, served_bytes_per_host
 from gradsync.strategies.optstate import StateLayout, gather, install
 from gradsync.strategies.overlap import (Arrivals, ForwardOrder, Gradients, SliceOptimizers, check_elementwise_flag,
                                          check_sliceable, hyper, out_of_step)
@@ -231,9 +231,9 @@ class SlicedServer(SliceServing, Strategy):
 
     # -- reports ---------------------------------------------------------------------------------------
     def min_bytes_per_host(self, model_bytes: int) -> float:
-        """As ``ps``: dedicated servers serve N workers their share; co-located hosts exchange like a ring."""
-        n, s = self.ctx.topology.num_workers, self.ctx.topology.num_servers
-        return max(model_bytes, n * model_bytes / s) if s else ring_bytes(model_bytes, n)
+        """As ``ps``: dedicated servers serve every host of workers their share; co-located hosts
+        exchange like a ring (:func:`~gradsync.strategies.base.served_bytes_per_host`)."""
+        return served_bytes_per_host(model_bytes, self.ctx.topology)
 
     def describe(self) -> str:
         where = f"{len(self.servers)} dedicated servers" if self.dedicated else f"co-located on {len(self.servers)} workers"

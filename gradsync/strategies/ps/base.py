@@ -27,7 +27,7 @@ from typing import Any, Callable, ClassVar
 import torch
 
 from gradsync.errors import ConfigError, GradsyncError
-from gradsync.strategies.base import Strategy, SyncContext, fill_slot, mean_of_used, ring_bytes
+from gradsync.strategies.base import Strategy, SyncContext, fill_slot, mean_of_used, served_bytes_per_host
 from gradsync.strategies.ps.wire import OP_STEP, OP_STOP, TAG_CONTROL, Fused, check_header, partition, plan_groups
 from gradsync.transport import wait_all
 
@@ -290,12 +290,10 @@ class ParameterServerBase(Strategy):
         wait_all([t.send_async(header, s, TAG_CONTROL, what=f"stop to rank {s}") for s in self.servers])
 
     def min_bytes_per_host(self, model_bytes: int) -> float:
-        """Dedicated servers: a worker pushes and pulls everything once, a server serves N workers its
-        share; co-located: each host exchanges the other hosts' shares, as much as a ring all-reduce."""
-        n, s = self.ctx.topology.num_workers, self.ctx.topology.num_servers
-        if s:
-            return max(model_bytes, n * model_bytes / s)
-        return ring_bytes(model_bytes, n)
+        """Dedicated servers: a host of workers pushes and pulls everything once, a server's host serves
+        every host of workers its share; co-located: each host exchanges the other hosts' shares, as
+        much as a ring all-reduce (:func:`~gradsync.strategies.base.served_bytes_per_host`)."""
+        return served_bytes_per_host(model_bytes, self.ctx.topology)
 
     def describe(self) -> str:
         where = f"{len(self.servers)} dedicated servers" if self.dedicated else f"co-located on {len(self.servers)} workers"
