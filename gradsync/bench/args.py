@@ -19,7 +19,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="model NAME[:SIZE] (default resnet50:tiny), or your own package.module:function "
                         "returning (model, make_batch, loss): see gradsync.models.user")
     p.add_argument("--strategies", default=",".join(DEFAULT_STRATEGIES),
-                   help="comma-separated strategies (default: all that can run)")
+                   help="comma-separated strategies (default: all that can run); STRATEGY:flat runs a strategy "
+                        "without its host-aware form (with --ranks-per-host), beside it")
     p.add_argument("--np", "-np", default="2", help="number of workers, or a comma-separated list (default 2)")
     p.add_argument("--servers", type=int, default=0, help="dedicated parameter-server ranks (default 0: co-located)")
     p.add_argument("--batch-size", type=int, default=32, help="samples per worker per step (default 32)")
@@ -178,7 +179,7 @@ def _validate(args, parser_error) -> list[str]:
         if max(args.np_list) > slots:
             parser_error(f"--np {max(args.np_list)} exceeds the {slots} slots of machine {args.machine!r}")
     names = [s.strip() for s in args.strategies.split(",") if s.strip()]
-    unknown = [s for s in names if s not in STRATEGIES]
+    unknown = [s for s in names if s.removesuffix(":flat") not in STRATEGIES]
     if unknown or not names:
         parser_error(f"unknown strategy {', '.join(unknown) or '(none)'}; valid strategies: {', '.join(strategy_names())}")
     if args.optimizer not in OPTIMIZERS:
@@ -196,6 +197,10 @@ def _validate(args, parser_error) -> list[str]:
         names = _with_compression(names, args.compression, parser_error)
     if args.monitors:
         names = _with_monitors(names, args.monitors, parser_error)
+    flat = [n for n in names if n.endswith(":flat")]
+    if flat and getattr(args, "ranks_per_host", 1) == 1:
+        print(f"note: {', '.join(flat)} run as their plain forms: with one worker per host every strategy is flat",
+              flush=True)
     if args.servers == 0 and "ps-async" in names:
         names.remove("ps-async")
         print("note: skipping ps-async, which needs dedicated servers (--servers 1 or more)", flush=True)
@@ -235,13 +240,13 @@ def _with_compression(names: list[str], specs: str, parser_error) -> list[str]:
     out = []
     for name in names:
         labels, plain = [], name in ("allreduce", "ddp")  # these also run uncompressed, as the baseline
-        known, rest = accepted_options(STRATEGIES[name])
+        known, rest = accepted_options(STRATEGIES[name.removesuffix(":flat")])
         if rest is None and all(p.name != "compression" for p in known):
             out += [] if name in out else [name]  # the strategy takes no compressor: it runs plain, once
             continue
         for spec in filter(None, (s.strip() for s in specs.split(";"))):
             try:
-                resolve(name, compression=spec)
+                resolve(name.removesuffix(":flat"), compression=spec)
             except ConfigError as exc:
                 if "cannot" in str(exc) or "does not take" in str(exc):  # a valid spec this strategy refuses
                     what = "runs plain, without" if name in ("allreduce", "ddp") else "skips"
@@ -315,6 +320,7 @@ def _config(args, strategies: list[str], overrides: dict[str, dict], np: int, ra
 def _options(label: str, hints: dict, overrides: dict) -> dict:
     """A bench label's strategy options: the model's hints, ``--set``, and the ``+SPEC`` compressor."""
     name, plus, spec = label.partition("@")[0].partition("+")
+    name = name.removesuffix(":flat")
     options = {**hints.get(name, {}), **overrides.get(name, {}), **overrides.get(label, {})}
     return {**options, "compression": spec} if plus else options
 

@@ -230,10 +230,20 @@ def workers_agree(model, chunk: int = 1 << 22) -> float:
     return float(transport.allreduce(diff, op="max", what="consistency check"))
 
 
+FLAT = ":flat"
+"""A label's suffix for a strategy's flat form on hosts of several workers (``distribute(...,
+hosts="flat")``): ``--strategies allreduce,allreduce:flat`` runs both side by side."""
+
+
 def strategy_of(label: str) -> str:
-    """The strategy a bench label runs: ``casync-ring+onebit`` (``--compression``) and
-    ``allreduce@noise-scale`` (``--monitors``) run ``casync-ring`` and ``allreduce``."""
-    return label.partition("@")[0].partition("+")[0]
+    """The strategy a bench label runs: ``casync-ring+onebit`` (``--compression``),
+    ``allreduce@noise-scale`` (``--monitors``) and ``allreduce:flat`` run ``casync-ring`` and ``allreduce``."""
+    return label.partition("@")[0].partition("+")[0].removesuffix(FLAT)
+
+
+def hosts_of(label: str) -> str:
+    """``distribute``'s ``hosts`` for a bench label: ``"flat"`` for a ``STRATEGY:flat`` label."""
+    return "flat" if label.partition("@")[0].partition("+")[0].endswith(FLAT) else "auto"
 
 
 MONITORS = {
@@ -267,7 +277,8 @@ def run_strategy(name: str, options: dict, work: Workload, total: int, run_dir: 
     gc.collect()  # the previous strategy's model, held in reference cycles by its hooks and threads
     with PeakMemory() as memory:
         model, optimizer = work.build()
-        optimizer = gradsync.distribute(model, optimizer, strategy_of(name), exit_servers=False, **options)
+        optimizer = gradsync.distribute(model, optimizer, strategy_of(name), exit_servers=False,
+                                        hosts=hosts_of(name), **options)
         if topo.is_server:  # it served until the workers closed the strategy
             peaks(transport, server=memory.peak_mb)
             return None
