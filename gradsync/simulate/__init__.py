@@ -17,6 +17,7 @@ import statistics
 from gradsync.errors import ConfigError
 from gradsync.simulate import averaging, compressed
 from gradsync.simulate.engine import Sim, SimulationError
+from gradsync.simulate.hosts import LocalAggregation
 from gradsync.simulate.hybrid import Hybrid
 from gradsync.simulate.models import Buckets, ParameterServers, Slices
 from gradsync.simulate.worker import Host, Network, StrategyModel, Worker
@@ -25,10 +26,12 @@ from gradsync.simulate.workload import Workload, load
 
 def simulate(strategy: str, workload: Workload, np: int, net: Network, *, host: Host | None = None,
              servers: int = 0, options: dict | None = None, steps: int = 6, warmup: int = 2,
-             trace: bool = False) -> dict:
+             trace: bool = False, flat: bool = False) -> dict:
     """Simulate ``steps`` steps of ``strategy`` and summarize the ones after ``warmup``, as a
     ``gradsync bench`` record (throughput is global: ``np * batch / step time``). With ``trace``,
-    also ``timeline`` (every span: lane, what, start, end, in seconds) and ``step_ends``."""
+    also ``timeline`` (every span: lane, what, start, end, in seconds) and ``step_ends``. On hosts
+    of several ranks (``net.ranks_per_host``) the strategy runs its topology-aware schedule
+    (:attr:`StrategyModel.hosts`), or, with ``flat``, every rank as its own peer."""
     if steps <= warmup:
         raise SimulationError(f"steps ({steps}) must exceed warmup ({warmup})")
     if servers < 0:
@@ -36,8 +39,11 @@ def simulate(strategy: str, workload: Workload, np: int, net: Network, *, host: 
     sim = Sim()
     if trace:
         sim.log = []
-    worker = Worker(sim, workload, np, net, host or Host(), servers)
     model = build(strategy, options, servers)
+    hosts = "flat" if flat else model.hosts
+    worker = Worker(sim, workload, np, net, host or Host(), servers, hosts)
+    if worker.hosts == "local":
+        model = LocalAggregation(model)
     ends = worker.run(model, steps)
     times = model.step_times(ends)[warmup:]
     samples = np * workload.batch_size
@@ -53,6 +59,8 @@ def simulate(strategy: str, workload: Workload, np: int, net: Network, *, host: 
         "compute": "simulated", "source": "gradsync simulate", "events": sim.events,
         "bytes_per_step": worker.bytes_sent() / len(ends), "plan": model.describe(),
     }
+    if worker.per_host > 1:
+        record.update(ranks_per_host=worker.per_host, hosts=worker.hosts, nic_bytes_per_step=worker.nic_bytes() / len(ends))
     if hasattr(model, "dense_bytes"):
         record["dense_bytes"] = model.dense_bytes
         record["min_bytes_per_host"] = model.min_bytes_per_host()
@@ -101,7 +109,13 @@ def build(name: str, options: dict | None = None, servers: int = 0) -> StrategyM
         model = Slices(strategy, strategy.partition_params, strategy.credit_mb * 2**20, True, True,
                        all_reduce=True, servers=0)
     model.name = name
+    model.hosts = "flat" if isinstance(model, averaging.AsyncServers) else HOSTS.get(name, "flat")
     return model
 
 
-__all__ = ["simulate", "build", "load", "Network", "Host", "SIMULATED", "Workload", "SimulationError"]
+HOSTS = {"allreduce": "ring", "allreduce-priority": "ring", "sma": "ring", "ps": "local"}
+"""Each strategy's schedule on hosts of several ranks (:data:`~gradsync.simulate.worker.HOST_SCHEDULES`),
+as the topology-aware strategy runs it on Gloo (docs/launcher.md); the others stay flat, as they run."""
+
+
+__all__ = ["simulate", "build", "load", "Network", "Host", "SIMULATED", "HOSTS", "Workload", "SimulationError"]

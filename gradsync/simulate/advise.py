@@ -120,8 +120,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--np", "-np", type=int, required=True, help="workers")
     p.add_argument("--net", required=True, metavar="RATE", help="host link rate, e.g. 10gbit; 'unlimited' for none")
     p.add_argument("--latency-us", type=float, default=50.0, help="one-way latency of a message in µs (default 50)")
-    p.add_argument("--gpus-per-host", type=int, default=1, help="workers sharing one host's link (default 1)")
-    p.add_argument("--intra-gbps", type=float, default=12.0, help="GB/s between the workers of one host (default 12)")
+    p.add_argument("--ranks-per-host", type=int, default=1,
+                   help="workers (ranks) on each host, sharing its NIC (default 1): the strategies' two-level schedules")
+    p.add_argument("--gpus-per-host", type=int, default=1, help="the older name of --ranks-per-host")
+    p.add_argument("--intra-gbps", type=float, default=12.0, help="GB/s between the ranks of one host (default 12)")
     p.add_argument("--servers", type=int, default=0, help="dedicated parameter-server hosts (default 0)")
     p.add_argument("--batch-size", type=int, default=32, help="samples per worker per step (default 32)")
     p.add_argument("--compute", default="", metavar="PROFILE", help="compute profile (default: the model's shipped one)")

@@ -108,6 +108,15 @@ class PairAveraging(StrategyModel):
             step()
 
     def _pull(self, r: int, done: Callable[[], None]) -> None:
+        # on hosts of several ranks, the host's ranks average inside it first (an all-reduce over
+        # its intra-host link), and the host is one peer of the pairs
+        inside = self.wk.inside_allreduce_s(self.wk.w.nbytes)
+        if inside > 0:
+            self.wk.sim.after(inside, lambda: self._pull_peer(r, done))
+        else:
+            self._pull_peer(r, done)
+
+    def _pull_peer(self, r: int, done: Callable[[], None]) -> None:
         wk, nbytes = self.wk, self.wk.w.nbytes
         if wk.np == 1:
             self.hosts[r].run(wk.update_s(nbytes), done, what="optimizer")

@@ -56,6 +56,26 @@ def add_host_arguments(p: argparse.ArgumentParser) -> None:
                         "among 4 emulated hosts, benchmarks/regenerate/mesh_exchange.py)")
 
 
+def add_hosts_arguments(p: argparse.ArgumentParser) -> None:
+    """Hosts of several ranks (:attr:`~gradsync.simulate.Network.ranks_per_host`), as ``simulate`` and ``advise`` take them."""
+    p.add_argument("--ranks-per-host", type=int, default=1,
+                   help="workers (ranks) on each host, sharing its NIC (default 1); the topology-aware strategies "
+                        "run their two-level schedules, docs/simulate.md")
+    p.add_argument("--gpus-per-host", type=int, default=1, help="the older name of --ranks-per-host")
+    p.add_argument("--intra-gbps", type=float, default=12.0,
+                   help="GB/s between the ranks of one host, shared by them (default 12: PCIe 3 x16)")
+    p.add_argument("--flat", action="store_true",
+                   help="every rank its own peer, as a strategy that does not know hosts (for comparison)")
+
+
+def ranks_per_host(args, error) -> int:
+    """The ranks per host of ``--ranks-per-host`` or its older name ``--gpus-per-host``."""
+    at_least(args, error, ranks_per_host=1, gpus_per_host=1)
+    if args.ranks_per_host > 1 and args.gpus_per_host > 1 and args.ranks_per_host != args.gpus_per_host:
+        error(f"--ranks-per-host {args.ranks_per_host} and --gpus-per-host {args.gpus_per_host} disagree: give one")
+    return max(args.ranks_per_host, args.gpus_per_host)
+
+
 def at_least(args, error, **lowest) -> None:
     """Refuse the first of ``args``' numbers below its lowest value, naming its flag and value."""
     for name, low in lowest.items():
@@ -70,7 +90,7 @@ def network_of(args, error, rate: float | None):
 
     if not 0 < args.mesh <= 1:
         error(f"--mesh must be in (0, 1], got {args.mesh:g}")
-    return Network(rate, args.latency_us * 1e-6, args.gpus_per_host, args.intra_gbps * 1e9, mesh=args.mesh)
+    return Network(rate, args.latency_us * 1e-6, ranks_per_host(args, error), args.intra_gbps * 1e9, mesh=args.mesh)
 
 
 def host_of(args, error):
@@ -98,9 +118,7 @@ def add_parser(subparsers) -> None:
                    help="host link rates, e.g. 1gbit,10gbit (default 10gbit); 'unlimited' for no limit")
     p.add_argument("--latency-us", type=float, default=50.0,
                    help="one-way latency of one message, wire and software, in microseconds (default 50)")
-    p.add_argument("--gpus-per-host", type=int, default=1, help="workers sharing one host's link (default 1)")
-    p.add_argument("--intra-gbps", type=float, default=12.0,
-                   help="GB/s between the workers of one host (default 12: PCIe 3 x16); rings cross each NIC once")
+    add_hosts_arguments(p)
     p.add_argument("--servers", type=int, default=0, help="dedicated parameter-server hosts (default 0: co-located)")
     p.add_argument("--batch-size", type=int, default=32, help="samples per worker per step (default 32)")
     p.add_argument("--compute", default="", metavar="PROFILE",
@@ -154,22 +172,27 @@ def _rates(text: str, error) -> list[float | None]:
 
 
 def bound(strategy: str, options: dict, model_bytes: int, np: int, servers: int, rate: float | None,
-          compute_s: float, samples: int, min_bytes: float | None = None) -> float:
+          compute_s: float, samples: int, min_bytes: float | None = None, per_host: int = 1,
+          hosts: str = "flat") -> float:
     """The physical bound, from the strategy's own ``min_bytes_per_host`` (as gradsync bench), or
-    ``min_bytes`` where the simulated model knows it (``hybrid``: it depends on the rows read)."""
+    ``min_bytes`` where the simulated model knows it (``hybrid``: it depends on the rows read). On
+    hosts of ``per_host`` ranks: a two-level schedule's (``hosts``) among the hosts, a flat one's
+    ``per_host`` times a rank's, through the one NIC."""
     from types import SimpleNamespace
 
     from gradsync.strategies import resolve
     from gradsync.topology import Topology
 
+    peers, times = (-(-np // per_host), 1) if hosts != "flat" else (np, per_host)
     if min_bytes is None:
         obj = resolve(strategy, **options)
-        obj.ctx = SimpleNamespace(topology=Topology(world_size=np + servers, rank=0, num_servers=servers))
+        obj.ctx = SimpleNamespace(topology=Topology(world_size=peers + servers, rank=0, num_servers=servers))
         if hasattr(obj, "codec_name"):  # a compressed strategy: its wire ratio, as the simulator measured it
             from gradsync.simulate.compressed import codec_cost
 
             obj.ratio = codec_cost(obj.codec_name, obj.codec_options, 1.0).ratio
         min_bytes = obj.min_bytes_per_host(model_bytes)
+    min_bytes *= times  # the model's own figure (hybrid's) is its peers' too
     comm_s = 0.0 if rate is None else min_bytes * 8 / rate
     return samples / max(compute_s, comm_s)
 
@@ -191,6 +214,7 @@ def main(args) -> int:
     nps = _ints(args.np, "--np", error)
     rates = _rates(args.net, error)
     at_least(args, error, latency_us=0, servers=0, gpus_per_host=1, batch_size=1)
+    ranks_per_host(args, error)
     if args.steps <= args.warmup or args.warmup < 0:
         error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup}) >= 0")
     if args.intra_gbps <= 0:
@@ -216,7 +240,7 @@ def main(args) -> int:
                 try:
                     record = simulate(strategy, workload, np, net, host=host, servers=args.servers,
                                       options=options, steps=args.steps, warmup=args.warmup,
-                                      trace=bool(args.trace) and not records)
+                                      trace=bool(args.trace) and not records, flat=args.flat)
                 except GradsyncError as exc:
                     print(f"gradsync simulate: {label} at {np} workers: {exc}", file=sys.stderr)
                     return 1
@@ -224,7 +248,8 @@ def main(args) -> int:
                 samples = np * args.batch_size
                 record["ideal_samples_per_s"] = samples / workload.compute_s
                 record["bound_samples_per_s"] = bound(strategy, options, workload.nbytes, np, args.servers, rate,
-                                                      workload.compute_s, samples, record.get("min_bytes_per_host"))
+                                                      workload.compute_s, samples, record.get("min_bytes_per_host"),
+                                                      record.get("ranks_per_host", 1), record.get("hosts", "flat"))
                 record["efficiency"] = record["samples_per_s"] / record["bound_samples_per_s"]
                 if "timeline" in record:
                     _write_trace(record.pop("timeline"), record["step_s"], args.trace)

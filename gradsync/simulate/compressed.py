@@ -135,7 +135,11 @@ class CompressedBuckets(StrategyModel):
         self.index = {p.name: i for i, p in enumerate(worker.params)}
         self.bytes = [sum(worker.params[i].nbytes for i in b) for b in self.buckets]
         host = worker.host_rates
-        self.codec = codec_cost(s.codec_name, s.codec_options, host.codec_speed, host.decode_speed, host.codecs)
+        # on hosts of several ranks, each of the host's ranks encodes and decodes its 1/R shard of
+        # what crosses hosts, at once: the host's codec work goes R times as fast
+        shards = worker.per_host if worker.hosts == "local" else 1
+        decode = None if host.decode_speed is None else host.decode_speed * shards
+        self.codec = codec_cost(s.codec_name, s.codec_options, host.codec_speed * shards, decode, host.codecs)
         n = worker.np
         if s.selective:
             costs = costmodel.Costs(worker.net.latency_s, 0.0 if worker.net.rate_bps is None else 8 / worker.net.rate_bps,

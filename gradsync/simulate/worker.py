@@ -26,17 +26,23 @@ from gradsync.simulate.workload import Workload
 @dataclass
 class Network:
     """Hosts with full-duplex NICs of ``rate_bps`` (None: unlimited), one-way ``latency_s`` per
-    message (wire and software), ``gpus_per_host`` workers sharing a host's NIC and linked to
-    each other at ``intra_Bps`` bytes per second (PCIe or NVLink; None: unlimited). ``mesh``: the
-    share of its rate a host's link moves while it carries an all-to-all among the job's hosts
-    (flows to or from every other host at once, which TCP shares less well than fair shares),
-    relative to one flow; 1: fair shares (the default). ``benchmarks/regenerate/mesh_exchange.py`` measures it."""
+    message (wire and software), ``ranks_per_host`` workers sharing a host's NIC and linked to
+    each other at ``intra_Bps`` bytes per second (the host's memory or PCIe, shared by its ranks;
+    None: unlimited; no latency). ``mesh``: the share of its rate a host's link moves while it
+    carries an all-to-all among the job's hosts (flows to or from every other host at once, which
+    TCP shares less well than fair shares), relative to one flow; 1: fair shares (the default).
+    ``benchmarks/regenerate/mesh_exchange.py`` measures it."""
 
     rate_bps: float | None
     latency_s: float = 50e-6
-    gpus_per_host: int = 1
+    ranks_per_host: int = 1
     intra_Bps: float | None = 12e9
     mesh: float = 1.0
+
+    @property
+    def gpus_per_host(self) -> int:
+        """The older name of :attr:`ranks_per_host`."""
+        return self.ranks_per_host
 
 
 @dataclass
@@ -109,6 +115,13 @@ class _Meta:
         return self._size
 
 
+HOST_SCHEDULES = ("flat", "ring", "local")
+"""How a strategy's model treats hosts of several ranks (:attr:`StrategyModel.hosts`): ``flat``,
+every rank its own peer (its host's NIC carries all its ranks' traffic); ``ring``, two-level
+collectives (reduce-scatter inside the host, each rank's shard all-reduced across the hosts,
+all-gather inside); ``local``, local aggregation (the host's ranks sum inside the host, the host
+is one peer of the exchange, its result shared inside it: :class:`~gradsync.simulate.hosts.LocalAggregation`)."""
+
 ZEROED_PASSES = 0.5
 """A zeroed buffer the size of a table costs half a copy of its memory: a write without a read
 (``zero_`` of 50.8 MB: 4.8 ms where ``copy_`` takes 9.6 ms, one thread, on the 2-core machine
@@ -141,27 +154,31 @@ def expected_last(means: list[float], sd: float) -> float:
 class Worker:
     """The representative worker: its accelerator, its host, its NIC, and the step driver."""
 
-    def __init__(self, sim: Sim, workload: Workload, np: int, net: Network, host: Host, servers: int = 0):
+    def __init__(self, sim: Sim, workload: Workload, np: int, net: Network, host: Host, servers: int = 0,
+                 hosts: str = "flat"):
         if np < 1:
             raise ConfigError(f"workers must be >= 1, got {np}")
         if net.rate_bps is not None and net.rate_bps <= 0:
             raise ConfigError(f"link rate must be > 0, got {net.rate_bps}")
         if not 0 < net.mesh <= 1:
             raise ConfigError(f"mesh efficiency must be in (0, 1], got {net.mesh}")
-        self.sim, self.w, self.np, self.net, self.host_rates = sim, workload, np, net, host
+        if net.ranks_per_host < 1:
+            raise ConfigError(f"ranks per host must be >= 1, got {net.ranks_per_host}")
+        if hosts not in HOST_SCHEDULES:
+            raise ConfigError(f"hosts schedule must be one of {', '.join(HOST_SCHEDULES)}, got {hosts!r}")
+        self.sim, self.w, self.net, self.host_rates = sim, workload, net, host
         rate = float("inf") if net.rate_bps is None else net.rate_bps / 8
-        per_host = max(1, min(net.gpus_per_host, np))
-        share = rate / per_host  # point to point, the workers of one host share its NIC
+        self.per_host = per_host = max(1, min(net.ranks_per_host, np))
+        self.workers = np  # every rank of the job
+        self.intra = Link("intra-host", float("inf") if net.intra_Bps is None else net.intra_Bps)
+        # Two-level (HOST_SCHEDULES): the host is the network's peer, its NIC carries the host's
+        # one share of each exchange. Flat: every rank is its own peer, and its host's NIC carries
+        # the traffic of all its ranks (this rank's links get 1/R of the NIC).
+        self.hosts = hosts if per_host > 1 else "flat"
+        self.np = -(-np // per_host) if self.hosts != "flat" else np  # the network's peers
+        share = rate if self.hosts != "flat" else rate / per_host
         self.tx, self.rx = Link("worker tx", share), Link("worker rx", share)
-        # A ring ordered by host crosses each NIC once each way; its other hops stay inside hosts.
-        intra = float("inf") if net.intra_Bps is None else net.intra_Bps
-        if per_host == 1:
-            self.ring_links = [(self.tx, 1), (self.rx, 1)]
-        elif per_host >= np:  # one host: the ring never leaves it
-            self.ring_links = [(Link("intra-host", intra), 1)]
-        else:
-            self.ring_links = [(Link("NIC tx (ring)", rate), 1), (Link("NIC rx (ring)", rate), 1),
-                               (Link("intra-host", intra), 1)]
+        self.ring_links = [(self.tx, 1), (self.rx, 1)]
         # Gloo's point-to-point messages between two hosts in both directions get half the rate
         # each way when each side posts its send before its receive (docs/mechanisms.md; its
         # all-reduce uses both directions at full rate): such exchanges also pass through this
@@ -182,9 +199,14 @@ class Worker:
         self.step_ends: list[float] = []
 
     def bytes_sent(self) -> float:
-        """What this worker has sent so far, point to point and in rings."""
-        ring = self.ring_links[0][0]
-        return self.tx.carried + (0.0 if ring is self.tx else ring.carried)
+        """What this worker has sent so far, point to point and in rings: its share of its
+        host's NIC (:meth:`nic_bytes` over the ranks per host)."""
+        return self.nic_bytes() / self.per_host
+
+    def nic_bytes(self) -> float:
+        """What this worker's host has sent through its NIC so far: flat, its ranks' bytes; two-level,
+        the host's."""
+        return self.tx.carried * (self.per_host if self.hosts == "flat" else 1)
 
     def thread(self, name: str) -> Stream:
         """Another serial worker of this host (a communication thread, a collective stream, a server)."""
@@ -192,13 +214,42 @@ class Worker:
 
     # -- the wire ----------------------------------------------------------------------------------
     def ring(self, nbytes: float, done: Callable[[], None], name: str = "all-reduce") -> None:
-        """A ring all-reduce of ``nbytes`` among the workers."""
+        """A ring all-reduce of ``nbytes`` among the network's peers. Two-level (``hosts="ring"``):
+        a reduce-scatter inside the host (each rank sends ``(R-1)/R`` of the bytes over the host's
+        :attr:`intra` link, the R ranks at once), the all-reduce of each rank's ``1/R`` shard across
+        the hosts (the R ranks through the NIC at once: a ring over the hosts of all the bytes), and
+        an all-gather inside the host."""
         n = self.np
-        if n == 1:
-            self.sim.after(0.0, done)
+        r = self.per_host if self.hosts == "ring" else 1
+        inside = (r - 1) / r * nbytes
+
+        def across(then: Callable[[], None]) -> None:
+            if n == 1:
+                self.sim.after(0.0, then)
+                return
+            self.sim.transfer(2 * (n - 1) / n * nbytes, self.ring_links, then,
+                              latency=2 * (n - 1) * self.net.latency_s, name=name, lane="network")
+
+        if r == 1:
+            across(done)
             return
-        self.sim.transfer(2 * (n - 1) / n * nbytes, self.ring_links, done,
-                          latency=2 * (n - 1) * self.net.latency_s, name=name, lane="network")
+        self.sim.transfer(inside, [(self.intra, r)], lambda: across(lambda: self.sim.transfer(
+            inside, [(self.intra, r)], done, name=f"{name}: all-gather in host", lane="intra-host")),
+            name=f"{name}: reduce-scatter in host", lane="intra-host")
+
+    def inside_allreduce_s(self, nbytes: float) -> float:
+        """An all-reduce of ``nbytes`` among a host's ranks alone, on its :attr:`intra` link (a
+        reduce-scatter and an all-gather, ``(R-1)/R`` of the bytes each, the R ranks at once); 0 flat."""
+        r = self.per_host if self.hosts != "flat" else 1
+        return 2 * (r - 1) * nbytes / self.intra.rate if r > 1 else 0.0
+
+    def inside(self, nbytes: float, done: Callable[[], None], name: str) -> None:
+        """``nbytes`` from each of the host's other ranks to one of them, or back (a local
+        aggregation's reduce, or its pull shared inside the host), over the host's :attr:`intra` link."""
+        if self.per_host == 1 or self.hosts == "flat":
+            done()
+            return
+        self.sim.transfer(nbytes, [(self.intra, self.per_host - 1)], done, name=name, lane="intra-host")
 
     def message(self, nbytes: float, uses, done: Callable[[], None], name: str = "message", *,
                 mesh: bool = False) -> None:
@@ -276,7 +327,7 @@ class Worker:
         h = self.host_rates
         if h.cores <= 0 or h.net_cpu_s <= 0 or self.sim.now <= 0:
             return 0.0
-        ends = 2 * self.bytes_sent() * self.np * (2 if self.servers else 1)
+        ends = 2 * self.bytes_sent() * self.workers * (2 if self.servers else 1)
         return ends * h.net_cpu_s / self.sim.now
 
     def slowest_of(self, n: int) -> float:
@@ -370,6 +421,9 @@ class StrategyModel:
     host (the gradients synchronized in ``backward()``): :meth:`step` is :meth:`local_update`."""
     row_tables: set[str] = frozenset()
     """The embedding tables whose gradient is their rows, not the whole table (``hybrid``'s)."""
+    hosts = "flat"
+    """Its schedule on hosts of several ranks (:data:`HOST_SCHEDULES`): what the topology-aware
+    strategy does there; ``flat`` where it does not know hosts (``ddp``)."""
 
     def __init__(self, strategy):
         self.strategy = strategy  # the real strategy object: its options
