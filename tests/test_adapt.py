@@ -423,3 +423,19 @@ def test_pair_averaging_names_a_peer_that_died_instead_of_hanging():
     failures = run_ranks_expect_failure(pair_averaging_peer_dies, 2, 10, timeout=60, env={"GRADSYNC_TIMEOUT": "5"})
     assert "exited with code 17" in failures[1]
     assert "PeerFailureError" in failures[0] and "worker 1 (rank 1) stopped responding" in failures[0], failures[0][-800:]
+
+
+def test_pair_averaging_on_hosts_of_several_workers_pairs_the_hosts():
+    # Two hosts of two workers (named as a launcher would): each step a host averages inside, its
+    # first worker pairs with the other host's; it learns and ends cleanly, as the flat form does.
+    env = [{"GRADSYNC_HOST": f"h{r // 2}", "LOCAL_WORLD_SIZE": "2"} for r in range(4)]
+    results = run_ranks(averaging_job, 4, "pair-averaging", {}, 30, 0, 0.2, timeout=60, env=env)
+    for before, grads, losses in results:
+        assert sum(losses[-5:]) < 0.1 * sum(losses[:5])
+    # A step ends with one model in the host (its average, paired with another host's) before each
+    # worker applies its own gradient: undoing that gradient gives the same model on both workers.
+    shared = lambda r, t: results[r][0][t] + 0.2 * results[r][1][t - 1]
+    for t in range(1, 30):
+        for a, b in ((0, 1), (2, 3)):
+            torch.testing.assert_close(shared(a, t), shared(b, t), rtol=0, atol=1e-6)
+    assert any(not torch.allclose(shared(0, t), shared(2, t), atol=1e-4) for t in range(1, 30))  # hosts differ

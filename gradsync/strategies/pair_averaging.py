@@ -13,6 +13,12 @@ At ``close`` a worker tells every peer it is leaving and keeps serving until eve
 same, so a peer's last pull is always answered; a peer from which nothing came for the timeout
 (``GRADSYNC_TIMEOUT``) while it had not left is named in the error.
 
+Hosts of several workers (on Gloo, ``distribute(..., hosts="auto")``): each step a host's workers
+first average their models inside the host; the host's first worker then pulls the model of
+another host's first worker and averages with it, and hands the result to its host's workers. A
+pair exchange crosses the network once per host, not once per worker; only the hosts' first
+workers serve pulls.
+
 Not exact (see :mod:`gradsync.strategies.sma`); the bench reports its loss next to the reference.
 """
 from __future__ import annotations
@@ -46,6 +52,10 @@ class PairAveraging(Strategy):
         super().attach(ctx)
         topo = ctx.topology
         self.me, self.peers = topo.rank, [r for r in topo.worker_ranks if r != topo.rank]
+        self.hosts = ctx.two_level
+        if self.hosts is not None:  # the hosts' first workers pair up; the others average in their host
+            leaders = [ranks[0] for ranks in self.hosts.plan(topo)[0]]
+            self.peers = [r for r in leaders if r != topo.rank] if self.hosts.leader == topo.rank else []
         self.rng = random.Random(self.seed * 7919 + topo.rank)
         groups: dict[tuple, list[torch.nn.Parameter]] = {}
         for p in ctx.params:
@@ -93,6 +103,8 @@ class PairAveraging(Strategy):
     def step(self, apply: Callable[[], Any]) -> Any:
         if self.failure is not None:
             raise self.failure
+        if self.hosts is not None:
+            self._in_host("host-all-reduce", "average of the host's models")
         if self.peers:
             transport = self.ctx.transport
             peer = self.rng.choice(self.peers)
@@ -106,11 +118,31 @@ class PairAveraging(Strategy):
                     for p in group:
                         p.add_(box[offset:offset + p.numel()].view_as(p)).mul_(0.5)
                         offset += p.numel()
+        if self.hosts is not None:
+            self._in_host("broadcast", "the pair's average to the host's workers")
         result = apply()
         with self.lock, torch.no_grad():
             for group, s in zip(self.groups, self.snapshot):
                 torch.cat([p.detach().reshape(-1) for p in group], out=s)
         return result
+
+    def _in_host(self, op: str, what: str) -> None:
+        """Every model group through a host operation: its mean over the host's workers
+        (``host-all-reduce``), or the host's first worker's copy (``broadcast``)."""
+        transport, size = self.ctx.transport, len(self.hosts.local_ranks)
+        if size == 1:
+            return
+        for group in self.groups:
+            flat = torch.cat([p.detach().reshape(-1) for p in group])
+            if op == "broadcast":
+                transport.host_broadcast(flat, what=what)
+            else:
+                transport.host_allreduce(flat, what=what).div_(size)
+            with torch.no_grad():
+                offset = 0
+                for p in group:
+                    p.copy_(flat[offset:offset + p.numel()].view_as(p))
+                    offset += p.numel()
 
     def close(self) -> None:
         if self.thread is None or self.closed:
@@ -139,12 +171,13 @@ class PairAveraging(Strategy):
                 "worker's model is complete, it stops answering pulls now"))
 
     def describe(self) -> str:
-        return "pair-averaging"
+        return "pair-averaging" + ("" if self.hosts is None else " (hosts pair up, models averaged in each host)")
 
     def min_bytes_per_host(self, model_bytes: int) -> float:
         # Each worker receives one model per step, from a peer on another host as often as the peers
         # are elsewhere (every time at one worker a host); a worker chosen by several peers sends more.
+        # On hosts of several workers the hosts pair up: a host receives one model a step.
         n = self.ctx.topology.num_workers
-        if n == 1:
+        if n == 1 or self.ctx.topology.shares_hosts:
             return float(model_bytes)
         return max(len(w) * (n - len(w)) * model_bytes / (n - 1) for w in worker_hosts(self.ctx.topology))

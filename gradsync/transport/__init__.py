@@ -194,6 +194,11 @@ class Transport:
         self._two_level(self.two_level, "reduce", tensor, what).wait()
         return tensor
 
+    def host_allreduce(self, tensor: torch.Tensor, *, what: str) -> torch.Tensor:
+        """Sum ``tensor`` in place over this host's workers (intra-host)."""
+        self._two_level(self.two_level, "host-all-reduce", tensor, what).wait()
+        return tensor
+
     def host_broadcast(self, tensor: torch.Tensor, *, what: str) -> torch.Tensor:
         """Copy ``tensor`` from the host's first worker to the host's other workers (intra-host)."""
         self._two_level(self.two_level, "broadcast", tensor, what).wait()

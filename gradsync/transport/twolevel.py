@@ -65,7 +65,7 @@ class TwoLevel:
 
     group_name = "two-level"
     """How the flight record names the operations issued here."""
-    _OPS = ("all-reduce", "reduce", "broadcast")
+    _OPS = ("all-reduce", "reduce", "broadcast", "host-all-reduce")
 
     def __init__(self, topology: Topology, local, local_ranks: list[int], shards: int,
                  cross: dict[int, tuple[list[int], object]]):
@@ -118,7 +118,7 @@ class TwoLevel:
     def submit(self, op: str, tensor: torch.Tensor, on_done=None) -> _Done:
         """Queue ``op`` on ``tensor`` (contiguous, on the CPU): ``"all-reduce"``, a sum over every
         worker; ``"reduce"``, a sum over this host's workers onto its first; ``"broadcast"``, from
-        the host's first worker to the others. ``on_done()`` runs on the communication thread once
+        the host's first worker to the others; ``"host-all-reduce"``, a sum over this host's workers. ``on_done()`` runs on the communication thread once
         it is done (or failed)."""
         if op not in self._OPS:
             raise ValueError(f"unknown two-level operation {op!r}")
@@ -160,6 +160,8 @@ class TwoLevel:
                     self._allreduce(tensor.view(-1))
                 elif self.local is not None and op == "reduce":
                     dist.reduce(tensor, dst=self.leader, group=self.local)
+                elif self.local is not None and op == "host-all-reduce":
+                    dist.all_reduce(tensor, group=self.local)
                 elif self.local is not None:
                     dist.broadcast(tensor, src=self.leader, group=self.local)
             except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
