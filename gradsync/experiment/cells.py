@@ -34,9 +34,9 @@ _BENCH_FLAGS = {"model": "--model", "np": "--np", "net": "--net", "batch_size": 
                 "warmup": "--warmup", "rounds": "--rounds", "compute": "--compute", "dilation": "--dilation",
                 "check_steps": "--check-steps", "servers": "--servers", "compression": "--compression",
                 "monitors": "--monitors", "optimizer": "--optimizer", "lr": "--lr", "threads": "--threads",
-                "delay": "--delay"}
+                "delay": "--delay", "ranks_per_host": "--ranks-per-host", "server_hosts": "--server-hosts"}
 _SIM_FLAGS = {"model": "--model", "np": "--np", "net": "--net", "batch_size": "--batch-size",
-              "servers": "--servers", "compression": "--compression"}
+              "servers": "--servers", "compression": "--compression", "ranks_per_host": "--ranks-per-host"}
 
 
 def command(spec: Spec, cell: dict, target: str, out: str) -> list[str]:

@@ -34,7 +34,8 @@ except ModuleNotFoundError:  # Python 3.10
 SPEC_DIR = os.path.join(os.path.dirname(__file__), "specs")
 RUNNERS = ("bench", "codecs", "script")
 BENCH_KEYS = {"model", "strategy", "np", "net", "batch_size", "steps", "warmup", "rounds", "compute", "dilation",
-              "check_steps", "servers", "compression", "monitors", "optimizer", "lr", "threads", "delay", "set"}
+              "check_steps", "servers", "compression", "monitors", "optimizer", "lr", "threads", "delay", "set",
+              "ranks_per_host", "server_hosts"}
 CODECS_KEYS = {"compressor", "size", "repeats", "threads"}
 SIDE_BY_SIDE = {"bench": "strategy", "codecs": "compressor", "script": None}
 """The varied key whose values one run measures together (interleaved, so drift hits all alike)."""
