@@ -54,3 +54,13 @@ def test_ranks_told_different_local_world_sizes_all_fail_at_init():
     assert sorted(errors) == [0, 1], errors
     for text in errors.values():
         assert "ConfigError: host 'GRADSYNC_HOST=h' runs ranks [0, 1], but they were told LOCAL_WORLD_SIZE" in text, text
+
+
+def test_two_level_shards_are_owned_once_per_host_even_on_uneven_hosts():
+    from gradsync.transport import TwoLevel
+
+    hosts, shards, owners = TwoLevel.plan(Topology(6, 0, 1, host_of=(0, 0, 1, 1, 2, 2)))
+    assert hosts == [[0, 1], [2, 3], [4]] and shards == 2  # the server (rank 5) takes no part
+    assert owners == [[0, 2, 4], [1, 3, 4]]  # a host of one worker owns every shard
+    hosts, shards, owners = TwoLevel.plan(Topology(5, 0, host_of=(0, 0, 0, 1, 1)))
+    assert shards == 3 and owners == [[0, 3], [1, 4], [2, 3]]
