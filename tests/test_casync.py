@@ -111,8 +111,13 @@ def nan_on_one_worker(configs, bad_rank):
     return out
 
 
-def test_a_nan_on_one_worker_raises_the_same_error_on_every_worker():
-    results = run_ranks(nan_on_one_worker, 3, FAULTS, 1)
+@pytest.mark.parametrize("hosts", [None, (0, 0, 1)], ids=["flat", "hosts-2+1"])
+def test_a_nan_on_one_worker_raises_the_same_error_on_every_worker(hosts):
+    # On hosts of 2 and 1 workers the bad worker (rank 1) shares a host with shard 0's owner and
+    # owns shard 1: its fault must reach the owners through the host's sum, then every host.
+    env = None if hosts is None else [{"GRADSYNC_HOST": f"h{h}", "LOCAL_WORLD_SIZE": str(hosts.count(h))}
+                                      for h in hosts]
+    results = run_ranks(nan_on_one_worker, 3, FAULTS, 1, env=env)
     for c, config in enumerate(FAULTS):
         for rank in range(3):
             outcome = results[rank][c]
@@ -173,6 +178,19 @@ def test_fp16_overflow_on_one_worker_raises_everywhere():
             assert "fp16" in outcome[1], (rank, outcome)
             # casync names the rank; allreduce only sees the NaN in the sum, and names the bucket.
             assert ("rank 1" if strategy != "allreduce" else "bucket 0") in outcome[1], (strategy, rank, outcome)
+
+
+def test_fp16_overflow_on_hosts_of_several_workers_raises_the_same_error_everywhere():
+    # Hosts of 2 and 1 workers: rank 1's huge gradient overflows its host's sum in every shard, so
+    # both owners on that host fail to encode; every worker still raises one and the same error.
+    env = [{"GRADSYNC_HOST": f"h{h}", "LOCAL_WORLD_SIZE": str(n)} for h, n in ((0, 2), (0, 2), (1, 1))]
+    strategies = ["casync-ring", "casync-ps"]
+    results = run_ranks(overflow, 3, strategies, env=env)
+    for c, strategy in enumerate(strategies):
+        outcomes = {results[rank][c] for rank in range(3)}
+        assert len(outcomes) == 1, (strategy, outcomes)
+        kind, message = outcomes.pop()
+        assert kind == CompressionError.__name__ and "fp16" in message, (strategy, message)
 
 
 def test_bad_options_fail_at_construction():

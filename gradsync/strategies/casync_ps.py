@@ -17,6 +17,12 @@ the decode-merge-encode: every worker (the aggregator too) encodes its partition
 the payloads element-wise and returns the sum. PowerSGD's two all-reduce rounds have no aggregator
 form; use ``casync-ring``. Per worker and bucket, with ``K = N``: ``2 (N-1)`` messages of ``1/N`` of the
 compressed bucket, as the ring, but only two encodes and ``N`` decodes of a partition.
+
+On hosts of several workers (Gloo; :mod:`gradsync.strategies.compressed.hosts`) only what crosses
+hosts is compressed: a bucket is summed inside the host uncompressed (reduce-scatter), each of its R
+shards is pushed, merged and pulled as above among the shard's owners (one worker a host, so N is
+the number of hosts H and ``K`` is H for large buckets), and the shards are all-gathered inside the
+host. ``distribute(..., hosts="flat")`` keeps every worker a peer of every other.
 """
 from __future__ import annotations
 
@@ -51,13 +57,13 @@ class CaSyncPS(CompressedSync):
                               "use casync-ring (or the ddp strategy with compression=powersgd)")
 
     def default_parts(self, nbytes: int) -> int:
-        return self.n if nbytes >= self.partition_bytes else 1
+        return self.span if nbytes >= self.partition_bytes else 1
 
     def decide(self, costs: costmodel.Costs, bucket: int, nbytes: int) -> costmodel.Decision:
-        return costmodel.decide_ps(costs, bucket, nbytes, self.n)
+        return costmodel.decide_ps(costs, bucket, nbytes, self.span)
 
     def exchange(self, k: int, flat: torch.Tensor) -> None:
-        n, me = self.n, self.me
+        n, me = self.peers.n, self.peers.me
         parts = flat.tensor_split(self.parts[k])
         owner = [(k + j) % n for j in range(len(parts))]
         summable = self.summable_bucket(k)
@@ -96,8 +102,8 @@ class CaSyncPS(CompressedSync):
     def _sum_payloads(self, k: int, j: int, payload, ctx) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Summable codec: add every worker's payload element-wise to this one's, decode once."""
         total = None if payload is None else [p.clone() for p in payload]
-        for w in range(self.n):
-            if w == self.me:
+        for w in range(self.peers.n):
+            if w == self.peers.me:
                 continue
             message = self.recv(w, k)
             if self.faults.known is None:
@@ -115,8 +121,8 @@ class CaSyncPS(CompressedSync):
         """Merging codec: decode every other worker's payload, add to this one's exact partition, re-encode."""
         pull = self.site(k, f"pull{j}")
         total = part.clone()
-        for w in range(self.n):
-            if w != self.me:
+        for w in range(self.peers.n):
+            if w != self.peers.me:
                 incoming = self.decode(pull, self.recv(w, k), part)
                 if incoming is not None:
                     total.add_(incoming)

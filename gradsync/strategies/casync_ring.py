@@ -21,6 +21,14 @@ volume, times the compression ratio), ``N`` encodes and ``2N-1`` decodes of a ch
 site (the chunk a worker starts, each re-encoding hop, each finished chunk) keeps its own compressor
 state, so error feedback corrects the error where it was made. Lossy, so not ``exact`` (with
 ``compression="none"`` it equals the plain reduction, which the tests check).
+
+On hosts of several workers (Gloo; :mod:`gradsync.strategies.compressed.hosts`) only what crosses
+hosts is compressed: a bucket is summed inside the host uncompressed (reduce-scatter), the ring above
+runs over the H hosts for each of its R shards, by the shard's owners (one worker a host, R rings
+at once; summable payloads are all-reduced among them), and the shards are all-gathered inside the
+host. A host's link then carries ``2 (H-1)/H`` of the compressed bucket instead of R ranks' rings,
+and each worker encodes and decodes 1/R of it. ``distribute(..., hosts="flat")`` keeps every worker
+in one ring.
 """
 from __future__ import annotations
 
@@ -52,7 +60,9 @@ class CaSyncRing(CompressedSync):
             if self._agree_no_fault(k):
                 self._reduce_per_gradient(k, flat)
             return
-        if codec.lossless:  # a plain bucket cannot fail to encode: no agreement round, a NaN shows in the sum
+        # A plain bucket cannot fail to encode: no agreement round, a NaN shows in the sum. A shard's
+        # owners (hosts of several workers) agree first instead: their sum cannot say whose NaN it is.
+        if codec.lossless and self.peers.shard is None:
             self._allreduce(flat)
             if not all_finite(flat):
                 fault = self.faults.known
@@ -92,7 +102,7 @@ class CaSyncRing(CompressedSync):
 
     def _share_fault(self, k: int) -> None:
         """Tell every worker the fault (one ring pass of headers), so all raise the same error."""
-        n, me = self.n, self.me
+        n, me = self.peers.n, self.peers.me
         sends = []
         for _ in range(n - 1):
             sends += self.send(torch.empty(0, dtype=torch.uint8), (me + 1) % n, k)
@@ -100,7 +110,7 @@ class CaSyncRing(CompressedSync):
         wait_all(sends)
 
     def _ring(self, k: int, flat: torch.Tensor) -> None:
-        n, me = self.n, self.me
+        n, me = self.peers.n, self.peers.me
         nxt, prv = (me + 1) % n, (me - 1) % n
         chunks = flat.tensor_split(n)
         sends: list = []

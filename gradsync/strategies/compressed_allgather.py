@@ -6,6 +6,11 @@ payloads cannot be summed. Simple and exact in its merging (no re-encoding), but
 receives ``N-1`` whole compressed buckets (vs ``2 (N-1)/N`` of one for a ring) and decodes ``N``, so
 traffic and decode time grow with the number of workers, and so does memory (``N`` payloads held at
 once). Summation is in rank order on every worker, so all end up with the same values.
+
+On hosts of several workers (:mod:`gradsync.strategies.compressed.hosts`) the workers of a host sum
+their buckets inside it uncompressed, and each all-gathers its shard's payload among that shard's
+owners, one worker per host: a host takes in ``H-1`` payloads of the bucket (H hosts) instead of one
+per worker elsewhere.
 """
 from __future__ import annotations
 
@@ -34,7 +39,7 @@ class CompressedAllGather(CompressedSync):
     def exchange(self, k: int, flat: torch.Tensor) -> None:
         codec = self.site(k, "all")
         message, payload, ctx = self.encode(codec, flat, param=self.buckets[k].indices[0])
-        messages, infos = self.ctx.transport.allgather_bytes(message, info=self.faults.header, group=self.group,
+        messages, infos = self.ctx.transport.allgather_bytes(message, info=self.faults.header, group=self.peers.group,
                                                              limit=payload_limit(flat.numel()),
                                                              what=f"all-gather of compressed bucket {k}")
         for info in infos:
@@ -42,14 +47,14 @@ class CompressedAllGather(CompressedSync):
         if self.faults.known is not None:
             return
         for w, received in enumerate(messages):
-            problem = None if w == self.me else message_problem(received)
-            check_peer(problem is None, self.workers[w], f"compressed bucket {k}", problem)
+            problem = None if w == self.peers.me else message_problem(received)
+            check_peer(problem is None, self.peers.ranks[w], f"compressed bucket {k}", problem)
         total = torch.zeros_like(flat)
         for w, received in enumerate(messages):
-            total += self.decompress(codec, payload if w == self.me else from_bytes(received, payload), ctx)
+            total += self.decompress(codec, payload if w == self.peers.me else from_bytes(received, payload), ctx)
         flat.copy_(total)
 
     def min_bytes_per_host(self, model_bytes: int) -> float:
-        # Payloads are not summed on the way: a host takes in every payload of the workers elsewhere.
-        fewest = min(len(w) for w in worker_hosts(self.ctx.topology))
-        return (self.ctx.topology.num_workers - fewest) * model_bytes * self.ratio
+        # Payloads are not summed on the way: a host takes in one payload of the bucket from every
+        # other host (its workers sum inside it first; one rank a host: every other worker's).
+        return (len(worker_hosts(self.ctx.topology)) - 1) * model_bytes * self.ratio

@@ -159,7 +159,7 @@ class Transport:
         issue them in the same order."""
         if isinstance(group, TwoLevel):
             return self._allreduce_two_level(tensor, what, group)
-        p = self._group_size(world)
+        p = self._group_size(world) if group is None else group_rank_and_size(group)[1]
         nbytes = tensor.numel() * tensor.element_size()
         self.bytes_sent += int(2 * (p - 1) / p * nbytes)
         record = self._record(what, "all-reduce", nbytes, group=group, world=world)
@@ -202,6 +202,18 @@ class Transport:
     def host_broadcast(self, tensor: torch.Tensor, *, what: str) -> torch.Tensor:
         """Copy ``tensor`` from the host's first worker to the host's other workers (intra-host)."""
         self._two_level(self.two_level, "broadcast", tensor, what).wait()
+        return tensor
+
+    def host_reduce_scatter(self, tensor: torch.Tensor, *, group: TwoLevel, what: str) -> torch.Tensor:
+        """``tensor`` (``group.shards`` shards of one length): the host's sum of each shard this rank
+        owns (``group.cross``) lands in it; intra-host, so nothing counts in :attr:`bytes_sent`."""
+        self._two_level(group, "reduce-scatter", tensor, what).wait()
+        return tensor
+
+    def host_all_gather(self, tensor: torch.Tensor, *, group: TwoLevel, what: str) -> torch.Tensor:
+        """The inverse of :meth:`host_reduce_scatter`: each shard from its local owner to the host's
+        other workers (intra-host)."""
+        self._two_level(group, "all-gather", tensor, what).wait()
         return tensor
 
     def allreduce(self, tensor: torch.Tensor, *, op: str = "sum", world: bool = False,
@@ -308,7 +320,8 @@ class Transport:
         """Every worker's ``uint8`` message (at most ``limit`` bytes each, on ``message``'s device) and
         ``info``, in rank order (see :func:`allgather_with_info`)."""
         home, message = message.device, self.staged(message)
-        self.bytes_sent += (self.topology.num_workers - 1) * message.numel()
+        size = self.topology.num_workers if group is None else group_rank_and_size(group)[1]
+        self.bytes_sent += (size - 1) * message.numel()
         record = self._record(what, "all-gather", message.numel(), group=group)
         tracer = trace.current()
         token = None if tracer is None else tracer.begin_async(what, "comm", bytes=message.numel(), op="all-gather")

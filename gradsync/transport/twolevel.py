@@ -65,7 +65,7 @@ class TwoLevel:
 
     group_name = "two-level"
     """How the flight record names the operations issued here."""
-    _OPS = ("all-reduce", "reduce", "broadcast", "host-all-reduce")
+    _OPS = ("all-reduce", "reduce", "broadcast", "host-all-reduce", "reduce-scatter", "all-gather")
 
     def __init__(self, topology: Topology, local, local_ranks: list[int], shards: int,
                  cross: dict[int, tuple[list[int], object]]):
@@ -118,8 +118,12 @@ class TwoLevel:
     def submit(self, op: str, tensor: torch.Tensor, on_done=None) -> _Done:
         """Queue ``op`` on ``tensor`` (contiguous, on the CPU): ``"all-reduce"``, a sum over every
         worker; ``"reduce"``, a sum over this host's workers onto its first; ``"broadcast"``, from
-        the host's first worker to the others; ``"host-all-reduce"``, a sum over this host's workers. ``on_done()`` runs on the communication thread once
-        it is done (or failed)."""
+        the host's first worker to the others; ``"host-all-reduce"``, a sum over this host's workers;
+        ``"reduce-scatter"`` and ``"all-gather"``, steps 1
+        and 3 alone, on a tensor of S shards of one length (a strategy runs its own step 2 on the
+        shards of :attr:`cross`): the host's sum of each shard lands at the shard's local owner
+        (other shards are left undefined), then each owner's shards reach the host's other workers.
+        ``on_done()`` runs on the communication thread once it is done (or failed)."""
         if op not in self._OPS:
             raise ValueError(f"unknown two-level operation {op!r}")
         if self._thread is None:
@@ -158,6 +162,10 @@ class TwoLevel:
             try:
                 if op == "all-reduce":
                     self._allreduce(tensor.view(-1))
+                elif op == "reduce-scatter":
+                    self._scatter(tensor.view(-1))
+                elif op == "all-gather":
+                    self._gather(tensor.view(-1))
                 elif self.local is not None and op == "reduce":
                     dist.reduce(tensor, dst=self.leader, group=self.local)
                 elif self.local is not None and op == "host-all-reduce":
@@ -177,22 +185,43 @@ class TwoLevel:
         if piece * s != n:  # shards of one length on every rank: pad with zeros
             padded = flat.new_zeros(piece * s)
             padded[:n] = flat
-        shard = [padded[k * piece:(k + 1) * piece] for k in range(s)]
-        size = len(self.local_ranks)
-        if size == s:  # every shard has its own local owner: reduce-scatter, cross, all-gather
-            mine = shard[self.local_ranks.index(self.topology.rank)].clone()
-            dist.reduce_scatter_single(mine, padded, group=self.local)
-            self._cross({k: mine for k in self.cross})
-            dist.all_gather_single(padded, mine, group=self.local)
-        else:
-            if self.local is not None:  # an uneven host: sum it whole, then each owner crosses its shards
-                dist.all_reduce(padded, group=self.local)
-            self._cross({k: shard[k] for k in self.cross})
-            if self.local is not None:
-                for k in range(s):
-                    dist.broadcast(shard[k], src=self.local_ranks[k % size], group=self.local)
+        self._scatter(padded)
+        shard = self._shards(padded)
+        self._cross({k: shard[k] for k in self.cross})
+        self._gather(padded)
         if padded is not flat:
             flat.copy_(padded[:n])
+
+    def _shards(self, padded: torch.Tensor) -> list[torch.Tensor]:
+        if padded.numel() % self.shards:
+            raise ValueError(f"{padded.numel()} elements are not {self.shards} shards of one length")
+        piece = padded.numel() // self.shards
+        return [padded[k * piece:(k + 1) * piece] for k in range(self.shards)]
+
+    def _scatter(self, padded: torch.Tensor) -> None:
+        """Step 1: the host's sum of each shard at its local owner (of every shard, on an uneven host)."""
+        shard = self._shards(padded)
+        if self.local is None:
+            return
+        if len(self.local_ranks) == self.shards:  # every shard has its own local owner
+            mine = shard[self.local_ranks.index(self.topology.rank)]
+            total = mine.clone()
+            dist.reduce_scatter_single(total, padded, group=self.local)
+            mine.copy_(total)
+        else:  # an uneven host: sum it whole
+            dist.all_reduce(padded, group=self.local)
+
+    def _gather(self, padded: torch.Tensor) -> None:
+        """Step 3: each shard from its local owner to the host's other workers."""
+        shard = self._shards(padded)
+        size = len(self.local_ranks)
+        if self.local is None:
+            return
+        if size == self.shards:
+            dist.all_gather_single(padded, shard[self.local_ranks.index(self.topology.rank)].clone(), group=self.local)
+        else:
+            for k in range(self.shards):
+                dist.broadcast(shard[k], src=self.local_ranks[k % size], group=self.local)
 
     def _cross(self, parts: dict[int, torch.Tensor]) -> None:
         works = [dist.all_reduce(part, group=self.cross[s_][1], async_op=True)

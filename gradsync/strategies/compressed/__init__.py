@@ -25,6 +25,10 @@ worker's (already averaged) gradients into the bucket of everyone's. What they s
 - **Used flags.** After the exchanged buckets, one all-reduce of one flag per parameter tells how
   many workers produced each gradient: zero leaves ``grad = None``, as in DDP (exact strategies'
   semantics). Plain and summed buckets carry theirs in their own all-reduce.
+- **Hosts of several workers** (:mod:`.hosts`). Each bucket is summed inside the host uncompressed,
+  each shard exchanged compressed among its owners (one worker a host), and copied back inside the
+  host: only what crosses hosts is compressed. One rank a host, or one host: flat, every worker a
+  peer of every other.
 - **Faults** (:mod:`.faults`). A NaN/Inf gradient or a codec failure on one worker travels in the
   message headers (or the all-reduced fault report), so every worker raises the same error naming
   the rank and the parameter: no rank raises while the others hang.

@@ -1,15 +1,18 @@
 """The three ways a compressed strategy's bucket travels, chosen once per bucket at attach.
 
 - :class:`PlainBucket`: selective compression left it plain. All-reduced straight from backward,
-  as the ``allreduce`` strategy does (no thread hand-off), with its used flags and a fault report
-  (workers with a fault, their rank, their parameter) summed as its last elements: the report
-  names the rank exactly when one worker has the fault, and counts them otherwise.
+  as the ``allreduce`` strategy does (no thread hand-off; two-level on hosts of several workers),
+  with its used flags and a fault report (workers with a fault, their rank, their parameter)
+  summed as its last elements: the report names the rank exactly when one worker has the fault,
+  and counts them otherwise.
 - :class:`SummedBucket`: its codec's payloads add up in one all-reduce (fp16, bf16, random-k,
   identity) and the strategy sums such buckets in one round (``casync-ring``). Compressed and
   all-reduced from backward too, with a tail of used flags and the fault report (count, code,
   rank, parameter).
-- :class:`ExchangedBucket`: everything else. Handed to the communication thread, which runs the
-  strategy's :meth:`~gradsync.strategies.compressed.CompressedSync.exchange`; its used flags go in
+- :class:`ExchangedBucket`: everything else (and summed buckets on hosts of several workers).
+  Handed to the communication thread, which runs the strategy's
+  :meth:`~gradsync.strategies.compressed.CompressedSync.exchange` (among each shard's owners,
+  between uncompressed sums and copies inside the host: :mod:`.hosts`); its used flags go in
   one all-reduce of one flag per parameter after every such bucket.
 
 Each path launches (:meth:`launch`, from backward), waits (:meth:`wait`), finishes (:meth:`finish`:
@@ -46,7 +49,8 @@ class PlainBucket:
         report = [1.0, fault.rank, fault.param] if fault is not None else [0.0, 0.0, 0.0]
         bucket.buffer[bucket.numel:].copy_(torch.tensor(bucket.used + report))
         bucket.handle = sync.ctx.transport.allreduce_async(
-            bucket.buffer, what=f"all-reduce of plain bucket {k} ({sync.ctx.names[bucket.indices[0]]!r}..)")
+            bucket.buffer, what=f"all-reduce of plain bucket {k} ({sync.ctx.names[bucket.indices[0]]!r}..)",
+            group=sync.ctx.two_level)
 
     def wait(self, bucket: Bucket) -> None:
         bucket.handle.wait()
@@ -162,7 +166,9 @@ class ExchangedBucket:
         flat = bucket.buffer[:bucket.numel]
         flat.div_(sync.n)
         sync.faults.begin(bucket)
-        if sync.n > 1:
+        if sync.host_form is not None:
+            sync.host_form.exchange(k, flat)
+        elif sync.n > 1:
             sync.exchange(k, flat)
         sync.faults.raise_known(k, bucket)
 

@@ -6,7 +6,9 @@ partitions), and gives each bucket its path (:mod:`~gradsync.strategies.compress
 ``synchronize`` at the end of backward waits for every bucket, sets the averaged gradients, and
 raises (or defers to ``step()``) the fault every worker agreed on.
 
-What an exchange works with, on the communication thread: :meth:`~CompressedSync.site` (one
+What an exchange works with, on the communication thread: :attr:`~CompressedSync.peers` (the
+workers it runs among, numbered 0..n-1: every worker, or one shard's owners on hosts of several
+workers, :mod:`~gradsync.strategies.compressed.hosts`), :meth:`~CompressedSync.site` (one
 compressor per compression site), :meth:`~CompressedSync.encode` / :meth:`~CompressedSync.decode`
 (bytes on the wire, nothing once a fault is known), :meth:`~CompressedSync.send` /
 :meth:`~CompressedSync.recv` (messages that carry the fault in their header), and
@@ -25,6 +27,7 @@ from gradsync.strategies import costmodel
 from gradsync.strategies.allreduce import MB, BucketedSync
 from gradsync.strategies.base import SyncContext, host_ring_bytes
 from gradsync.strategies.compressed.faults import Faults
+from gradsync.strategies.compressed.hosts import HostShards, Peers
 from gradsync.strategies.compressed.paths import ExchangedBucket, PlainBucket, SummedBucket
 from gradsync.strategies.compressed.thread import ExchangeThread
 from gradsync.strategies.compressed.work import CodecWork
@@ -67,9 +70,17 @@ class CompressedSync(BucketedSync):
         super().attach(ctx)
         topo = ctx.topology
         self.group = ctx.transport.new_worker_group()  # our thread's collectives, apart from the script's
+        # Hosts of several workers: the thread's host sums and shard exchanges, on groups of our own too.
+        self.hosts = ctx.transport.new_two_level() if ctx.two_level is not None else None
         self.workers = topo.worker_ranks
         self.n = topo.num_workers
         self.me = topo.worker_ranks.index(topo.rank) if topo.is_worker else -1
+        self.flat = Peers(self.workers, self.me, self.group)
+        self.peers = self.flat
+        """Whom the exchange running on the communication thread talks to (set by it alone)."""
+        self.host_form = HostShards(self, self.hosts) if self.hosts is not None and topo.is_worker else None
+        self.span = self.host_form.num_hosts if self.host_form is not None else self.n
+        """How many workers one exchange runs among: the hosts, or every worker (flat)."""
         self.sites: dict[str, Compressor] = {}
         self.faults = Faults(topo.rank, ctx.names, self.codec_name)
         self.work = CodecWork()
@@ -92,8 +103,8 @@ class CompressedSync(BucketedSync):
     def _path(self, decision: costmodel.Decision):
         if self.selective and not decision.compress:
             return PlainBucket(self)
-        if self.sums_in_one_round and self.one_round:
-            return SummedBucket(self)
+        if self.sums_in_one_round and self.one_round and self.host_form is None:
+            return SummedBucket(self)  # (on hosts of several workers: the thread's shard exchange)
         return ExchangedBucket(self)
 
     def _decide(self) -> list[costmodel.Decision]:
@@ -116,7 +127,7 @@ class CompressedSync(BucketedSync):
         return 1
 
     def decide(self, costs: costmodel.Costs, bucket: int, nbytes: int) -> costmodel.Decision:
-        return costmodel.decide_ring(costs, bucket, nbytes, self.n, self.summable)
+        return costmodel.decide_ring(costs, bucket, nbytes, self.span, self.summable)
 
     # -- hook points: BucketedSync's on_grad_ready and step ----------------------------------------
     def synchronize(self) -> None:
@@ -134,7 +145,7 @@ class CompressedSync(BucketedSync):
             for path, bucket in zip(self.paths, self.buckets):
                 for slot, i in enumerate(bucket.indices):
                     self.flags[i] = bucket.used[slot] if path.threaded else 0.0
-            self.ctx.transport.allreduce(self.flags, what="all-reduce of the used flags")
+            self.ctx.transport.allreduce(self.flags, what="all-reduce of the used flags", group=self.ctx.two_level)
         counts = self.flags.tolist()
         for path, bucket in zip(self.paths, self.buckets):
             for slot, count in enumerate(path.used(bucket, counts)):
@@ -157,12 +168,13 @@ class CompressedSync(BucketedSync):
 
     # -- what the algorithms use -----------------------------------------------------------------------
     def exchange(self, k: int, flat: torch.Tensor) -> None:
-        """Replace ``flat`` (this worker's averaged bucket ``k``) by the sum over workers, in place."""
+        """Replace ``flat`` (this worker's averaged bucket ``k``, or one shard of it) by the sum over
+        :attr:`peers` (every worker, or one shard's owners, each holding its host's sum), in place."""
         raise NotImplementedError
 
     def site(self, k: int, where: str) -> Compressor:
         """The compressor instance of one compression site of bucket ``k`` (alike keys on every rank)."""
-        key = f"{k}/{where}"
+        key = f"{k}/{where}" if self.peers.shard is None else f"{k}/{self.peers.shard}/{where}"
         if key not in self.sites:
             if self.compressed[k]:
                 self.sites[key] = build(self.codec_name, key=key, worker=self.me,
@@ -210,27 +222,29 @@ class CompressedSync(BucketedSync):
         return self.work.totals()
 
     def send(self, message: torch.Tensor, worker: int, k: int) -> list:
-        """Bucket ``k``'s ``message`` to ``worker``; headers only (the fault) once a fault is known.
+        """Bucket ``k``'s ``message`` to peer ``worker`` (a number among :attr:`peers`); headers only
+        (the fault) once a fault is known.
 
         Wire (no pickle): ``transport.send_bytes``, an ``int64[4]`` header (body length, fault code,
         fault rank, fault parameter) and a body in :func:`gradsync.compress.base.to_bytes`'s format."""
-        body = message if self.faults.known is None else message[:0]
-        return self.ctx.transport.send_bytes(body, self.workers[worker], TAG_BASE + k, info=self.faults.header,
-                                             what=f"compressed bucket {k} to rank {self.workers[worker]}")
+        body, dst = (message if self.faults.known is None else message[:0]), self.peers.ranks[worker]
+        return self.ctx.transport.send_bytes(body, dst, TAG_BASE + k, info=self.faults.header,
+                                             what=f"compressed bucket {k} to rank {dst}")
 
     def recv(self, worker: int, k: int) -> torch.Tensor:
-        message, info = self.ctx.transport.recv_bytes(self.workers[worker], TAG_BASE + k,
-                                                      limit=payload_limit(self.buckets[k].numel),
+        """Bucket ``k``'s next message from peer ``worker``; a fault in its header becomes known."""
+        src = self.peers.ranks[worker]
+        message, info = self.ctx.transport.recv_bytes(src, TAG_BASE + k, limit=payload_limit(self.buckets[k].numel),
                                                       device=self.ctx.params[0].device,
-                                                      what=f"compressed bucket {k} from rank {self.workers[worker]}")
+                                                      what=f"compressed bucket {k} from rank {src}")
         self.faults.note_header(info)
         if message.numel() and self.faults.known is None:
             problem = message_problem(message)
-            check_peer(problem is None, self.workers[worker], f"compressed bucket {k}", problem)
+            check_peer(problem is None, src, f"compressed bucket {k}", problem)
         return message
 
     def _allreduce(self, tensor: torch.Tensor) -> None:
-        self.ctx.transport.allreduce(tensor, what="compressed all-reduce", group=self.group)
+        self.ctx.transport.allreduce(tensor, what="compressed all-reduce", group=self.peers.group)
 
     # -- the rest of the contract ----------------------------------------------------------------------
     def close(self) -> None:
@@ -242,6 +256,7 @@ class CompressedSync(BucketedSync):
         if self.ctx.topology.is_worker and self.thread.error is None:
             self.ctx.transport.allreduce(torch.zeros(1), what="end of the compression group", group=self.group)
         self.ctx.transport.free_group(self.group)
+        self.ctx.transport.free_group(self.hosts)
 
     def min_bytes_per_host(self, model_bytes: int) -> float:
         return host_ring_bytes(model_bytes * self.ratio, self.ctx.topology)
@@ -254,6 +269,8 @@ class CompressedSync(BucketedSync):
         codec = self.codec_name + ("".join(f",{k}={v}" for k, v in self.codec_options.items())
                                    if self.codec_options else "")
         text = f"{self.name}({codec}{', error feedback' if self.error_feedback else ''}, {len(self.buckets)} buckets"
+        if self.host_form is not None:
+            text += f", two-level over {self.span} hosts: compressed across them, plain inside"
         if self.selective and hasattr(self, "decisions"):
             total = sum(d.nbytes for d in self.decisions) or 1
             chosen = [d for d in self.decisions if d.compress]
