@@ -53,7 +53,11 @@ class PrioritySender:
         self._inflight_bytes = 0
         self._sending = 0  # messages taken off the queue and not yet completed
         self._order = itertools.count()
-        self._cv = threading.Condition()
+        # One lock; the issuing thread and drain() wait on _cv, each destination's waiting thread on
+        # its own condition, so that an event wakes only the threads it concerns (thousands a step).
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
+        self._reap_cv: dict[int, threading.Condition] = {}
         self._stopping = False
         self.sent_at = time.monotonic()  # when a send last completed
         self.error: BaseException | None = None
@@ -82,7 +86,7 @@ class PrioritySender:
         self.drain()
         with self._cv:
             self._stopping = True
-            self._cv.notify_all()
+            self._wake_all()
         for thread in self._threads:
             thread.join()
 
@@ -97,7 +101,13 @@ class PrioritySender:
         except BaseException as exc:  # kept for the training thread, which raises it
             with self._cv:
                 self.error = exc
-                self._cv.notify_all()
+                self._wake_all()
+
+    def _wake_all(self) -> None:
+        """Every waiting thread (called holding the lock): stopping, or an error."""
+        self._cv.notify_all()
+        for cv in self._reap_cv.values():
+            cv.notify_all()
 
     def _may_send(self) -> bool:
         if not self._queue:
@@ -127,20 +137,21 @@ class PrioritySender:
                 pending = self._inflight.get(dst)
                 if pending is None:  # first message to this peer: its own waiting thread
                     pending = self._inflight[dst] = deque()
+                    self._reap_cv[dst] = threading.Condition(self._lock)
                     thread = threading.Thread(target=self._guard, args=(self._reap, dst),
                                               name=f"{self.name}-reap-{dst}", daemon=True)
                     self._threads.append(thread)
                     thread.start()
                 pending.append((handle, nbytes, on_sent))
-                self._cv.notify_all()
+                self._reap_cv[dst].notify()
 
     def _reap(self, dst: int) -> None:
         """Wait for the sends to ``dst`` in order, returning each one's credit as it completes."""
-        pending = self._inflight[dst]
+        pending, cv = self._inflight[dst], self._reap_cv[dst]
         while True:
-            with self._cv:
+            with cv:
                 while not pending and not self._stopping and self.error is None:
-                    self._cv.wait()
+                    cv.wait()
                 if not pending:
                     return
                 handle, nbytes, on_sent = pending[0]

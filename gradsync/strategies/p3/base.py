@@ -6,7 +6,8 @@ learned in the first step and agreed (rank 0's); the plan, the per-slice optimiz
 communication threads start at the first ``optimizer.step()``. A worker pushes each slice as soon
 as backward has produced every gradient in it, through one
 :class:`~gradsync.strategies.scheduler.PrioritySender` keyed ``(step, priority)`` (an older step's
-message goes first); the options that differ between the two strategies are attributes:
+message goes first); slices ready together that one rank serves share a message, in priority
+order (:mod:`.wire`); the options that differ between the two strategies are attributes:
 ``priority`` (False: FIFO within a step), ``credit_mb`` (bytes in flight; None: no limit) and
 ``overlap`` (whether ``step()`` returns at once and the next forward waits per module).
 """
@@ -69,10 +70,10 @@ class SlicedServer(SliceServing, Strategy):
         ctx = self.ctx
         eager, order = self.order.eager(), self.order.agree(ctx.transport, world=self.dedicated)
         plan = SlicePlan(ctx.params, order, self.slice_params, self.servers)
-        wire = Wire(plan, ctx.params[0].dtype)
         credit = None if self.credit_mb is None or not self.priority else int(self.credit_mb * 2**20)
-        if credit is not None and credit < wire.nbytes:
-            raise ConfigError(f"credit_mb={self.credit_mb:g} is less than one slice ({wire.nbytes / 2**20:.3g} MB "
+        wire = Wire(plan, ctx.params[0].dtype, credit, exact=ctx.transport.device.type != "cpu")
+        if credit is not None and credit < wire.one:
+            raise ConfigError(f"credit_mb={self.credit_mb:g} is less than one slice ({wire.one / 2**20:.3g} MB "
                               f"with slice_params={self.slice_params}): nothing could be sent; raise credit_mb")
         self.prio = self._priorities(plan, order)
         self.plan, self.wire = plan, wire
@@ -126,8 +127,9 @@ class SlicedServer(SliceServing, Strategy):
             return
         if not self.open:
             self._open_step()
-        for k in self.grads.arrived(index):
-            self._push(k)
+        ready = self.grads.arrived(index)
+        if ready:
+            self._push(ready)
 
     def step(self, apply: Callable[[], Any]) -> Any:
         self._check()
@@ -138,9 +140,9 @@ class SlicedServer(SliceServing, Strategy):
                 self.grads.ready[i] = True
         elif not self.open:
             self._open_step()
-        for k, sl in enumerate(self.plan.slices):
-            if not self.pushed[k]:
-                self._push(k)
+        rest = [k for k, pushed in enumerate(self.pushed) if not pushed]
+        if rest:
+            self._push(rest)
         self.steps += 1
         self.open = False
         for peer, steps in self.stopped.items():
@@ -167,12 +169,38 @@ class SlicedServer(SliceServing, Strategy):
             self.hyper[self.steps] = [hyper(g) for g in self.ctx.optimizer.param_groups]
             self.hyper.pop(self.steps - 4, None)
 
-    def _push(self, k: int) -> None:
-        sl, params = self.plan.slices[k], self.ctx.params
-        self.pushed[k] = True
-        buf = self.wire.new(PUSH, k, self.steps)
-        payload, used = self.wire.payload(buf), self.wire.used(buf)
-        for j, seg in enumerate(sl.segments):
+    def _push(self, ready: list[int]) -> None:
+        """Push the slices in ``ready`` (complete at the same moment): one message per group."""
+        wire, step = self.wire, self.steps
+        for owner, group in self._groups(ready):
+            buf = wire.new(PUSH, group, step)
+            for i, k in enumerate(group):
+                self.pushed[k] = True
+                self._fill(k, wire.payload(buf, i), wire.used(buf, i))
+            if owner == self.me:
+                self._accept(self.me, group, step, buf)
+            else:
+                self.sender.put(self._send_priority(group[0], step), buf, owner, TAG,
+                                what=f"push of slices {group} to rank {owner}")
+
+    def _groups(self, slices: list[int]) -> list[tuple[int, list[int]]]:
+        """``slices`` by priority, in groups of up to ``wire.group`` with one owner each: ``(owner,
+        group)``, in the order of each group's first (most urgent) slice."""
+        groups, filling = [], {}
+        prio = self.prio if self.priority is not False else None
+        for k in (sorted(slices, key=prio.__getitem__) if prio is not None else slices):
+            owner = self.plan.slices[k].owner
+            group = filling.get(owner)
+            if group is None or len(group) == self.wire.group:
+                group = filling[owner] = []
+                groups.append((owner, group))
+            group.append(k)
+        return groups
+
+    def _fill(self, k: int, payload, used) -> None:
+        """Slice ``k`` of this step's gradients into ``payload``, and which of its parameters have one."""
+        params = self.ctx.params
+        for j, seg in enumerate(self.plan.slices[k].segments):
             grad = params[seg.param].grad
             part = payload[seg.offset:seg.offset + seg.length]
             if grad is None:
@@ -184,11 +212,6 @@ class SlicedServer(SliceServing, Strategy):
                                       "has a sparse gradient (use a dense embedding, or the hybrid strategy)")
                 part.copy_(grad.reshape(-1)[seg.start:seg.start + seg.length])
                 used[j] = 1
-        if sl.owner == self.me:
-            self._accept(self.me, k, self.steps, payload, used)
-        else:
-            self.sender.put(self._send_priority(k, self.steps), buf, sl.owner, TAG,
-                            what=f"push of slice {k} to rank {sl.owner}")
 
     def _send_priority(self, k: int, step: int) -> tuple[int, float]:
         """Older steps first, then forward order (equal keys leave in FIFO order)."""

@@ -3,8 +3,9 @@
 A slice's owner (a dedicated server, or a co-located worker) adds up every worker's push of it
 (:meth:`SliceServing._accept`); once all are in it averages them, updates the slice with the
 user's optimizer (one instance per slice, same class and hyperparameters; exact for elementwise
-optimizers) and answers each worker with the new values (:meth:`_update`), by the same priority
-the pushes were sent with. The pull rides on the push.
+optimizers) and answers each worker with the new values (:meth:`_answer`), by the same priority
+the pushes were sent with; the slices one push completes share answers as they shared the push.
+The pull rides on the push.
 
 One receiving thread per peer (:meth:`_receive`) keeps :data:`~gradsync.strategies.p3.wire.POSTED`
 receives posted and handles, in order, the peer's pushes (this rank serves), answers (this rank
@@ -30,38 +31,53 @@ from gradsync.transport import check_peer
 class SliceServing:
     """Mixed into :class:`~gradsync.strategies.p3.base.SlicedServer`: aggregate, update, answer, receive."""
 
-    def _accept(self, src: int, k: int, step: int, payload: torch.Tensor, used: torch.Tensor) -> None:
+    def _accept(self, src: int, slices: list[int], step: int, buf: torch.Tensor) -> None:
+        """``src``'s push of ``slices`` (message ``buf``): add each to its sum; update and answer
+        those that every worker has now pushed."""
+        wire, done = self.wire, []
         with self.lock:
-            acc = self.accum.get((k, step))
-            if acc is None:
-                self.accum[(k, step)] = acc = [payload.clone(), used.clone(), 1]
-            else:
-                acc[0].add_(payload)
-                acc[1].add_(used)
-                acc[2] += 1
-            if acc[2] == len(self.workers):
-                del self.accum[(k, step)]
-                self._update(k, step, acc[0], acc[1].tolist())
+            for i, k in enumerate(slices):
+                payload, used = wire.payload(buf, i), wire.used(buf, i)
+                acc = self.accum.get((k, step))
+                if acc is None:
+                    self.accum[(k, step)] = acc = [payload.clone(), used.clone(), 1]
+                else:
+                    acc[0].add_(payload)
+                    acc[1].add_(used)
+                    acc[2] += 1
+                if acc[2] == len(self.workers):
+                    del self.accum[(k, step)]
+                    self.updaters.update(k, acc[0].div_(len(self.workers)), acc[1].tolist(), self.hyper.get(step))
+                    done.append(k)
+            if done:
+                self._answer(done, step)
 
-    def _update(self, k: int, step: int, total: torch.Tensor, used: list[float]) -> None:
-        sl = self.plan.slices[k]
-        self.updaters.update(k, total.div_(len(self.workers)), used, self.hyper.get(step))
-        answer = self.wire.new(ANSWER, k, step)
-        payload, params = self.wire.payload(answer), self.ctx.params
-        for seg in sl.segments:
-            payload[seg.offset:seg.offset + seg.length].copy_(flat_view(params[seg.param], seg))
-        for w in self.workers:
-            if w != self.me:
-                self.sender.put(self._send_priority(k, step), answer, w, TAG, what=f"pull of slice {k} to rank {w}")
+    def _answer(self, slices: list[int], step: int) -> None:
+        """Send the updated ``slices`` to every worker, grouped and by priority as the pushes were."""
+        params, wire = self.ctx.params, self.wire
+        for _, group in self._groups(slices):
+            answer = wire.new(ANSWER, group, step)
+            for i, k in enumerate(group):
+                payload = wire.payload(answer, i)
+                for seg in self.plan.slices[k].segments:
+                    payload[seg.offset:seg.offset + seg.length].copy_(flat_view(params[seg.param], seg))
+            for w in self.workers:
+                if w != self.me:
+                    self.sender.put(self._send_priority(group[0], step), answer, w, TAG,
+                                    what=f"pull of slices {group} to rank {w}")
         if self.me in self.workers:
-            self.arrivals.mark(k, step)
+            for k in slices:
+                self.arrivals.mark(k, step)
 
-    def _deliver(self, k: int, step: int, payload: torch.Tensor) -> None:
-        params = self.ctx.params
+    def _deliver(self, slices: list[int], step: int, buf: torch.Tensor) -> None:
+        params, wire = self.ctx.params, self.wire
         with torch.no_grad():
-            for seg in self.plan.slices[k].segments:
-                flat_view(params[seg.param], seg).copy_(payload[seg.offset:seg.offset + seg.length])
-        self.arrivals.mark(k, step)
+            for i, k in enumerate(slices):
+                payload = wire.payload(buf, i)
+                for seg in self.plan.slices[k].segments:
+                    flat_view(params[seg.param], seg).copy_(payload[seg.offset:seg.offset + seg.length])
+        for k in slices:
+            self.arrivals.mark(k, step)
 
     # -- communication threads -----------------------------------------------------------------------
     def _receive(self, peer: int) -> None:
@@ -76,8 +92,8 @@ class SliceServing:
             while True:
                 buf, handle = posted.popleft()
                 handle.wait(background=True)
-                kind, k, step = wire.header(buf)
-                self._check_header(peer, kind, k, step)
+                kind, count, step, slices = wire.header(buf)
+                self._check_message(peer, kind, count, step, slices)
                 if kind == STOP:
                     if peer in self.workers:
                         self.stopped[peer] = step
@@ -86,15 +102,23 @@ class SliceServing:
                     for _, rest in posted:  # the peer's other stop messages
                         rest.wait(background=True)
                     return
+                for k in slices:
+                    since = self._trace_arrival(kind, k, peer, since)
                 if kind == PUSH:
-                    since = self._trace_arrival(kind, k, peer, since)
-                    self._accept(peer, k, step, wire.payload(buf), wire.used(buf))
+                    self._accept(peer, slices, step, buf)
                 elif kind == ANSWER:
-                    since = self._trace_arrival(kind, k, peer, since)
-                    self._deliver(k, step, wire.payload(buf))
+                    self._deliver(slices, step, buf)
                 posted.append((buf, t.recv_async(buf, peer, TAG, what=f"message from rank {peer}", traced=False)))
         except BaseException as exc:  # raised in the training thread by _check()
             self.arrivals.fail(exc)
+
+    def _check_message(self, peer: int, kind: int, count: int, step: int, slices: list[int]) -> None:
+        """A push or an answer carries 1 to ``wire.group`` slices, each checked; a stop or keep-alive none."""
+        if kind in (PUSH, ANSWER):
+            check_peer(1 <= count <= self.wire.group, peer, "a P3 message",
+                       f"kind {kind} with {count} slices (at most {self.wire.group})")
+        for k in slices or [0]:
+            self._check_header(peer, kind, k, step)
 
     def _check_header(self, peer: int, kind: int, k: int, step: int) -> None:
         """A message from ``peer`` must push a slice this rank owns, answer with one ``peer`` owns, or stop."""
@@ -111,7 +135,7 @@ class SliceServing:
             first = self.ctx.names[self.plan.slices[k].segments[0].param]
             what = "push" if kind == PUSH else "pull"
             tracer.span(f"{what} slice {k} ({first}) from rank {peer}", "comm", since, now,
-                        bytes=self.wire.nbytes, op=f"{what} received", priority=self.prio[k])
+                        bytes=self.wire.block, op=f"{what} received", priority=self.prio[k])
         return now
 
     def _keepalive(self) -> None:
@@ -119,14 +143,14 @@ class SliceServing:
         # messages put meanwhile are still queued, and a keep-alive's priority sends it before them.
         if not self.stopping:
             for peer in self.peers:
-                self.sender.put((math.inf, sys.float_info.max), self.wire.new(KEEPALIVE, 0, self.steps), peer, TAG,
+                self.sender.put((math.inf, sys.float_info.max), self.wire.new(KEEPALIVE, [], self.steps), peer, TAG,
                                 what=f"keep-alive to rank {peer}")
 
     def _stop_peers(self) -> None:
         self.stopping = True
         for peer in self.peers:
             for _ in range(protocol.POSTED):
-                self.sender.put((math.inf, math.inf), self.wire.new(STOP, 0, self.steps), peer, TAG,
+                self.sender.put((math.inf, math.inf), self.wire.new(STOP, [], self.steps), peer, TAG,
                                 what=f"stop to rank {peer}")
 
     def serve(self) -> None:
