@@ -74,8 +74,9 @@ def stop_threads(runtime) -> None:
     transport = runtime.transport
     if transport is not None and transport.waiter is not None:  # blocked for good after a failure: no wait
         transport.waiter.close(wait_s=0.0 if transport.failure is not None else 1.0)
-    if transport is not None and transport.two_level is not None and transport.failure is None:
-        transport.two_level.close()
+    two_level = getattr(transport, "two_level", None)
+    if two_level is not None and transport.failure is None:
+        two_level.close()
 
 
 def leave_group(runtime) -> None:
