@@ -1,5 +1,6 @@
 """Which ranks share a host: the layout found at init (gradsync.hosts), its checks, the Topology."""
 import pytest
+import torch
 
 import gradsync
 from gradsync.errors import ConfigError
@@ -64,3 +65,27 @@ def test_two_level_shards_are_owned_once_per_host_even_on_uneven_hosts():
     assert owners == [[0, 2, 4], [1, 3, 4]]  # a host of one worker owns every shard
     hosts, shards, owners = TwoLevel.plan(Topology(5, 0, host_of=(0, 0, 0, 1, 1)))
     assert shards == 3 and owners == [[0, 3], [1, 4], [2, 3]]
+
+
+def two_level_sums(sizes):
+    from gradsync import runtime
+
+    transport, rank = runtime.current().transport, gradsync.topology().rank
+    out = []
+    for size in sizes:  # integers in float64: every order of summing gives the same bits
+        x = torch.arange(size, dtype=torch.float64) * (rank + 1)
+        transport.allreduce_async(x, group=transport.two_level, what="test sum").wait()
+        out.append(x)
+    return out
+
+
+@pytest.mark.parametrize("hosts", [(0, 0, 1, 1), (0, 0, 1)], ids=["2x2", "2+1"])
+def test_the_two_level_all_reduce_sums_exactly_in_one_part_and_in_a_pipeline_of_parts(hosts):
+    from gradsync.transport.twolevel import PIPELINE_BYTES
+
+    sizes = [1, 5, 4099, 3 * PIPELINE_BYTES // 8 + 7]  # the last: three parts of a pipeline, padded
+    env = [{"GRADSYNC_HOST": f"h{h}", "LOCAL_WORLD_SIZE": str(hosts.count(h))} for h in hosts]
+    total = sum(range(1, len(hosts) + 1))
+    for sums in run_ranks(two_level_sums, len(hosts), sizes, env=env, timeout=60):
+        for x, size in zip(sums, sizes):
+            assert torch.equal(x, torch.arange(size, dtype=torch.float64) * total), size

@@ -37,6 +37,12 @@ import torch.distributed as dist
 from gradsync.topology import Topology
 
 
+PIPELINE_BYTES = 4 * 2**20
+PIPELINE_PARTS = 8
+"""A two-level all-reduce of more than ``PIPELINE_BYTES`` runs as up to ``PIPELINE_PARTS`` parts in a
+pipeline, so the host's NIC carries one part while the next is summed inside the host."""
+
+
 class _Done:
     """What the communication thread reports for one job, shaped as a Gloo work (``wait(timeout)``,
     ``is_completed()``) so that :class:`~gradsync.transport.waits.Handle` waits on it in chunks."""
@@ -179,18 +185,33 @@ class TwoLevel:
                 on_done()
 
     def _allreduce(self, flat: torch.Tensor) -> None:
-        n, s = flat.numel(), self.shards
-        piece = math.ceil(n / s)
-        padded = flat
-        if piece * s != n:  # shards of one length on every rank: pad with zeros
-            padded = flat.new_zeros(piece * s)
-            padded[:n] = flat
-        self._scatter(padded)
-        shard = self._shards(padded)
-        self._cross({k: shard[k] for k in self.cross})
+        """Steps 1-3 on consecutive parts of ``flat``, pipelined: a part's all-reduce across hosts
+        runs while the next part is summed inside the host and the previous one gathered. Every rank
+        cuts the same parts and issues each group's operations in the same order."""
+        n = flat.numel()
+        parts = max(1, min(PIPELINE_PARTS, n * flat.element_size() // PIPELINE_BYTES))
+        bounds = [n * i // parts for i in range(parts + 1)]
+        pending = None
+        for i in range(parts):
+            view = flat[bounds[i]:bounds[i + 1]]
+            padded = view
+            if view.numel() % self.shards:  # shards of one length on every rank: pad with zeros
+                padded = view.new_zeros(math.ceil(view.numel() / self.shards) * self.shards)
+                padded[:view.numel()] = view
+            self._scatter(padded)
+            shard = self._shards(padded)
+            works = self._cross_async({k: shard[k] for k in self.cross})
+            if pending is not None:
+                self._finish(*pending)
+            pending = (view, padded, works)
+        self._finish(*pending)
+
+    def _finish(self, view: torch.Tensor, padded: torch.Tensor, works: list) -> None:
+        for work in works:
+            work.wait()
         self._gather(padded)
-        if padded is not flat:
-            flat.copy_(padded[:n])
+        if padded is not view:
+            view.copy_(padded[:view.numel()])
 
     def _shards(self, padded: torch.Tensor) -> list[torch.Tensor]:
         if padded.numel() % self.shards:
@@ -223,8 +244,6 @@ class TwoLevel:
             for k in range(self.shards):
                 dist.broadcast(shard[k], src=self.local_ranks[k % size], group=self.local)
 
-    def _cross(self, parts: dict[int, torch.Tensor]) -> None:
-        works = [dist.all_reduce(part, group=self.cross[s_][1], async_op=True)
-                 for s_, part in parts.items() if len(self.cross[s_][0]) > 1]
-        for work in works:
-            work.wait()
+    def _cross_async(self, parts: dict[int, torch.Tensor]) -> list:
+        return [dist.all_reduce(part, group=self.cross[s_][1], async_op=True)
+                for s_, part in parts.items() if len(self.cross[s_][0]) > 1]
