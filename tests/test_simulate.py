@@ -1032,12 +1032,41 @@ def test_a_traced_simulation_gives_its_step_ends():
     assert [b - a for a, b in zip(ends, ends[1:])] == pytest.approx([record["step_s"]] * 3)
 
 
+def test_the_matrixs_cells_of_hosts_of_several_workers_are_replayed_host_aware(tmp_path):
+    """A record of ``gradsync bench --ranks-per-host R`` is replayed on hosts of R ranks, linked by
+    the loopback's rate, each label in the form it ran: ``STRATEGY:flat`` flat, the others as
+    ``HOSTS`` says (two-level ``allreduce``, ``ps`` summing its host at the step, ``ddp`` flat)."""
+    from gradsync.simulate import HOSTS, validate
+
+    with open(validate.MATRIX) as f:
+        matrix = json.load(f)
+    hosted = [g for g in matrix["groups"] if any(r.get("ranks_per_host", 1) > 1 for r in g["records"])]
+    assert hosted and all(f"--ranks-per-host {g['records'][0]['ranks_per_host']}" in g["command"] for g in hosted)
+    labels = {r["strategy"] for g in hosted for r in g["records"]}
+    assert {"allreduce", "allreduce:flat", "ps", "ps:flat", "ddp"} <= labels
+    alone = tmp_path / "matrix.json"  # those groups alone: a few seconds
+    alone.write_text(json.dumps({**matrix, "groups": hosted}))
+    cells = validate.replay(str(alone), steps=4, warmup=2)["cells"]
+    for c in cells:
+        name, _ = validate.options_of(c["strategy"])
+        assert c["ranks_per_host"] > 1
+        assert c["hosts"] == ("flat" if validate.flat_of(c["strategy"]) else HOSTS.get(name, "flat")), c["strategy"]
+    rec = hosted[0]["records"][0]
+    net = validate.record_network(matrix, rec)
+    assert net.ranks_per_host == rec["ranks_per_host"] and 0 < net.intra_Bps < 1e11
+    # its cell is found by its workers per host, apart from the one-rank-per-host cell of that shape
+    shape = (rec["model"], rec["np"], rec["net_bps"], rec["strategy"])
+    assert hosted[0]["command"] in validate.cell_host(*shape, ranks_per_host=rec["ranks_per_host"])[2]
+    assert hosted[0]["command"] not in validate.cell_host(*shape)[2]
+
+
 def test_a_records_host_is_the_one_the_replay_simulates_it_on(tmp_path):
     from gradsync.simulate import validate
 
     with open(validate.MATRIX) as f:
         matrix = json.load(f)
-    group = next(g for g in reversed(matrix["groups"]) if any(r["strategy"] == "allreduce" for r in g["records"]))
+    group = next(g for g in reversed(matrix["groups"]) if any(r["strategy"] == "allreduce" and r.get("ranks_per_host", 1) == 1
+                                                             for r in g["records"]))
     rec = next(r for r in group["records"] if r["strategy"] == "allreduce")
     host, work = validate.record_host(matrix, group, rec)
     steps = rec["warmup"] + rec["steps"] // rec.get("rounds", 1)

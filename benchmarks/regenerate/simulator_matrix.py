@@ -2,8 +2,8 @@
 
     python benchmarks/regenerate/simulator_matrix.py --out gradsync/simulate/validation.json
 
-Runs one ``gradsync bench --compute emulated`` per (model, workers, link rate) on the emulated
-cluster (root needed), with every simulated strategy side by side, and writes the records, each
+Runs one ``gradsync bench --compute emulated`` per (model, workers, link rate, workers per host) on
+the emulated cluster (root needed), with every simulated strategy side by side, and writes the records, each
 group with its exact command and the host rates measured just before it (copy and update, alone
 and as a fraction of that with every core at it, the fraction again just after the run; a thread
 handoff, idle and with every core busy; for a group with ``p3``, ``ps-sliced`` or ``hybrid`` the cost of a message's end too, and for
@@ -29,12 +29,13 @@ import time
 EXACT = "ddp,allreduce,ps,p3,ps-sliced,allreduce-priority"
 OTHERS = "ddp,sma,pair-averaging,casync-ring,casync-ps,compressed-allgather"
 SERVED = "ps,ps-async,p3"
+HOSTED = "allreduce,allreduce:flat,ps,ps:flat,ddp"  # hosts of several workers: two-level and flat
 TABLES = "allreduce,ps,ddp"  # beside hybrid, which has groups of its own (below)
 LM_COMPUTE = "emulated:flops:11.11tflops"  # lstm-lm's shipped V100 rate, on the CPU-sized shape
 CODECS = ["onebit"]  # the compressed strategies' default
 MESSAGED = {"p3", "ps-sliced", "hybrid"}  # the strategies whose Python threads handle each message (Host.message_s)
 COMPRESSED = {"casync-ring", "casync-ps", "compressed-allgather"}
-GROUPS = [  # (model, workers, rate, dedicated servers, strategies[, compute[, rounds]])
+GROUPS = [  # (model, workers, rate, dedicated servers, strategies[, compute[, rounds]][, {more}])
     ("resnet50", 2, "1gbit", 0, EXACT), ("resnet50", 4, "1gbit", 0, EXACT),
     ("resnet50", 2, "10gbit", 0, EXACT), ("resnet50", 4, "10gbit", 0, EXACT),
     ("vgg19", 2, "1gbit", 0, EXACT), ("vgg19", 2, "10gbit", 0, EXACT),
@@ -61,25 +62,40 @@ GROUPS = [  # (model, workers, rate, dedicated servers, strategies[, compute[, r
     # and the compressed strategies at 2 workers, whose casync-ps moved by 8.5 % between two one-round
     # recordings at two cores' time per rank: 3 rounds, replacing their records of group 6.
     ("resnet50", 2, "1gbit", 0, "casync-ring,casync-ps,compressed-allgather", "emulated", 3),
+    # Hosts of two workers (``--ranks-per-host 2``: two emulated hosts of two workers behind one
+    # link), each topology-aware strategy beside its flat form (``STRATEGY:flat``) and ``ddp``,
+    # which stays flat. 4 measured steps (ResNet-50's steps at 1 Gbit/s and 4 workers last about a
+    # second of undilated time, four of real time).
+    ("resnet50", 4, "1gbit", 0, HOSTED, "emulated", 1, {"ranks_per_host": 2, "steps": 4, "warmup": 2}),
+    # and at 10 Gbit/s, 8 measured steps of about 0.2 s, at a real rate of 500 Mbit/s: the hosts'
+    # loopback hops add to the cores' work what one worker to a host does not have
+    ("resnet50", 4, "10gbit", 0, HOSTED, "emulated", 1,
+     {"ranks_per_host": 2, "steps": 8, "warmup": 2, "dilation": "auto:500mbit"}),
 ]
-SHAPE = ("model", "np", "net_bps", "servers", "batch_size", "compute")
+SHAPE = ("model", "np", "net_bps", "servers", "batch_size", "compute", "ranks_per_host")
 
 
 def supersede(groups: list[dict], newer: dict) -> None:
     """Move out of earlier groups' ``records`` the ones that ``newer`` measures again (same shape
     and strategy) into their ``superseded`` list, which the replay skips, saying so in their
     ``note``: the strategy changed after them."""
-    again = {tuple(r.get(k, 0) for k in SHAPE) + (r["strategy"],) for r in newer["records"]}
+    again = {_shape(r) for r in newer["records"]}
     for group in groups:
         if group is newer:
             continue
-        gone = [r for r in group["records"] if tuple(r.get(k, 0) for k in SHAPE) + (r["strategy"],) in again]
+        gone = [r for r in group["records"] if _shape(r) in again]
         if gone:
             group["records"] = [r for r in group["records"] if r not in gone]
             group["superseded"] = group.get("superseded", []) + gone
             names = ", ".join(sorted({r["strategy"] for r in gone}))
             group["note"] = (group.get("note", "") + f" {names}: left out here, measured again later by "
                              f"`{newer['command']}`.").strip()
+
+
+def _shape(record: dict) -> tuple:
+    """A record's shape and strategy label (records from before hosts of several workers have one
+    worker to a host)."""
+    return tuple(record.get(k, 1 if k == "ranks_per_host" else 0) for k in SHAPE) + (record["strategy"],)
 
 
 def dilation(np: int, rate: str, servers: int, cores: int | None = None, rank_cores: float = 2.0) -> str:
@@ -97,12 +113,27 @@ def dilation(np: int, rate: str, servers: int, cores: int | None = None, rank_co
 
 
 def command(model: str, np: int, rate: str, servers: int, strategies: str, out: str,
-            compute: str = "emulated", rounds: int = 1, rank_cores: float = 2.0) -> list[str]:
+            compute: str = "emulated", rounds: int = 1, more: dict | None = None, rank_cores: float = 2.0) -> list[str]:
+    """The group's ``gradsync bench`` command, writing its records to ``out``: 12 measured steps a
+    round after 3 of warm-up, unless ``more`` says otherwise (``steps`` a round, ``warmup``,
+    ``dilation``: ``--dilation``'s value, else :func:`dilation`'s), and ``more["ranks_per_host"]``
+    workers to an emulated host (default 1)."""
+    more = more or {}
+    per_host = more.get("ranks_per_host", 1)
     return ["gradsync", "bench", "--model", model, "--compute", compute, "--np", str(np), "--net", rate,
+            *(["--ranks-per-host", str(per_host)] if per_host > 1 else []),
             *(["--servers", str(servers)] if servers else []),
-            "--dilation", dilation(np, rate, servers, rank_cores=rank_cores), "--strategies", strategies,
-            "--steps", str(12 * rounds), "--warmup", "3", "--rounds", str(rounds),
-            "--check-steps", "0", "--json", out]
+            "--dilation", more.get("dilation") or dilation(np, rate, servers, rank_cores=rank_cores),
+            "--strategies", strategies,
+            "--steps", str(more.get("steps", 12) * rounds), "--warmup", str(more.get("warmup", 3)),
+            "--rounds", str(rounds), "--check-steps", "0", "--json", out]
+
+
+def group_command(index: int, out: str, rank_cores: float = 2.0) -> list[str]:
+    """:func:`command` of ``GROUPS[index]``."""
+    model, np, rate, servers, strategies, *rest = GROUPS[index]
+    more = rest.pop() if rest and isinstance(rest[-1], dict) else None
+    return command(model, np, rate, servers, strategies, out, *rest, more=more, rank_cores=rank_cores)
 
 
 def _calibrated(count: int, seconds: float | None = None) -> list[dict]:
@@ -257,7 +288,7 @@ def main() -> None:
         kept = {**kept, "host_rates": host_rates}
         print(f"with every core at it: {host_rates['concurrent']}", flush=True)
     for index in (int(i) for i in args.groups.split(",") if i):
-        model, np, rate, servers, strategies, *more = GROUPS[index]
+        model, np, rate, servers, strategies, *_ = GROUPS[index]
         rates = measure_host_rates()  # the machine's host work as this group met it
         names = set(strategies.split(","))
         if names & MESSAGED:  # and its Python's per-message cost, where messages can bound the step
@@ -265,7 +296,7 @@ def main() -> None:
         own_codecs = calibrate_codecs(CODECS) if names & COMPRESSED else None
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "records.json")
-            argv = command(model, np, rate, servers, strategies, out, *more, rank_cores=args.rank_cores)
+            argv = group_command(index, out, rank_cores=args.rank_cores)
             started = time.monotonic()
             subprocess.run([sys.executable, "-m", "gradsync.cli", *argv[1:]], check=True)
             with open(out) as f:
@@ -287,7 +318,7 @@ def main() -> None:
                       f, indent=1)
         print(f"group {index} ({model}, {np} workers, {rate}) recorded", flush=True)
     for index in (int(i) for i in args.codecs.split(",") if i):
-        shown = " ".join(command(*GROUPS[index][:5], "", *GROUPS[index][5:])[:-2])
+        shown = " ".join(group_command(index, "", rank_cores=args.rank_cores)[:-2])
         group = next(g for g in groups if g["command"] == shown)
         group["codecs"], group["codecs_note"] = calibrate_codecs(CODECS), (
             "compressors' costs measured again after the run, on the same machine, under the ranks' allocator "

@@ -17,7 +17,7 @@ import statistics
 from gradsync.errors import ConfigError
 from gradsync.simulate import averaging, compressed
 from gradsync.simulate.engine import Sim, SimulationError
-from gradsync.simulate.hosts import LocalAggregation
+from gradsync.simulate.hosts import aggregation
 from gradsync.simulate.hybrid import Hybrid
 from gradsync.simulate.models import Buckets, ParameterServers, Slices
 from gradsync.simulate.worker import Host, Network, StrategyModel, Worker
@@ -43,7 +43,7 @@ def simulate(strategy: str, workload: Workload, np: int, net: Network, *, host: 
     hosts = "flat" if flat else model.hosts
     worker = Worker(sim, workload, np, net, host or Host(), servers, hosts)
     if worker.hosts == "local":
-        model = LocalAggregation(model)
+        model = aggregation(model)
     ends = worker.run(model, steps)
     times = model.step_times(ends)[warmup:]
     samples = np * workload.batch_size

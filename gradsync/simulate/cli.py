@@ -176,23 +176,28 @@ def bound(strategy: str, options: dict, model_bytes: int, np: int, servers: int,
           hosts: str = "flat") -> float:
     """The physical bound, from the strategy's own ``min_bytes_per_host`` (as gradsync bench), or
     ``min_bytes`` where the simulated model knows it (``hybrid``: it depends on the rows read). On
-    hosts of ``per_host`` ranks: a two-level schedule's (``hosts``) among the hosts, a flat one's
-    ``per_host`` times a rank's, through the one NIC."""
+    hosts of ``per_host`` ranks, the strategy's figure on that layout (hosts filled in rank order,
+    the servers on hosts of their own after the workers'), as ``gradsync bench --ranks-per-host``
+    takes it, whichever form runs; the model's own figure, a peer's, times the ranks per host
+    for a flat schedule (``hosts``)."""
     from types import SimpleNamespace
 
     from gradsync.strategies import resolve
     from gradsync.topology import Topology
 
-    peers, times = (-(-np // per_host), 1) if hosts != "flat" else (np, per_host)
     if min_bytes is None:
         obj = resolve(strategy, **options)
-        obj.ctx = SimpleNamespace(topology=Topology(world_size=peers + servers, rank=0, num_servers=servers))
+        where = [r // per_host for r in range(np)]
+        where += [-(-np // per_host) + j // per_host for j in range(servers)]
+        obj.ctx = SimpleNamespace(topology=Topology(world_size=np + servers, rank=0, num_servers=servers,
+                                                    host_of=tuple(where) if per_host > 1 else ()))
         if hasattr(obj, "codec_name"):  # a compressed strategy: its wire ratio, as the simulator measured it
             from gradsync.simulate.compressed import codec_cost
 
             obj.ratio = codec_cost(obj.codec_name, obj.codec_options, 1.0).ratio
         min_bytes = obj.min_bytes_per_host(model_bytes)
-    min_bytes *= times  # the model's own figure (hybrid's) is its peers' too
+    elif hosts == "flat":
+        min_bytes *= per_host  # the model's own figure (hybrid's) is a peer's
     comm_s = 0.0 if rate is None else min_bytes * 8 / rate
     return samples / max(compute_s, comm_s)
 

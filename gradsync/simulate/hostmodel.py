@@ -13,7 +13,9 @@ kept in the matrix) corrected in turn:
   recording machine's lines (:attr:`Host.codecs`);
 - thread handoffs, wakes, message ends, jitter and the network's CPU per byte as measured there
   (``handoff_s``, ``busy_wake_s``, ``message_s``, ``jitter``, ``net_cpu_s``);
-- the network: the run's link rate, at the all-to-all's measured share (:func:`record_network`).
+- the network: the run's link rate, at the all-to-all's measured share, and its workers per host,
+  linked at the rate of Gloo over the recording machine's loopback (:func:`record_network`,
+  :func:`intra_rate`); each label in the form it ran (:func:`flat_of`).
 """
 from __future__ import annotations
 
@@ -32,10 +34,21 @@ LATENCY_S = 50e-6
 """A message's one-way latency where the matrix gives none (:attr:`Network.latency_s`'s default)."""
 
 
+FLAT = ":flat"
+"""A bench label's suffix for a strategy's flat form on hosts of several workers (``allreduce:flat``)."""
+
+
 def options_of(label: str) -> tuple[str, dict]:
-    """``casync-ring+topk:ratio=0.01`` -> ``("casync-ring", {"compression": "topk:ratio=0.01"})``."""
+    """``casync-ring+topk:ratio=0.01`` -> ``("casync-ring", {"compression": "topk:ratio=0.01"})``;
+    ``allreduce:flat`` -> ``("allreduce", {})`` (:func:`flat_of` tells the form)."""
     name, _, spec = label.partition("@")[0].partition("+")
-    return name, ({"compression": spec} if spec else {})
+    return name.removesuffix(FLAT), ({"compression": spec.removesuffix(FLAT)} if spec else {})
+
+
+def flat_of(label: str) -> bool:
+    """Whether a bench label ran its strategy's flat form on hosts of several workers
+    (``STRATEGY:flat``, ``distribute(..., hosts="flat")``); else the topology-aware one."""
+    return label.partition("@")[0].endswith(FLAT)
 
 
 def run_options(record: dict) -> tuple[str, dict]:
@@ -147,14 +160,36 @@ def updates_met(record: dict, rates: dict, cores: int) -> float | None:
     return lone * share / (_dilation(record) * seconds)
 
 
-def record_network(matrix: dict, record: dict) -> Network:
+def record_network(matrix: dict, record: dict, cores: int | None = None) -> Network:
     """The :class:`~gradsync.simulate.Network` of a recorded run: its link rate, the matrix's
-    latency, and the all-to-all's share of the rate measured on the recording machine
+    latency, the all-to-all's share of the rate measured on the recording machine
     (``host_rates.mesh``, benchmarks/regenerate/mesh_exchange.py) for the run's hosts at its link's real rate
-    (the emulated rate over the dilation); 1 where none was measured."""
+    (the emulated rate over the dilation; 1 where none was measured), and its workers per host
+    (``ranks_per_host``), linked inside the host at the rate of Gloo over loopback
+    (:func:`intra_rate`)."""
     real = record["net_bps"] / _dilation(record)
-    mesh = _mesh(matrix.get("host_rates", {}).get("mesh"), _ranks(record), real)
-    return Network(record["net_bps"], matrix.get("latency_s", LATENCY_S), mesh=mesh)
+    per_host = record.get("ranks_per_host", 1)
+    mesh = _mesh(matrix.get("host_rates", {}).get("mesh"), -(-_ranks(record) // per_host), real)
+    net = Network(record["net_bps"], matrix.get("latency_s", LATENCY_S), mesh=mesh)
+    if per_host > 1:
+        net.ranks_per_host = per_host
+        net.intra_Bps = intra_rate(matrix, record, cores or matrix.get("cores") or 1)
+    return net
+
+
+def intra_rate(matrix: dict, record: dict, cores: int) -> float | None:
+    """The intra-host link of a recorded run of several workers to a host: the host's workers reach
+    each other through Gloo over the loopback of its network namespace, whose rate is the recording
+    machine's CPU's. The matrix's loopback run (``message_run``: two ranks all-reducing ResNet-50 on
+    loopback, :func:`~benchmarks.regenerate.simulator_matrix.measure_message_cost`) gives the rate
+    ``loopback_bps`` at which a ring of two moves each rank's half both ways; the intra-host link
+    carries a host's reduce-scatter and all-gather as one sum of its ranks' bytes, twice that. Times
+    the dilation (which divides every time) and over the ranks per core (every host's workers cross
+    their loopback at once). None (unlimited) where the matrix has no loopback run."""
+    loopback = (matrix.get("message_run") or {}).get("loopback_bps")
+    if not loopback:
+        return None
+    return 2 * loopback / 8 * _dilation(record) / max(1.0, _ranks(record) / cores)
 
 
 def _net_cpu(rates: dict, record: dict) -> float:

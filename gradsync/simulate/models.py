@@ -89,7 +89,10 @@ class Buckets(StrategyModel):
 class ParameterServers(StrategyModel):
     """Groups of at most ``fuse_bytes`` per server, pushed as soon as complete during backward; at
     ``step()`` each server (or co-located owner) aggregates once every push is in, updates its
-    share, and answers; the next forward waits for every pull."""
+    share, and answers; the next forward waits for every pull. On hosts of several ranks the host's
+    gradients are summed at ``step()``, then pushed (:class:`~gradsync.simulate.hosts.StepAggregation`)."""
+
+    sums_host_at_step = True
 
     def __init__(self, strategy, servers: int):
         super().__init__(strategy)
@@ -130,10 +133,14 @@ class ParameterServers(StrategyModel):
         # them); the representative worker sends (receives) the share of a group that leaves its
         # own host. Receives are posted before sends, so both directions run at full rate.
         # Every host sends to and receives from every other at once: an all-to-all (Network.mesh).
+        # Flat on hosts of R ranks, the owners on the worker's own host take theirs without the NIC.
         tx, rx = self.owner_links[s]
-        away = (wk.np - 1) / wk.np
-        uses = [(wk.tx, away), (rx, wk.np - 1)] if push else [(tx, wk.np - 1), (wk.rx, away)]
-        wk.message(nbytes if wk.np > 1 else 0.0, uses, done, name, mesh=True)
+        others = wk.np - wk.local_peers
+        away = others / wk.np
+        uses = [(wk.tx, away), (rx, others)] if push else [(tx, others), (wk.rx, away)]
+        if push:  # what a worker sends (its answers, as an owner, are the owners' links')
+            wk.local_sent += nbytes * (wk.local_peers - 1) / wk.np
+        wk.message(nbytes if others > 0 else 0.0, uses, done, name, mesh=True)
 
     def before_forward(self, step: int, go: Callable[[], None]) -> None:
         self.missing = [len(g) for _, g in self.groups]

@@ -25,8 +25,8 @@ from gradsync.bench.report import CPU_BOUND
 from gradsync.simulate import Host, Network, build, load, simulate
 from gradsync.simulate.calibration import (calibrate, calibrate_codecs, handoff_latencies, measure_busy_wake,
                                            measure_handoff)
-from gradsync.simulate.hostmodel import (LATENCY_S, codec_speeds, host_of, memory_met, options_of, record_network,
-                                         run_options, updates_met)
+from gradsync.simulate.hostmodel import (LATENCY_S, codec_speeds, flat_of, host_of, memory_met, options_of,
+                                         record_network, run_options, updates_met)
 
 # the replay's own, and the measurements and corrections it runs on, named here for its users
 __all__ = ["MATRIX", "calibrate", "calibrate_codecs", "cell_host", "cell_network", "codec_speeds", "group_hosts",
@@ -55,17 +55,18 @@ def replay(path: str = MATRIX, rates: dict | None = None, steps: int = 8, warmup
                 workloads[key] = load(*key)
         hosts = group_hosts(group["records"], [workloads[key] for key in keys], here, cores, codecs)
         for rec, key, (host, source) in zip(group["records"], keys, hosts):
-            net = record_network(matrix, rec)
+            net = record_network(matrix, rec, cores)
             name, options = run_options(rec)
             # as many steps as a round of the run measured, after its warm-up (the rounds repeat it)
             run_warmup = rec.get("warmup", warmup)
             run_steps = run_warmup + rec["steps"] // rec.get("rounds", 1) if "steps" in rec else steps
             sim = simulate(name, workloads[key], rec["np"], net, host=host,
                            servers=rec.get("servers", 0), options=options, steps=max(run_steps, steps),
-                           warmup=max(run_warmup, warmup))
+                           warmup=max(run_warmup, warmup), flat=flat_of(rec["strategy"]))
             cpu = rec.get("host_cpu_busy")
             cells.append({"model": rec["model"], "np": rec["np"], "net_bps": rec["net_bps"],
-                          "servers": rec.get("servers", 0), "strategy": rec["strategy"],
+                          "servers": rec.get("servers", 0), "ranks_per_host": net.ranks_per_host,
+                          "hosts": sim.get("hosts", "flat"), "strategy": rec["strategy"],
                           "cpu_bound": cpu is not None and cpu >= CPU_BOUND, "host_cpu_busy": cpu,
                           "measured": rec["samples_per_s"], "simulated": sim["samples_per_s"],
                           "error": sim["samples_per_s"] / rec["samples_per_s"] - 1, "command": group["command"],
@@ -106,34 +107,38 @@ def record_host(matrix: dict, group: dict, record: dict) -> tuple:
     return group_hosts(records, works, rates, matrix.get("cores", os.cpu_count() or 1), codecs)[i][0], works[i]
 
 
-def _latest(path: str | None, model: str, np: int, rate_bps: float, strategy: str, servers: int) -> tuple:
+def _latest(path: str | None, model: str, np: int, rate_bps: float, strategy: str, servers: int,
+            ranks_per_host: int = 1) -> tuple:
     """The matrix at ``path`` (the shipped one by default) and the latest ``(group, record)`` of a
     cell of it, or None where it has no record of that cell."""
     with open(path or MATRIX) as f:
         matrix = json.load(f)
-    cell = (model, np, rate_bps, strategy, servers)
+    cell = (model, np, rate_bps, strategy, servers, ranks_per_host)
     latest = [(group, rec) for group in matrix["groups"] for rec in group["records"]
-              if (rec["model"], rec["np"], rec["net_bps"], rec["strategy"], rec.get("servers", 0)) == cell][-1:]
+              if (rec["model"], rec["np"], rec["net_bps"], rec["strategy"], rec.get("servers", 0),
+                  rec.get("ranks_per_host", 1)) == cell][-1:]
     return matrix, (latest[0] if latest else None)
 
 
 def cell_host(model: str, np: int, rate_bps: float, strategy: str, servers: int = 0,
-              path: str | None = None) -> tuple:
+              path: str | None = None, ranks_per_host: int = 1) -> tuple:
     """The host and workload on which the replay simulates the latest record of a cell of the
     matrix at ``path`` (the shipped one by default), and where they come from, in words; the
     simulator's default host (batch 32) where the matrix has no record of it."""
-    matrix, latest = _latest(path, model, np, rate_bps, strategy, servers)
+    matrix, latest = _latest(path, model, np, rate_bps, strategy, servers, ranks_per_host)
     if latest is None:
         return Host(), load(model, 32, None), "the simulator's default host (no record of this cell in the matrix)"
     group, rec = latest
     return (*record_host(matrix, group, rec), f"the host of the matrix's record from `{group['command']}`")
 
 
-def cell_network(model: str, np: int, rate_bps: float, strategy: str, servers: int = 0, path: str | None = None):
+def cell_network(model: str, np: int, rate_bps: float, strategy: str, servers: int = 0, path: str | None = None,
+                 ranks_per_host: int = 1):
     """The network on which the replay simulates the latest record of a cell of the matrix at
     ``path`` (the shipped one by default; :func:`record_network`): fair shares where it has no record."""
-    matrix, latest = _latest(path, model, np, rate_bps, strategy, servers)
-    return record_network(matrix, latest[1]) if latest else Network(rate_bps, matrix.get("latency_s", LATENCY_S))
+    matrix, latest = _latest(path, model, np, rate_bps, strategy, servers, ranks_per_host)
+    return record_network(matrix, latest[1]) if latest else Network(rate_bps, matrix.get("latency_s", LATENCY_S),
+                                                                     ranks_per_host=ranks_per_host)
 
 
 def _workload_key(record: dict) -> tuple:
@@ -149,12 +154,18 @@ def summary(cells: list[dict]) -> dict:
     errors = [abs(c["error"]) for c in cells]
     groups: dict[tuple, list[dict]] = {}
     for c in cells:
-        groups.setdefault((c["model"], c["np"], c["net_bps"], c["servers"]), []).append(c)
-    ranked = sum(_ranked_alike(c, groups[(c["model"], c["np"], c["net_bps"], c["servers"])]) for c in cells)
+        groups.setdefault(_group_of(c), []).append(c)
+    ranked = sum(_ranked_alike(c, groups[_group_of(c)]) for c in cells)
     advised = sum(_first_pick_good(g) for g in groups.values())
     return {"cells_counted": len(cells), "median_abs_error": statistics.median(errors) if errors else None,
             "max_abs_error": max(errors, default=None), "groups": len(groups), "ranked_alike": ranked,
             "advice_good": advised}
+
+
+def _group_of(cell: dict) -> tuple:
+    """The cluster shape whose strategies a cell is ranked among: model, workers, link rate,
+    dedicated servers and workers per host."""
+    return cell["model"], cell["np"], cell["net_bps"], cell["servers"], cell.get("ranks_per_host", 1)
 
 
 def _ranked_alike(cell: dict, group: list[dict]) -> bool:
@@ -180,10 +191,12 @@ def _first_pick_good(group: list[dict]) -> bool:
 
 
 def report(result: dict) -> str:
-    lines = [f"{'model':<10} {'np':>3} {'net':>9} {'strategy':<20} {'measured':>9} {'simulated':>9} {'error':>7}"]
+    lines = [f"{'model':<10} {'np':>5} {'net':>9} {'strategy':<20} {'measured':>9} {'simulated':>9} {'error':>7}"]
     for c in result["cells"]:
         net = "loopback" if c["net_bps"] is None else f"{c['net_bps'] / 1e9:g} Gbit/s"
-        lines.append(f"{c['model']:<10} {c['np']:>3} {net:>9} {c['strategy']:<20} {c['measured']:>9.1f} "
+        per_host = c.get("ranks_per_host", 1)
+        np = f"{c['np'] // per_host}x{per_host}" if per_host > 1 else str(c["np"])  # hosts x workers each
+        lines.append(f"{c['model']:<10} {np:>5} {net:>9} {c['strategy']:<20} {c['measured']:>9.1f} "
                      f"{c['simulated']:>9.1f} {c['error']:>+7.1%}"
                      + (f"  (cpu-bound: {c['host_cpu_busy']:.0%} busy, not counted)" if c["cpu_bound"] else ""))
     lines.append(f"\n{result['cells_counted']} of {len(result['cells'])} cells counted: median |error| {result['median_abs_error']:.1%}, largest "

@@ -27,7 +27,9 @@ def _net(bps: float | None) -> str:
 def _shape(cell: dict) -> str:
     servers = cell.get("servers", 0)
     where = f", {servers} dedicated server{'s' if servers > 1 else ''}" if servers else ""
-    return f"{cell['model']}, {cell['np']} workers, {_net(cell['net_bps'])}{where}"
+    per_host = cell.get("ranks_per_host", 1)
+    hosts = f" ({cell['np'] // per_host} hosts of {per_host})" if per_host > 1 else ""
+    return f"{cell['model']}, {cell['np']} workers{hosts}, {_net(cell['net_bps'])}{where}"
 
 
 def _cpu(cell: dict) -> str:
@@ -89,7 +91,7 @@ def markdown(result: dict, matrix: str, command: str) -> str:
 
     lines += ["", "## By cluster shape", ""]
     shapes: dict[str, list[dict]] = {}
-    order = lambda c: (c["model"], c["net_bps"] or 0, c["np"], c.get("servers", 0))
+    order = lambda c: (c["model"], c["net_bps"] or 0, c["np"], c.get("servers", 0), c.get("ranks_per_host", 1))
     for c in sorted(cells, key=order):  # stable: a shape's cells keep the matrix's order
         shapes.setdefault(_shape(c), []).append(c)
     for shape, group in shapes.items():

@@ -178,7 +178,13 @@ class Worker:
         self.np = -(-np // per_host) if self.hosts != "flat" else np  # the network's peers
         share = rate if self.hosts != "flat" else rate / per_host
         self.tx, self.rx = Link("worker tx", share), Link("worker rx", share)
-        self.ring_links = [(self.tx, 1), (self.rx, 1)]
+        # A flat ring in rank order crosses each host's NIC once each way (hosts hold consecutive
+        # ranks): the NIC carries one rank's ring traffic, not R ranks', at the NIC's whole rate;
+        # the ring's other R-1 edges of the host move as much over its intra-host link.
+        ring = 1 / per_host if self.hosts == "flat" else 1
+        self.ring_links = [(self.tx, ring), (self.rx, ring)]
+        if self.hosts == "flat" and per_host > 1:
+            self.ring_links.append((self.intra, per_host - 1))
         # Gloo's point-to-point messages between two hosts in both directions get half the rate
         # each way when each side posts its send before its receive (docs/mechanisms.md; its
         # all-reduce uses both directions at full rate): such exchanges also pass through this
@@ -195,13 +201,23 @@ class Worker:
         for p in self.params:
             if p.name in workload.tables:
                 self.tables_of_layer.setdefault(p.layer, []).append(p.name)
+        self.local_sent = 0.0
+        """Bytes this worker sent to peers on its own host (flat: its ring's edges inside the host,
+        its pushes to owners there), which its NIC does not carry."""
         self.step_starts: list[float] = []  # after each step's batch
         self.step_ends: list[float] = []
 
+    @property
+    def local_peers(self) -> int:
+        """The network's peers on this worker's host, itself included: flat, the host's ranks, which
+        reach each other without its NIC; two-level, 1 (the host is the peer)."""
+        return self.per_host if self.hosts == "flat" else 1
+
     def bytes_sent(self) -> float:
         """What this worker has sent so far, point to point and in rings: its share of its
-        host's NIC (:meth:`nic_bytes` over the ranks per host)."""
-        return self.nic_bytes() / self.per_host
+        host's NIC (:meth:`nic_bytes` over the ranks per host), and, flat, what it sent to the
+        ranks of its own host (:attr:`local_sent`)."""
+        return self.nic_bytes() / self.per_host + self.local_sent
 
     def nic_bytes(self) -> float:
         """What this worker's host has sent through its NIC so far: flat, its ranks' bytes; two-level,
@@ -214,28 +230,75 @@ class Worker:
 
     # -- the wire ----------------------------------------------------------------------------------
     def ring(self, nbytes: float, done: Callable[[], None], name: str = "all-reduce") -> None:
-        """A ring all-reduce of ``nbytes`` among the network's peers. Two-level (``hosts="ring"``):
-        a reduce-scatter inside the host (each rank sends ``(R-1)/R`` of the bytes over the host's
-        :attr:`intra` link, the R ranks at once), the all-reduce of each rank's ``1/R`` shard across
-        the hosts (the R ranks through the NIC at once: a ring over the hosts of all the bytes), and
-        an all-gather inside the host."""
-        n = self.np
+        """A ring all-reduce of ``nbytes`` among the network's peers. Two-level (``hosts="ring"``),
+        as :class:`~gradsync.transport.twolevel.TwoLevel` runs it: in parts of at least
+        ``PIPELINE_BYTES`` (at most ``PIPELINE_PARTS``), each a reduce-scatter inside the host (each
+        rank sends ``(R-1)/R`` of the part over the host's :attr:`intra` link, the R ranks at once),
+        the all-reduce of each rank's ``1/R`` shard across the hosts (the R ranks through the NIC at
+        once: a ring over the hosts of all the part's bytes), and an all-gather inside the host;
+        the host's thread sums part ``i+1`` in the host while part ``i`` crosses the network, then
+        gathers part ``i`` (:meth:`_two_level`)."""
         r = self.per_host if self.hosts == "ring" else 1
-        inside = (r - 1) / r * nbytes
-
-        def across(then: Callable[[], None]) -> None:
-            if n == 1:
-                self.sim.after(0.0, then)
-                return
-            self.sim.transfer(2 * (n - 1) / n * nbytes, self.ring_links, then,
-                              latency=2 * (n - 1) * self.net.latency_s, name=name, lane="network")
-
         if r == 1:
-            across(done)
+            self._across(nbytes, done, name)
+        else:
+            self._two_level(nbytes, r, done, name)
+
+    def _across(self, nbytes: float, done: Callable[[], None], name: str) -> None:
+        """A ring all-reduce of ``nbytes`` among the network's peers, through this host's NIC."""
+        n = self.np
+        if n == 1:
+            self.sim.after(0.0, done)
             return
-        self.sim.transfer(inside, [(self.intra, r)], lambda: across(lambda: self.sim.transfer(
-            inside, [(self.intra, r)], done, name=f"{name}: all-gather in host", lane="intra-host")),
-            name=f"{name}: reduce-scatter in host", lane="intra-host")
+        if self.hosts == "flat":  # every rank sends its ring's bytes; one of a host's R crosses its NIC
+            self.local_sent += 2 * (n - 1) / n * nbytes * (1 - 1 / self.per_host)
+        self.sim.transfer(2 * (n - 1) / n * nbytes, self.ring_links, done,
+                          latency=2 * (n - 1) * self.net.latency_s, name=name, lane="network")
+
+    def _two_level(self, nbytes: float, r: int, done: Callable[[], None], name: str) -> None:
+        """The two-level all-reduce's pipeline: the host's thread runs, in this order, scatter 0,
+        then for each next part its scatter, the wait for the previous part's all-reduce across
+        hosts and that part's gather, and last the final part's gather; the parts cross the network
+        one after another (one process group per shard, its operations in order)."""
+        from gradsync.transport.twolevel import PIPELINE_BYTES, PIPELINE_PARTS
+
+        parts = max(1, min(PIPELINE_PARTS, int(nbytes) // PIPELINE_BYTES))
+        piece = nbytes / parts
+        inside = (r - 1) / r * piece
+        crossed: dict[int, bool] = {}
+        waiting: dict[int, Callable[[], None]] = {}
+        network = self.thread(f"{name}: across hosts")
+        ops = [("scatter", 0)]
+        for i in range(1, parts):
+            ops += [("scatter", i), ("gather", i - 1)]
+        ops.append(("gather", parts - 1))
+
+        def arrived(i: int) -> None:
+            crossed[i] = True
+            if i in waiting:
+                waiting.pop(i)()
+
+        def run(k: int) -> None:
+            if k == len(ops):
+                done()
+                return
+            kind, i = ops[k]
+            if kind == "scatter":
+                def scattered() -> None:
+                    network.submit(lambda finish: self._across(piece, finish, f"{name} part {i}"),
+                                   lambda: arrived(i), what=f"{name} part {i}")
+                    run(k + 1)
+                self.sim.transfer(inside, [(self.intra, r)], scattered,
+                                  name=f"{name} part {i}: reduce-scatter in host", lane="intra-host")
+                return
+            gather = lambda: self.sim.transfer(inside, [(self.intra, r)], lambda: run(k + 1),
+                                               name=f"{name} part {i}: all-gather in host", lane="intra-host")
+            if crossed.get(i):
+                gather()
+            else:
+                waiting[i] = gather
+
+        run(0)
 
     def inside_allreduce_s(self, nbytes: float) -> float:
         """An all-reduce of ``nbytes`` among a host's ranks alone, on its :attr:`intra` link (a
@@ -424,6 +487,10 @@ class StrategyModel:
     hosts = "flat"
     """Its schedule on hosts of several ranks (:data:`HOST_SCHEDULES`): what the topology-aware
     strategy does there; ``flat`` where it does not know hosts (``ddp``)."""
+    sums_host_at_step = False
+    """Under local aggregation (``hosts="local"``): whether the host's ranks sum all their gradients
+    at once in ``optimizer.step()`` (``ps``: :class:`~gradsync.simulate.hosts.StepAggregation`)
+    rather than each layer's once ready (:class:`~gradsync.simulate.hosts.LocalAggregation`)."""
 
     def __init__(self, strategy):
         self.strategy = strategy  # the real strategy object: its options
