@@ -188,14 +188,10 @@ class Transport:
         done = two_level.submit(op, staged, None if token is None else lambda: tracer.end_async(token))
         return Handle(done, self, what, record=record, chunked=True, landing=self._landing(staged, tensor))
 
-    def host_reduce_async(self, tensor: torch.Tensor, *, what: str) -> Handle:
-        """Start summing ``tensor`` in place over this host's workers onto the host's first worker
-        (``two_level.leader``); intra-host, on the job's :class:`TwoLevel` (which must exist)."""
-        return self._two_level(self.two_level, "reduce", tensor, what)
-
     def host_reduce(self, tensor: torch.Tensor, *, what: str) -> torch.Tensor:
-        """Blocking :meth:`host_reduce_async`."""
-        self.host_reduce_async(tensor, what=what).wait()
+        """Sum ``tensor`` in place over this host's workers onto the host's first worker
+        (``two_level.leader``); intra-host, on the job's :class:`TwoLevel` (which must exist)."""
+        self._two_level(self.two_level, "reduce", tensor, what).wait()
         return tensor
 
     def host_allreduce(self, tensor: torch.Tensor, *, what: str) -> torch.Tensor:

@@ -132,10 +132,6 @@ class Handle:
         if self._trace is not None and tracer is not None:
             tracer.end_async(self._trace)
 
-    def ready(self) -> bool:
-        """Whether the operation has finished, without waiting (``wait()`` still reports how)."""
-        return self._done or self._work.is_completed()
-
     def source_rank(self) -> int:
         """For a receive from any source: the rank the message came from."""
         return self._work._source_rank()

@@ -15,11 +15,10 @@ and for whom is the subclass's: :class:`~gradsync.strategies.ps.sync.ParameterSe
 :class:`~gradsync.strategies.ps.asynchronous.AsyncParameterServer`.
 
 Hosts of several workers (a subclass with ``aggregates_hosts``, on Gloo: BytePS's and Parallax's
-local aggregation): during backward a host's workers sum each group of gradients onto the host's
-first worker as soon as the group is complete (intra-host, in backward's order), with how many of
-them used each tensor; that worker alone pushes each summed group and pulls; the pulled parameters
-are broadcast inside the host at ``optimizer.step()``. Each host's NIC carries one push and one
-pull instead of one per worker; co-located servers are the hosts' first workers.
+local aggregation): at ``optimizer.step()`` a host's workers sum their gradients onto the host's
+first worker (intra-host), which alone pushes, with how many of them used each tensor, and pulls;
+the pulled parameters are broadcast inside the host. Each host's NIC carries one push and one pull
+instead of one per worker; co-located servers are the hosts' first workers.
 """
 from __future__ import annotations
 
@@ -58,6 +57,8 @@ class ParameterServerBase(Strategy):
         """The workers that push and pull: every worker, or each host's first."""
         if self.host_sum is not None:
             self.pushers = [ranks[0] for ranks in self.host_sum.plan(topo)[0]]
+        self.counts: dict[int, float] = {}
+        """With host sums: how many of the host's workers used each parameter this step."""
         self.dedicated = topo.num_servers > 0
         self.servers = topo.server_ranks if self.dedicated else self.pushers
         self.owner = partition([p.numel() for p in ctx.params], self.servers)
@@ -74,12 +75,7 @@ class ParameterServerBase(Strategy):
         self.closed = False
         self.sends: list = []
         theirs = [g for g in range(len(self.groups)) if self.group_owner[g] != me]
-        self.theirs = theirs
-        # With host sums every group is summed in the host (the host's first worker's own share too),
-        # in backward's order.
-        summed = range(len(self.groups)) if self.host_sum is not None else theirs
-        self.outbox = {g: Fused([params[i] for i in self.groups[g]], flags=True) for g in summed}
-        self.sum_order = list(reversed(range(len(self.groups))))
+        self.outbox = {g: Fused([params[i] for i in self.groups[g]], flags=True) for g in theirs}
         # Fused pulls land in a buffer and are copied out; a single tensor lands in place.
         self.pull_buf = {g: Fused([params[i] for i in self.groups[g]], flags=False)
                          for g in theirs if len(self.groups[g]) > 1}
@@ -91,7 +87,6 @@ class ParameterServerBase(Strategy):
         self._reset_pushes()
 
     def _reset_pushes(self) -> None:
-        self.next_sum, self.summing = 0, []
         self.pending = [len(grp) for grp in self.groups]
         self.ready = [[False] * len(grp) for grp in self.groups]
         self.pushed = [False] * len(self.groups)
@@ -119,11 +114,14 @@ class ParameterServerBase(Strategy):
                 for w in workers for g in self.owned_groups]
 
     def on_grad_ready(self, index: int) -> None:
-        me = self.ctx.topology.rank
-        if not self.open and me in self.pushers:
+        if self.host_sum is not None:  # pushed at step, once the host's gradients are summed
+            if not self.open and self.ctx.topology.rank in self.pushers:
+                self._open_step()
+            return
+        if not self.open:
             self._open_step()
         g, slot = self.where[index]
-        if self.host_sum is None and self.group_owner[g] == me:
+        if self.group_owner[g] == self.ctx.topology.rank:
             return
         if self.pushed[g]:
             raise GradsyncError(
@@ -134,36 +132,34 @@ class ParameterServerBase(Strategy):
             self.ready[g][slot] = True
             self.pending[g] -= 1
         if self.pending[g] == 0:
-            if self.host_sum is None:
-                self._push(g)
-            else:
-                self._sum_ready_groups()
+            self._push(g)
 
     def _fill(self, g: int, slot: int) -> None:
-        msg = self.outbox[g]
-        msg.used[slot] = fill_slot(msg.parts[slot], self.ctx.params[self.groups[g][slot]].grad)
+        msg, i = self.outbox[g], self.groups[g][slot]
+        msg.used[slot] = fill_slot(msg.parts[slot], self.ctx.params[i].grad) * self.counts.get(i, 1.0)
 
     # -- hosts of several workers ----------------------------------------------------------------
-    def _sum_ready_groups(self) -> None:
-        """Start the host sum of each group whose gradients are all in, in backward's order (the
-        same on every worker of the host: the sums run in the order they start); the host's first
-        worker pushes each group it does not serve once its sum is in."""
-        t = self.ctx.transport
-        while self.next_sum < len(self.sum_order) and self.pending[self.sum_order[self.next_sum]] == 0:
-            g = self.sum_order[self.next_sum]
-            self.next_sum += 1
-            self.pushed[g] = True
-            self.summing.append((g, t.host_reduce_async(self.outbox[g].wire, what=f"host sum of {self._label(g)}")))
-        self._push_summed(block=False)
-
-    def _push_summed(self, block: bool) -> None:
-        """Push the groups whose host sums are in (every one with ``block``), in the order they started."""
-        leader = self.ctx.topology.rank == self.host_sum.leader
-        while self.summing and (block or self.summing[0][1].ready()):
-            g, handle = self.summing.pop(0)
-            handle.wait()
-            if leader and self.group_owner[g] != self.ctx.topology.rank:
-                self._push(g)
+    def _sum_host(self) -> None:
+        """Every worker's gradients, and whether it used each, summed onto the host's first worker,
+        whose ``grad`` (None where no worker of the host used it) and :attr:`counts` then hold the host's."""
+        params, t = self.ctx.params, self.ctx.transport
+        device = params[0].device
+        flat = torch.zeros(sum(p.numel() for p in params) + len(params), dtype=params[0].dtype, device=device)
+        at = 0
+        for i, p in enumerate(params):
+            if p.grad is not None:
+                flat[at:at + p.numel()].copy_(p.grad.reshape(-1))
+                flat[-len(params) + i] = 1.0
+            at += p.numel()
+        t.host_reduce(flat, what="sum of the host's gradients")
+        if t.topology.rank != self.host_sum.leader:
+            return
+        counts = flat[-len(params):].tolist()
+        at = 0
+        for i, p in enumerate(params):
+            self.counts[i] = counts[i]
+            p.grad = flat[at:at + p.numel()].view_as(p).clone() if counts[i] else None
+            at += p.numel()
 
     def _share_host(self) -> None:
         """The host's first worker's parameters (just pulled) to the host's other workers."""
@@ -183,22 +179,18 @@ class ParameterServerBase(Strategy):
             self.outbox[g].wire, owner, 1 + self.groups[g][0], what=f"push of {self._label(g)} to rank {owner}"))
 
     def step(self, apply: Callable[[], Any]) -> Any:
-        if not self.open and self.ctx.topology.rank in self.pushers:
+        if self.host_sum is not None:
+            self._sum_host()
+            if self.ctx.topology.rank not in self.pushers:
+                return self._follow()
+        if not self.open:
             self._open_step()
         for g in self.outbox:
             if not self.pushed[g]:  # tensors without a gradient this step: zeros, flagged unused
                 for slot, done in enumerate(self.ready[g]):
                     if not done:
                         self._fill(g, slot)
-                if self.host_sum is None:
-                    self._push(g)
-                else:
-                    self.pending[g] = 0
-        if self.host_sum is not None:
-            self._sum_ready_groups()
-            self._push_summed(block=True)
-            if self.ctx.topology.rank not in self.pushers:
-                return self._follow()
+                self._push(g)
         result, pulls = self._update(apply)
         self._finish_pulls(pulls)
         wait_all(self.sends)
@@ -214,7 +206,6 @@ class ParameterServerBase(Strategy):
         parameters their host's first worker pulled."""
         self._clip()
         self._share_host()
-        self._reset_pushes()
         self.step_no += 1
 
     def _clip(self) -> None:
@@ -229,7 +220,7 @@ class ParameterServerBase(Strategy):
         tensor lands in place: its owner answers after this rank's own update, which skips it)."""
         t, params = self.ctx.transport, self.ctx.params
         handles = []
-        for g in self.theirs:
+        for g in self.outbox:
             target = self.pull_buf[g].wire if g in self.pull_buf else params[self.groups[g][0]].data
             handles.append(t.recv_async(target, self.group_owner[g], 1 + self.groups[g][0],
                                         what=f"pull of {self._label(g)} from rank {self.group_owner[g]}"))
@@ -253,17 +244,12 @@ class ParameterServerBase(Strategy):
                     params[i].grad = None
                 continue
             msgs = [self.inbox[(w, g)] for w in workers if w != me]
-            host = self.outbox[g] if own and self.host_sum is not None else None  # the own host's sum
             flags = [m.used.tolist() for m in msgs]
-            host_flags = None if host is None else host.used.tolist()
             for slot, i in enumerate(grp):
                 p = params[i]
                 # Sum in place: into the owner's own gradient when it has one, else a zeroed buffer.
-                if host is not None:
-                    total, used = host.parts[slot].view_as(p).clone(), host_flags[slot]
-                else:
-                    total = p.grad if own and p.grad is not None else torch.zeros_like(p)
-                    used = 1.0 if own and p.grad is not None else 0.0
+                total = p.grad if own and p.grad is not None else torch.zeros_like(p)
+                used = self.counts.get(i, 1.0) if own and p.grad is not None else 0.0
                 for m, f in zip(msgs, flags):
                     total.add_(m.parts[slot])
                     used += f[slot]
