@@ -1,5 +1,5 @@
 """Hosts of several ranks in the simulator: the two-level schedules' NIC bytes against the ring
-over hosts, the flat form's R times a rank's, and one rank per host as before. Byte counts are
+over hosts, the flat form's R times a rank's, and one rank per host equal to the flat job. Byte counts are
 exact by construction (sums of transfer sizes), up to float rounding: rel=1e-9."""
 import pytest
 
