@@ -11,13 +11,16 @@ most workers any host runs):
    host NIC in all (H hosts), what one rank per host would send;
 3. all-gather inside the host.
 
+A buffer of more than ``PIPELINE_BYTES`` runs as parts in a pipeline: one part's step 2 is on the
+network while the next part's step 1 and the previous part's step 3 run inside the host.
+
 A host with fewer workers than S (an uneven layout: two hosts of 2 and 1) gives its worker ``j``
 every shard ``s`` with ``s % L == j`` (L: its workers); inside it the sum is an all-reduce and the
 gather one broadcast per shard. Sums are taken in another order than a flat ring's, so results
 differ from it in the last bits, as any two all-reduce algorithms' do.
 
-Intra-host traffic runs on Gloo's loopback/shared-memory path; only step 2 crosses hosts and only
-it counts in ``Transport.bytes_sent``. Under NCCL, whose rings and trees already follow the
+Intra-host traffic runs on Gloo's TCP loopback (it costs the host's CPU, not its NIC); only step 2
+crosses hosts and only it counts in ``Transport.bytes_sent``. Under NCCL, whose rings and trees already follow the
 machine's topology, gradsync keeps NCCL's own all-reduce.
 
 All collectives of one :class:`TwoLevel` run on its own thread in the order they were issued (the
@@ -124,12 +127,12 @@ class TwoLevel:
     def submit(self, op: str, tensor: torch.Tensor, on_done=None) -> _Done:
         """Queue ``op`` on ``tensor`` (contiguous, on the CPU): ``"all-reduce"``, a sum over every
         worker; ``"reduce"``, a sum over this host's workers onto its first; ``"broadcast"``, from
-        the host's first worker to the others; ``"host-all-reduce"``, a sum over this host's workers;
-        ``"reduce-scatter"`` and ``"all-gather"``, steps 1
-        and 3 alone, on a tensor of S shards of one length (a strategy runs its own step 2 on the
-        shards of :attr:`cross`): the host's sum of each shard lands at the shard's local owner
-        (other shards are left undefined), then each owner's shards reach the host's other workers.
-        ``on_done()`` runs on the communication thread once it is done (or failed)."""
+        the host's first worker to the others; ``"host-all-reduce"``, a sum over this host's
+        workers; ``"reduce-scatter"`` and ``"all-gather"``, steps 1 and 3 alone, on a tensor of S
+        shards of one length (a strategy runs its own step 2 on the shards of :attr:`cross`): the
+        host's sum of each shard lands at the shard's local owner (other shards are left
+        undefined), then each owner's shards reach the host's other workers. ``on_done()`` runs on
+        the communication thread once it is done (or failed)."""
         if op not in self._OPS:
             raise ValueError(f"unknown two-level operation {op!r}")
         if self._thread is None:
