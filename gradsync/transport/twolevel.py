@@ -30,7 +30,6 @@ gets a :class:`~gradsync.transport.waits.Handle` and waits on it as on any colle
 from __future__ import annotations
 
 import math
-import queue
 import threading
 from datetime import timedelta
 
@@ -38,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from gradsync.topology import Topology
+from gradsync.transport.waits import JobThread
 
 
 PIPELINE_BYTES = 4 * 2**20
@@ -86,8 +86,7 @@ class TwoLevel:
         """S: the most workers any host runs; buffers are cut into S shards."""
         self.cross = cross
         """Shard -> (the ranks that own it, one per host; their group), for the shards this rank owns."""
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
+        self._thread = JobThread("gradsync-two-level", self._run)
 
     @staticmethod
     def plan(topology: Topology) -> tuple[list[list[int]], int, list[list[int]]]:
@@ -135,11 +134,8 @@ class TwoLevel:
         the communication thread once it is done (or failed)."""
         if op not in self._OPS:
             raise ValueError(f"unknown two-level operation {op!r}")
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="gradsync-two-level", daemon=True)
-            self._thread.start()
         done = _Done()
-        self._jobs.put((op, tensor, done, on_done))
+        self._thread.put((op, tensor, done, on_done))
         return done
 
     @property
@@ -157,35 +153,28 @@ class TwoLevel:
 
     def close(self) -> None:
         """Let the thread end after the jobs queued so far."""
-        if self._thread is not None:
-            self._jobs.put(None)
-            self._thread.join(1.0)
-            self._thread = None
+        self._thread.close()
 
-    def _run(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            op, tensor, done, on_done = job
-            try:
-                if op == "all-reduce":
-                    self._allreduce(tensor.view(-1))
-                elif op == "reduce-scatter":
-                    self._scatter(tensor.view(-1))
-                elif op == "all-gather":
-                    self._gather(tensor.view(-1))
-                elif self.local is not None and op == "reduce":
-                    dist.reduce(tensor, dst=self.leader, group=self.local)
-                elif self.local is not None and op == "host-all-reduce":
-                    dist.all_reduce(tensor, group=self.local)
-                elif self.local is not None:
-                    dist.broadcast(tensor, src=self.leader, group=self.local)
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
-                done.error = exc
-            done.event.set()
-            if on_done is not None:
-                on_done()
+    def _run(self, job) -> None:
+        op, tensor, done, on_done = job
+        try:
+            if op == "all-reduce":
+                self._allreduce(tensor.view(-1))
+            elif op == "reduce-scatter":
+                self._scatter(tensor.view(-1))
+            elif op == "all-gather":
+                self._gather(tensor.view(-1))
+            elif self.local is not None and op == "reduce":
+                dist.reduce(tensor, dst=self.leader, group=self.local)
+            elif self.local is not None and op == "host-all-reduce":
+                dist.all_reduce(tensor, group=self.local)
+            elif self.local is not None:
+                dist.broadcast(tensor, src=self.leader, group=self.local)
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+            done.error = exc
+        done.event.set()
+        if on_done is not None:
+            on_done()
 
     def _allreduce(self, flat: torch.Tensor) -> None:
         """Steps 1-3 on consecutive parts of ``flat``, pipelined: a part's all-reduce across hosts

@@ -137,6 +137,36 @@ class Handle:
         return self._work._source_rank()
 
 
+class JobThread:
+    """A daemon thread, started with the first job, that runs ``handle(job)`` for each job put, in
+    order; :class:`Waiter` and :class:`~gradsync.transport.twolevel.TwoLevel` each have one."""
+
+    def __init__(self, name: str, handle):
+        self._name, self._handle = name, handle
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def put(self, job) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+            self._thread.start()
+        self._jobs.put(job)
+
+    def close(self, wait_s: float = 1.0) -> None:
+        """Let the thread end once the jobs put so far are done; wait up to ``wait_s`` for it."""
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join(wait_s)
+            self._thread = None
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            self._handle(job)
+
+
 class Waiter:
     """One daemon thread that blocks in point-to-point waits for the training thread.
 
@@ -150,17 +180,13 @@ class Waiter:
     Gloo's own timeout; the process is leaving by then."""
 
     def __init__(self):
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
+        self._thread = JobThread("gradsync-p2p-waiter", self._wait_out)
 
     def submit(self, works: list) -> tuple[list[list], list]:
         """Queue ``works`` to be waited on in order: one ticket (``[event, error or None]``) each, and
         one for the whole list (set when the last is done or the first fails)."""
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="gradsync-p2p-waiter", daemon=True)
-            self._thread.start()
         tickets, whole = [[threading.Event(), None] for _ in works], [threading.Event(), None]
-        self._jobs.put((works, tickets, whole))
+        self._thread.put((works, tickets, whole))
         return tickets, whole
 
     def wait(self, ticket: list, owner, what: str) -> None:
@@ -175,25 +201,19 @@ class Waiter:
 
     def close(self, wait_s: float = 1.0) -> None:
         """Let the thread end once its current wait (if any) is done; wait up to ``wait_s`` for it."""
-        if self._thread is not None:
-            self._jobs.put(None)
-            self._thread.join(wait_s)
-            self._thread = None
+        self._thread.close(wait_s)
 
-    def _run(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            works, tickets, whole = job
-            for work, ticket in zip(works, tickets):
-                try:
-                    work.wait()
-                except BaseException as exc:  # noqa: BLE001 - handed to the training thread as is
-                    ticket[1] = exc
-                    whole[0].set()
-                ticket[0].set()
-            whole[0].set()
+    @staticmethod
+    def _wait_out(job) -> None:
+        works, tickets, whole = job
+        for work, ticket in zip(works, tickets):
+            try:
+                work.wait()
+            except BaseException as exc:  # noqa: BLE001 - handed to the training thread as is
+                ticket[1] = exc
+                whole[0].set()
+            ticket[0].set()
+        whole[0].set()
 
 
 def wait_all(handles) -> None:
