@@ -96,16 +96,18 @@ def test_a_two_level_all_reduce_crosses_hosts_in_parts_while_the_host_sums_the_n
     assert ends(part / 2, None) == pytest.approx(cross / 2, rel=1e-9)  # one part under PIPELINE_BYTES
 
 
-def test_ps_sums_its_host_at_the_step_in_one_reduce_then_pushes():
-    """As ps's code does on hosts of several workers: nothing crosses the network during backward;
-    at step() one reduce of every gradient and a count a parameter inside the host, then the
-    pushes and pulls, then one broadcast of the parameters inside the host."""
+def test_ps_sums_each_layer_in_its_host_during_backward_and_shares_the_pulls_at_the_step():
+    """As ps's code does on hosts of several workers: each layer's gradients are reduced inside the
+    host once ready and pushed on during backward; after the pulls, one broadcast of the parameters
+    inside the host."""
     r = simulate("ps", WORK, 8, Network(10e9, ranks_per_host=4), steps=3, warmup=1, trace=True)
     first = r["step_ends"][0]
     spans = [s for s in r["timeline"] if s[3] <= first]
     backward_end = max(end for lane, what, _, end in spans if what.startswith("backward"))
     inside = [s for s in spans if s[0] == "intra-host"]
-    assert [what for _, what, _, _ in inside] == ["sum of the host's gradients", "parameters broadcast in host"]
+    reduces = [s for s in inside if s[1].startswith("reduce layer")]
+    assert len(reduces) == len(WORK.layers) and min(s[2] for s in reduces) < backward_end
     network = [start for lane, _, start, _ in spans if lane == "network"]
-    assert network and min(network) >= inside[0][3] >= backward_end
-    assert inside[1][2] >= max(end for lane, _, _, end in spans if lane == "network")
+    assert network and min(network) < backward_end
+    assert inside[-1][1] == "parameters broadcast in host"
+    assert inside[-1][2] >= max(end for lane, _, _, end in spans if lane == "network")

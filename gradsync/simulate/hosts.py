@@ -9,16 +9,15 @@ back (the pull, the decoded sum) is shared inside the host. :class:`LocalAggrega
 strategy's own model, which then plays the job of hosts (``Worker.np`` is the hosts'
 count), and adds the two hops inside the host on its :attr:`~gradsync.simulate.worker.Worker.intra`
 link: each layer's gradients reduced from the host's other ranks once ready, and each layer's
-parameters shared back before its forward. ``ps`` sums at ``optimizer.step()`` instead, as its
-code does (:class:`StepAggregation`): one reduce of every gradient onto the host's first rank, its
-pushes and pulls, one broadcast of every parameter. The ring strategies' two levels are
-:meth:`~gradsync.simulate.worker.Worker.ring`'s own.
+parameters shared back before its forward. ``ps`` shares its pulls at ``optimizer.step()``
+instead, as its code does (:class:`StepShare`): one broadcast of every parameter. The ring
+strategies' two levels are :meth:`~gradsync.simulate.worker.Worker.ring`'s own.
 """
 from __future__ import annotations
 
 from typing import Callable
 
-from gradsync.simulate.worker import ZEROED_PASSES, StrategyModel, Worker
+from gradsync.simulate.worker import StrategyModel, Worker
 
 
 class LocalAggregation(StrategyModel):
@@ -70,46 +69,27 @@ class LocalAggregation(StrategyModel):
         return self.inner.step_times(ends)
 
 
-class StepAggregation(LocalAggregation):
-    """``model`` on a host of several ranks whose code sums the host's gradients in
-    ``optimizer.step()`` (``ps``, :meth:`gradsync.strategies.ps.base.ParameterServerBase._sum_host`): nothing
-    crosses the network during backward; at the step each rank copies its gradients into one flat
-    buffer (a zeroed buffer, the gradients copied in, one 4-byte count a parameter), the host
-    reduces it onto its first rank over the :attr:`~gradsync.simulate.worker.Worker.intra` link,
-    which copies the sums back into its gradients and runs the model's exchange (every push at
-    once, its update, the pulls); then the pulled parameters are packed into one buffer,
-    broadcast inside the host and copied back into every rank's parameters."""
+class StepShare(LocalAggregation):
+    """``model`` on a host of several ranks whose code sums each group inside the host during
+    backward and shares the result in ``optimizer.step()`` (``ps``,
+    :meth:`gradsync.strategies.ps.base.ParameterServerBase._share_host`): after the model's exchange
+    (its pushes, its update, the pulls) the host's first rank packs every parameter into one buffer,
+    broadcasts it inside the host, and every rank copies it back into its parameters."""
 
     def before_layer(self, step: int, layer: int, go: Callable[[], None]) -> None:
         self.inner.before_layer(step, layer, go)
 
-    def on_layer_ready(self, step: int, layer: int) -> None:
-        pass
-
-    def after_backward(self, step: int, go: Callable[[], None]) -> None:
-        go()
-
     def step(self, step: int, go: Callable[[], None]) -> None:
-        wk, inner = self.wk, self.inner
-        model = wk.w.nbytes
-        summed = model + 4 * len(wk.params)
-
-        def exchange() -> None:
-            for layer in reversed(range(len(wk.w.layers))):
-                inner.on_layer_ready(step, layer)
-            inner.after_backward(step, lambda: inner.step(step, share))
+        wk, model = self.wk, self.wk.w.nbytes
 
         def share() -> None:
             wk.host.run(wk.copy_s(model), lambda: wk.inside(model, lambda: wk.host.run(
                 wk.copy_s(model), go, what="parameters from the host's first rank"),
                 "parameters broadcast in host"), what="pack parameters")
 
-        pack = wk.copy_s((1 + ZEROED_PASSES) * summed)
-        wk.host.run(pack, lambda: wk.inside(summed, lambda: wk.host.run(
-            wk.copy_s(model), exchange, what="host's sums into gradients"), "sum of the host's gradients"),
-            what="pack gradients")
+        self.inner.step(step, share)
 
 
 def aggregation(model: StrategyModel) -> LocalAggregation:
     """``model`` under local aggregation, as its code sums a host's gradients."""
-    return (StepAggregation if model.sums_host_at_step else LocalAggregation)(model)
+    return (StepShare if model.shares_host_at_step else LocalAggregation)(model)

@@ -89,10 +89,11 @@ class Buckets(StrategyModel):
 class ParameterServers(StrategyModel):
     """Groups of at most ``fuse_bytes`` per server, pushed as soon as complete during backward; at
     ``step()`` each server (or co-located owner) aggregates once every push is in, updates its
-    share, and answers; the next forward waits for every pull. On hosts of several ranks the host's
-    gradients are summed at ``step()``, then pushed (:class:`~gradsync.simulate.hosts.StepAggregation`)."""
+    share, and answers; the next forward waits for every pull. On hosts of several ranks each
+    layer's gradients are summed inside the host once ready and pushed on, and the pulled
+    parameters are broadcast inside the host at ``step()`` (:class:`~gradsync.simulate.hosts.StepShare`)."""
 
-    sums_host_at_step = True
+    shares_host_at_step = True
 
     def __init__(self, strategy, servers: int):
         super().__init__(strategy)

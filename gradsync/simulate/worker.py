@@ -487,10 +487,11 @@ class StrategyModel:
     hosts = "flat"
     """Its schedule on hosts of several ranks (:data:`HOST_SCHEDULES`): what the topology-aware
     strategy does there; ``flat`` where it does not know hosts (``ddp``)."""
-    sums_host_at_step = False
-    """Under local aggregation (``hosts="local"``): whether the host's ranks sum all their gradients
-    at once in ``optimizer.step()`` (``ps``: :class:`~gradsync.simulate.hosts.StepAggregation`)
-    rather than each layer's once ready (:class:`~gradsync.simulate.hosts.LocalAggregation`)."""
+    shares_host_at_step = False
+    """Under local aggregation (``hosts="local"``): whether the host's first rank shares the pulled
+    parameters with its other ranks in one broadcast inside ``optimizer.step()`` (``ps``:
+    :class:`~gradsync.simulate.hosts.StepShare`) rather than layer by layer before each layer's
+    forward (:class:`~gradsync.simulate.hosts.LocalAggregation`)."""
 
     def __init__(self, strategy):
         self.strategy = strategy  # the real strategy object: its options

@@ -177,7 +177,7 @@ class Transport:
         self.bytes_sent += two_level.network_bytes(nbytes)
         return self._two_level(two_level, "all-reduce", tensor, what)
 
-    def _two_level(self, two_level: TwoLevel, op: str, tensor: torch.Tensor, what: str) -> Handle:
+    def _two_level(self, two_level: TwoLevel, op: str, tensor: torch.Tensor, what: str, then=None) -> Handle:
         record = self._record(what, op, tensor.numel() * tensor.element_size(), group=two_level)
         staged = self.staged(tensor)
         if not staged.is_contiguous():
@@ -185,7 +185,7 @@ class Transport:
         tracer = trace.current()
         token = None if tracer is None else tracer.begin_async(what, "comm", bytes=tensor.numel() * tensor.element_size(),
                                                                op=f"two-level {op}")
-        done = two_level.submit(op, staged, None if token is None else lambda: tracer.end_async(token))
+        done = two_level.submit(op, staged, None if token is None else lambda: tracer.end_async(token), then)
         return Handle(done, self, what, record=record, chunked=True, landing=self._landing(staged, tensor))
 
     def host_reduce(self, tensor: torch.Tensor, *, what: str) -> torch.Tensor:
@@ -193,6 +193,11 @@ class Transport:
         (``two_level.leader``); intra-host, on the job's :class:`TwoLevel` (which must exist)."""
         self._two_level(self.two_level, "reduce", tensor, what).wait()
         return tensor
+
+    def host_reduce_async(self, tensor: torch.Tensor, *, what: str, then=None) -> Handle:
+        """:meth:`host_reduce` without waiting; ``then()`` runs on the communication thread once the
+        sum is in, before the handle completes (the host's first worker pushes it on from there)."""
+        return self._two_level(self.two_level, "reduce", tensor, what, then)
 
     def host_allreduce(self, tensor: torch.Tensor, *, what: str) -> torch.Tensor:
         """Sum ``tensor`` in place over this host's workers (intra-host)."""

@@ -123,19 +123,21 @@ class TwoLevel:
         piece = math.ceil(nbytes / self.shards)
         return sum(int(2 * (len(ranks) - 1) / len(ranks) * piece) for ranks, _ in self.cross.values())
 
-    def submit(self, op: str, tensor: torch.Tensor, on_done=None) -> _Done:
+    def submit(self, op: str, tensor: torch.Tensor, on_done=None, then=None) -> _Done:
         """Queue ``op`` on ``tensor`` (contiguous, on the CPU): ``"all-reduce"``, a sum over every
         worker; ``"reduce"``, a sum over this host's workers onto its first; ``"broadcast"``, from
         the host's first worker to the others; ``"host-all-reduce"``, a sum over this host's
         workers; ``"reduce-scatter"`` and ``"all-gather"``, steps 1 and 3 alone, on a tensor of S
         shards of one length (a strategy runs its own step 2 on the shards of :attr:`cross`): the
         host's sum of each shard lands at the shard's local owner (other shards are left
-        undefined), then each owner's shards reach the host's other workers. ``on_done()`` runs on
-        the communication thread once it is done (or failed)."""
+        undefined), then each owner's shards reach the host's other workers. ``then()`` runs on the
+        communication thread after a successful operation and before its waiters wake (a failure
+        in it fails the operation): what must follow at once, as the push of a host's sum;
+        ``on_done()`` runs there once it is done (or failed)."""
         if op not in self._OPS:
             raise ValueError(f"unknown two-level operation {op!r}")
         done = _Done()
-        self._thread.put((op, tensor, done, on_done))
+        self._thread.put((op, tensor, done, on_done, then))
         return done
 
     @property
@@ -156,7 +158,7 @@ class TwoLevel:
         self._thread.close()
 
     def _run(self, job) -> None:
-        op, tensor, done, on_done = job
+        op, tensor, done, on_done, then = job
         try:
             if op == "all-reduce":
                 self._allreduce(tensor.view(-1))
@@ -170,6 +172,8 @@ class TwoLevel:
                 dist.all_reduce(tensor, group=self.local)
             elif self.local is not None:
                 dist.broadcast(tensor, src=self.leader, group=self.local)
+            if then is not None:
+                then()
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
             done.error = exc
         done.event.set()

@@ -15,10 +15,14 @@ and for whom is the subclass's: :class:`~gradsync.strategies.ps.sync.ParameterSe
 :class:`~gradsync.strategies.ps.asynchronous.AsyncParameterServer`.
 
 Hosts of several workers (a subclass with ``aggregates_hosts``, on Gloo: BytePS's and Parallax's
-local aggregation): at ``optimizer.step()`` a host's workers sum their gradients onto the host's
-first worker (intra-host), which alone pushes, with how many of them used each tensor, and pulls;
-the pulled parameters are broadcast inside the host. Each host's NIC carries one push and one pull
-instead of one per worker; co-located servers are the hosts' first workers.
+local aggregation): during backward a host's workers sum each group, with how many of them used
+each tensor, onto the host's first worker (intra-host) as soon as every group before it in
+backward order is complete; that worker pushes each host sum the moment it is in, and alone pulls;
+at ``optimizer.step()`` the pulled parameters are broadcast inside the host. Each host's NIC
+carries one push and one pull instead of one per worker; co-located servers are the hosts' first
+workers. Groups are summed in one fixed order on every worker of a host (a group with an unused
+tensor waits for the step, where it is summed with zeros for what was not used), so the host's
+collectives always match.
 """
 from __future__ import annotations
 
@@ -84,12 +88,20 @@ class ParameterServerBase(Strategy):
         peers = [w for w in self.pushers if w != me]
         self.inbox = {(w, g): Fused([params[i] for i in self.groups[g]], flags=True) for w in peers for g in mine}
         self.recvs: list = []
+        if self.host_sum is not None:
+            # Every group's message, summed in the host in backward order (a group's first tensor
+            # is its last in forward order); a group this worker pushes is summed in place.
+            self.host_box = {g: self.outbox.get(g) or Fused([params[i] for i in grp], flags=True)
+                             for g, grp in enumerate(self.groups)}
+            self.host_order = sorted(range(len(self.groups)), key=lambda g: -self.groups[g][0])
+            self.summing: list = []
         self._reset_pushes()
 
     def _reset_pushes(self) -> None:
         self.pending = [len(grp) for grp in self.groups]
         self.ready = [[False] * len(grp) for grp in self.groups]
         self.pushed = [False] * len(self.groups)
+        self.summed = 0  # host sums issued this step (their position in host_order)
 
     def _label(self, g: int) -> str:
         names = self.ctx.names
@@ -114,14 +126,10 @@ class ParameterServerBase(Strategy):
                 for w in workers for g in self.owned_groups]
 
     def on_grad_ready(self, index: int) -> None:
-        if self.host_sum is not None:  # pushed at step, once the host's gradients are summed
-            if not self.open and self.ctx.topology.rank in self.pushers:
-                self._open_step()
-            return
-        if not self.open:
+        if not self.open and self.ctx.topology.rank in self.pushers:
             self._open_step()
         g, slot = self.where[index]
-        if self.group_owner[g] == self.ctx.topology.rank:
+        if self.host_sum is None and self.group_owner[g] == self.ctx.topology.rank:
             return
         if self.pushed[g]:
             raise GradsyncError(
@@ -131,35 +139,48 @@ class ParameterServerBase(Strategy):
         if not self.ready[g][slot]:
             self.ready[g][slot] = True
             self.pending[g] -= 1
-        if self.pending[g] == 0:
+        if self.host_sum is not None:
+            self._sum_ready()
+        elif self.pending[g] == 0:
             self._push(g)
 
     def _fill(self, g: int, slot: int) -> None:
-        msg, i = self.outbox[g], self.groups[g][slot]
-        msg.used[slot] = fill_slot(msg.parts[slot], self.ctx.params[i].grad) * self.counts.get(i, 1.0)
+        msg = self.outbox[g] if self.host_sum is None else self.host_box[g]
+        msg.used[slot] = fill_slot(msg.parts[slot], self.ctx.params[self.groups[g][slot]].grad)
 
     # -- hosts of several workers ----------------------------------------------------------------
+    def _sum_ready(self, rest: bool = False) -> None:
+        """Issue the host sums of the groups complete so far, in backward order (``rest``: every
+        group left, what was not used as zeros). The host's first worker pushes each sum on as soon
+        as it is in, from the communication thread."""
+        t, leader = self.ctx.transport, self.ctx.topology.rank == self.host_sum.leader
+        while self.summed < len(self.host_order):
+            g = self.host_order[self.summed]
+            if self.pending[g] and not rest:
+                return
+            for slot, done in enumerate(self.ready[g]):
+                if not done:
+                    self._fill(g, slot)
+            self.pushed[g] = True
+            self.summed += 1
+            push = (lambda g=g: self._push(g)) if leader and g in self.outbox else None
+            self.summing.append(t.host_reduce_async(self.host_box[g].wire, what=f"host sum of {self._label(g)}",
+                                                    then=push))
+
     def _sum_host(self) -> None:
-        """Every worker's gradients, and whether it used each, summed onto the host's first worker,
-        whose ``grad`` (None where no worker of the host used it) and :attr:`counts` then hold the host's."""
-        params, t = self.ctx.params, self.ctx.transport
-        device = params[0].device
-        flat = torch.zeros(sum(p.numel() for p in params) + len(params), dtype=params[0].dtype, device=device)
-        at = 0
-        for i, p in enumerate(params):
-            if p.grad is not None:
-                flat[at:at + p.numel()].copy_(p.grad.reshape(-1))
-                flat[-len(params) + i] = 1.0
-            at += p.numel()
-        t.host_reduce(flat, what="sum of the host's gradients")
-        if t.topology.rank != self.host_sum.leader:
+        """The rest of the host's sums; once every sum is in, the host's first worker's own groups
+        (co-located) take the host's gradients, and :attr:`counts` how many workers used each."""
+        self._sum_ready(rest=True)
+        wait_all(self.summing)
+        self.summing = []
+        if self.ctx.topology.rank != self.host_sum.leader:
             return
-        counts = flat[-len(params):].tolist()
-        at = 0
-        for i, p in enumerate(params):
-            self.counts[i] = counts[i]
-            p.grad = flat[at:at + p.numel()].view_as(p).clone() if counts[i] else None
-            at += p.numel()
+        params = self.ctx.params
+        for g in self.owned_groups:
+            box = self.host_box[g]
+            for slot, (i, count) in enumerate(zip(self.groups[g], box.used.tolist())):
+                self.counts[i] = count
+                params[i].grad = box.parts[slot].clone() if count else None
 
     def _share_host(self) -> None:
         """The host's first worker's parameters (just pulled) to the host's other workers."""
@@ -179,12 +200,13 @@ class ParameterServerBase(Strategy):
             self.outbox[g].wire, owner, 1 + self.groups[g][0], what=f"push of {self._label(g)} to rank {owner}"))
 
     def step(self, apply: Callable[[], Any]) -> Any:
+        if not self.open and self.ctx.topology.rank in self.pushers:
+            self._open_step()
         if self.host_sum is not None:
             self._sum_host()
             if self.ctx.topology.rank not in self.pushers:
+                self._reset_pushes()
                 return self._follow()
-        if not self.open:
-            self._open_step()
         for g in self.outbox:
             if not self.pushed[g]:  # tensors without a gradient this step: zeros, flagged unused
                 for slot, done in enumerate(self.ready[g]):
