@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 from gradsync import runtime
 from gradsync.errors import ConfigError, GradsyncError
-from gradsync.strategies.base import Strategy, SyncContext, served_bytes_per_host
+from gradsync.strategies.base import Strategy, SyncContext, served_bytes_per_host, worker_hosts
 from gradsync.strategies.optstate import StateLayout, gather, install
 from gradsync.strategies.overlap import (Arrivals, ForwardOrder, Gradients, SliceOptimizers, check_elementwise_flag,
                                          check_sliceable, hyper, out_of_step)
@@ -333,10 +333,12 @@ class SlicedServer(SliceServing, Strategy):
 
     # -- reports ---------------------------------------------------------------------------------------
     def min_bytes_per_host(self, model_bytes: int) -> float:
-        """As ``ps``: dedicated servers serve every host of workers their share; co-located servers
-        (the hosts' leaders, or every worker when flat) exchange like a ring on even hosts
+        """As ``ps``: dedicated servers serve every host of workers their share; co-located, one
+        server a host (its leader) holds an equal share, as much as a ring all-reduce on even hosts
         (:func:`~gradsync.strategies.base.served_bytes_per_host`)."""
-        return served_bytes_per_host(model_bytes, self.ctx.topology, holders=self.servers)
+        topo = self.ctx.topology
+        leaders = None if topo.num_servers else [ranks[0] for ranks in worker_hosts(topo)]
+        return served_bytes_per_host(model_bytes, topo, holders=leaders)
 
     def describe(self) -> str:
         where = f"{len(self.servers)} dedicated servers" if self.dedicated else f"co-located on {len(self.servers)} workers"
