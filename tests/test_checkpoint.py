@@ -98,13 +98,18 @@ CASES = [  # (strategy, workers, options, when the resumed run loads)
     ("allreduce-priority", 2, {"partition_params": 7}, "before"),
     ("allreduce-priority", 2, {"partition_params": 7}, "after"),
 ]
+CASES = [c + (None,) for c in CASES] + [  # hosts of 2 and 1 workers: the state on the hosts' leaders
+    ("p3", 3, {"slice_params": 7}, "after", (0, 0, 1)),
+]
 
 
-@pytest.mark.parametrize("strategy,workers,options,load", CASES,
-                         ids=[f"{c[0]}-w{c[1]}-load-{c[3]}" for c in CASES])
-def test_state_dict_is_the_reference_state_and_resumes_exactly(strategy, workers, options, load):
+@pytest.mark.parametrize("strategy,workers,options,load,hosts", CASES,
+                         ids=[f"{c[0]}-w{c[1]}-load-{c[3]}" + ("-hosts" if c[4] else "") for c in CASES])
+def test_state_dict_is_the_reference_state_and_resumes_exactly(strategy, workers, options, load, hosts):
     work = Workload(model="toy", batch_size=6, optimizer="adam")
-    results = run_ranks(save_and_resume, workers, strategy, work, options, load)
+    env = None if hosts is None else [{"GRADSYNC_HOST": f"h{h}", "LOCAL_WORLD_SIZE": str(hosts.count(h))}
+                                      for h in hosts]
+    results = run_ranks(save_and_resume, workers, strategy, work, options, load, env=env)
     _, ref_opt = reference(work, workers, BEFORE, with_optimizer=True)
     for rank in range(workers):  # every worker's consolidated state is the whole state
         _check_state(results[rank]["state"]["state"], ref_opt, work.tolerance)

@@ -15,7 +15,7 @@ from multirank import DEVICE, run_ranks
 STEPS = 4
 
 
-def train(strategy: str, work: Workload, steps: int, options: dict):
+def train(strategy: str, work: Workload, steps: int, options: dict, close: bool = False):
     topo = gradsync.topology()
     spec = work.spec()
     model, opt = work.build()
@@ -29,7 +29,10 @@ def train(strategy: str, work: Workload, steps: int, options: dict):
     opt.flush()  # strategies that overlap the next forward (p3) finish parameters lazily
     if frozen_before is not None:
         assert torch.equal(model.frozen.weight, frozen_before), "a frozen parameter changed"
-    return {name: p.detach().clone() for name, p in model.named_parameters()}
+    trained = {name: p.detach().clone() for name, p in model.named_parameters()}
+    if close:  # before another strategy runs in this job: its streams end, dedicated servers leave
+        opt.close()
+    return trained
 
 
 CASES = [  # (strategy, workers, servers, options)
@@ -105,7 +108,12 @@ HOST_STRATEGIES = [("allreduce", {}), ("allreduce", {"bucket_mb": 0.001}), ("all
                    # Compressed, lossless: shards summed in the host, exchanged across hosts by their owners.
                    ("casync-ring", {"compression": "none"}), ("casync-ring", {"compression": "topk:ratio=1"}),
                    ("casync-ps", {"compression": "topk:ratio=1", "partition_mb": 0.0001}),
-                   ("compressed-allgather", {"compression": "topk:ratio=1"})]
+                   ("compressed-allgather", {"compression": "topk:ratio=1"}),
+                   # Sliced servers: slices summed by each host's leader, which alone pushes and forwards answers.
+                   ("p3", {"slice_params": 7}), ("ps-sliced", {"slice_params": 7})]
+RELAYED = ("p3", "ps-sliced")
+"""Strategies whose host sums travel as point-to-point messages to the host's leader, not as
+two-level collectives."""
 
 
 def train_each(cases, work: Workload, steps: int):
@@ -113,16 +121,19 @@ def train_each(cases, work: Workload, steps: int):
 
     out = []
     for strategy, options in cases:
-        trained = train(strategy, work, steps, options)
-        two_level = [r.op for r in flight.current().records if r.group == "two-level"]
-        out.append((trained, two_level))
+        trained = train(strategy, work, steps, options, close=True)
+        records = flight.current().records
+        two_level = [r.op for r in records if r.group == "two-level"]
+        sent_to = sorted({r.peer for r in records if r.op == "send" and r.peer is not None})
+        out.append((trained, two_level, sent_to))
         flight.current().records.clear()
     return out
 
 
 @pytest.mark.parametrize("hosts,servers,cases", [
     ((0, 0, 1, 1), 0, HOST_STRATEGIES), ((0, 0, 1), 0, HOST_STRATEGIES),
-    ((0, 0, 1, 1, 2), 1, [("ps", {"fuse_kb": 1})]),  # a dedicated server serves one model, on a host of its own
+    # a dedicated server serves one model, on a host of its own
+    ((0, 0, 1, 1, 2), 1, [("ps", {"fuse_kb": 1}), ("p3", {"slice_params": 50})]),
 ], ids=["2x2", "2+1", "2x2-and-a-server-host"])
 def test_strategies_on_hosts_of_several_workers_match_the_reference(hosts, servers, cases):
     # Ranks named onto hosts as a launcher would (gradsync.hosts): the topology-aware strategies
@@ -133,16 +144,28 @@ def test_strategies_on_hosts_of_several_workers_match_the_reference(hosts, serve
     work = Workload(model="toy", batch_size=6, device=DEVICE)
     results = run_ranks(train_each, len(hosts), cases, work, STEPS, env=env, servers=servers)
     ref = reference(work, workers, STEPS)
-    for case, (first, two_level) in zip(cases, results[0]):
+    leader = {r: hosts.index(hosts[r]) for r in range(workers)}
+    for c, case in enumerate(cases):
+        if case[0] not in RELAYED or case[1].get("hosts") == "flat":
+            continue
+        # Only the leaders cross hosts: a host's other workers send to their leader alone, and no
+        # rank sends to another host's workers.
+        for rank in range(len(hosts)):
+            sent_to = results[rank][c][2]
+            assert sent_to, (case, rank, "sent nothing")
+            if rank < workers and leader[rank] != rank:
+                assert sent_to == [leader[rank]], (case, rank, sent_to)
+            assert all(leader[p] == p or hosts[p] == hosts[rank] for p in sent_to if p < workers), (case, rank, sent_to)
+    for case, (first, two_level, _) in zip(cases, results[0]):
         if case[1].get("hosts") == "flat":  # asked for the flat form: nothing goes through the host groups
             assert not two_level, (case, two_level)
-        else:
+        elif case[0] not in RELAYED:
             assert len(two_level) >= STEPS, (case, "no two-level all-reduce was issued")
         if case[0] in ("casync-ring", "casync-ps", "compressed-allgather"):  # sums inside the host, shards across
             assert two_level.count("reduce-scatter") >= STEPS, (case, two_level)
         report = compare(first, ref, work.tolerance)
         assert report["correct"], (case, report)
     for rank in range(1, workers):
-        for case, (first, _), (mine, _) in zip(cases, results[0], results[rank]):
+        for case, (first, *_), (mine, *_) in zip(cases, results[0], results[rank]):
             for name, value in mine.items():
                 torch.testing.assert_close(value, first[name], rtol=0, atol=0, msg=f"{case} rank {rank} {name}")

@@ -118,7 +118,7 @@ def test_hybrid_requests_are_checked_against_the_tables_and_partitions():
 
 def test_p3_messages_must_name_a_slice_the_right_rank_owns():
     plan = SimpleNamespace(slices=[SimpleNamespace(owner=0), SimpleNamespace(owner=1)])
-    me = SimpleNamespace(plan=plan, me=0)
+    me = SimpleNamespace(plan=plan, me=0, followers=[], relay=None)
     check = lambda peer, kind, k, step=0: p3.P3._check_header(me, peer, kind, k, step)  # noqa: E731
     check(1, p3.PUSH, 0)    # a push of a slice this rank serves
     check(1, p3.ANSWER, 1)  # an answer with a slice the peer serves
@@ -126,3 +126,12 @@ def test_p3_messages_must_name_a_slice_the_right_rank_owns():
     for args in [(1, p3.PUSH, 1), (1, p3.ANSWER, 0), (1, p3.PUSH, 7), (1, 9, 0), (1, p3.PUSH, 0, -2)]:
         with pytest.raises(PeerProtocolError, match="rank 1 sent a P3 message"):
             check(*args)
+    # Inside a host: a leader takes its workers' pushes of any slice; a worker its leader's answers.
+    leader = SimpleNamespace(plan=plan, me=0, followers=[2], relay=None)
+    p3.P3._check_header(leader, 2, p3.PUSH, 1, 0)
+    worker = SimpleNamespace(plan=plan, me=2, followers=[], relay=0)
+    p3.P3._check_header(worker, 0, p3.ANSWER, 1, 0)
+    for who, args in [(leader, (1, p3.PUSH, 1, 0)), (leader, (2, p3.ANSWER, 1, 0)), (worker, (0, p3.PUSH, 0, 0)),
+                      (leader, (2, p3.PUSH, 7, 0))]:
+        with pytest.raises(PeerProtocolError, match="sent a P3 message"):
+            p3.P3._check_header(who, *args)

@@ -27,7 +27,7 @@ def test_two_level_allreduce_sends_the_ring_over_hosts_through_each_nic(hosts):
     assert r["nic_bytes_per_step"] == pytest.approx(ring(PARAMS + flags, hosts), rel=1e-9)
 
 
-@pytest.mark.parametrize("strategy", ["ps", "sma", "allreduce-priority"])
+@pytest.mark.parametrize("strategy", ["ps", "p3", "ps-sliced", "sma", "allreduce-priority"])
 def test_every_two_level_schedule_crosses_each_nic_as_a_job_of_its_hosts(strategy):
     """Local aggregation (one push and one pull per host) and the two-level ring move through a
     host's NIC what one rank per host moves in a job of as many workers as hosts."""

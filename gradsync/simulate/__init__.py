@@ -114,7 +114,8 @@ def build(name: str, options: dict | None = None, servers: int = 0) -> StrategyM
 
 
 HOSTS = {"allreduce": "ring", "allreduce-priority": "ring", "sma": "ring", "pair-averaging": "ring", "ps": "local",
-         "casync-ring": "local", "casync-ps": "local", "compressed-allgather": "local"}
+         "p3": "local", "ps-sliced": "local", "casync-ring": "local", "casync-ps": "local",
+         "compressed-allgather": "local"}
 """Each strategy's schedule on hosts of several ranks (:data:`~gradsync.simulate.worker.HOST_SCHEDULES`),
 as the topology-aware strategy runs it on Gloo (docs/launcher.md); the others stay flat, as they run."""
 

@@ -194,17 +194,18 @@ def host_ring_bytes(model_bytes: float, topology: Topology) -> float:
     return ring_bytes(model_bytes, len(worker_hosts(topology)))
 
 
-def served_bytes_per_host(model_bytes: int, topology: Topology) -> float:
+def served_bytes_per_host(model_bytes: int, topology: Topology, holders: list[int] | None = None) -> float:
     """Parameter servers' traffic, the busiest host's: each host with workers pushes, once for all
     its workers, the share of the model held on other hosts and pulls it back; a host holding a
-    share takes it in from every other host with workers and answers each. Holders are the
-    dedicated servers, else (co-located) the workers, each holding an equal share.
+    share takes it in from every other host with workers and answers each. Holders are
+    ``holders``, else the dedicated servers, else (co-located) the workers, each holding an equal
+    share.
 
     One rank a host: dedicated servers ``max(M, N M / S)``; co-located, a ring's ``2 (N-1)/N M``."""
     hosts = worker_hosts(topology)
     if not topology.num_servers and len({len(w) for w in hosts}) == 1:  # co-located, even: a ring's
         return host_ring_bytes(model_bytes, topology)
-    holders = topology.server_ranks or topology.worker_ranks
+    holders = holders or topology.server_ranks or topology.worker_ranks
     most = 0.0
     for ranks in topology.hosts:
         here = sum(1 for r in ranks if r in holders)

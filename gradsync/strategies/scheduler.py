@@ -20,6 +20,9 @@ delivered to the others, and every link waited for the slowest peer.
 Errors in either thread are kept and re-raised by :meth:`check` (and :meth:`drain`), so the
 training thread reports them with the rank they name instead of hanging.
 
+``counted=False``: the sends stay out of ``Transport.bytes_sent`` (messages inside a host, which
+do not cross the network).
+
 ``idle=(seconds, callback)``: after that long with nothing queued or in flight, the sending thread
 calls ``callback()`` (which may put messages): the keep-alives that stop a peer's posted receive
 from timing out while training pauses between steps (an evaluation pass, a checkpoint).
@@ -43,8 +46,9 @@ class PrioritySender:
     """Send ``(priority, tensor, dst, tag)`` messages by priority under a credit (see module docstring)."""
 
     def __init__(self, transport: Transport, credit_bytes: int | None, name: str = "gradsync-sender",
-                 idle: tuple[float, Callable[[], None]] | None = None):
+                 idle: tuple[float, Callable[[], None]] | None = None, counted: bool = True):
         self.transport = transport
+        self.counted = counted
         self.credit = credit_bytes
         self._idle_s, self._on_idle = idle if idle is not None else (None, None)
         self.name = name
@@ -132,7 +136,7 @@ class PrioritySender:
             if idle:
                 self._on_idle()
                 continue
-            handle = self.transport.send_async(tensor, dst, tag, what=what)
+            handle = self.transport.send_async(tensor, dst, tag, what=what, counted=self.counted)
             with self._cv:
                 pending = self._inflight.get(dst)
                 if pending is None:  # first message to this peer: its own waiting thread

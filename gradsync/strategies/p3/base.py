@@ -10,6 +10,19 @@ message goes first); slices ready together that one rank serves share a message,
 order (:mod:`.wire`); the options that differ between the two strategies are attributes:
 ``priority`` (False: FIFO within a step), ``credit_mb`` (bytes in flight; None: no limit) and
 ``overlap`` (whether ``step()`` returns at once and the next forward waits per module).
+
+Hosts of several workers (``SyncContext.two_level``, on Gloo: BytePS's and P3's local
+aggregation, per slice): each host's first worker, its *leader*, is the only rank of the host
+that talks to servers. The host's other workers push each ready slice message to their leader
+(intra-host, same wire format, same ``(step, priority)`` keys, under their own credit); the
+leader adds its host's pushes of a slice, its own included, and once the host is complete for it
+pushes the host's sum, with how many of the host's workers used each parameter, to the slice's
+server, by priority and under the credit as any push. A server counts a leader's push as its
+host's workers. The answer goes to the leader, which forwards each answer message to its host's
+workers as it arrives (so the next forward's per-module wait still ends slice by slice).
+Co-located servers are the leaders, so a host's NIC carries one push and one answer per slice;
+dedicated servers hear only the leaders. Messages inside the host stay out of
+``Transport.bytes_sent``. One worker a host (or ``hosts="flat"``): every worker pushes for itself.
 """
 from __future__ import annotations
 
@@ -19,7 +32,7 @@ from typing import Any, Callable
 
 from gradsync import runtime
 from gradsync.errors import ConfigError, GradsyncError
-from gradsync.strategies.base import Strategy, SyncContext, served_bytes_per_host
+from gradsync.strategies.base import Strategy, SyncContext, served_bytes_per_host, worker_hosts
 from gradsync.strategies.optstate import StateLayout, gather, install
 from gradsync.strategies.overlap import (Arrivals, ForwardOrder, Gradients, SliceOptimizers, check_elementwise_flag,
                                          check_sliceable, hyper, out_of_step)
@@ -27,6 +40,7 @@ from gradsync.strategies.p3.serving import SliceServing
 from gradsync.strategies.p3.wire import PUSH, TAG, Wire
 from gradsync.strategies.scheduler import PrioritySender
 from gradsync.strategies.slicing import SlicePlan
+from gradsync.transport import TwoLevel
 
 
 class SlicedServer(SliceServing, Strategy):
@@ -49,12 +63,24 @@ class SlicedServer(SliceServing, Strategy):
         super().attach(ctx)
         topo = ctx.topology
         self.dedicated = topo.num_servers > 0
-        self.servers = topo.server_ranks if self.dedicated else topo.worker_ranks
         self.me, self.workers = topo.rank, topo.worker_ranks
+        hosts = [[w] for w in self.workers] if ctx.two_level is None else TwoLevel.plan(topo)[0]
+        self.pushers = [h[0] for h in hosts]
+        """The ranks that push to servers: every worker, or each host's leader (its first worker)."""
+        self.weight = {h[0]: len(h) for h in hosts}
+        """Per pusher: how many workers its push counts."""
+        mine = next((h for h in hosts if self.me in h), [self.me])
+        self.followers = mine[1:] if mine[0] == self.me else []
+        """On a leader: its host's other workers, whose pushes it sums and to whom it forwards answers."""
+        self.relay = mine[0] if mine[0] != self.me else None
+        """On a host's other workers: their leader, the one rank they talk to."""
+        self.servers = topo.server_ranks if self.dedicated else self.pushers
         if topo.is_server:
-            self.peers = self.workers
+            self.peers = self.pushers
+        elif self.relay is not None:
+            self.peers = [self.relay]
         else:
-            self.peers = [r for r in (self.servers if self.dedicated else self.workers) if r != self.me]
+            self.peers = [r for r in (self.servers if self.dedicated else self.pushers) if r != self.me] + self.followers
         check_sliceable(self.name, ctx, self.elementwise)
         self.optimizer_class = type(ctx.optimizer)  # before distribute wraps it
         self.state_location = "servers" if self.dedicated else ("workers" if topo.num_workers > 1 else "here")
@@ -64,6 +90,8 @@ class SlicedServer(SliceServing, Strategy):
         self.stopped: dict[int, int] = {}  # worker peer -> the steps it took before it stopped
         self.stopping = False  # our stop messages are queued: no keep-alive may follow them
         self.lock = threading.Lock()
+        self.host_lock = threading.Lock()
+        self.inside: PrioritySender | None = None
 
     def _make_plan(self) -> None:
         """Agree on the forward order (rank 0's), slice, and start the communication threads."""
@@ -84,9 +112,18 @@ class SlicedServer(SliceServing, Strategy):
         owned = [sl.index for sl in plan.slices if sl.owner == self.me]
         self.updaters = SliceOptimizers(plan, owned, ctx.params, ctx.optimizer, self.optimizer_class)
         self.accum: dict[tuple[int, int], list] = {}
+        self.host_accum: dict[tuple[int, int], list] = {}
         self.hyper: dict[int, list[dict]] = {}
         # Receives stay posted between steps: keep-alives when idle, well inside the transport timeout.
-        self.sender = PrioritySender(ctx.transport, credit, idle=(runtime.current().timeout_s / 3, self._keepalive))
+        # A leader sends to its host's workers on a sender of their own (loopback), so that the credit
+        # holds what crosses the network; a host's other workers send only inside the host.
+        idle_s = runtime.current().timeout_s / 3
+        outside = [p for p in self.peers if p not in self.followers]
+        self.sender = PrioritySender(ctx.transport, credit, idle=(idle_s, lambda: self._keepalive(self.sender, outside)),
+                                     counted=self.relay is None)
+        self.inside = None if not self.followers else PrioritySender(
+            ctx.transport, credit, name="gradsync-host-sender", counted=False,
+            idle=(idle_s, lambda: self._keepalive(self.inside, self.followers)))
         self.threads = [threading.Thread(target=self._receive, args=(peer,), daemon=True,
                                          name=f"gradsync-{self.name}-from-{peer}") for peer in self.peers]
         for thread in self.threads:
@@ -115,7 +152,7 @@ class SlicedServer(SliceServing, Strategy):
             if needed is None:
                 needed = self.needs[indices] = self.plan.slices_of(indices)
             self.arrivals.wait(needed, self.steps, indices)
-            self.sender.check()
+            self._check_senders()
 
     def before_forward(self) -> None:
         if self.plan is not None and self.overlap and self.eager:
@@ -159,7 +196,7 @@ class SlicedServer(SliceServing, Strategy):
     def flush(self) -> None:
         if self.plan is not None:
             self.arrivals.wait(range(len(self.plan.slices)), self.steps)
-            self.sender.check()
+            self._check_senders()
 
     def _open_step(self) -> None:
         self.open = True
@@ -170,18 +207,52 @@ class SlicedServer(SliceServing, Strategy):
             self.hyper.pop(self.steps - 4, None)
 
     def _push(self, ready: list[int]) -> None:
-        """Push the slices in ``ready`` (complete at the same moment): one message per group."""
+        """Push the slices in ``ready`` (complete at the same moment): one message per group; on a
+        host of several workers, to the host's leader, or, on the leader, into the host's sums."""
         wire, step = self.wire, self.steps
         for owner, group in self._groups(ready):
             buf = wire.new(PUSH, group, step)
             for i, k in enumerate(group):
                 self.pushed[k] = True
                 self._fill(k, wire.payload(buf, i), wire.used(buf, i))
-            if owner == self.me:
-                self._accept(self.me, group, step, buf)
+            if self.relay is not None:
+                self.sender.put(self._send_priority(group[0], step), buf, self.relay, TAG,
+                                what=f"push of slices {group} to rank {self.relay} (host leader)")
+            elif self.followers:
+                self._add_host(group, step, buf)
             else:
-                self.sender.put(self._send_priority(group[0], step), buf, owner, TAG,
-                                what=f"push of slices {group} to rank {owner}")
+                self._send_push(owner, group, step, buf)
+
+    def _send_push(self, owner: int, group: list[int], step: int, buf) -> None:
+        """A pusher's push of ``group`` (message ``buf``) to the slices' server ``owner``."""
+        if owner == self.me:
+            self._accept(self.me, group, step, buf)
+        else:
+            self.sender.put(self._send_priority(group[0], step), buf, owner, TAG,
+                            what=f"push of slices {group} to rank {owner}")
+
+    def _add_host(self, slices: list[int], step: int, buf) -> None:
+        """A leader: add a push of ``slices`` by one of its host's workers (itself included) to the
+        host's sums; push those the whole host has now pushed, grouped by owner and priority."""
+        wire, done, size = self.wire, {}, len(self.followers) + 1
+        with self.host_lock:
+            for i, k in enumerate(slices):
+                payload, used = wire.payload(buf, i), wire.used(buf, i)
+                acc = self.host_accum.get((k, step))
+                if acc is None:
+                    self.host_accum[(k, step)] = acc = [payload.clone(), used.clone(), 1]
+                else:
+                    acc[0].add_(payload)
+                    acc[1].add_(used)
+                    acc[2] += 1
+                if acc[2] == size:
+                    done[k] = self.host_accum.pop((k, step))
+        for owner, group in self._groups(list(done)):
+            out = wire.new(PUSH, group, step)
+            for i, k in enumerate(group):
+                wire.payload(out, i).copy_(done[k][0])
+                wire.used(out, i).copy_(done[k][1])
+            self._send_push(owner, group, step, out)
 
     def _groups(self, slices: list[int]) -> list[tuple[int, list[int]]]:
         """``slices`` by priority, in groups of up to ``wire.group`` with one owner each: ``(owner,
@@ -220,7 +291,15 @@ class SlicedServer(SliceServing, Strategy):
     def _check(self) -> None:
         if self.plan is not None:
             self.arrivals.check()
-            self.sender.check()
+            self._check_senders()
+
+    def _check_senders(self) -> None:
+        self.sender.check()
+        if self.inside is not None:
+            self.inside.check()
+
+    def _sender_to(self, peer: int) -> PrioritySender:
+        return self.inside if peer in self.followers else self.sender
 
     def close(self) -> None:
         """Workers: wait for the last answers, then end every stream. Safe to call twice."""
@@ -231,7 +310,7 @@ class SlicedServer(SliceServing, Strategy):
             self._make_plan()
         self.flush()
         self._stop_peers()
-        self.sender.close()
+        self._close_senders()
         for thread in self.threads:
             thread.join()
         self._check()
@@ -254,14 +333,18 @@ class SlicedServer(SliceServing, Strategy):
 
     # -- reports ---------------------------------------------------------------------------------------
     def min_bytes_per_host(self, model_bytes: int) -> float:
-        """As ``ps``: dedicated servers serve every host of workers their share; co-located hosts
-        exchange like a ring (:func:`~gradsync.strategies.base.served_bytes_per_host`)."""
-        return served_bytes_per_host(model_bytes, self.ctx.topology)
+        """As ``ps``: dedicated servers serve every host of workers their share; co-located, one
+        server a host (its leader) holds an equal share, as much as a ring all-reduce on even hosts
+        (:func:`~gradsync.strategies.base.served_bytes_per_host`)."""
+        topo = self.ctx.topology
+        leaders = None if topo.num_servers else [ranks[0] for ranks in worker_hosts(topo)]
+        return served_bytes_per_host(model_bytes, topo, holders=leaders)
 
     def describe(self) -> str:
         where = f"{len(self.servers)} dedicated servers" if self.dedicated else f"co-located on {len(self.servers)} workers"
         slices = f"{len(self.plan.slices)} slices" if self.plan is not None else "slices"
         order = "custom priority" if callable(self.priority) else ("forward priority" if self.priority else "FIFO")
         credit = f", credit {self.credit_mb:g} MB" if self.priority and self.credit_mb else ""
+        hosts = f", host sums: {len(self.pushers)} hosts push" if len(self.pushers) < len(self.workers) else ""
         return (f"{self.name}({where}, {slices} of <= {self.slice_params} params, {order}{credit}, "
-                f"{'forward overlap' if self.overlap else 'pull at step'})")
+                f"{'forward overlap' if self.overlap else 'pull at step'}{hosts})")

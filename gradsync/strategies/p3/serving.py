@@ -1,16 +1,18 @@
 """The server half of the sliced parameter servers, and the threads that receive every stream.
 
-A slice's owner (a dedicated server, or a co-located worker) adds up every worker's push of it
-(:meth:`SliceServing._accept`); once all are in it averages them, updates the slice with the
-user's optimizer (one instance per slice, same class and hyperparameters; exact for elementwise
-optimizers) and answers each worker with the new values (:meth:`_answer`), by the same priority
-the pushes were sent with; the slices one push completes share answers as they shared the push.
-The pull rides on the push.
+A slice's owner (a dedicated server, or a co-located worker) adds up every pusher's push of it
+(:meth:`SliceServing._accept`): each worker's, or on hosts of several workers each host leader's
+sum, which counts as its host's workers. Once every worker is counted it divides the sum by the
+number of workers, updates the slice with the user's optimizer (one instance per slice, same
+class and hyperparameters; exact for elementwise optimizers) and answers each pusher with the new
+values (:meth:`_answer`), by the same priority the pushes were sent with; the slices one push
+completes share answers as they shared the push. The pull rides on the push. A leader forwards
+each answer message to its host's other workers as it arrives (:meth:`_deliver`).
 
 One receiving thread per peer (:meth:`_receive`) keeps :data:`~gradsync.strategies.p3.wire.POSTED`
-receives posted and handles, in order, the peer's pushes (this rank serves), answers (this rank
-trains, :meth:`_deliver`), keep-alives, and finally its stop messages. A dedicated server's whole
-loop is these threads (:meth:`serve`).
+receives posted and handles, in order, the peer's pushes (this rank serves, or, from a worker of
+its host, this leader adds them up), answers (this rank trains, :meth:`_deliver`), keep-alives,
+and finally its stop messages. A dedicated server's whole loop is these threads (:meth:`serve`).
 """
 from __future__ import annotations
 
@@ -32,19 +34,19 @@ class SliceServing:
     """Mixed into :class:`~gradsync.strategies.p3.base.SlicedServer`: aggregate, update, answer, receive."""
 
     def _accept(self, src: int, slices: list[int], step: int, buf: torch.Tensor) -> None:
-        """``src``'s push of ``slices`` (message ``buf``): add each to its sum; update and answer
-        those that every worker has now pushed."""
-        wire, done = self.wire, []
+        """Pusher ``src``'s push of ``slices`` (message ``buf``): add each to its sum; update and
+        answer those that every worker has now pushed (a leader's push counts its host's workers)."""
+        wire, done, weight = self.wire, [], self.weight[src]
         with self.lock:
             for i, k in enumerate(slices):
                 payload, used = wire.payload(buf, i), wire.used(buf, i)
                 acc = self.accum.get((k, step))
                 if acc is None:
-                    self.accum[(k, step)] = acc = [payload.clone(), used.clone(), 1]
+                    self.accum[(k, step)] = acc = [payload.clone(), used.clone(), weight]
                 else:
                     acc[0].add_(payload)
                     acc[1].add_(used)
-                    acc[2] += 1
+                    acc[2] += weight
                 if acc[2] == len(self.workers):
                     del self.accum[(k, step)]
                     self.updaters.update(k, acc[0].div_(len(self.workers)), acc[1].tolist(), self.hyper.get(step))
@@ -53,7 +55,8 @@ class SliceServing:
                 self._answer(done, step)
 
     def _answer(self, slices: list[int], step: int) -> None:
-        """Send the updated ``slices`` to every worker, grouped and by priority as the pushes were."""
+        """Send the updated ``slices`` to every pusher (and a leader's to its host's workers),
+        grouped and by priority as the pushes were."""
         params, wire = self.ctx.params, self.wire
         for _, group in self._groups(slices):
             answer = wire.new(ANSWER, group, step)
@@ -61,16 +64,27 @@ class SliceServing:
                 payload = wire.payload(answer, i)
                 for seg in self.plan.slices[k].segments:
                     payload[seg.offset:seg.offset + seg.length].copy_(flat_view(params[seg.param], seg))
-            for w in self.workers:
+            for w in self.pushers:
                 if w != self.me:
                     self.sender.put(self._send_priority(group[0], step), answer, w, TAG,
                                     what=f"pull of slices {group} to rank {w}")
+            self._forward(group, step, answer)
         if self.me in self.workers:
             for k in slices:
                 self.arrivals.mark(k, step)
 
+    def _forward(self, slices: list[int], step: int, answer: torch.Tensor) -> None:
+        """A leader: the answer message ``answer`` on to its host's other workers (intra-host)."""
+        for w in self.followers:
+            self.inside.put(self._send_priority(slices[0], step), answer, w, TAG,
+                            what=f"pull of slices {slices} to rank {w} (host)")
+
     def _deliver(self, slices: list[int], step: int, buf: torch.Tensor) -> None:
+        """An answer: forwarded to the host's workers (a leader; ``buf`` is received into again,
+        so they get a copy), then into the parameters."""
         params, wire = self.ctx.params, self.wire
+        if self.followers:
+            self._forward(slices, step, buf[:wire.length(len(slices))].clone())
         with torch.no_grad():
             for i, k in enumerate(slices):
                 payload = wire.payload(buf, i)
@@ -104,7 +118,9 @@ class SliceServing:
                     return
                 for k in slices:
                     since = self._trace_arrival(kind, k, peer, since)
-                if kind == PUSH:
+                if kind == PUSH and peer in self.followers:
+                    self._add_host(slices, step, buf)
+                elif kind == PUSH:
                     self._accept(peer, slices, step, buf)
                 elif kind == ANSWER:
                     self._deliver(slices, step, buf)
@@ -121,10 +137,13 @@ class SliceServing:
             self._check_header(peer, kind, k, step)
 
     def _check_header(self, peer: int, kind: int, k: int, step: int) -> None:
-        """A message from ``peer`` must push a slice this rank owns, answer with one ``peer`` owns, or stop."""
+        """A message from ``peer`` must push a slice this rank owns, answer with one ``peer`` owns, or
+        stop; inside a host, a worker pushes any slice to its leader, which answers with any slice."""
         slices = self.plan.slices
         owner = {PUSH: self.me, ANSWER: peer}.get(kind)
-        ok = kind in (STOP, KEEPALIVE) or (owner is not None and 0 <= k < len(slices) and slices[k].owner == owner)
+        relayed = peer in self.followers if kind == PUSH else kind == ANSWER and peer == self.relay
+        ok = kind in (STOP, KEEPALIVE) or (owner is not None and 0 <= k < len(slices)
+                                           and (relayed or slices[k].owner == owner))
         check_peer(ok and step >= 0, peer, "a P3 message", f"kind {kind}, slice {k}, step {step}")
 
     def _trace_arrival(self, kind: int, k: int, peer: int, since: float) -> float:
@@ -138,26 +157,31 @@ class SliceServing:
                         bytes=self.wire.block, op=f"{what} received", priority=self.prio[k])
         return now
 
-    def _keepalive(self) -> None:
+    def _keepalive(self, sender, peers: list[int]) -> None:
         # After the stop messages a peer has no receive left. Runs on the sending thread, so stop
         # messages put meanwhile are still queued, and a keep-alive's priority sends it before them.
         if not self.stopping:
-            for peer in self.peers:
-                self.sender.put((math.inf, sys.float_info.max), self.wire.new(KEEPALIVE, [], self.steps), peer, TAG,
-                                what=f"keep-alive to rank {peer}")
+            for peer in peers:
+                sender.put((math.inf, sys.float_info.max), self.wire.new(KEEPALIVE, [], self.steps), peer, TAG,
+                           what=f"keep-alive to rank {peer}")
 
     def _stop_peers(self) -> None:
         self.stopping = True
         for peer in self.peers:
             for _ in range(protocol.POSTED):
-                self.sender.put((math.inf, math.inf), self.wire.new(STOP, [], self.steps), peer, TAG,
-                                what=f"stop to rank {peer}")
+                self._sender_to(peer).put((math.inf, math.inf), self.wire.new(STOP, [], self.steps), peer, TAG,
+                                          what=f"stop to rank {peer}")
+
+    def _close_senders(self) -> None:
+        self.sender.close()
+        if self.inside is not None:
+            self.inside.close()
 
     def serve(self) -> None:
-        """A dedicated server: slices are served on the receiving threads until every worker stops."""
+        """A dedicated server: slices are served on the receiving threads until every pusher stops."""
         self._make_plan()
         for thread in self.threads:
             thread.join()
         self._check()
         self._stop_peers()
-        self.sender.close()
+        self._close_senders()

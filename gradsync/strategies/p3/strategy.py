@@ -20,7 +20,10 @@ everything else. P3's three parts, each an option here so that a benchmark can s
 
 The pull rides on the push (:mod:`gradsync.strategies.p3.serving`). Servers are the dedicated
 ranks (``gradsync run --servers S``) or, without any, the workers themselves (P3's own set-up: one
-server per machine); a co-located server runs on its worker's communication threads.
+server per machine); a co-located server runs on its worker's communication threads. Where hosts
+run several workers (on Gloo), each host's first worker sums its host's pushes of a slice and
+alone pushes and pulls it, and co-located servers are those leaders: one server per machine again,
+and a host's network link carries each slice once each way (:mod:`gradsync.strategies.p3.base`).
 ``ps-sliced`` (:class:`SlicedParameterServer`) is slicing alone: FIFO order (within a step), no
 credit, and ``step()`` waits for every slice (pull after aggregation), like ``ps``.
 

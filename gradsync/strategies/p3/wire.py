@@ -53,10 +53,14 @@ class Wire:
     def new(self, kind: int, slices: list[int], step: int) -> torch.Tensor:
         """A message of ``kind`` for ``slices`` (at most :attr:`group`; none for a stop or keep-alive)."""
         count = len(slices)
-        buf = torch.empty(self.nbytes if self.exact else self.header_bytes + count * self.block, dtype=torch.uint8)
+        buf = torch.empty(self.length(count), dtype=torch.uint8)
         words = [kind << 32 | count, step, *slices] + [0] * (self.group - count)
         buf[:self.header_bytes].view(torch.int64).copy_(torch.tensor(words, dtype=torch.int64))
         return buf
+
+    def length(self, count: int) -> int:
+        """The bytes of a message of ``count`` slices (every message at full length where ``exact``)."""
+        return self.nbytes if self.exact else self.header_bytes + count * self.block
 
     def header(self, buf: torch.Tensor) -> tuple[int, int, int, list[int]]:
         """``(kind, count, step, slices)``; ``count`` as sent, which the caller checks against :attr:`group`."""
