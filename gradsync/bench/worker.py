@@ -109,15 +109,18 @@ class HostLinks:
     def start(self) -> None:
         self.steps, self.last = [], self.read()
 
-    def step(self, into_last: bool = False) -> None:
-        """Close a step (``into_last``: add what crossed since to the last step, e.g. after a flush)."""
+    def step(self) -> None:
+        """Close a step: what crossed since the previous read."""
         now = self.read()
-        delta = [[a - b for a, b in zip(n, m)] for n, m in zip(now, self.last)]
+        self.steps.append([[a - b for a, b in zip(n, m)] for n, m in zip(now, self.last)])
         self.last = now
-        if into_last and self.steps:
-            self.steps[-1] = [[a + b for a, b in zip(x, y)] for x, y in zip(self.steps[-1], delta)]
-        else:
-            self.steps.append(delta)
+
+    def skip(self) -> None:
+        """Pass over what crossed since the previous read (the last step's tail, finished by a
+        flush): a strategy whose step returns before its traffic is done (``p3``) carries one
+        step's tail into the next step's window, so each window after the warm-up holds one step's
+        bytes, the first one the warm-up's tail in place of the last one's."""
+        self.last = self.read()
 
 
 def host_links(config: dict) -> HostLinks | None:
@@ -294,7 +297,7 @@ def run_strategy(name: str, options: dict, work: Workload, total: int, run_dir: 
         optimizer.flush()  # the last step's lazily finished pulls (p3) count toward its bytes
         sent = transport.bytes_sent - sent_before
         if links is not None:
-            links.step(into_last=True)
+            links.skip()  # counted in the first measured window instead, as the warm-up's tail
         for hook in hooks:
             hook.remove()
     optimizer.close()  # dedicated servers leave their loop; the model can be freed before the next strategy
