@@ -209,19 +209,24 @@ def seconds_into_step(message: str) -> float:
     return float(re.search(r"\[([\d.]+) s into step 3\]", message).group(1))
 
 
-DEATHS = [  # (strategy, options, workers, servers, where rank 1 dies)
-    ("allreduce", {"bucket_mb": 0.0001}, 2, 0, "mid-backward"),
-    ("ps", {}, 2, 1, "before-step"),
-    ("ps", {}, 3, 0, "in-loss"),
+DEATHS = [  # (strategy, options, workers, servers, where rank 1 dies, hosts: 2 x 2 or one rank each)
+    ("allreduce", {"bucket_mb": 0.0001}, 2, 0, "mid-backward", 1),
+    ("ps", {}, 2, 1, "before-step", 1),
+    ("ps", {}, 3, 0, "in-loss", 1),
+    # two hosts of two workers: rank 1 dies inside its host's sums (two-level all-reduce, host sum)
+    ("allreduce", {"bucket_mb": 0.0001}, 4, 0, "mid-backward", 2),
+    ("ps", {"fuse_kb": 0}, 4, 0, "mid-backward", 2),
 ]
 
 
-@pytest.mark.parametrize("strategy,options,workers,servers,fault", DEATHS,
-                         ids=[f"{d[0]}-w{d[2]}-s{d[3]}-{d[4]}" for d in DEATHS])
-def test_dead_rank_is_named_by_survivors(strategy, options, workers, servers, fault):
+@pytest.mark.parametrize("strategy,options,workers,servers,fault,per_host", DEATHS,
+                         ids=[f"{d[0]}-w{d[2]}-s{d[3]}-{d[4]}" + ("-2x2" if d[5] > 1 else "") for d in DEATHS])
+def test_dead_rank_is_named_by_survivors(strategy, options, workers, servers, fault, per_host):
     started = time.monotonic()
+    env = None if per_host == 1 else [{"GRADSYNC_HOST": f"h{r // per_host}", "LOCAL_WORLD_SIZE": str(per_host)}
+                                      for r in range(workers)]
     errors = run_ranks_expect_failure(train_until_fault, workers + servers, strategy, fault, options,
-                                      servers=servers, timeout=60)
+                                      servers=servers, timeout=60, env=env)
     elapsed = time.monotonic() - started
     assert "exited with code 1" in errors.get(1, ""), errors
     survivors = [r for r in range(workers + servers) if r != 1]

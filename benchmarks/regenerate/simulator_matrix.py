@@ -29,7 +29,7 @@ import time
 EXACT = "ddp,allreduce,ps,p3,ps-sliced,allreduce-priority"
 OTHERS = "ddp,sma,pair-averaging,casync-ring,casync-ps,compressed-allgather"
 SERVED = "ps,ps-async,p3"
-HOSTED = "allreduce,allreduce:flat,ps,ps:flat,ddp"  # hosts of several workers: two-level and flat
+HOSTED = "allreduce,allreduce:flat,ps,ps:flat,p3,p3:flat,ddp"  # hosts of several workers: two-level and flat
 TABLES = "allreduce,ps,ddp"  # beside hybrid, which has groups of its own (below)
 LM_COMPUTE = "emulated:flops:11.11tflops"  # lstm-lm's shipped V100 rate, on the CPU-sized shape
 CODECS = ["onebit"]  # the compressed strategies' default
