@@ -46,6 +46,12 @@ class PeerDiagnosis:
             self.store_lost = True
             cause = ("rank 0, which hosts the rendezvous store, is unreachable "
                      f"(it has probably exited, crashed or been stopped; or {me}'s own network link is down)")
+            # the store's host may have ended on an earlier failure (a rank it waited for died):
+            # what this rank's heartbeat saw stand still before the store went away came first
+            earlier = [r for r in (self.heartbeat.watched_silent() if self.heartbeat else []) if r != self.topology.rank]
+            if earlier:
+                cause = (", ".join(self.topology.describe(r) for r in earlier) + " stopped responding first "
+                         "(its heartbeat stood still while this rank waited), then " + cause)
         elif silent:
             cause = ", ".join(self.topology.describe(r) for r in silent) + " stopped responding"
             if len(silent) >= 2 and len(silent) == self.topology.world_size - 1:

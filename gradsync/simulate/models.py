@@ -346,8 +346,9 @@ class Slices(StrategyModel):
             s = self.plan.slices[k].owner
             tx, rx = wk.servers[s]
             uses, share = [(wk.tx, 1), (rx, n)], nbytes
-        else:  # the owner is a worker: 1 in N pushes stay home
-            uses, share = [(wk.tx, 1), (wk.rx, 1)], nbytes * (n - 1) / n
+        else:  # the owner is a worker: 1 in N pushes stay home (flat on hosts of R ranks: R in N)
+            uses, share = [(wk.tx, 1), (wk.rx, 1)], nbytes * (n - wk.local_peers) / n
+            wk.local_sent += nbytes * (wk.local_peers - 1) / n
         # The credit counts whole messages (the sender's), the wire this worker's share of them.
         ends = 1.0 if self.dedicated else (n - 1) / n  # this worker's share of the sends (and receives)
 
@@ -381,8 +382,9 @@ class Slices(StrategyModel):
                 self.server_senders[s].put(self._prio(step, k), nbytes * n, lambda release: self.answers_in.take(
                     1.0, lambda handled: wk.message(nbytes, [(tx, n), (wk.rx, 1)], lambda: (release(), self._handled(
                         1.0, lambda: (handled(), self._arrived(step, k)))), f"answer {k}")))
-            else:  # the owner answers N-1 workers; by symmetry this worker's NIC carries that share
-                share, ends = nbytes * (n - 1) / n, (n - 1) / n
+            else:  # the owner answers N-1 workers; by symmetry this worker's NIC carries the share of
+                # them on other hosts
+                share, ends = nbytes * (n - wk.local_peers) / n, (n - 1) / n
                 self.sender.put(self._prio(step, k), nbytes, lambda release: self._handled(
                     ends, lambda: self.answers_in.take(ends, lambda handled: wk.message(
                         share, [(wk.tx, 1), (wk.rx, 1)], lambda: (release(), self._handled(
