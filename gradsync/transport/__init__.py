@@ -188,15 +188,11 @@ class Transport:
         done = two_level.submit(op, staged, None if token is None else lambda: tracer.end_async(token), then)
         return Handle(done, self, what, record=record, chunked=True, landing=self._landing(staged, tensor))
 
-    def host_reduce(self, tensor: torch.Tensor, *, what: str) -> torch.Tensor:
-        """Sum ``tensor`` in place over this host's workers onto the host's first worker
-        (``two_level.leader``); intra-host, on the job's :class:`TwoLevel` (which must exist)."""
-        self._two_level(self.two_level, "reduce", tensor, what).wait()
-        return tensor
-
     def host_reduce_async(self, tensor: torch.Tensor, *, what: str, then=None) -> Handle:
-        """:meth:`host_reduce` without waiting; ``then()`` runs on the communication thread once the
-        sum is in, before the handle completes (the host's first worker pushes it on from there)."""
+        """Start summing ``tensor`` in place over this host's workers onto the host's first worker
+        (``two_level.leader``); intra-host, on the job's :class:`TwoLevel` (which must exist).
+        ``then()`` runs on the communication thread once the sum is in, before the handle completes
+        (the host's first worker pushes it on from there)."""
         return self._two_level(self.two_level, "reduce", tensor, what, then)
 
     def host_allreduce(self, tensor: torch.Tensor, *, what: str) -> torch.Tensor:
