@@ -24,6 +24,8 @@ import os
 import threading
 import time
 
+from gradsync.stragglers import Pace, verdict
+
 SIZE = 64
 """Operations each rank keeps."""
 DIR_ENV = "GRADSYNC_FLIGHT_DIR"
@@ -58,6 +60,8 @@ class FlightRecorder:
         self.waited = False  # whether the training (main) thread ever waited in a gradsync operation
         self.blocked: dict[int, Record] = {}  # what each thread blocked in an operation waits for
         self.dumped_for: float = 0.0  # the request file's mtime this rank last answered
+        self.waited_s = 0.0  # seconds the training thread spent waiting in gradsync operations, in all
+        self.pace = Pace()  # this rank's seconds per step computing and waiting (gradsync.stragglers)
 
     def issue(self, what: str, op: str, nbytes: int, *, group: str | None = None, peer: int | None = None) -> Record:
         """Record an operation as it is issued; ``group`` names a collective's group (numbered there)."""
@@ -84,7 +88,9 @@ class FlightRecorder:
         ident, record, main = token
         self.blocked.pop(ident, None)
         if main and self.waiting is record:
-            self.waiting, self.since = None, time.monotonic()
+            now = time.monotonic()
+            self.waited_s += now - self.since
+            self.waiting, self.since = None, now
 
     @contextlib.contextmanager
     def waiting_for(self, what: str):
@@ -104,7 +110,9 @@ class FlightRecorder:
         while the main thread never waited in one: the script trains on another thread, so where it
         is is not known; seconds: how long it has been so, as of TIME, this host's clock)."""
         waiting = "-" if not self.waited else int(self.waiting is not None)
-        return f"{self.step} {waiting} {time.monotonic() - self.since:.2f} {time.time():.3f}"
+        line = f"{self.step} {waiting} {time.monotonic() - self.since:.2f} {time.time():.3f}"
+        pace = self.pace.line()  # then the pace, on a worker that has stepped twice
+        return f"{line} {pace}" if pace else line
 
     @contextlib.contextmanager
     def blocked_in(self, record: Record | None, *, main: bool):
@@ -124,7 +132,7 @@ class FlightRecorder:
         now = time.time()
         waiting = self.waiting
         return {"rank": self.rank, "label": self.label, "pid": os.getpid(), "time": now, "step": self.step,
-                "reason": reason, "waiting": None if waiting is None else waiting.as_dict(),
+                "reason": reason, "pace": self.pace.as_dict(), "waiting": None if waiting is None else waiting.as_dict(),
                 "records": [r.as_dict() for r in list(self.records)]}
 
     def dump(self, reason: str) -> str | None:
@@ -294,6 +302,7 @@ def summarize(dumps: dict[int, dict], ranks: list[int]) -> list[str]:
     divergence = _first_divergence(dumps)
     if divergence:
         lines.append(divergence)
+    lines += [s.describe() for s in verdict({r: d.get("pace") for r, d in dumps.items()})]
     return lines
 
 

@@ -22,7 +22,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from gradsync import flight
+from gradsync import flight, stragglers
 from gradsync.topology import Topology
 
 HEARTBEAT_S = 1.0
@@ -98,11 +98,21 @@ class Heartbeat:
             if recorder is not None:
                 with contextlib.suppress(Exception):  # the position is a diagnosis' detail: never the beat
                     store.set(at, recorder.position())
+            if self.topology.rank == 0 and self.topology.num_workers > 1 and stragglers.enabled():
+                with contextlib.suppress(Exception):  # the straggler verdict is a reading: never the beat
+                    self._judge(recorder)
             if self.watch_after_s == 0.0 or (recorder is not None and recorder.longest_wait_s() >= self.watch_after_s):
                 self._watch()
             else:
                 with self._lock:
                     self._seen = {}
+
+    def _judge(self, recorder) -> None:
+        """Worker 0: every worker's pace, from their positions, to the straggler verdict."""
+        paces = {r: p for r, (_, _, _, p) in self._positions(range(1, self.topology.num_workers)).items()}
+        if recorder is not None:
+            paces[0] = recorder.pace.as_dict()
+        stragglers.observe(paces)
 
     def store_lost(self) -> bool:
         """Whether the store has not answered this rank's beats for longer than a beat and a
@@ -126,10 +136,16 @@ class Heartbeat:
         """Where every other rank's training thread was at its last beat: ``(step, waiting in a
         gradsync operation (None: not known), seconds it has been so)`` (see :meth:`gradsync.flight.FlightRecorder.position`);
         a rank that published nothing yet, or a store that does not answer, leaves it out."""
+        return {r: where[:3] for r, where in self._positions(r for r in range(self.topology.world_size)
+                                                            if r != self.topology.rank).items()}
+
+    def _positions(self, ranks) -> dict[int, tuple[int, bool | None, float, dict | None]]:
+        """:meth:`positions` of ``ranks``, each with the rank's pace (:mod:`gradsync.stragglers`; None
+        before its second step, and on a server)."""
         store = self.store
         if store is None:
             return {}
-        keys = {r: f"gradsync/at/{r}" for r in range(self.topology.world_size) if r != self.topology.rank}
+        keys = {r: f"gradsync/at/{r}" for r in ranks}
 
         def read() -> dict[int, bytes]:
             if store.check(list(keys.values())):  # every rank published: one round trip
@@ -142,13 +158,15 @@ class Heartbeat:
             return {}
         out, now = {}, time.time()
         for rank, value in raw.items():
+            fields = value.decode().split()
             try:
-                step, waiting, seconds, at = value.decode().split()
+                step, waiting, seconds, at = fields[:4]
             except ValueError:
                 continue
             age = now - float(at)  # under a beat, unless the hosts' clocks disagree: then not counted
             known = {"1": True, "0": False}.get(waiting)  # None: not known (see FlightRecorder.position)
-            out[rank] = (int(step), known, float(seconds) + (age if 0 <= age <= 2 * HEARTBEAT_S else 0.0))
+            out[rank] = (int(step), known, float(seconds) + (age if 0 <= age <= 2 * HEARTBEAT_S else 0.0),
+                         stragglers.parse(fields[4:]))
         return out
 
     def say_left(self) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from gradsync import flight
 from gradsync.strategies import Strategy
 
 
@@ -67,6 +68,9 @@ def _grad_ready(sync, index: int):
 def _before_forward(sync):
     def hook(_module, _args):
         sync.backward_queued = False  # a backward that failed never ran its callback
+        recorder = flight.current()
+        if recorder is not None:
+            recorder.pace.forward(recorder.waited_s)
         sync.strategy.before_forward()
     return hook
 

@@ -14,7 +14,7 @@ import functools
 
 import torch
 
-from gradsync import flight, hooks, runtime
+from gradsync import flight, hooks, runtime, stragglers
 from gradsync.checks import check_backend, check_clip
 from gradsync.errors import ConfigError, GradientEditedError, GradsyncError
 from gradsync.strategies import Strategy, SyncContext, resolve
@@ -59,7 +59,17 @@ class DistributedOptimizer:
         recorder = flight.current()
         if recorder is not None:
             recorder.step += 1
+            recorder.pace.end_step(recorder.waited_s)
+            if sync.strategy.synchronous and stragglers.probe_due(sync.steps) and stragglers.enabled():
+                self._probe_links(recorder)
         return loss
+
+    @staticmethod
+    def _probe_links(recorder) -> None:
+        """Every worker times its ring neighbours' links, at the same step (gradsync.stragglers)."""
+        rt = runtime.current()
+        if rt.topology.num_workers > 1 and rt.elastic is None:  # a joiner counts steps anew
+            recorder.pace.links = stragglers.probe(rt.transport, rt.topology)
 
     @contextlib.contextmanager
     def no_sync(self):

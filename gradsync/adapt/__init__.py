@@ -19,7 +19,7 @@ from gradsync._lazy import lazy_names
 _LAZY = {
     **{name: "gradsync.adapt.builtin" for name in ("AdaptiveBatchSize", "ScheduledResize", "StrategySwitch")},
     "GlobalBatches": "gradsync.adapt.data",
-    **{name: "gradsync.adapt.monitors" for name in ("EMA", "GradientVariance", "Monitor", "Monitors", "NoiseScale",
+    **{name: "gradsync.adapt.monitors" for name in ("EMA", "GradientVariance", "Monitor", "Monitors", "NoiseScale", "Stragglers",
                                                    "Throughput", "links", "monitor")},
     **{name: "gradsync.adapt.policy" for name in ("Controller", "Policy")},
 }

@@ -43,6 +43,11 @@ sending, per worker.
 (rank 0's machine; on an emulated cluster, every emulated host's). With emulated compute, near 1
 means the run measured the host's CPU rather than the emulated cluster: at :data:`CPU_BOUND` and
 above the report says so. (Real compute on the CPU keeps it busy by design.)
+
+``stragglers``: the workers that held the others back (:mod:`gradsync.stragglers`: ``rank``,
+``cause`` (``compute``, ``between steps``, ``link``), ``ratio`` (its time over the others', or the
+other links' rate over its), ``held_s`` (what the others waited for it a step)), as found at the end
+of most rounds, and ``straggler_rounds`` (in how many of the rounds); the table's ``slow`` column.
 """
 from __future__ import annotations
 
@@ -55,7 +60,8 @@ import statistics
 FIELDS = ["strategy", "model", "np", "servers", "batch_size", "steps", "samples_per_s",
           "samples_per_s_min", "samples_per_s_max", "step_s", "compute_s", "comm_overhead_s",
           "bytes_per_step", "peak_mem_mb", "max_abs_diff", "max_rel_diff", "correct",
-          "net", "compute", "bound_samples_per_s", "efficiency", "min_bytes_per_host", "host_cpu_busy"]
+          "net", "compute", "bound_samples_per_s", "efficiency", "min_bytes_per_host", "host_cpu_busy",
+          "stragglers"]
 
 CPU_BOUND = 0.9
 """A run whose measured steps kept this share of the host's cores busy is reported as CPU-bound."""
@@ -92,6 +98,7 @@ def summarize(raw: dict, compute_times: list[float], config: dict, check: dict |
         record["batch_s"] = statistics.median(t / k for t in raw["batch_times"])
     if raw.get("host_links"):
         record.update(link_bytes_per_step(raw["host_links"]))
+    record.update(straggler_verdict(raw.get("stragglers", [])))
     work = [w for w in raw.get("host_work") or [] if w]
     if work:
         record["host_work"] = {kind: {"calls": statistics.fmean(w[kind][0] for w in work),
@@ -185,12 +192,28 @@ def bound(min_bytes: float, compute_s: float, samples: int, config: dict) -> dic
             "ideal_samples_per_s": ideal, "bound_samples_per_s": limit}
 
 
+def straggler_verdict(rounds: list[list]) -> dict:
+    """The verdict found at the end of most rounds (each ``[[rank, cause, ratio, held_s], ...]``)."""
+    if not rounds:
+        return {"stragglers": [], "straggler_rounds": "0/0"}
+    keys = [tuple((s[0], s[1]) for s in found) for found in rounds]
+    common = max(set(keys), key=keys.count)
+    found = rounds[keys.index(common)]
+    return {"stragglers": [{"rank": r, "cause": c, "ratio": x, "held_s": h} for r, c, x, h in found],
+            "straggler_rounds": f"{keys.count(common)}/{len(keys)}"}
+
+
+def slow_column(record: dict) -> str:
+    """``1 compute``: who held the others back in most rounds; ``-``: no one."""
+    return ",".join(f"{s['rank']} {s['cause']}" for s in record.get("stragglers") or []) or "-"
+
+
 def table(records: list[dict]) -> str:
     w = max([11] + [len(r["strategy"]) for r in records])
     head = (f"{'strategy':<{w}} {'np':>3} {'net':>12} {'samples/s':>10} {'(min-max)':>15} {'bound':>8} {'eff':>5} "
             f"{'host MB':>8} {'min MB':>8} "
             f"{'step ms':>8} {'compute':>8} {'comm ovh':>9} {'MB/step':>8} {'peak MB':>8} {'f64 |diff|':>10} "
-            f"{'correct':>8} {'fp32 |diff|':>11} {'cpu':>4}")
+            f"{'correct':>8} {'fp32 |diff|':>11} {'cpu':>4}  slow")
     lines = [head, "-" * len(head)]
     for r in records:
         diff = "-" if r["max_abs_diff"] is None else f"{r['max_abs_diff']:.1e}"
@@ -203,7 +226,7 @@ def table(records: list[dict]) -> str:
             f"{'(' + format(r['samples_per_s_min'], '.0f') + '-' + format(r['samples_per_s_max'], '.0f') + ')':>15} "
             f"{r['bound_samples_per_s']:>8.1f} {r['efficiency']:>5.2f} {link:>8} {r['min_bytes_per_host'] / 2**20:>8.2f} "
             f"{r['step_s'] * 1e3:>8.1f} {r['compute_s'] * 1e3:>8.1f} {r['comm_overhead_s'] * 1e3:>9.1f} "
-            f"{r['bytes_per_step'] / 2**20:>8.2f} {r['peak_mem_mb']:>8.1f} {diff:>10} {correct:>8} {r['fp32_max_abs_diff']:>11.1e} {cpu:>4}")
+            f"{r['bytes_per_step'] / 2**20:>8.2f} {r['peak_mem_mb']:>8.1f} {diff:>10} {correct:>8} {r['fp32_max_abs_diff']:>11.1e} {cpu:>4}  {slow_column(r)}")
     return "\n".join(lines)
 
 

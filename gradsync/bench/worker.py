@@ -27,7 +27,7 @@ import time
 import torch
 
 import gradsync
-from gradsync import runtime, trace
+from gradsync import flight, runtime, stragglers, trace
 from gradsync.consistency import all_hold_rank0s
 from gradsync.bench.workload import Workload
 
@@ -292,8 +292,11 @@ def run_strategy(name: str, options: dict, work: Workload, total: int, run_dir: 
         updates: list[float] = []
         work_done: list[dict] = []  # this rank's (rank 0 writes the record)
         batches: list[float] = []
+        recorder = flight.current()
+        recorder.pace = stragglers.Pace()  # this strategy's steps alone
         times = timed_steps(model, optimizer, work, total, label=name, cpu=cpu, updates=updates, host_work=work_done,
                             batches=batches, links=links)
+        slow = stragglers.verdict(stragglers.gather(transport, topo, recorder.pace))
         optimizer.flush()  # the last step's lazily finished pulls (p3) count toward its bytes
         sent = transport.bytes_sent - sent_before
         if links is not None:
@@ -313,7 +316,8 @@ def run_strategy(name: str, options: dict, work: Workload, total: int, run_dir: 
             "workers_max_diff": agree, "stats": {k: v for k, v in getattr(optimizer.strategy, "stats", {}).items() if isinstance(v, (int, float))},
             "exact": bool(optimizer.strategy.exact), "model_bytes": model_bytes, "host_cpu": cpu,
             "host_links": None if links is None else links.steps,
-            "min_bytes_per_host": optimizer.strategy.min_bytes_per_host(model_bytes)}
+            "min_bytes_per_host": optimizer.strategy.min_bytes_per_host(model_bytes),
+            "stragglers": [[[s.rank, s.cause, s.ratio, s.held_s] for s in slow]]}
 
 
 def merge(into: dict | None, record: dict, warmup: int) -> dict:
@@ -340,6 +344,7 @@ def merge(into: dict | None, record: dict, warmup: int) -> dict:
     into["stats"] = {k: into["stats"].get(k, 0) + v for k, v in record["stats"].items()
                      if isinstance(v, (int, float))}
     into["workers_max_diff"] = max(into["workers_max_diff"], record["workers_max_diff"])
+    into["stragglers"] = into.get("stragglers", []) + record.get("stragglers", [])
     return into
 
 

@@ -94,6 +94,9 @@ class Strategy:
       each gradient's version counter at ``step()`` and raises :class:`GradientEditedError`;
       clipping is then ``distribute(..., clip_grad_norm=C)`` where :attr:`clips` is true.
     """
+    synchronous: ClassVar[bool] = True
+    """Every worker finishes each step with the others (a barrier in effect): the straggler monitor
+    may then time the links at the same step on every worker (:mod:`gradsync.stragglers`)."""
     clips: ClassVar[bool] = False
     """For ``"refused"`` strategies: whether the strategy clips by the global norm of the mean
     gradient itself, where the update happens (``SyncContext.clip_grad_norm``)."""

@@ -40,6 +40,7 @@ OP_PULL, OP_LEAVE = 1, 2
 
 class PairAveraging(Strategy):
     name = "pair-averaging"
+    synchronous = False  # no barrier: a worker may be steps ahead of another
     summary = "AD-PSGD: each step averages with one random peer's model, no barrier"
     backends = ("gloo",)  # any-source receives
     grad_edits = "local"  # each worker steps with its own gradient; models are averaged in pairs

@@ -26,6 +26,7 @@ class AsyncParameterServer(ParameterServerBase):
     """Push gradients to dedicated servers; each push is applied alone and answered to its worker."""
 
     name = "ps-async"
+    synchronous = False  # no barrier: a worker may be steps ahead of another
     summary = "asynchronous parameter server: each push applied alone, no barrier (TF-PS async)"
     mode = "async"
     exact = False

@@ -1,0 +1,281 @@
+"""Which rank holds the others back, and why: compute, its own code between steps, or its link.
+
+In a synchronous job every worker waits at each synchronization point for the last one to arrive,
+so one slow worker (a slower GPU, a busier host, a slow data loader, a slow NIC) sets the pace of
+all. The flight recorder already knows, per worker, when its training thread waits in a gradsync
+operation; from that each worker keeps its :class:`Pace`: per optimizer step, the seconds it
+computed (from its first forward to the end of its step, less its waits), ran its own code between
+steps (the data loader, logging) and waited. A worker that computes longer than the others while
+they wait for it is the straggler (cause ``compute`` or ``between steps``).
+
+A slow link does not show in those times: every worker of a ring waits alike. So every
+:data:`PROBE_EVERY` steps the workers of a synchronous strategy time one :data:`PROBE_BYTES`
+message from each ring neighbour (:func:`probe`); the worker whose links are all slower than the
+others' is named (cause ``link``) when the job spends time waiting.
+
+Each worker's pace rides on its heartbeat (no extra message, no barrier); worker 0 reads its peers'
+at each beat and keeps the verdict (:func:`verdict`, :func:`latest`), printed by worker 0 when it
+changes (``GRADSYNC_STRAGGLERS=0`` silences it), shown in ``gradsync bench``'s table, the launcher's
+SIGUSR1 and failure summary, and :class:`gradsync.adapt.Stragglers` (TensorBoard, policies).
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+ALPHA = 0.8
+"""EMA weight of the past in each worker's pace (about the last ten steps)."""
+THRESHOLD = 0.05
+"""A worker is slow when it computes this much longer than the median of the others."""
+LINK_THRESHOLD = 0.25
+"""A worker's links are slow when their rate is this much below the median of the other links."""
+WAIT_SHARE = 0.05
+"""Links are only blamed when the workers spend at least this share of a step waiting."""
+PROBE_EVERY = 100
+"""Steps between link probes (the first after :data:`PROBE_FIRST` steps)."""
+PROBE_FIRST = 10
+PROBE_BYTES = 1 << 20
+PROBE_TAG = 0x53540000  # this module's point-to-point tags: PROBE_TAG + 0..19
+ENV = "GRADSYNC_STRAGGLERS"
+"""``0``: no probes and no printed line (the pace is still kept: it costs two clock reads a step)."""
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV, "1") != "0"
+
+
+class Pace:
+    """One worker's seconds per step: computing, its own code between steps, waiting (EMAs), and
+    the rate (Gbit/s) at which its ring neighbours' probes last reached it."""
+
+    def __init__(self, alpha: float = ALPHA):
+        self.alpha = alpha
+        self.compute = self.between = self.wait = None
+        self.links: dict[int, float] = {}  # peer -> Gbit/s, peer -> this worker
+        self._step_end: float | None = None  # monotonic time the last step ended
+        self._forward: float | None = None  # the first forward since then
+        self._waited_end = self._waited_forward = 0.0  # the recorder's wait total at those times
+        self.steps = 0
+
+    def forward(self, waited: float) -> None:
+        """The model's forward starts (``waited``: the recorder's total wait so far)."""
+        if self._forward is None:
+            self._forward, self._waited_forward = time.monotonic(), waited
+
+    def end_step(self, waited: float) -> None:
+        """An optimizer step ended."""
+        now = time.monotonic()
+        if self._step_end is not None and self._forward is not None:
+            between = max(0.0, self._forward - self._step_end - (self._waited_forward - self._waited_end))
+            compute = max(0.0, now - self._forward - (waited - self._waited_forward))
+            self.between = self._ema(self.between, between)
+            self.compute = self._ema(self.compute, compute)
+            self.wait = self._ema(self.wait, waited - self._waited_end)
+        self._step_end, self._waited_end, self._forward = now, waited, None
+        self.steps += 1
+
+    def _ema(self, old: float | None, x: float) -> float:
+        return x if old is None else self.alpha * old + (1 - self.alpha) * x
+
+    def line(self) -> str:
+        """``COMPUTE BETWEEN WAIT LINKS`` (ms; links ``peer:gbit,...`` or ``-``), for the heartbeat."""
+        if self.compute is None:
+            return ""
+        links = ",".join(f"{p}:{g:.4g}" for p, g in sorted(self.links.items())) or "-"
+        return f"{self.compute * 1e3:.3f} {self.between * 1e3:.3f} {self.wait * 1e3:.3f} {links}"
+
+    def as_dict(self) -> dict | None:
+        if self.compute is None:
+            return None
+        return {"compute": self.compute, "between": self.between, "wait": self.wait,
+                "links": {str(p): g for p, g in self.links.items()}}
+
+
+def parse(fields: list[str]) -> dict | None:
+    """The inverse of :meth:`Pace.line` (split into fields): a dict as :meth:`Pace.as_dict`, or None."""
+    if len(fields) < 4:
+        return None
+    try:
+        links = {} if fields[3] == "-" else {p: float(g) for p, g in (x.split(":") for x in fields[3].split(","))}
+        return {"compute": float(fields[0]) / 1e3, "between": float(fields[1]) / 1e3, "wait": float(fields[2]) / 1e3,
+                "links": links}
+    except ValueError:
+        return None
+
+
+@dataclass(frozen=True)
+class Straggler:
+    rank: int
+    cause: str  # "compute", "between steps" or "link"
+    ratio: float  # its compute (or between-steps) time over the others' median; link: others' rate over its
+    held_s: float  # seconds a step the others wait for it (link: the median wait)
+
+    def describe(self) -> str:
+        if self.cause == "link":
+            return (f"rank {self.rank} holds the others back: its link (its neighbours' probes reach it at "
+                    f"1/{self.ratio:.2f} of the other links' rate; the workers wait {self.held_s * 1e3:.0f} ms a step)")
+        what = "computes" if self.cause == "compute" else "runs its own code between steps (data loading?)"
+        return (f"rank {self.rank} holds the others back: it {what} {self.ratio:.2f}x as long as the others, "
+                f"who wait {self.held_s * 1e3:.0f} ms a step for it")
+
+
+def verdict(paces: dict[int, dict], threshold: float = THRESHOLD, link_threshold: float = LINK_THRESHOLD) -> list[Straggler]:
+    """The workers that hold the others back, from every worker's pace (``{rank: Pace.as_dict()}``).
+
+    A worker is named for its time (compute, or its code between steps, whichever differs more)
+    when that time exceeds the median of the other workers' by ``threshold`` and the others wait
+    at least half the difference more than it does (they wait for it). A worker is named for its
+    link when no one is named for time, the workers wait at least :data:`WAIT_SHARE` of a step, and
+    the rate of every link to or from it is ``link_threshold`` below the median of the links that
+    do not touch it (needs three workers: with two, one link joins both).
+    """
+    paces = {r: p for r, p in paces.items() if p is not None}
+    if len(paces) < 2:
+        return []
+    found = []
+    for rank, p in sorted(paces.items()):
+        others = [q for r, q in paces.items() if r != rank]
+        held = statistics.median(q["wait"] for q in others) - p["wait"]
+        best = None
+        for cause, key in (("compute", "compute"), ("between steps", "between")):
+            base = statistics.median(q[key] for q in others)
+            excess = p[key] - base
+            if excess > threshold * max(base, 1e-4) and held >= 0.5 * excess:
+                if best is None or excess > best[1]:
+                    best = (cause, excess, p[key] / max(base, 1e-9))
+        if best is not None:
+            found.append(Straggler(rank, best[0], best[2], held))
+    if found:
+        return found
+    return _slow_links(paces, link_threshold)
+
+
+def _slow_links(paces: dict[int, dict], link_threshold: float) -> list[Straggler]:
+    rates = {(int(src), dst): g for dst, p in paces.items() for src, g in p["links"].items()}
+    if len(paces) < 3 or not rates:
+        return []
+    step = statistics.median(p["compute"] + p["between"] + p["wait"] for p in paces.values())
+    wait = statistics.median(p["wait"] for p in paces.values())
+    if wait < WAIT_SHARE * step:
+        return []
+    found = []
+    for rank in sorted(paces):
+        mine = [g for (a, b), g in rates.items() if rank in (a, b)]
+        rest = [g for (a, b), g in rates.items() if rank not in (a, b)]
+        if mine and rest and max(mine) < (1 - link_threshold) * statistics.median(rest):
+            found.append(Straggler(rank, "link", statistics.median(rest) / statistics.median(mine), wait))
+    return found
+
+
+# -- the link probe --------------------------------------------------------------------------------
+def probe_due(steps: int) -> bool:
+    return steps == PROBE_FIRST or (steps > PROBE_FIRST and (steps - PROBE_FIRST) % PROBE_EVERY == 0)
+
+
+def probe(transport, topology, nbytes: int = PROBE_BYTES) -> dict[int, float]:
+    """Collective over the workers: the rate (Gbit/s) of the link from each ring neighbour to this
+    worker. After a barrier each worker sends ``nbytes`` to the next worker (then, second round, to
+    the previous one) and times the arrival of its neighbour's message. Point-to-point messages
+    only (the barrier too: a dissemination barrier), so a strategy's collectives still in flight on
+    its own threads are not disturbed."""
+    import torch  # here: the launcher reads verdicts without importing torch
+
+    n, me = topology.num_workers, topology.rank
+    payload = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=transport.device)
+    inbox = torch.empty_like(payload)
+    out: dict[int, float] = {}
+    for k, d in enumerate((1, -1) if n > 2 else (1,)):
+        to, frm = (me + d) % n, (me - d) % n
+        _barrier(transport, n, me, PROBE_TAG + 10 * k)
+        start = time.perf_counter()
+        handles = [transport.recv_async(inbox, frm, PROBE_TAG + 10 * k + 9, what="link probe"),
+                   transport.send_async(payload, to, PROBE_TAG + 10 * k + 9, what="link probe", counted=False)]
+        handles[0].wait()
+        out[frm] = payload.numel() * 32 / max(time.perf_counter() - start, 1e-9) / 1e9
+        handles[1].wait()
+    return out
+
+
+def _barrier(transport, n: int, me: int, tag: int) -> None:
+    """A dissemination barrier over workers ``0..n-1`` (Hensgen et al.): ceil(log2 n) rounds."""
+    import torch
+
+    token, got = torch.zeros(1, device=transport.device), torch.zeros(1, device=transport.device)
+    k, dist = 0, 1
+    while dist < n:
+        handles = [transport.recv_async(got, (me - dist) % n, tag + k, what="link probe barrier"),
+                   transport.send_async(token, (me + dist) % n, tag + k, what="link probe barrier", counted=False)]
+        for h in handles:
+            h.wait()
+        k, dist = k + 1, dist * 2
+
+
+def gather(transport, topology, pace: Pace) -> dict[int, dict | None]:
+    """Collective over the workers: every worker's pace (the same dict on each), for :func:`verdict`."""
+    import torch
+
+    n, me = topology.num_workers, topology.rank
+    table = torch.zeros(n, 6, dtype=torch.float64, device=transport.device)
+    mine = pace.as_dict()
+    if mine is not None:
+        prev, nxt = (me - 1) % n, (me + 1) % n
+        table[me] = torch.tensor([1.0, mine["compute"], mine["between"], mine["wait"],
+                                  pace.links.get(prev, 0.0), pace.links.get(nxt, 0.0) if n > 2 else 0.0])
+    transport.allreduce(table, world=False, what="straggler readings")
+    out: dict[int, dict | None] = {}
+    for r, (known, compute, between, wait, from_prev, from_next) in enumerate(table.tolist()):
+        links = {p: g for p, g in (((r - 1) % n, from_prev), ((r + 1) % n, from_next)) if g > 0}
+        out[r] = {"compute": compute, "between": between, "wait": wait, "links": links} if known else None
+    return out
+
+
+# -- worker 0's view -------------------------------------------------------------------------------
+CONFIRM = 3
+"""Beats in a row a verdict must hold before it is reported (a single noisy reading is not)."""
+REPEAT_S = 60.0
+
+
+class _View:
+    def __init__(self):
+        self.latest: list[Straggler] = []  # the confirmed verdict
+        self.candidate: tuple = ()
+        self.streak = 0
+        self.said_at = 0.0
+
+
+_VIEW = _View()
+
+
+def latest() -> list[Straggler]:
+    """Worker 0's latest confirmed verdict (empty on the other ranks, and while no worker holds
+    the others back)."""
+    return list(_VIEW.latest)
+
+
+def observe(paces: dict[int, dict]) -> list[Straggler]:
+    """Worker 0's heartbeat: a verdict from every worker's pace. Once the same workers are named
+    for the same causes :data:`CONFIRM` beats in a row it becomes :func:`latest` and is printed
+    (again every :data:`REPEAT_S` while it holds; once more when it clears)."""
+    view, found = _VIEW, verdict(paces)
+    key = tuple((s.rank, s.cause) for s in found)
+    view.streak = view.streak + 1 if key == view.candidate else 1
+    view.candidate = key
+    if view.streak < CONFIRM:
+        return view.latest
+    before = tuple((s.rank, s.cause) for s in view.latest)
+    view.latest = found
+    now = time.monotonic()
+    if enabled() and (key != before or (key and now - view.said_at >= REPEAT_S)):
+        text = "; ".join(s.describe() for s in found) or "no rank holds the others back any longer"
+        print(f"gradsync: {text}", file=sys.stderr, flush=True)
+        view.said_at = now
+    return view.latest
+
+
+def reset() -> None:
+    """Forget the verdict (a new job in this process)."""
+    global _VIEW
+    _VIEW = _View()

@@ -1,0 +1,145 @@
+"""The straggler monitor: each worker's pace, the verdict that names who holds the others back and
+why, the link probe, and where the verdict shows (bench table, flight summary, the adapt monitor)."""
+import time
+
+import pytest
+
+from gradsync import flight, stragglers
+from gradsync.bench import report
+
+from multirank import run_ranks
+
+
+def pace(compute, wait, between=0.001, links=None):
+    return {"compute": compute, "between": between, "wait": wait, "links": links or {}}
+
+
+def test_a_balanced_job_names_no_one():
+    paces = {r: pace(0.100 + 0.002 * r, 0.020 - 0.002 * r) for r in range(4)}
+    assert stragglers.verdict(paces) == []
+
+
+@pytest.mark.parametrize("factor", [1.1, 1.25, 1.5, 2.0])
+def test_the_slow_worker_is_named_for_its_compute(factor):
+    # Rank 2 computes longer; the others wait for it at the synchronization point.
+    extra = 0.1 * (factor - 1)
+    paces = {r: pace(0.1, 0.02 + extra) for r in range(4)}
+    paces[2] = pace(0.1 * factor, 0.02)
+    [found] = stragglers.verdict(paces)
+    assert (found.rank, found.cause) == (2, "compute")
+    assert found.ratio == pytest.approx(factor)
+    assert found.held_s == pytest.approx(extra)
+    assert "rank 2 holds the others back: it computes" in found.describe()
+
+
+def test_a_slow_worker_nobody_waits_for_is_not_named():
+    # Longer compute, but the others do not wait longer (an asynchronous strategy, or overlap).
+    paces = {r: pace(0.1, 0.02) for r in range(4)}
+    paces[1] = pace(0.15, 0.02)
+    assert stragglers.verdict(paces) == []
+
+
+def test_time_between_steps_is_its_own_cause():
+    paces = {r: pace(0.1, 0.05, between=0.001) for r in range(3)}
+    paces[0] = pace(0.1, 0.01, between=0.041)  # a slow data loader
+    [found] = stragglers.verdict(paces)
+    assert (found.rank, found.cause) == (0, "between steps")
+    assert "between steps" in found.describe()
+
+
+def ring(n, slow=None, rate=10.0, slow_rate=5.0):
+    """Probe readings as every worker keeps them: the rate from each ring neighbour to it."""
+    links = {r: {} for r in range(n)}
+    for dst in range(n):
+        for src in ((dst - 1) % n, (dst + 1) % n):
+            links[dst][str(src)] = slow_rate if slow in (src, dst) else rate
+    return links
+
+
+def test_a_slow_link_is_named_when_the_job_waits():
+    links = ring(4, slow=3)
+    paces = {r: pace(0.1, 0.05, links=links[r]) for r in range(4)}
+    [found] = stragglers.verdict(paces)
+    assert (found.rank, found.cause, found.ratio) == (3, "link", 2.0)
+    assert "its link" in found.describe()
+    # A job that hardly waits is not held back by its links, slow or not.
+    quiet = {r: pace(0.1, 0.001, links=links[r]) for r in range(4)}
+    assert stragglers.verdict(quiet) == []
+    # Equal links: no one.
+    even = ring(4)
+    assert stragglers.verdict({r: pace(0.1, 0.05, links=even[r]) for r in range(4)}) == []
+
+
+def test_pace_counts_compute_between_and_wait():
+    p = stragglers.Pace(alpha=0.0)  # the last step alone
+    waited = 0.0
+    p.end_step(waited)  # the first step ends: nothing to measure yet
+    assert p.as_dict() is None and p.line() == ""
+    time.sleep(0.02)  # between steps
+    p.forward(waited)
+    time.sleep(0.05)  # computing, and waiting 20 ms of it in gradsync operations
+    waited += 0.02  # (counted by the flight recorder)
+    p.end_step(waited)
+    got = p.as_dict()
+    assert got["between"] == pytest.approx(0.02, abs=0.01)
+    assert got["wait"] == pytest.approx(0.02)
+    assert got["compute"] == pytest.approx(0.03, abs=0.01)
+    p.links = {1: 9.5}
+    back = stragglers.parse(p.line().split())
+    assert back.pop("links") == {"1": 9.5}
+    assert back == pytest.approx({k: got[k] for k in ("compute", "between", "wait")}, abs=1e-6)
+    assert stragglers.parse(["x", "1", "2", "-"]) is None
+
+
+def test_bench_reports_the_verdict_of_most_rounds():
+    rounds = [[[1, "compute", 1.5, 0.01]], [[1, "compute", 1.4, 0.01]], []]
+    got = report.straggler_verdict(rounds)
+    assert got["straggler_rounds"] == "2/3" and got["stragglers"][0]["rank"] == 1
+    assert report.slow_column(got) == "1 compute"
+    assert report.slow_column(report.straggler_verdict([[]])) == "-"
+
+
+def test_the_flight_summary_names_the_straggler():
+    dumps = {r: {"label": f"worker {r} (rank {r})", "time": 1.0, "step": 5, "waiting": None, "records": [],
+                 "pace": pace(0.1, 0.05)} for r in range(3)}
+    dumps[1]["pace"] = pace(0.2, 0.0)
+    lines = flight.summarize(dumps, [0, 1, 2])
+    assert lines[-1].startswith("rank 1 holds the others back: it computes 2.00x")
+
+
+def train_with_a_slow_rank(slow_rank, factor, strategy):
+    import os
+
+    import torch
+
+    import gradsync
+    from gradsync import runtime
+
+    os.environ["GRADSYNC_STRAGGLERS"] = "1"
+    torch.manual_seed(0)
+    model = torch.nn.Linear(32, 32)
+    opt = gradsync.distribute(model, torch.optim.SGD(model.parameters(), lr=0.01), strategy, exit_servers=False)
+    if gradsync.topology().is_server:
+        return None
+    me = gradsync.topology().rank
+    for _ in range(stragglers.PROBE_FIRST + 4):
+        loss = model(torch.randn(4, 32)).sum()
+        time.sleep(0.02 * (factor if me == slow_rank else 1.0))  # "compute"
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    recorder = flight.current()
+    found = stragglers.verdict(stragglers.gather(runtime.current().transport, gradsync.topology(), recorder.pace))
+    return [(s.rank, s.cause) for s in found], sorted(recorder.pace.links)
+
+
+@pytest.mark.parametrize("strategy", ["allreduce", "ps"])
+def test_a_job_names_its_slow_rank(strategy):
+    # Three workers (ps: and a server); worker 1 computes 2x as long. Every worker's pace, gathered,
+    # names it; the link probe ran at the same step on every worker and timed both neighbours.
+    servers = 1 if strategy == "ps" else 0
+    results = run_ranks(train_with_a_slow_rank, 3 + servers, 1, 2.0, strategy, servers=servers)
+    for rank in range(3):
+        found, peers = results[rank]
+        assert found == [(1, "compute")], (rank, found)
+        assert peers == [r for r in range(3) if r != rank]
