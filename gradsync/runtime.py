@@ -25,7 +25,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from gradsync import flight, hosts, teardown
+from gradsync import flight, hosts, stragglers, teardown
 from gradsync import store as stores
 from gradsync.diagnosis import PeerDiagnosis, explain_uncaught
 from gradsync.errors import ConfigError, GradsyncError
@@ -264,6 +264,7 @@ def start(topology: Topology, store, *, backend: str, timeout_s: float, heartbea
         worker_group = dist.new_group(topology.worker_ranks, timeout=gloo_timeout(timeout_s))
     recorder = flight.FlightRecorder(topology.rank, topology.describe(topology.rank))
     flight.install(recorder)
+    stragglers.reset()
     runtime = Runtime(topology, None, timeout_s, heartbeat, owns_group, store=store,
                       responder=flight.Responder.start_for(recorder))
     runtime.hosts_store = (owns_group and topology.rank == 0 and not heartbeat_prefix
