@@ -24,6 +24,7 @@ COMMANDS = {
     "strategies": ("gradsync.strategies.cli", "list the strategies: what each does, exact or not, backends"),
     "codecs": ("gradsync.compress.cli", "measure compressors' encode/decode speed, ratio and error"),
     "profile": ("gradsync.emulate.cli", "measure or derive a model's per-layer compute profile"),
+    "trace": ("gradsync.trace", "join the per-rank timelines a job wrote (GRADSYNC_TRACE) into one"),
     "netcheck": ("gradsync.bench.netcheck", "measure the links of an emulated cluster"),
     "cluster": ("gradsync.cluster.cli", "manage emulated clusters (cleanup)"),
     "experiment": ("gradsync.experiment.cli", "run, keep, report and check the published experiments"),

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gradsync import flight
+from gradsync import flight, trace
 from gradsync.strategies import Strategy
 
 
@@ -33,6 +33,9 @@ def install(sync) -> None:
     if _overrides(strategy, "on_lookup"):
         sync.handles += _lookup_hooks(model, sync.params, strategy)
     sync.handles += _state_dict_hooks(model, strategy)
+    tracer = trace.current()
+    if tracer is not None and tracer.path is not None:  # a user's job tracing itself: its layers too
+        sync.handles += trace.instrument(model)
     forward = strategy.wrap_forward(model.forward)
     if forward is not None:
         model.forward = forward

@@ -25,7 +25,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from gradsync import flight, hosts, stragglers, teardown
+from gradsync import flight, hosts, stragglers, teardown, trace
 from gradsync import store as stores
 from gradsync.diagnosis import PeerDiagnosis, explain_uncaught
 from gradsync.errors import ConfigError, GradsyncError
@@ -265,6 +265,8 @@ def start(topology: Topology, store, *, backend: str, timeout_s: float, heartbea
     recorder = flight.FlightRecorder(topology.rank, topology.describe(topology.rank))
     flight.install(recorder)
     stragglers.reset()
+    if trace.current() is None:
+        trace.start_from_env(topology.rank, topology.describe(topology.rank))
     runtime = Runtime(topology, None, timeout_s, heartbeat, owns_group, store=store,
                       responder=flight.Responder.start_for(recorder))
     runtime.hosts_store = (owns_group and topology.rank == 0 and not heartbeat_prefix
@@ -345,6 +347,7 @@ def shutdown() -> None:
     finally:
         _RUNTIME = None
         teardown.stop_threads(runtime)
+        trace.save_from_env()
     teardown.leave_group(runtime)
     if error is not None:
         raise error

@@ -26,6 +26,8 @@ import sys
 import time
 from dataclasses import dataclass
 
+from gradsync import trace
+
 ALPHA = 0.8
 """EMA weight of the past in each worker's pace (about the last ten steps)."""
 THRESHOLD = 0.05
@@ -63,17 +65,22 @@ class Pace:
     def forward(self, waited: float) -> None:
         """The model's forward starts (``waited``: the recorder's total wait so far)."""
         if self._forward is None:
-            self._forward, self._waited_forward = time.monotonic(), waited
+            self._forward, self._waited_forward = time.perf_counter(), waited
 
     def end_step(self, waited: float) -> None:
         """An optimizer step ended."""
-        now = time.monotonic()
+        now = time.perf_counter()
         if self._step_end is not None and self._forward is not None:
             between = max(0.0, self._forward - self._step_end - (self._waited_forward - self._waited_end))
             compute = max(0.0, now - self._forward - (waited - self._waited_forward))
             self.between = self._ema(self.between, between)
             self.compute = self._ema(self.compute, compute)
             self.wait = self._ema(self.wait, waited - self._waited_end)
+            tracer = trace.current()
+            if tracer is not None and tracer.path is not None:  # a user's job tracing itself
+                tracer.span(f"step {self.steps}", "step", self._step_end, now)
+                tracer.counter("pace (ms, this step)", now, compute=compute * 1e3, between=between * 1e3,
+                               wait=(waited - self._waited_end) * 1e3)
         self._step_end, self._waited_end, self._forward = now, waited, None
         self.steps += 1
 
@@ -267,11 +274,14 @@ def observe(paces: dict[int, dict]) -> list[Straggler]:
         return view.latest
     before = tuple((s.rank, s.cause) for s in view.latest)
     view.latest = found
-    now = time.monotonic()
+    now = time.perf_counter()
     if enabled() and (key != before or (key and now - view.said_at >= REPEAT_S)):
         text = "; ".join(s.describe() for s in found) or "no rank holds the others back any longer"
         print(f"gradsync: {text}", file=sys.stderr, flush=True)
         view.said_at = now
+        tracer = trace.current()
+        if tracer is not None:
+            tracer.instant(text, "step", time.perf_counter())
     return view.latest
 
 

@@ -15,28 +15,42 @@ While a :class:`Tracer` is active (:func:`start`), gradsync records, per rank:
 - ``server`` track: a server's own work (``hybrid``'s row servers: each table's update, each
   answer to a pull).
 
+In a user's own job (``gradsync run --trace FILE``, or ``GRADSYNC_TRACE=FILE`` under another
+launcher: :func:`start_from_env` at ``gradsync.init()``) the tracer also records each optimizer step
+on the ``step`` track, the model's layers on ``compute`` (:func:`instrument`, hooked by
+``distribute``), and the straggler monitor's readings (:mod:`gradsync.stragglers`): each worker's
+pace per step as counters, worker 0's verdict as instant events. Each rank writes
+``FILE.rank-R.json`` at ``gradsync.shutdown()``; ``gradsync run`` merges them into ``FILE``
+(elsewhere: ``gradsync trace merge FILE.rank-*.json -o FILE``).
+
 Each rank writes its own file (``Tracer.save``); :func:`merge` joins them into one trace with one
 process per rank. Timestamps are ``time.perf_counter()`` (CLOCK_MONOTONIC): comparable across the
-processes of one machine, which is where emulated clusters live. When no tracer is active every
-hook is a single ``is None`` test.
+processes of one machine, which is where emulated clusters live; each file also carries its
+clock's offset to the wall clock, and :func:`merge` puts files from several machines on the wall
+clock (as close as the machines' clocks agree). When no tracer is active every hook is a single
+``is None`` test.
 """
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import threading
 import time
 
 _active: "Tracer | None" = None
 TRACKS = {"step": 0, "compute": 1, "wait": 2, "comm": 3, "server": 4}
 """Thread ids of the tracks (Chrome traces want numbers; names go in metadata)."""
+ENV = "GRADSYNC_TRACE"
+"""A user's job traces itself when set: each rank writes ``$GRADSYNC_TRACE.rank-R.json``."""
 
 
 class Tracer:
     """Collects one rank's events in memory; ``save`` writes them as a Chrome trace."""
 
-    def __init__(self, rank: int, label: str):
+    def __init__(self, rank: int, label: str, path: str | None = None):
         self.rank, self.label = rank, label
+        self.path = path  # where a user's job saves at shutdown (GRADSYNC_TRACE); None: the bench saves
         self.events: list[dict] = []
         self._lock = threading.Lock()  # completion callbacks arrive on communication threads
         self._ids = iter(range(1, 1 << 62))
@@ -63,6 +77,16 @@ class Tracer:
             self.events.append({**common, "ph": "b", "ts": start * 1e6, "args": args})
             self.events.append({**common, "ph": "e", "ts": end * 1e6})
 
+    def counter(self, name: str, at: float, **values: float) -> None:
+        """Counter values at ``at`` (Chrome's ``C`` event: a chart per name, one series per value)."""
+        with self._lock:
+            self.events.append({"name": name, "ph": "C", "pid": self.rank, "ts": at * 1e6, "args": values})
+
+    def instant(self, name: str, track: str, at: float, **args) -> None:
+        with self._lock:
+            self.events.append({"name": name, "ph": "i", "s": "p", "pid": self.rank, "tid": TRACKS[track],
+                                "ts": at * 1e6, "args": args})
+
     @contextlib.contextmanager
     def waiting(self, what: str):
         start = time.perf_counter()
@@ -73,6 +97,8 @@ class Tracer:
 
     def save(self, path: str) -> None:
         meta = [{"name": "process_name", "ph": "M", "pid": self.rank, "args": {"name": self.label}},
+                {"name": "clock_offset", "ph": "M", "pid": self.rank,  # wall clock - perf_counter, seconds
+                 "args": {"seconds": time.time() - time.perf_counter()}},
                 {"name": "process_sort_index", "ph": "M", "pid": self.rank, "args": {"sort_index": self.rank}}]
         meta += [{"name": "thread_name", "ph": "M", "pid": self.rank, "tid": tid, "args": {"name": name}}
                  for name, tid in TRACKS.items()]
@@ -86,6 +112,28 @@ def start(rank: int, label: str) -> Tracer:
     global _active
     _active = Tracer(rank, label)
     return _active
+
+
+def start_from_env(rank: int, label: str) -> Tracer | None:
+    """Start tracing this rank when ``GRADSYNC_TRACE`` is set (at ``gradsync.init()``)."""
+    path = os.environ.get(ENV)
+    if not path:
+        return None
+    tracer = start(rank, label)
+    tracer.path = f"{path}.rank-{rank}.json"
+    return tracer
+
+
+def save_from_env() -> str | None:
+    """At ``gradsync.shutdown()``: stop a tracer :func:`start_from_env` started and write its file."""
+    tracer = current()
+    if tracer is None or tracer.path is None:
+        return None
+    stop()
+    with contextlib.suppress(OSError):
+        tracer.save(tracer.path)
+        return tracer.path
+    return None
 
 
 def stop() -> Tracer | None:
@@ -131,11 +179,21 @@ def instrument(model) -> list:
 
 
 def merge(paths: list[str], out: str) -> int:
-    """Join per-rank traces into one file; returns the number of events."""
-    events = []
+    """Join per-rank traces into one file; returns the number of events. Files from several
+    machines (their clock offsets differ by more than a millisecond) are put on the wall clock."""
+    loaded = []
     for path in paths:
         with open(path) as f:
-            events += json.load(f)["traceEvents"]
+            events = json.load(f)["traceEvents"]
+        offset = next((e["args"]["seconds"] for e in events if e.get("name") == "clock_offset"), None)
+        loaded.append((events, offset))
+    offsets = [o for _, o in loaded if o is not None]
+    events = []
+    for part, offset in loaded:
+        if offsets and offset is not None and max(offsets) - min(offsets) > 1e-3:
+            shift = (offset - offsets[0]) * 1e6
+            part = [{**e, "ts": e["ts"] + shift} if "ts" in e else e for e in part]
+        events += part
     with open(out, "w") as f:
         json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
     return len(events)
@@ -260,3 +318,19 @@ def _window(spans, steps) -> tuple[float, float]:
     if not chosen:
         raise ValueError(f"no steps {first}..{last} of {label!r} in the trace")
     return min(s[2] for s in chosen), max(s[3] for s in chosen)
+
+
+# -- gradsync trace merge --------------------------------------------------------------------------
+def add_parser(subparsers) -> None:
+    command = subparsers.add_parser("trace", help="join the per-rank traces of a job (GRADSYNC_TRACE) into one")
+    actions = command.add_subparsers(dest="action", required=True, metavar="ACTION")
+    join = actions.add_parser("merge", help="join FILE.rank-R.json files into one Chrome trace")
+    join.add_argument("parts", nargs="+", metavar="PART", help="the ranks' files (FILE.rank-*.json)")
+    join.add_argument("-o", "--out", required=True, metavar="FILE", help="the merged trace")
+    join.set_defaults(handler=merge_main)
+
+
+def merge_main(args) -> int:
+    count = merge(sorted(args.parts), args.out)
+    print(f"{args.out}: {count} events from {len(args.parts)} rank(s); open in https://ui.perfetto.dev or chrome://tracing")
+    return 0

@@ -1,5 +1,6 @@
 """Traces: the transport records communication and waits; files merge and render."""
 import json
+import sys
 import time
 
 import pytest
@@ -158,3 +159,49 @@ def test_compressed_strategies_trace_each_encode_and_decode(tmp_path, strategy):
         # a ring of 2: its own chunk, then the merged one, per bucket; all-gather: one encode, 2 decodes
         assert encodes and len(decodes) >= len(encodes), (len(encodes), len(decodes))
         assert all(tid == trace.TRACKS["comm"] and dur >= 0 and args["bytes"] > 0 for _, tid, dur, args in spans)
+
+
+def user_job_with_a_slow_rank():
+    # A user's own loop; GRADSYNC_TRACE (set by ``gradsync run --trace``) makes it trace itself.
+    from gradsync import stragglers
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    opt = gradsync.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1), "allreduce")
+    for _ in range(stragglers.PROBE_FIRST + 2):
+        loss = model(torch.randn(4, 8)).sum()
+        time.sleep(0.01 if gradsync.topology().rank == 1 else 0.0)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return trace.current().path
+
+
+def test_a_users_job_traces_itself_under_GRADSYNC_TRACE(tmp_path):
+    base = str(tmp_path / "job.json")
+    paths = run_ranks(user_job_with_a_slow_rank, 2, env={trace.ENV: base})
+    assert paths == [f"{base}.rank-0.json", f"{base}.rank-1.json"]
+    merged = str(tmp_path / "merged.json")
+    trace.merge(paths, merged)  # what gradsync run --trace does after the job
+    events = json.loads(open(merged).read())["traceEvents"]
+    for rank in (0, 1):
+        mine = [e for e in events if e.get("pid") == rank]
+        steps = [e["name"] for e in mine if e["ph"] == "X" and e["tid"] == trace.TRACKS["step"]]
+        assert steps == [f"step {k}" for k in range(1, 12)]  # from the second step on: one span a step
+        layers = {e["name"] for e in mine if e["ph"] == "X" and e["tid"] == trace.TRACKS["compute"]}
+        assert {"forward 0", "forward 2", "backward 0.weight", "optimizer step"} <= layers
+        assert any(e["ph"] == "b" and e["tid"] == trace.TRACKS["comm"] for e in mine)
+        pace = [e["args"] for e in mine if e["ph"] == "C"]
+        assert len(pace) == 11 and set(pace[0]) == {"compute", "between", "wait"}
+    # rank 1 computes 10 ms longer a step: its counters say so, and rank 0 waits for it
+    compute = {r: sorted(e["args"]["compute"] for e in events if e["ph"] == "C" and e["pid"] == r)[5] for r in (0, 1)}
+    assert compute[1] > compute[0] + 5
+
+
+def test_gradsync_run_trace_says_when_no_rank_traced(tmp_path, capfd):
+    # A command that never calls gradsync.init() writes no trace, and the launcher says so.
+    from gradsync.cli import main
+
+    code = main(["run", "-np", "1", "--trace", str(tmp_path / "t.json"), "--", sys.executable, "-c", "pass"])
+    assert code == 0
+    assert "no rank wrote a trace" in capfd.readouterr().err
+    assert not (tmp_path / "t.json").exists()

@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import argparse
+import glob
 import os
 import sys
 
-from gradsync.argtypes import output_dir
+from gradsync.argtypes import output_dir, output_file
 from gradsync.launch.hosts import detect_node_rank, parse_hosts, plan_ranks, read_hostfile
 from gradsync.launch.processes import launch_local
 
@@ -112,6 +113,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--loss", type=_float_at_least(0), default=0.0, metavar="PCT",
                         help="with --net: percent of the frames each link drops (TCP resends them)")
     parser.add_argument("--ranks-per-host", type=_int_in(1), default=1, help="ranks per emulated host with --net (default 1)")
+    parser.add_argument("--trace", metavar="FILE", type=output_file,
+                        help="write a Chrome trace of every rank (steps, layers, communication, waits, "
+                             "the straggler monitor's readings) to FILE; open in ui.perfetto.dev")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the command every rank runs, after --")
     elastic = parser.add_argument_group("elastic jobs (one machine)")
     elastic.add_argument("--elastic", action="store_true",
@@ -235,6 +239,33 @@ def _rendezvous(args, parser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    if not args.trace:
+        return _main(args)
+    from gradsync import trace
+
+    path = os.path.abspath(args.trace)
+    stale = glob.glob(glob.escape(path) + ".rank-*.json")
+    for part in stale:  # a previous job's: not merged into this one
+        os.remove(part)
+    os.environ[trace.ENV] = path  # every rank traces itself and writes FILE.rank-R.json at shutdown
+    try:
+        code = _main(args)
+    finally:
+        os.environ.pop(trace.ENV, None)
+    parts = sorted(glob.glob(glob.escape(path) + ".rank-*.json"))
+    if parts:
+        count = trace.merge(parts, path)
+        for part in parts:
+            os.remove(part)
+        print(f"gradsync run: trace of {len(parts)} rank(s), {count} events: {args.trace} "
+              "(open in https://ui.perfetto.dev or chrome://tracing)", file=sys.stderr, flush=True)
+    else:
+        print(f"gradsync run: no rank wrote a trace (none called gradsync.init(), or none reached "
+              f"gradsync.shutdown()): {args.trace} not written", file=sys.stderr, flush=True)
+    return code
+
+
+def _main(args: argparse.Namespace) -> int:
     parser = args.run_parser
     command = _command(args, parser)
     _rendezvous(args, parser)
