@@ -1,8 +1,11 @@
 """Asynchronous decentralized pair averaging, ``pair-averaging`` (AD-PSGD, Lian et al., ICML 2018;
 KungFu's ``PairAveragingOptimizer``).
 
-Every step a worker pulls the model of one peer chosen at random, averages it with its own
-(``v <- (v + v_peer) / 2``) and applies its local gradient. There is no global barrier: a worker
+Every step a worker averages its model with the model of one peer chosen at random
+(``v <- (v + v_peer) / 2``) and applies its local gradient. As in KungFu, the pull is overlapped
+with computation: a worker asks for the peer's model at the end of its step, the model arrives
+while it computes the next step's gradient, and is averaged in at that next step
+(``overlap=False``: the pull at the step itself, waited for, as AD-PSGD's pseudo-code has it). There is no global barrier: a worker
 never waits for more than one peer, and that peer does not stop training to answer, since every
 worker runs a small server thread that answers pulls from a snapshot of its model (refreshed after
 each of its own steps). Workers may therefore average models from different steps.
@@ -46,8 +49,8 @@ class PairAveraging(Strategy):
     grad_edits = "local"  # each worker steps with its own gradient; models are averaged in pairs
     exact = False
 
-    def __init__(self, seed: int = 0):
-        self.seed = seed
+    def __init__(self, seed: int = 0, overlap: bool = True):
+        self.seed, self.overlap = seed, overlap
 
     def attach(self, ctx: SyncContext) -> None:
         super().attach(ctx)
@@ -70,6 +73,7 @@ class PairAveraging(Strategy):
         self.closed = False
         self.left: set[int] = set()
         self.heard = time.monotonic()  # the last request from a peer (pull or leave)
+        self.pulling: tuple | None = None  # (peer, receive handles): the model asked for at the last step
         self.thread = None
         if self.peers:
             self.thread = threading.Thread(target=self._serve, name="gradsync-pair-averaging", daemon=True)
@@ -106,26 +110,48 @@ class PairAveraging(Strategy):
             raise self.failure
         if self.hosts is not None:
             self._in_host("host-all-reduce", "average of the host's models")
-        if self.peers:
-            transport = self.ctx.transport
-            peer = self.rng.choice(self.peers)
-            transport.send_async(torch.tensor([OP_PULL, self.me]), peer, TAG_REQUEST,
-                                 what=f"pull request to worker {peer}").wait()
-            for box in self.inbox:
-                transport.recv_async(box, peer, TAG_REPLY, what=f"model of worker {peer}").wait()
-            with torch.no_grad():
-                for group, box in zip(self.groups, self.inbox):
-                    offset = 0
-                    for p in group:
-                        p.add_(box[offset:offset + p.numel()].view_as(p)).mul_(0.5)
-                        offset += p.numel()
+        if not self.overlap:  # pull now and wait for it
+            self._pull()
+        self._average_pulled()
         if self.hosts is not None:
             self._in_host("broadcast", "the pair's average to the host's workers")
         result = apply()
         with self.lock, torch.no_grad():
             for group, s in zip(self.groups, self.snapshot):
                 torch.cat([p.detach().reshape(-1) for p in group], out=s)
+        if self.overlap:
+            self._pull()
         return result
+
+    def _pull(self) -> None:
+        """Ask a random peer for its model; it arrives while this worker computes its next step."""
+        if not self.peers:
+            return
+        transport = self.ctx.transport
+        peer = self.rng.choice(self.peers)
+        transport.send_async(torch.tensor([OP_PULL, self.me]), peer, TAG_REQUEST,
+                             what=f"pull request to worker {peer}").wait()
+        self.pulling = (peer, [transport.recv_async(box, peer, TAG_REPLY, what=f"model of worker {peer}")
+                               for box in self.inbox])
+
+    def _average_pulled(self) -> None:
+        """``v <- (v + v_peer) / 2`` with the model pulled at the end of the previous step."""
+        if self.pulling is None:
+            return
+        _, handles = self.pulling
+        for handle in handles:
+            handle.wait()
+        self.pulling = None
+        with torch.no_grad():
+            for group, box in zip(self.groups, self.inbox):
+                offset = 0
+                for p in group:
+                    p.add_(box[offset:offset + p.numel()].view_as(p)).mul_(0.5)
+                    offset += p.numel()
+
+    def flush(self) -> None:
+        """Average in the model still on its way (local: ``state_dict()`` on one worker calls it)."""
+        self._average_pulled()
 
     def _in_host(self, op: str, what: str) -> None:
         """Every model group through a host operation: its mean over the host's workers
@@ -148,6 +174,10 @@ class PairAveraging(Strategy):
     def close(self) -> None:
         if self.thread is None or self.closed:
             return
+        if self.pulling is not None:  # the last step's pull: its answer must be received before leaving
+            for handle in self.pulling[1]:
+                handle.wait()
+            self.pulling = None
         for peer in self.peers:
             self.ctx.transport.send_async(torch.tensor([OP_LEAVE, self.me]), peer, TAG_REQUEST,
                                           what=f"leave message to worker {peer}").wait()
@@ -172,7 +202,8 @@ class PairAveraging(Strategy):
                 "worker's model is complete, it stops answering pulls now"))
 
     def describe(self) -> str:
-        return "pair-averaging" + ("" if self.hosts is None else " (hosts pair up, models averaged in each host)")
+        return ("pair-averaging" + ("" if self.overlap else " (pull at the step, not overlapped)")
+                + ("" if self.hosts is None else " (hosts pair up, models averaged in each host)"))
 
     def min_bytes_per_host(self, model_bytes: int) -> float:
         # Each worker receives one model per step, from a peer on another host as often as the peers
