@@ -44,6 +44,12 @@ sending, per worker.
 means the run measured the host's CPU rather than the emulated cluster: at :data:`CPU_BOUND` and
 above the report says so. (Real compute on the CPU keeps it busy by design.)
 
+``samples_per_s_each``: the workers' own rates summed (per step, each worker's batch over its own
+step time; the median over the measured steps). A synchronous strategy's workers step together, so
+it is ``samples_per_s`` give or take noise; without a barrier (``pair-averaging``, ``ps-async``) a
+fast worker runs ahead of a slow one, and this is what the job trains when it runs for a time
+rather than a number of steps (``samples_per_s`` counts every step at its slowest worker's pace).
+
 ``stragglers``: the workers that held the others back (:mod:`gradsync.stragglers`: ``rank``,
 ``cause`` (``compute``, ``between steps``, ``link``), ``ratio`` (its time over the others', or the
 other links' rate over its), ``held_s`` (what the others waited for it a step)), as found at the end
@@ -94,6 +100,8 @@ def summarize(raw: dict, compute_times: list[float], config: dict, check: dict |
         record["optimizer_s"] = statistics.median(t / k for t in raw["optimizer_times"])
     if raw.get("mean_times"):  # each step's time, the workers' mean
         record["worker_step_s"] = statistics.median(t / k for t in raw["mean_times"])
+    if raw.get("step_rates"):  # every worker at its own pace: what a job without a barrier trains
+        record["samples_per_s_each"] = config["workload"]["batch_size"] * statistics.median(raw["step_rates"]) * k
     if raw.get("batch_times"):  # making the batch, before the step's timer starts
         record["batch_s"] = statistics.median(t / k for t in raw["batch_times"])
     if raw.get("host_links"):

@@ -305,13 +305,14 @@ def run_strategy(name: str, options: dict, work: Workload, total: int, run_dir: 
             hook.remove()
     optimizer.close()  # dedicated servers leave their loop; the model can be freed before the next strategy
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    paces = _over_workers([1.0 / max(t, 1e-9) for t in times], "sum").tolist()  # steps a second, all workers'
     times, means, updates, batches = slowest(times), mean_of_workers(times), slowest(updates), slowest(batches)
     agree = workers_agree(model)
     worker_mb, server_mb = peaks(transport, worker=memory.peak_mb)
     if topo.rank == 0:
         torch.save({n: p.detach() for n, p in model.named_parameters()}, os.path.join(run_dir, f"{name}.pt"))
     return {"strategy": name, "describe": optimizer.strategy.describe(), "times": times, "optimizer_times": updates,
-            "mean_times": means, "batch_times": batches, "host_work": work_done,
+            "mean_times": means, "step_rates": paces, "batch_times": batches, "host_work": work_done,
             "bytes_per_step": sent / total, "peak_mem_mb": worker_mb, "server_peak_mem_mb": server_mb,
             "workers_max_diff": agree, "stats": {k: v for k, v in getattr(optimizer.strategy, "stats", {}).items() if isinstance(v, (int, float))},
             "exact": bool(optimizer.strategy.exact), "model_bytes": model_bytes, "host_cpu": cpu,
@@ -327,9 +328,11 @@ def merge(into: dict | None, record: dict, warmup: int) -> dict:
     cpu = None if record["host_cpu"] is None else record["host_cpu"][warmup:]
     links = None if record.get("host_links") is None else record["host_links"][warmup:]
     work = record.get("host_work", [])[warmup:]
+    rates = record.get("step_rates", [])[warmup:]
     if into is None:
         return {**record, "times": times, "optimizer_times": updates, "batch_times": batches, "mean_times": means,
-                "host_cpu": cpu, "host_links": links, "host_work": work}
+                "host_cpu": cpu, "host_links": links, "host_work": work, "step_rates": rates}
+    into["step_rates"] = into.get("step_rates", []) + rates
     into["times"] += times
     into["optimizer_times"] += updates
     into["batch_times"] = into.get("batch_times", []) + batches
