@@ -55,8 +55,11 @@ def run_options(record: dict) -> tuple[str, dict]:
     """The strategy and options a recorded run ran with: its label's (:func:`options_of`) and, for
     ``hybrid``, the partition count its probes chose (its ``describe``), by which the model lays
     the rows out over the servers: per server, as the option counts them (the probes' fit may
-    choose a count between two multiples of the servers: the nearer)."""
+    choose a count between two multiples of the servers: the nearer); for ``pair-averaging``,
+    whether its pull was overlapped with the next step (its ``describe`` says so)."""
     name, options = options_of(record["strategy"])
+    if name == "pair-averaging" and "overlap" not in options:  # runs before the overlap waited for each pull
+        options["overlap"] = "overlapped" in record.get("describe", "")
     if name == "hybrid" and "partitions" not in options:
         found = re.search(r"(\d+) partitions per table", record.get("describe", ""))
         servers = record.get("servers", 0) or record["np"]

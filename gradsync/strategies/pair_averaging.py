@@ -202,7 +202,7 @@ class PairAveraging(Strategy):
                 "worker's model is complete, it stops answering pulls now"))
 
     def describe(self) -> str:
-        return ("pair-averaging" + ("" if self.overlap else " (pull at the step, not overlapped)")
+        return ("pair-averaging" + (" (pull overlapped with the next step)" if self.overlap else "")
                 + ("" if self.hosts is None else " (hosts pair up, models averaged in each host)"))
 
     def min_bytes_per_host(self, model_bytes: int) -> float:
