@@ -3,9 +3,10 @@
 - ``sma`` (:mod:`gradsync.strategies.sma`): at the start of the step the parameters are copied
   into one buffer and its all-reduce launched; it runs behind forward and backward. ``step()``
   waits for it, mixes the average in (a pass over the parameters) and runs the local optimizer.
-- ``pair-averaging`` (:mod:`gradsync.strategies.pair_averaging`): ``step()`` asks one random peer
-  for its model (a request, then the model back) and averages with it, runs the local optimizer
-  and refreshes the snapshot it serves. A worker answers pulls one after another, holding its
+- ``pair-averaging`` (:mod:`gradsync.strategies.pair_averaging`): ``step()`` averages with the
+  model of one random peer, runs the local optimizer and refreshes the snapshot it serves; the
+  pull (a request, then the model back) is sent at the end of the step and received while the next
+  step computes (``overlap=False``: sent at the step and waited for). A worker answers pulls one after another, holding its
   snapshot. A request travels behind any model its sender's server is still sending that peer
   (Gloo sends one pair of ranks' messages in order). With no barrier the workers drift apart, so
   every worker is simulated at its own pace, each picking its peers from the strategy's own
@@ -61,9 +62,11 @@ class SMA(StrategyModel):
 class PairAveraging(StrategyModel):
     """Every worker simulated, each at its own pace (there is no barrier to keep them in step).
 
-    A worker's step: its forward and backward, a pull request to the peer its generator picks
-    (the strategy's own seed and rank), the peer's model back, the average (a pass over the
-    parameters), the local optimizer, and the snapshot it serves refreshed (a copy). Each worker's
+    A worker's step: its forward and backward, the wait for the model it asked for at the end of
+    its previous step, the average (a pass over the parameters), the local optimizer, the snapshot
+    it serves refreshed (a copy), and a pull request to the peer its generator picks (the
+    strategy's own seed and rank), answered while its next step computes (``overlap=False``: the
+    request and the peer's model before the average). Each worker's
     server thread answers requests one at a time, in arrival order, each with the whole model
     through its link, holding the snapshot's lock: a refresh waits for the answer being sent, and
     an answer for the refresh. Each pair of workers' messages go one after another in each
@@ -88,6 +91,7 @@ class PairAveraging(StrategyModel):
         self.pairs: dict[tuple[int, int], Link] = {}
         self.connections: dict[tuple[int, int], Stream] = {}
         self.serving: dict[tuple[int, int], float] = {}  # (from, to): when the last such answer began
+        self.pulled: list[dict | None] = [None] * n  # overlapped: each worker's pull on its way
         for r in range(1, n):
             self._others_step(r)
 
@@ -121,7 +125,41 @@ class PairAveraging(StrategyModel):
         if wk.np == 1:
             self.hosts[r].run(wk.update_s(nbytes), done, what="optimizer")
             return
+        if not self.strategy.overlap:  # the pull at the step, waited for
+            self._request(r, lambda: self._finish(r, True, done))
+            return
+
+        def go(had: bool) -> None:  # then the next pull, answered while the next step computes
+            self._finish(r, had, lambda: (self._request(r, lambda: self._arrived(r)), done()))
+
+        pulled = self.pulled[r]
+        if pulled is None:
+            go(False)
+        elif pulled["arrived"]:
+            self.pulled[r] = None
+            go(True)
+        else:
+            pulled["waiter"] = lambda: (self.pulled.__setitem__(r, None), go(True))
+
+    def _arrived(self, r: int) -> None:
+        pulled = self.pulled[r]
+        pulled["arrived"] = True
+        if pulled["waiter"] is not None:
+            pulled["waiter"]()
+
+    def _finish(self, r: int, averaged: bool, done: Callable[[], None]) -> None:
+        """The average (when a model came), the local optimizer, then the snapshot under its lock."""
+        wk, nbytes = self.wk, self.wk.w.nbytes
+        self.hosts[r].run((2 if averaged else 1) * wk.update_s(nbytes), lambda: self.locks[r].submit(
+            lambda unlock: self.hosts[r].run(wk.copy_s(nbytes), unlock, what="snapshot"), done,
+            what="refresh"), what="average and optimizer")
+
+    def _request(self, r: int, arrived: Callable[[], None]) -> None:
+        """Worker ``r`` asks the peer its generator picks for its model; ``arrived`` once it is in."""
+        wk, nbytes = self.wk, self.wk.w.nbytes
         peer = self.rngs[r].choice(self.peers[r])
+        if self.strategy.overlap:
+            self.pulled[r] = {"arrived": False, "waiter": None}
 
         def answer(finish: Callable[[], None]) -> None:  # on the peer's server thread, under its lock
             def send(unlock: Callable[[], None]) -> None:
@@ -150,15 +188,10 @@ class PairAveraging(StrategyModel):
             self.locks[peer].submit(lambda unlock: connection.submit(send, unlock, what=f"model {peer} -> {r}"),
                                     finish, what=f"answer {r}")
 
-        def averaged() -> None:  # average, the local optimizer, then the snapshot under its lock
-            self.hosts[r].run(2 * wk.update_s(nbytes), lambda: self.locks[r].submit(
-                lambda unlock: self.hosts[r].run(wk.copy_s(nbytes), unlock, what="snapshot"), done,
-                what="refresh"), what="average and optimizer")
-
         # The request follows whatever this worker's server is still sending to that peer: one
         # connection per pair of ranks carries their messages in order.
         self._connection(r, peer).submit(lambda sent: wk.sim.after(wk.net.latency_s, sent), lambda: (
-            self.servers[peer].submit(answer, averaged, what=f"pull from {r}")), what=f"request {r} -> {peer}")
+            self.servers[peer].submit(answer, arrived, what=f"pull from {r}")), what=f"request {r} -> {peer}")
 
     def _connection(self, src: int, dst: int) -> Stream:
         """The messages from worker ``src`` to ``dst``, one after another (Gloo's pair of the two ranks
