@@ -58,9 +58,10 @@ class FlightRecorder:
         self.waiting: Record | None = None  # what the training (main) thread is blocked in
         self.since = time.monotonic()  # when the training thread last entered or left a wait
         self.waited = False  # whether the training (main) thread ever waited in a gradsync operation
+        self.waited_s = 0.0  # seconds it waited in them so far (the watchdog's windows not counted)
+        self._timed: list[float] = []  # when each timed wait of the training thread under way began
         self.blocked: dict[int, Record] = {}  # what each thread blocked in an operation waits for
         self.dumped_for: float = 0.0  # the request file's mtime this rank last answered
-        self.waited_s = 0.0  # seconds the training thread spent waiting in gradsync operations, in all
         self.pace = Pace()  # this rank's seconds per step computing and waiting (gradsync.stragglers)
 
     def issue(self, what: str, op: str, nbytes: int, *, group: str | None = None, peer: int | None = None) -> Record:
@@ -73,24 +74,32 @@ class FlightRecorder:
         self.records.append(record)
         return record
 
-    def block(self, record: Record | None, main: bool) -> tuple:
+    def block(self, record: Record | None, main: bool, *, timed: bool = True) -> tuple:
         """The calling thread starts waiting for ``record`` (``main``: it is the training thread);
         pass the result to :meth:`unblock` when the wait ends. Plain calls, not a context manager:
-        a communication thread waits thousands of times a step."""
+        a communication thread waits thousands of times a step. ``timed``: the training thread's
+        wait adds to :attr:`waited_s` (not a watchdog's window, which spans DDP's forward and
+        backward); nested waits count once."""
         ident = threading.get_ident()
         if record is not None:
             self.blocked[ident] = record
+        timed = main and timed
         if main:
             self.waiting, self.since, self.waited = record, time.monotonic(), True
-        return ident, record, main
+        if timed:
+            self._timed.append(self.since)
+        return ident, record, main, timed
 
     def unblock(self, token: tuple) -> None:
-        ident, record, main = token
+        ident, record, main, timed = token
         self.blocked.pop(ident, None)
+        now = time.monotonic()
         if main and self.waiting is record:
-            now = time.monotonic()
-            self.waited_s += now - self.since
             self.waiting, self.since = None, now
+        if timed and self._timed:
+            began = self._timed.pop()
+            if not self._timed:
+                self.waited_s += now - began
 
     @contextlib.contextmanager
     def waiting_for(self, what: str):

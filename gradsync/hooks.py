@@ -47,7 +47,9 @@ def _overrides(strategy: Strategy, hook_point: str) -> bool:
 
 
 def _grad_ready(sync, index: int):
-    """The hook run when parameter ``index``'s gradient has accumulated."""
+    """The hook run when parameter ``index``'s gradient has accumulated: the observer sees the local
+    gradient, it is weighted (``sync.grad_weight``) and handed to the strategy. Inside ``no_sync`` the
+    hook does nothing, so the weight applies once, to the gradient accumulated over micro-batches."""
     strategy = sync.strategy
     at_end = _overrides(strategy, "after_backward")
     watch = sync.refuses_edits
@@ -61,6 +63,7 @@ def _grad_ready(sync, index: int):
             queue_callback(sync.end_backward)
         if sync.observer is not None:
             sync.observer.on_local_grad(index, param.grad)
+        sync.weigh(param.grad)  # in place before it is sent and recorded: the edit check sees it unedited
         strategy.on_grad_ready(index)
         if watch:
             grad = param.grad

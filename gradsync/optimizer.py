@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import math
 
 import torch
 
@@ -80,6 +81,27 @@ class DistributedOptimizer:
             yield
         finally:
             self._gradsync.enabled = True
+
+    def set_grad_weight(self, weight: float) -> None:
+        """Multiply this worker's gradients by ``weight`` before they are synchronized, from the next
+        backward on (in gradsync's gradient hook, once per parameter per synchronized backward; inside
+        ``no_sync`` nothing, so it applies once to the accumulated gradient).
+
+        For workers that take unequal shares of a global batch: worker ``r`` with ``b_r`` of the ``B``
+        samples sets ``num_workers * b_r / B``; the strategy's mean over workers is then the mean
+        gradient over all ``B`` samples, the update one process on the whole batch makes (a worker
+        with no samples sets 0 and still calls ``step()``). The same as multiplying your loss by the
+        weight; do one or the other. :class:`gradsync.adapt.Controller` sets it every step itself.
+        Only strategies that average over workers take it (``Strategy.mean_over_workers``: allreduce,
+        allreduce-priority, ddp, ps, ps-sliced, p3, casync-*, compressed-allgather, hybrid)."""
+        sync = self._gradsync
+        weight = float(weight)
+        if not math.isfinite(weight) or weight < 0:
+            raise ConfigError(f"{sync.where()}: the gradient weight must be a finite number >= 0, got {weight}")
+        if weight != 1.0 and not sync.strategy.mean_over_workers:
+            raise ConfigError(f"{sync.where()}: a gradient weight needs a strategy whose update is the mean over "
+                              f"workers of their gradients; {sync.strategy.name!r} updates otherwise")
+        sync.grad_weight = weight
 
     def flush(self) -> None:
         """Wait until every synchronization in flight has finished: parameters are then current
@@ -165,6 +187,9 @@ class DistributedOptimizer:
         if runtime.current().topology.num_servers and (sync.strategy.uses_servers or new.uses_servers):
             raise ConfigError(f"{sync.where()}: cannot switch strategies in a job with dedicated servers "
                               "(they serve one strategy until shutdown); use co-located servers")
+        if sync.grad_weight != 1.0 and not new.mean_over_workers:
+            raise ConfigError(f"{sync.where()}: this worker's gradients are weighted ({sync.grad_weight:g}), which "
+                              f"strategy {new.name!r} cannot honour: its update is not the mean over workers")
         if sync.observer is not None and not new.mean_grads_at_apply and any(
                 m.needs_mean_grads for m in sync.observer):
             raise ConfigError(f"{sync.where()}: the attached monitors read synchronized gradients, which "

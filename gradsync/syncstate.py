@@ -37,6 +37,20 @@ class SyncState:
         self.backward_queued = False  # the strategy's after_backward is queued on the running backward
         self.sent: dict[int, tuple] = {}  # refuses_edits: index -> (grad, version) when it was sent
         self.user_step = None  # a torch LR scheduler's wrapper of the user's step, made before distribute
+        self.grad_weight = 1.0  # this worker's gradients are multiplied by it before they are sent
+
+    def weigh(self, grad: torch.Tensor | None) -> None:
+        """Multiply this worker's gradient by :attr:`grad_weight`, in place, before the strategy sees
+        it: with ``num_workers * b_r / B`` the strategies' mean over workers is the gradient of the
+        whole global batch ``B`` when worker ``r`` took ``b_r`` of it. Weight 0 zeroes the gradient
+        (an empty batch's mean loss is NaN, and NaN times 0 is still NaN)."""
+        w = self.grad_weight
+        if grad is None or w == 1.0:
+            return
+        if w == 0.0:
+            grad.zero_()
+        else:
+            grad.mul_(w)
 
     @property
     def refuses_edits(self) -> bool:

@@ -73,7 +73,7 @@ class Watchdog:
         and again from backward's start after :meth:`pause`)."""
         recorder = flight.current()
         if self._token is None and recorder is not None:
-            self._token = recorder.block(recorder.issue(self.what, "wait", 0), True)
+            self._token = recorder.block(recorder.issue(self.what, "wait", 0), True, timed=False)
 
     def pause(self) -> None:
         """The window stays open, but the training thread runs the script's own code (between a

@@ -3,7 +3,7 @@
 - :mod:`gradsync.adapt.monitors`: gradient noise scale, gradient variance, throughput, link rates;
 - :mod:`gradsync.adapt.policy`: the policy hooks and their :class:`Controller`;
 - :mod:`gradsync.adapt.builtin`: the built-in policies;
-- :mod:`gradsync.adapt.data`: sharding that stays exact when the batch or the worker count changes;
+- :mod:`gradsync.adapt.data`: sharding that stays exact when the batch, the shares or the worker count change;
 - :mod:`gradsync.adapt.elastic`: growing and shrinking a running job (``gradsync run --elastic``).
 
 The model-averaging strategies (``sma``, ``pair-averaging``) are strategies like any other, in
@@ -17,7 +17,8 @@ from gradsync._lazy import lazy_names
 
 # Public name -> the module that defines it (each of these imports torch).
 _LAZY = {
-    **{name: "gradsync.adapt.builtin" for name in ("AdaptiveBatchSize", "ScheduledResize", "StrategySwitch")},
+    **{name: "gradsync.adapt.builtin" for name in ("AdaptiveBatchSize", "BalanceBatches", "ScheduledResize",
+                                                   "StrategySwitch", "balanced_shares")},
     "GlobalBatches": "gradsync.adapt.data",
     **{name: "gradsync.adapt.monitors" for name in ("EMA", "GradientVariance", "Monitor", "Monitors", "NoiseScale", "Stragglers",
                                                    "Throughput", "links", "monitor")},

@@ -16,7 +16,8 @@ from gradsync.optimizer import user_class
 
 class Commits:
     """The Controller's commits (a mixin of it): reads its ``optimizer``, ``step``, ``epoch``,
-    ``data``, ``batch_size``, ``stop_requested`` and ``rank``; restores them with ``set_batch_size``."""
+    ``data``, ``batch_size``, ``shares``, ``stop_requested`` and ``rank``; restores them with
+    ``set_batch_size``. Shares made for another number of workers are dropped at the next step."""
 
     def _configure_checkpoints(self, checkpoint_dir: str | None, checkpoint_every: int | None,
                                checkpoint_seconds: float | None) -> None:
@@ -72,7 +73,7 @@ class Commits:
     def _counters(self) -> dict:
         data = self.data.state() if self.data is not None else None
         return {"step": self.step, "epoch": self.epoch, "data": data, "batch_size": self.batch_size,
-                "stop": self.stop_requested}
+                "shares": self.shares, "stop": self.stop_requested}
 
     def _restore(self) -> None:
         c = self._commit
@@ -89,5 +90,6 @@ class Commits:
     def _load_counters(self, c: dict) -> None:
         self.step, self.epoch, self.stop_requested = c["step"], c["epoch"], c["stop"]
         self.set_batch_size(c["batch_size"])
+        self.shares = c.get("shares")  # commits written before shares existed have none
         if self.data is not None and c["data"] is not None:
             self.data.load(*c["data"])

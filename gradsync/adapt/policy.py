@@ -3,9 +3,10 @@
 A :class:`Policy` has six hooks, ``before_``/``after_`` x ``train``/``epoch``/``step``, no-ops by
 default; the :class:`Controller` calls ``before_*`` in the order the policies were given and
 ``after_*`` in reverse (so policies nest like context managers). Every hook receives the controller,
-through which a policy reads the monitors and acts: ``set_batch_size``, ``scale_lr``,
-``switch_strategy``, ``resize``. Policies must decide the same thing on every worker: decide from
-monitor values (reduced over workers, so equal everywhere) or from values the policy reduced itself.
+through which a policy reads the monitors and acts: ``set_batch_size``, ``set_shares``,
+``scale_lr``, ``switch_strategy``, ``resize``. Policies must decide the same thing on every worker:
+decide from monitor values (reduced over workers, so equal everywhere) or from values the policy
+reduced itself.
 
     ctl = Controller(opt, [AdaptiveBatchSize(ns, max_batch_size=256)], monitors=mons,
                      batch_size=32, dataset_size=len(data))
@@ -35,7 +36,7 @@ import torch
 from gradsync import runtime
 from gradsync.adapt import durable, elastic
 from gradsync.adapt.commits import Commits
-from gradsync.adapt.data import GlobalBatches
+from gradsync.adapt.data import GlobalBatches, split
 from gradsync.adapt.monitors import Monitors, NoiseScale, Throughput
 from gradsync.adapt.regroup import Regrouping
 from gradsync.errors import ConfigError
@@ -62,10 +63,14 @@ class Policy:
 class Controller(Commits, Regrouping):
     """Runs the policies around the user's training loop and holds what they may change.
 
-    ``batch_size``: samples per worker per step (policies may change it). ``dataset_size``: with it,
-    :meth:`batch_indices` hands out each worker's share of one global order per epoch, so that no
-    sample is skipped or seen twice within an epoch, whatever the batch size or the number of
-    workers does meanwhile; :meth:`steps` then ends with the epoch.
+    ``batch_size``: samples per worker per step (policies may change it); the global batch is
+    ``batch_size * num_workers``, split equally unless :meth:`set_shares` gave each worker its own
+    share. ``dataset_size``: with it, :meth:`batch_indices` hands out each worker's share of one
+    global order per epoch, so that no sample is skipped or seen twice within an epoch, whatever the
+    batch size, the shares or the number of workers do meanwhile; :meth:`steps` then ends with the
+    epoch. Each step the controller sets this worker's gradient weight, ``num_workers * b_r / B``
+    (``optimizer.set_grad_weight``): with unequal shares, or an epoch's short last step, the update
+    is still the one a single process makes on the whole global batch.
 
     ``checkpoint_dir`` (default ``GRADSYNC_CHECKPOINT_DIR``, which ``gradsync run --checkpoint-dir``
     sets): worker 0 also writes every ``checkpoint_every``-th step's commit there (or one each
@@ -89,6 +94,11 @@ class Controller(Commits, Regrouping):
         self.policies = list(policies)
         self.monitors = monitors if monitors is not None else getattr(optimizer._gradsync, "observer", None)
         self.batch_size = batch_size
+        self.shares: list[int] | None = None
+        """Every worker's samples per step, by rank (:meth:`set_shares`); None: equal shares."""
+        self.step_sizes: list[int] = []
+        """Every worker's samples in the step under way, fixed when it began (fewer than the shares at
+        an epoch's end; shares set during the step apply from the next one)."""
         self.data = GlobalBatches(dataset_size, seed) if dataset_size else None
         self.step = 0
         self.epoch = 0
@@ -137,6 +147,11 @@ class Controller(Commits, Regrouping):
     def global_batch_size(self) -> int:
         return self.batch_size * self.num_workers
 
+    @property
+    def local_batch_size(self) -> int:
+        """This worker's samples in a whole step: its share, or ``batch_size``."""
+        return self.shares[self.rank] if self.shares is not None else self.batch_size
+
     def values(self) -> dict[str, float]:
         return self.monitors.values() if self.monitors is not None else {}
 
@@ -152,6 +167,7 @@ class Controller(Commits, Regrouping):
             self._call("before_train")
         yield self
         self._call("after_train")
+        self._weigh(None)
 
     def epochs(self, count: int) -> Iterator[int]:
         while self.epoch < count and not self.stop_requested:
@@ -173,7 +189,9 @@ class Controller(Commits, Regrouping):
             if self.data is not None and self.data.epoch_done:
                 return
             self._call("before_step")
+            self._begin_step()
             yield self.step
+            self._weigh(None)
             if self.data is not None:
                 self.data.advance(self.global_batch_size)
             self.step += 1
@@ -189,20 +207,62 @@ class Controller(Commits, Regrouping):
         """This worker's sample indices for the current step (its slice of the global batch)."""
         if self.data is None:
             raise ConfigError("batch_indices needs Controller(dataset_size=...)")
-        return self.data.share(self.global_batch_size, self.rank, self.num_workers)
+        return self.data.share(self.global_batch_size, self.rank, self.num_workers, self.step_sizes or self.shares)
+
+    def _begin_step(self) -> None:
+        """Every worker's samples this step, and this worker's gradient weight for them."""
+        if self.shares is not None and len(self.shares) != self.num_workers:
+            self.shares = None  # the job has another number of workers now (elastic, resumed): equal again
+        if self.data is not None:
+            self.step_sizes = self.data.sizes(self.global_batch_size, self.num_workers, self.shares)
+        else:
+            self.step_sizes = list(self.shares or [self.batch_size] * self.num_workers)
+        self._weigh(self.step_sizes)
+
+    def _weigh(self, sizes: list[int] | None) -> None:
+        """Set the gradient weight ``num_workers * b_r / B`` for ``sizes`` (1 for None); strategies that
+        do not average over workers keep 1 (their updates never combine gradients by a mean)."""
+        if not self.optimizer.strategy.mean_over_workers:
+            return
+        total = sum(sizes) if sizes else 0
+        self.optimizer.set_grad_weight(len(sizes) * sizes[self.rank] / total if total else 1.0)
 
     # -- actions ---------------------------------------------------------------------------------
     def stop(self) -> None:
         self.stop_requested = True
 
     def set_batch_size(self, batch_size: int) -> None:
-        """Samples per worker from the next step on; monitors that need it are told."""
+        """Samples per worker from the next step on (unequal shares keep their proportions); monitors
+        that need it are told."""
         if batch_size < 1:
             raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
         self.batch_size = batch_size
+        if self.shares is not None:
+            self.shares = split(batch_size * len(self.shares), self.shares)
         for m in self.monitors or []:
             if isinstance(m, (NoiseScale, Throughput)):
                 m.batch_size = batch_size
+
+    def set_shares(self, shares: list[int] | None) -> None:
+        """Give worker ``r`` ``shares[r]`` samples of each global batch from the next step on (None:
+        equal shares again). Collective in effect: every worker calls it with the same list after
+        the same step. The shares sum to the global batch (``batch_size * num_workers``); a worker may
+        get 0 (it skips forward and backward and still calls ``step()``). The gradient weights keep the
+        update exact, so the strategy must average over workers (``Strategy.mean_over_workers``)."""
+        if shares is None:
+            self.shares = None
+            return
+        n, total = self.num_workers, self.global_batch_size
+        if len(shares) != n or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shares):
+            raise ConfigError(f"set_shares needs {n} integers >= 0, one per worker, got {shares!r}")
+        if sum(shares) != total:
+            raise ConfigError(f"set_shares: the shares must sum to the global batch {total} (batch_size "
+                              f"{self.batch_size} x {n} workers), got {sum(shares)}")
+        strategy = self.optimizer.strategy
+        if len(set(shares)) > 1 and not strategy.mean_over_workers:
+            raise ConfigError(f"unequal shares need a strategy that averages gradients over workers (allreduce, ddp, "
+                              f"ps, p3, casync-*, ...); {strategy.name!r} does not")
+        self.shares = None if len(set(shares)) == 1 else list(shares)
 
     def scale_lr(self, factor: float) -> None:
         for group in self.optimizer.param_groups:
@@ -211,9 +271,12 @@ class Controller(Commits, Regrouping):
     def switch_strategy(self, strategy: str, **options):
         """``optimizer.switch_strategy``, remembered by name so that workers joining an elastic job
         switch too (options must then be JSON values)."""
-        if elastic.current() is not None:
-            from gradsync.strategies import resolve
+        from gradsync.strategies import resolve
 
+        if self.shares is not None and not resolve(strategy, **options).mean_over_workers:
+            raise ConfigError(f"strategy {strategy!r} does not average gradients over workers, which the unequal "
+                              f"shares {self.shares} need; set_shares(None) first")
+        if elastic.current() is not None:
             self._check_elastic(resolve(strategy, **options))
             try:
                 json.dumps(options)

@@ -92,6 +92,8 @@ class Regrouping:
             self.detached = self.stop_requested = True
             return
         done("new group")
+        if self.shares is not None and len(self.shares) != len(member.members):
+            self.shares = None  # per-worker shares were for the old workers: equal shares again
         sync = self.optimizer._gradsync
         if member.any_new:  # what the new workers are doing in distribute(), in the same order
             check_models_match(sync.model, runtime.current().transport, world=False)

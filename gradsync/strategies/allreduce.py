@@ -139,6 +139,7 @@ class BucketedSync(Strategy):
     hooked backward ran since the last step (every backward inside ``no_sync``)."""
 
     mean_grads_at_apply = True
+    mean_over_workers = True
     grad_edits = "synced"
     synced = False
     """Whether the gradients were synchronized by a backward pass since the last step."""

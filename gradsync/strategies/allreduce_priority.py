@@ -54,6 +54,7 @@ class PriorityAllReduce(Strategy):
     """Partitioned all-reduce issued by priority under a credit, with per-layer forward waits."""
 
     name = "allreduce-priority"
+    mean_over_workers = True
     summary = "ByteScheduler: partitions all-reduced by priority under a credit, next forward per layer"
     tune_space = {"credit_mb": [4.0, 16.0, 64.0], "partition_params": [250_000, 500_000, 1_000_000]}
     """What ``gradsync bench --tune`` searches (gradsync.bench.tune); ByteScheduler's ranges."""

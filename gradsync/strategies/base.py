@@ -76,6 +76,15 @@ class Strategy:
     mean_grads_at_apply: ClassVar[bool] = False
     """Whether ``apply()`` runs on every worker with every parameter's ``grad`` holding the mean over
     workers (what gradient monitors such as :class:`gradsync.adapt.NoiseScale` read)."""
+    mean_over_workers: ClassVar[bool] = False
+    """Whether each update uses the mean over workers of each worker's gradient, so that a worker's
+    gradient weight (``optimizer.set_grad_weight``: ``num_workers * b_r / B`` for ``b_r`` of the
+    global batch's ``B`` samples) makes workers with unequal batches update exactly as one process
+    on the whole global batch (:class:`gradsync.adapt.BalanceBatches`)."""
+    waits_recorded: ClassVar[bool] = True
+    """Whether the training thread's waits on its peers go through gradsync's transport, so that the
+    flight record times them (``FlightRecorder.waited_s``, which :class:`gradsync.adapt.BalanceBatches`
+    takes off a step's time to find the worker's own)."""
 
     summary: ClassVar[str] = "each rank trains alone"
     """One line for ``gradsync strategies``: what moves when, and the design it follows."""

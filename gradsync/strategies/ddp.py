@@ -88,6 +88,8 @@ class TorchDDP(Strategy):
     summary = "PyTorch's DistributedDataParallel, wrapped: the reference peer"
     grad_edits = "synced"  # DDP's reducer waits for its buckets at the end of backward
     mean_grads_at_apply = True  # DDP's reducer leaves the averaged gradients in p.grad before step
+    mean_over_workers = True  # gradsync's gradient hook runs before the reducer's: weights reach it
+    waits_recorded = False  # the reducer waits for its buckets in C++
 
     def __init__(self, bucket_mb: float = 25.0, find_unused_parameters: bool = False,
                  broadcast_buffers: bool = True, gradient_as_bucket_view: bool = False,

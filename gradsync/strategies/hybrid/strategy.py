@@ -27,6 +27,7 @@ class SparseHybrid(Planning, Strategy):
     summary = "Parallax: sparse embedding tables to row servers, the rest all-reduced"
     backends = ("gloo",)  # any-source receives
     uses_servers = True
+    mean_over_workers = True
 
     def __init__(self, sparse: list[str] | None = None, dense: list[str] | None = None,
                  sparse_threshold: float | None = None, partitions: int | str = "auto",

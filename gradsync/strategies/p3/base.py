@@ -47,6 +47,7 @@ class SlicedServer(SliceServing, Strategy):
     """A sliced parameter server; subclasses fix or take ``priority``, ``credit_mb`` and ``overlap``."""
 
     uses_servers = True
+    mean_over_workers = True
     priority: bool | Callable[[str, int], float]
     credit_mb: float | None
     overlap: bool

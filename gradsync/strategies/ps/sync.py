@@ -40,6 +40,7 @@ class ParameterServer(ParameterServerBase):
     summary = "parameter server: whole tensors pushed in backward, updated on servers, pulled at step (TF-PS, KVStore)"
     mode = "sync"
     clips = True  # a synchronous server holds its share of the step's mean gradient
+    mean_over_workers = True
     aggregates_hosts = True
 
     def __new__(cls, mode: str = "sync", fuse_kb: float = 256.0):
