@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 import os
 import re
+from typing import Callable, TypeVar
+
+T = TypeVar("T")
 
 
 def output_file(path: str) -> str:
@@ -20,6 +23,18 @@ def output_dir(path: str) -> str:
     if os.path.exists(path) and not os.path.isdir(path):
         raise argparse.ArgumentTypeError(f"{path!r} is a file; name a folder (it is made if missing)")
     return path
+
+
+def checked(parse: Callable[[str], T]) -> Callable[[str], T]:
+    """An argparse type from a parser that raises ``ValueError`` (``ConfigError``) with a message for
+    people: argparse shows that message after the flag's name, not its generic "invalid value"."""
+    def convert(text: str) -> T:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    convert.__name__ = getattr(parse, "__name__", "value")
+    return convert
 
 
 def available_bytes() -> int | None:

@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from gradsync.cluster import EmulatedCluster, leftovers, netns, parse_rate
+from gradsync.cluster import EmulatedCluster, LinkRates, leftovers, netns, parse_net, parse_rate
+from gradsync.emulate.slow import SlowRanks
 from gradsync.errors import ConfigError
 
 ROOT = os.geteuid() == 0
@@ -30,6 +31,59 @@ def test_rates_parse_and_bad_rates_are_config_errors():
     for bad in ("fast", "-1gbit", "0gbit", "1 gallon"):
         with pytest.raises(ConfigError, match="bad link rate"):
             parse_rate(bad)
+
+
+def test_per_rank_rates_parse_and_bad_ones_say_why():
+    assert str(LinkRates.parse("1gbit")) == "1gbit" and LinkRates.parse("1gbit").ranks == {}
+    rates = LinkRates.parse("1gbit, rank3=250mbit")
+    assert (rates.default, rates.ranks, str(rates)) == (1e9, {3: 250e6}, "1gbit,rank3=250mbit")
+    runs = parse_net("1gbit,10gbit,rank1=250mbit")  # bench: one run per rate, rank 1's host slow in each
+    assert [(r.default, r.ranks) for r in runs] == [(1e9, {1: 250e6}), (10e9, {1: 250e6})]
+    for bad, message in (("rank3=250mbit", "give the rate of every other host's link first, e.g. 1gbit,rank3"),
+                         ("1gbit,host3=250mbit", "expected rankN=RATE"), ("1gbit,rankx=1gbit", "expected rankN=RATE"),
+                         ("1gbit,rank3=fast", "bad link rate 'fast'"), ("1gbit,rank3=1g,rank3=2g", "rank 3 is named twice")):
+        with pytest.raises(ConfigError, match=message):
+            parse_net(bad)
+    with pytest.raises(ConfigError, match="one link rate for every host"):
+        LinkRates.parse("1gbit,10gbit")
+
+
+def test_a_ranks_rate_goes_to_its_hosts_link_and_a_host_gets_one_rate():
+    # two ranks a host: rank 3 is on host 1, which the rate names; the others keep the default
+    assert LinkRates(1e9, {3: 250e6}).per_host([0, 0, 1, 1]) == {1: 250e6}
+    assert LinkRates(1e9, {2: 250e6, 3: 250e6}).per_host([0, 0, 1, 1]) == {1: 250e6}
+    with pytest.raises(ConfigError, match="ranks 2 and 3 share emulated host 1 .* 250 Mbit/s and 500 Mbit/s"):
+        LinkRates(1e9, {2: 250e6, 3: 500e6}).per_host([0, 0, 1, 1])
+    with pytest.raises(ConfigError, match="rank 4 is out of range: the job has ranks 0-3"):
+        LinkRates(1e9, {4: 250e6}).per_host([0, 0, 1, 1])
+
+
+def test_per_rank_rates_reach_the_shaping_of_the_right_namespace(monkeypatch):
+    """launch_emulated's cluster, made but not created (no root needed): the tc commands of each link."""
+    from gradsync.launch import emulated
+
+    made = []
+
+    class Planned(EmulatedCluster):
+        def __enter__(self):
+            made.append(self)
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+    monkeypatch.setattr(emulated, "EmulatedCluster", Planned)
+    monkeypatch.setattr(emulated, "launch_local", lambda command, **options: options)
+    emulated.launch_emulated(["true"], np=4, servers=1, rate_bps=1e9, rank_rates={3: 250e6}, ranks_per_host=2)
+    cluster, = made
+    assert cluster.hosts == 3 and [cluster.link_rate(h) for h in range(3)] == [1e9, 250e6, 1e9]
+    slow = cluster.shaping(1)  # both ends of host 1's link: its eth0 (uplink) and its switch port (downlink)
+    assert [(argv[2], argv[6]) for argv in slow] == [(cluster.host_ns(1), "eth0"), (cluster.switch, "p1")]
+    assert all("250000000bit" in argv for argv in slow)
+    assert all("1000000000bit" in argv for h in (0, 2) for argv in cluster.shaping(h))
+    assert EmulatedCluster(2, None).shaping(0) == []
+    with pytest.raises(ConfigError, match="host 2 has a link rate but the cluster has hosts 0-1"):
+        EmulatedCluster(2, 1e9, host_rates={2: 1e6})
 
 
 def test_without_privileges_the_error_says_what_is_needed(monkeypatch):
@@ -156,16 +210,21 @@ def test_bench_on_an_emulated_cluster_records_the_bound_and_a_trace(tmp_path):
     profile = toy_profile(tmp_path / "toy.json", ms=2.0)
     before = set(leftovers(include_live=True))
     records, trace = tmp_path / "records.json", tmp_path / "trace.json"
+    # a straggler on both counts: worker 1 computes twice as long, the server's host (rank 2) has a slower link
     out = subprocess.run(GRADSYNC + ["bench", "--model", "toy", "--batch-size", "4", "--compute", f"emulated:{profile}",
-                                     "--dilation", "2", "--net", "100mbit", "--strategies", "allreduce,ps",
-                                     "--ranks-per-host", "2", "--servers", "1",
+                                     "--dilation", "2", "--net", "100mbit,rank2=50mbit", "--strategies", "allreduce,ps",
+                                     "--ranks-per-host", "2", "--servers", "1", "--slow", "1:2",
                                      "--steps", "3", "--warmup", "1", "--rounds", "1", "--check-steps", "2",
                                      "--json", str(records), "--trace", str(trace)],
                          capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stdout + out.stderr
     records = {r["strategy"]: r for r in json.loads(records.read_text())}
+    profile_s = (2.0 + 4.0) * 1e-3 * len(json.loads(open(profile).read())["layers"])  # forward + backward, a layer
+    assert "rank 2's host at 50 Mbit/s" in out.stdout and "rank 1 computes 2x as long" in out.stdout, out.stdout
     for r in records.values():
-        assert r["net"] == "0.1 Gbit/s" and r["compute"].startswith("emulated") and r["dilation"] == 2.0
+        assert r["net"] == "0.1 Gbit/s (rank 2: 0.05)" and r["rank_rates_bps"] == {"2": 50e6} and r["slow"] == "1:2"
+        assert r["compute_s"] >= 2 * profile_s  # the slowest worker's compute, undilated: the slowed one's
+        assert r["compute"].startswith("emulated") and r["dilation"] == 2.0
         assert r["correct"] is True and 0 < r["efficiency"] and r["bound_samples_per_s"] <= r["ideal_samples_per_s"]
         assert r["t_comm_min_s"] == pytest.approx(r["min_bytes_per_host"] * 8 / 100e6)
         # two hosts: both workers on the first, the server on its own; each link's counters per step
@@ -286,6 +345,16 @@ def test_loss_needs_net_and_a_share_below_everything():
     (["--delay", "5"], "--delay needs --net"),
     (["--net", "1 parsec"], "bad link rate"),
     (["--compute", "emulated"], "no shipped compute profile"),
+    (["--slow", "1:2"], "--slow needs --compute emulated"),
+    (["--compute", "emulated:flops:1tflops", "--slow", "1:0.5"], "argument --slow: '1:0.5': the factor must be a number >= 1"),
+    (["--compute", "emulated:flops:1tflops", "--slow", "one:2"], "argument --slow: 'one:2': expected RANK:FACTOR"),
+    (["--compute", "emulated:flops:1tflops", "--slow", "2:2"], "--slow: rank 2 is out of range: the workers are ranks 0-1"),
+    (["--compute", "emulated:flops:1tflops", "--slow", "2:2", "--servers", "1"], "rank 2 is a parameter server"),
+    (["--compute", "emulated:flops:1tflops", "--np", "2,4", "--slow", "2:2"], "(with --np 2)"),
+    (["--compute", "emulated:flops:1tflops", "--slow", "1:2", "--slow", "1:3"], "rank 1 is named twice"),
+    (["--net", "rank1=250mbit"], "--net rank1=250mbit: give the rate of every other host's link first"),
+    (["--net", "1gbit,rank2=250mbit"], "--net 1gbit,rank2=250mbit: rank 2 is out of range: the job has ranks 0-1"),
+    (["--net", "1gbit,rank2=250mbit,rank3=500mbit", "--np", "4", "--ranks-per-host", "2"], "share emulated host 1"),
 ])
 def test_bad_cluster_arguments_are_argument_errors(cli, args, message):
     code, _, err = cli("bench", "--model", "toy", *args)
@@ -305,6 +374,30 @@ def _dilation(text: str, rate: float) -> float:
                      tune=False, tune_steps=6, np="4", net=None)
     _cluster_args(args, error)
     return _config(args, ["allreduce"], {}, 4, rate)["dilation"]
+
+
+def test_a_run_records_its_slow_ranks_and_per_rank_rates(monkeypatch):
+    from argparse import Namespace
+
+    import gradsync.cluster
+    from gradsync.bench.args import _cluster_args, _config
+    from gradsync.bench.report import bound
+
+    def error(message):
+        raise SystemExit(message)
+
+    monkeypatch.setattr(gradsync.cluster, "require_privileges", lambda: None)  # nothing is created here
+    args = Namespace(model="toy", batch_size=4, optimizer="sgd", lr=0.01, seed=0, compute="emulated:flops:1tflops",
+                     dilation="auto", servers=0, steps=2, warmup=1, threads=1, check_steps=0, rounds=1, delay=0.0,
+                     trace=None, tune=False, tune_steps=6, np="4", net="1gbit,4gbit,rank3=250mbit",
+                     slow=[SlowRanks.parse("1:2")])
+    _cluster_args(args, error)
+    assert args.rates == [1e9, 4e9]
+    config = _config(args, ["allreduce"], {}, 4, 4e9)
+    assert config["slow"] == "1:2" and config["rank_rates_bps"] == {"3": 250e6} and config["dilation"] == 4.0
+    record = bound(1e6, 0.1, 128, config)
+    assert record["net"] == "4 Gbit/s (rank 3: 0.25)" and record["rank_rates_bps"] == {"3": 250e6}
+    assert record["t_comm_min_s"] == pytest.approx(1e6 * 8 / 4e9)  # the bound keeps the default rate
 
 
 def test_auto_dilation_keeps_every_real_link_at_most_1_gbit():

@@ -11,9 +11,11 @@ import torch
 import gradsync
 from gradsync.bench.report import bound
 from gradsync.bench.workload import Workload, compare, reference, train_step
-from gradsync.emulate.model import AcceleratorClock, emulated_spec
+from gradsync.emulate import slow
+from gradsync.emulate.model import AcceleratorClock, EmulatedModel, emulated_spec
 from gradsync.emulate.derive import layer_order
 from gradsync.emulate.profile import Layer, Profile
+from gradsync.emulate.slow import SlowRanks
 from gradsync.errors import ConfigError
 from gradsync.models import get_model
 from multirank import run_ranks
@@ -79,6 +81,52 @@ def test_clock_waits_for_a_host_blocked_in_forward_but_not_in_backward():
     time.sleep(0.03)
     start_b2, _ = clock.backward(5.0)
     assert start_b2 == b1  # the accelerator had the next kernel queued already
+
+
+def test_slow_ranks_parse_and_bad_ones_say_why():
+    assert SlowRanks.parse("3:2,1:1.25").factors == {3: 2.0, 1: 1.25}
+    assert str(SlowRanks.parse(" 3:2 , 1:1.25")) == "1:1.25,3:2" and not SlowRanks.parse("none")
+    assert SlowRanks.union([SlowRanks.parse("3:2"), SlowRanks.parse("1:1.5")]).factor(1) == 1.5
+    for bad, message in (("3", "expected RANK:FACTOR"), ("x:2", "expected RANK:FACTOR"), ("-1:2", "rank >= 0"),
+                         ("1:0.5", "must be a number >= 1"), ("1:nan", ">= 1"), ("1:2,1:3", "named twice")):
+        with pytest.raises(ConfigError, match=message):
+            SlowRanks.parse(bad)
+    with pytest.raises(ConfigError, match="named twice"):
+        SlowRanks.union([SlowRanks.parse("1:2"), SlowRanks.parse("1:3")])
+    with pytest.raises(ConfigError, match="rank 2 is a parameter server"):
+        SlowRanks.parse("2:2").check(workers=2, servers=1)
+    with pytest.raises(ConfigError, match="rank 3 is out of range: the workers are ranks 0-1"):
+        SlowRanks.parse("3:2").check(workers=2, servers=1)
+
+
+def test_a_slow_rank_reads_its_factor_from_the_launchers_variable(tmp_path, monkeypatch):
+    spec = emulated_spec("toy", 4, toy_profile(tmp_path / "toy.json", ms=1.0), dilation=3.0)
+    monkeypatch.setenv(slow.ENV, "0:1.5,1:2")
+    monkeypatch.setenv("RANK", "1")
+    model = spec.build()
+    assert model.slowdown == 2.0 and model.clock.dilation == 6.0
+    monkeypatch.setenv("RANK", "2")  # not named: the profile's speed
+    assert spec.build().clock.dilation == 3.0
+    monkeypatch.setenv(slow.ENV, "1:fast")
+    with pytest.raises(ConfigError, match="GRADSYNC_SLOW=1:fast"):
+        spec.build()
+
+
+def test_a_slowed_models_step_takes_factor_times_the_profile(tmp_path):
+    path = toy_profile(tmp_path / "toy.json", ms=4.0)
+    spec = emulated_spec("toy", 4, path)
+    profile_s = sum(layer.forward_ms + layer.backward_ms for layer in Profile.load(path).layers) / 1e3
+
+    def step_s(slowdown):
+        model = EmulatedModel(get_model("toy").build_meta(), Profile.load(path), slowdown=slowdown)
+        inputs, target = spec.batch(4, 0)
+        start = time.perf_counter()
+        spec.loss(model(*inputs), target).backward()
+        return time.perf_counter() - start
+
+    balanced, slowed = step_s(1.0), step_s(2.0)
+    assert balanced >= profile_s and slowed >= 2 * profile_s  # sleeps overrun, never underrun
+    assert slowed > 1.5 * balanced, (balanced, slowed)  # and the balanced step did not overrun by a third
 
 
 def train(strategy, work, steps):

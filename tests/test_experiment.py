@@ -190,6 +190,33 @@ def test_adjust_sets_a_setting_for_the_cells_it_selects_and_is_checked():
             specs.parse({**base, "adjust": [adjust]})
 
 
+def test_a_cell_slows_a_rank_and_its_link_and_bench_gets_both():
+    base = {"name": "x", "title": "t", "paper": "p", "figure": "f", "metric": "samples_per_s", "runner": "bench",
+            "vary": {"slow": ["none", "1:2"], "net": ["1gbit", "1gbit,rank1=250mbit"], "strategy": ["allreduce"]},
+            "settings": {"np": 4, "compute": "emulated"}}
+    s = specs.parse(base)
+    todo = s.cells(*s.scaled("default", {}))
+    assert len(todo) == 4
+    slowed = next(c for c in todo if c["slow"] == "1:2" and "rank1" in c["net"])
+    text = cells.shown(cells.command(s, slowed, "emulated", "o.json"))
+    assert "--net 1gbit,rank1=250mbit" in text and "--slow 1:2" in text, text
+    assert "--slow none" in cells.shown(cells.command(s, todo[0], "emulated", "o.json"))
+    with pytest.raises(ConfigError, match="simulator does not model .* use --target emulated"):
+        cells.command(s, slowed, "sim", "o.json")
+    # --set on the varied net: each rankN=RATE joins every rate, as bench's --net reads it
+    vary, _ = s.scaled("default", {"net": "1gbit,10gbit,rank3=100mbit"})
+    assert vary["net"] == ["1gbit,rank3=100mbit", "10gbit,rank3=100mbit"]
+    for settings, reason in [({"slow": "4:2"}, r"\(cell slow=4:2.*rank 4 is out of range: the workers are ranks 0-3"),
+                             ({"slow": "1:0.5"}, "the factor must be a number >= 1"),
+                             ({"slow": "1:2", "servers": 1, "np": 1}, "rank 1 is a parameter server"),
+                             ({"net": "1gbit,rank9=1mbit"}, "rank 9 is out of range: the job has ranks 0-3"),
+                             ({"net": "1gbit,rank1=1mbit,rank0=2mbit", "ranks_per_host": 2}, "share emulated host 0")]:
+        bad = specs.parse({**base, "vary": {"slow": [settings.pop("slow", "none")], "strategy": ["allreduce"]},
+                           "settings": {**base["settings"], **settings}})
+        with pytest.raises(ConfigError, match=reason):
+            cells.command(bad, bad.cells(*bad.scaled("default", {}))[0], "emulated", "o.json")
+
+
 def test_relations_fail_when_they_should():
     records = [{"strategy": "a", "rate": 10.0, "correct": True, "cell": {"net": "1gbit"}},
                {"strategy": "b", "rate": 4.0, "correct": False, "cell": {"net": "1gbit"}}]

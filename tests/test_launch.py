@@ -496,6 +496,34 @@ def test_run_refuses_meaningless_numbers(argv, message, capsys):
     assert exit_.value.code == 2 and message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["-np", "2", "--slow", "2:2", "--", "true"], "--slow: rank 2 is out of range: the workers are ranks 0-1"),
+    (["-np", "2", "--servers", "1", "--slow", "2:2", "--", "true"], "--slow: rank 2 is a parameter server"),
+    (["-np", "2", "--slow", "1:0.9", "--", "true"], "argument --slow: '1:0.9': the factor must be a number >= 1"),
+    (["-np", "2", "--slow", "1", "--", "true"], "argument --slow: '1': expected RANK:FACTOR"),
+    (["-np", "2", "--slow", "1:2", "--slow", "1:3", "--", "true"], "rank 1 is named twice"),
+    (["-np", "2", "--elastic", "--slow", "1:2", "--", "true"], "not with --elastic"),
+    (["-np", "2", "--net", "1gbit,10gbit", "--", "true"], "one link rate for every host"),
+    (["-np", "2", "--net", "1gbit,rank2=1mbit", "--", "true"], "--net 1gbit,rank2=1mbit: rank 2 is out of range"),
+    (["-np", "4", "--net", "1gbit,rank0=1mbit,rank1=2mbit", "--ranks-per-host", "2", "--", "true"],
+     "ranks 0 and 1 share emulated host 0"),
+])
+def test_run_refuses_bad_stragglers(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        run_cli(argv)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_run_hands_slow_ranks_to_every_rank(monkeypatch):
+    from gradsync.launch import cli
+
+    started = {}
+    monkeypatch.setattr(cli, "launch_local", lambda command, **options: started.update(options) or launch.JobResult(0, None, ""))
+    assert run_cli(["-np", "4", "--slow", "3:2", "--slow", "1:1.25", "--", "true"]) == 0
+    assert started["env"] == {"GRADSYNC_SLOW": "1:1.25,3:2"}
+    assert run_cli(["-np", "4", "--", "true"]) == 0 and started["env"] == {}
+
+
 @pytest.mark.parametrize("timeout", [-1, 0, float("inf"), "soon"])
 def test_init_refuses_a_timeout_that_is_not_a_positive_number(timeout):
     import gradsync

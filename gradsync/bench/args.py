@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from gradsync.argtypes import available_bytes, output_dir, output_file
+from gradsync.argtypes import available_bytes, checked, output_dir, output_file
+from gradsync.emulate.slow import SlowRanks
 from gradsync.launch.emulated import SERVER_HOSTS
 
 DEFAULT_STRATEGIES = ["ddp", "allreduce", "ps", "ps-async"]
@@ -46,9 +47,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", metavar="DIR", type=output_dir, help="write the chart (bench.png) and records (bench.json) to DIR")
     p.add_argument("--check-steps", type=int, default=5,
                    help="steps of the float64 correctness replay (default 5; 0 skips the check)")
-    p.add_argument("--net", metavar="RATE[,RATE...]",
-                   help="emulate hosts with links of RATE (e.g. 1gbit,10gbit), one rank per host unless "
-                        "--ranks-per-host; needs root")
+    p.add_argument("--net", metavar="RATE[,RATE...][,rankN=RATE...]",
+                   help="emulate hosts with links of RATE (e.g. 1gbit,10gbit: one run per rate), one rank per host "
+                        "unless --ranks-per-host; rankN=RATE gives the host holding rank N a link of its own in every "
+                        "run (1gbit,rank1=250mbit: a slow link); needs root")
     p.add_argument("--ranks-per-host", type=int, default=1, metavar="R",
                    help="with --net: R workers per emulated host, sharing its link (default 1); R must divide --np")
     p.add_argument("--server-hosts", choices=SERVER_HOSTS, default=None,
@@ -62,6 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compute", default="real", metavar="real|emulated[:PROFILE]",
                    help="run the model (real), or emulate an accelerator from a compute profile "
                         "(emulated: the model's shipped profile; emulated:flops:15tflops; emulated:FILE.json)")
+    p.add_argument("--slow", action="append", default=[], type=checked(SlowRanks.parse), metavar="RANK:FACTOR",
+                   help="emulated compute only: worker RANK's layers take FACTOR (>= 1) times as long, a straggler "
+                        "(repeatable, or 3:2,1:1.25)")
     p.add_argument("--dilation", default="1", metavar="K|auto[:RATE]",
                    help="emulated compute only: multiply layer times and divide link rates by K (default 1); "
                         f"auto: per rate, max(1, rate / {AUTO_REAL_RATE / 1e9:g} Gbit/s); auto:RATE: "
@@ -97,12 +102,18 @@ def _rates(args, parser_error) -> list[float | None]:
     args.machine_hosts = None
     if not args.net:
         return [None]
+    from gradsync.cluster import parse_net
+
     try:
-        rates = [parse_rate(r) for r in args.net.split(",")]
+        runs = parse_net(args.net)
+    except ConfigError as exc:
+        parser_error(f"--net {args.net}: {exc}")
+    try:
         require_privileges()
     except ConfigError as exc:
         parser_error(str(exc))
-    return rates
+    args.rank_rates = runs[0].ranks
+    return [run.default for run in runs]
 
 
 def _cluster_args(args, parser_error) -> None:
@@ -113,7 +124,9 @@ def _cluster_args(args, parser_error) -> None:
     except ValueError:
         parser_error(f"--np must be a number or a comma-separated list of numbers, got {args.np!r}")
     _placement_args(args, parser_error)
+    args.rank_rates = {}
     args.rates = _rates(args, parser_error)
+    _straggler_args(args, parser_error)
     if args.delay < 0 or (args.delay and not args.net):
         parser_error("--delay needs --net and must be >= 0")
     from gradsync.cluster import parse_rate
@@ -137,6 +150,28 @@ def _cluster_args(args, parser_error) -> None:
         args.dilation = 1.0
     if (auto or args.dilation != 1) and not args.compute.startswith("emulated"):
         parser_error("--dilation needs --compute emulated: real computation cannot be slowed down")
+
+
+def _straggler_args(args, parser_error) -> None:
+    """Check ``--slow`` (``args.slow``: merged into one :class:`SlowRanks`) and ``--net``'s rankN=RATE
+    (``args.rank_rates``) against every run's ranks and hosts."""
+    from gradsync.cluster import LinkRates
+    from gradsync.errors import ConfigError
+    from gradsync.launch.emulated import placement
+
+    servers = getattr(args, "servers", 0)
+    try:
+        args.slow = SlowRanks.union(getattr(args, "slow", None) or [])
+        args.slow.check(min(args.np_list), servers)  # a worker of the smallest run is one of every run
+    except ConfigError as exc:
+        parser_error(f"--slow: {exc}" + (f" (with --np {min(args.np_list)})" if len(args.np_list) > 1 else ""))
+    if args.slow and not str(getattr(args, "compute", "real")).startswith("emulated"):
+        parser_error("--slow needs --compute emulated: real computation cannot be slowed down")
+    try:
+        for np in args.np_list:
+            LinkRates(0.0, args.rank_rates).per_host(placement(np, servers, args.ranks_per_host, args.server_hosts))
+    except ConfigError as exc:
+        parser_error(f"--net {args.net}: {exc}" + (f" (with --np {np})" if len(args.np_list) > 1 else ""))
 
 
 def _placement_args(args, parser_error) -> None:
@@ -311,7 +346,8 @@ def _config(args, strategies: list[str], overrides: dict[str, dict], np: int, ra
     return {"workload": workload, "strategies": strategies, "np": np, "servers": args.servers,
             "steps": args.steps, "warmup": args.warmup, "threads": args.threads, "check_steps": args.check_steps,
             "rounds": args.rounds, "per_round": -(-args.steps // args.rounds), "rate_bps": rate,
-            "ranks_per_host": args.ranks_per_host, "server_hosts": args.server_hosts,
+            "rank_rates_bps": {str(r): bps for r, bps in args.rank_rates.items()} if rate is not None else {},
+            "slow": str(args.slow), "ranks_per_host": args.ranks_per_host, "server_hosts": args.server_hosts,
             "delay_ms": args.delay if rate is not None else 0.0,
             "dilation": dilation, "machine": args.machine_hosts, "trace": bool(args.trace), "tune": args.tune, "tune_steps": args.tune_steps,
             "options": {s: _options(s, hints, overrides) for s in strategies}}

@@ -14,6 +14,8 @@ every figure is reported back in undilated units (``--dilation auto``: per rate,
 no link really runs faster than 1 Gbit/s, which this machine emulates faithfully for 4+ hosts;
 ``--dilation auto:500mbit`` caps the real rate lower, for strategies whose many messages keep the
 host's CPU busy: see the ``cpu`` column). ``--np 2,4`` runs once per worker count.
+A straggler: ``--slow 1:2`` makes worker 1's emulated compute take twice as long, and
+``--net 1gbit,rank1=250mbit`` gives the host holding rank 1 a 250 Mbit/s link.
 Several rates or worker counts also draw throughput against them (``--out``).
 """
 from __future__ import annotations
@@ -52,6 +54,7 @@ def emulated_rank_env() -> dict[str, str]:
 
 
 def _run_ranks(config: dict, run_dir: str) -> int:
+    from gradsync.emulate.slow import ENV as SLOW_ENV
     from gradsync.launch import launch_local
     from gradsync.launch.emulated import launch_emulated
     from gradsync.launch.processes import exit_status
@@ -72,6 +75,7 @@ def _run_ranks(config: dict, run_dir: str) -> int:
            "THP_MEM_ALLOC_ENABLE": os.environ.get("THP_MEM_ALLOC_ENABLE", "1")}
     if config["workload"]["compute"] != "real":
         env.update(emulated_rank_env())
+        env[SLOW_ENV] = config.get("slow", "")  # set even when empty: none inherited from this shell
     command = [sys.executable, "-m", "gradsync.bench.worker", run_dir]
     if config.get("machine"):  # the other hosts get config.json over ssh and send their traces back
         from gradsync.launch.remote import PYTHON, launch_hosts
@@ -85,7 +89,9 @@ def _run_ranks(config: dict, run_dir: str) -> int:
     options = {"np": config["np"], "servers": config["servers"], "env": env, "prefix_output": False}
     if config["rate_bps"] is None:
         return exit_status("bench", lambda: launch_local(command, **options))
-    return exit_status("bench", lambda: launch_emulated(command, rate_bps=config["rate_bps"] / config["dilation"],
+    k = config["dilation"]
+    rank_rates = {int(rank): bps / k for rank, bps in config.get("rank_rates_bps", {}).items()}
+    return exit_status("bench", lambda: launch_emulated(command, rate_bps=config["rate_bps"] / k, rank_rates=rank_rates,
                                                         delay_ms=config["delay_ms"] * config["dilation"],
                                                         ranks_per_host=config["ranks_per_host"],
                                                         server_hosts=config["server_hosts"], **options))
@@ -163,6 +169,8 @@ def _one_run(config: dict, args, records: list[dict]) -> int:
 
     rate, k = config["rate_bps"], config["dilation"]
     net = "loopback" if rate is None else f"{format_rate(rate)} links" + (f" (really {format_rate(rate / k)})" if k != 1 else "")
+    for rank, bps in sorted(config.get("rank_rates_bps", {}).items(), key=lambda item: int(item[0])):
+        net += f", rank {rank}'s host at {format_rate(bps)}"
     if config.get("machine"):
         machine = config["machine"]
         net = f"machine {machine['name']} ({len(machine['hosts'])} hosts" + ("" if rate is None else f", {net}") + ")"
@@ -174,7 +182,8 @@ def _one_run(config: dict, args, records: list[dict]) -> int:
         net += ", servers on the workers' hosts" if config["server_hosts"] == "shared" else ", servers on hosts of their own"
     print(f"gradsync bench: {args.model}, {config['np']} workers, {args.servers} servers, batch {args.batch_size}, "
           f"{args.warmup}+{args.steps} steps, {net}, compute {args.compute}"
-          + (f", dilation {k:g}" if k != 1 else "") + f", strategies {', '.join(config['strategies'])}", flush=True)
+          + (f", dilation {k:g}" if k != 1 else "") + slow_note(config.get("slow", ""))
+          + f", strategies {', '.join(config['strategies'])}", flush=True)
     with tempfile.TemporaryDirectory(prefix="gradsync-bench-") as run_dir:
         code = _run_ranks(config, run_dir)
         if code:
@@ -185,6 +194,12 @@ def _one_run(config: dict, args, records: list[dict]) -> int:
             several = len(args.np_list) * len(args.rates) > 1
             _save_trace(run_dir, args.trace, config if several else None)
     return 0
+
+
+def slow_note(slow: str) -> str:
+    """``--slow``'s part of the banner: ``, rank 1 computes 2x as long`` (empty for nobody)."""
+    return "".join(f", rank {rank} computes {factor}x as long"
+                   for rank, _, factor in (item.partition(":") for item in slow.split(",") if item))
 
 
 def _save_trace(run_dir: str, path: str, config: dict | None) -> None:
@@ -220,6 +235,8 @@ def _report(records: list[dict], args) -> int:
             if stats.get("steps"):
                 print(f"  rows per step and worker: pushed {stats['pushed_rows'] / stats['steps']:.0f}, "
                       f"pulled from other servers {stats['pulled_rows'] / stats['steps']:.0f}")
+    for slow in sorted({r["slow"] for r in records if r.get("slow")}):
+        print(f"slowed (--slow {slow}): {slow_note(slow).removeprefix(', ')}")
     for note in (cpu_bound_note(records), None if args.machine_hosts else shared_cores_note(records)):
         if note:
             print(note)

@@ -39,6 +39,12 @@ host of servers alone included). Beside ``min_bytes_per_host`` they show how clo
 traffic comes to its pattern's minimum; ``bytes_per_step`` is what the strategy itself counts
 sending, per worker.
 
+``slow``: the stragglers of the run (``--slow``), as ``RANK:FACTOR,...`` (empty for none): those
+workers' emulated compute took FACTOR times as long. ``rank_rates_bps``: the ranks whose host had a
+link of its own rate (``--net RATE,rankN=RATE``), ``{rank: bits/s}``; ``net`` names them too. The
+bound keeps the default rate ``net_bps`` (and ``t_compute_s``, the slowest worker's compute, includes
+a slow rank), so a slow link shows as a lower efficiency.
+
 ``host_cpu_busy``: the share of this machine's cores that were busy during the measured steps
 (rank 0's machine; on an emulated cluster, every emulated host's). With emulated compute, near 1
 means the run measured the host's CPU rather than the emulated cluster: at :data:`CPU_BOUND` and
@@ -94,6 +100,7 @@ def summarize(raw: dict, compute_times: list[float], config: dict, check: dict |
         "stats": raw.get("stats", {}), "workers_max_diff": raw["workers_max_diff"],
         "fp32_max_abs_diff": fp32_max_abs_diff, "check_steps": config["check_steps"],
         "max_abs_diff": None, "max_rel_diff": None, "correct": None, "host_cpu_busy": cpu_busy(raw.get("host_cpu")),
+        "slow": config.get("slow", ""),
         **bound(raw["min_bytes_per_host"], compute_s, samples, config),
     }
     if raw.get("optimizer_times"):  # the user's optimizer.step(), the slowest worker's, per step
@@ -192,9 +199,12 @@ def bound(min_bytes: float, compute_s: float, samples: int, config: dict) -> dic
     limit = ideal if comm_s is None else samples / max(compute_s, comm_s)
     workload = config["workload"]
     delay = config.get("delay_ms", 0.0)
+    ranks = config.get("rank_rates_bps") or {}
     net = "loopback" if rate is None else f"{rate / 1e9:g} Gbit/s" + (f" +{delay:g}ms" if delay else "")
+    if ranks:  # the hosts of these ranks have links of their own: "1 Gbit/s (rank 3: 0.25)"
+        net += " (" + ", ".join(f"rank {r}: {bps / 1e9:g}" for r, bps in sorted(ranks.items(), key=lambda i: int(i[0]))) + ")"
     where = {"machine": config["machine"]["name"]} if config.get("machine") else {}
-    return {**where, "net": net, "net_bps": rate, "delay_ms": delay,
+    return {**where, "net": net, "net_bps": rate, "rank_rates_bps": ranks, "delay_ms": delay,
             "compute": workload.get("compute", "real"), "dilation": config.get("dilation", 1.0),
             "t_compute_s": compute_s, "t_comm_min_s": comm_s, "min_bytes_per_host": min_bytes,
             "ideal_samples_per_s": ideal, "bound_samples_per_s": limit}
@@ -218,7 +228,8 @@ def slow_column(record: dict) -> str:
 
 def table(records: list[dict]) -> str:
     w = max([11] + [len(r["strategy"]) for r in records])
-    head = (f"{'strategy':<{w}} {'np':>3} {'net':>12} {'samples/s':>10} {'(min-max)':>15} {'bound':>8} {'eff':>5} "
+    n = max([12] + [len(r["net"]) for r in records])  # "1 Gbit/s (rank 3: 0.25)" is wider than most
+    head = (f"{'strategy':<{w}} {'np':>3} {'net':>{n}} {'samples/s':>10} {'(min-max)':>15} {'bound':>8} {'eff':>5} "
             f"{'host MB':>8} {'min MB':>8} "
             f"{'step ms':>8} {'compute':>8} {'comm ovh':>9} {'MB/step':>8} {'peak MB':>8} {'f64 |diff|':>10} "
             f"{'correct':>8} {'fp32 |diff|':>11} {'cpu':>4}  slow")
@@ -230,7 +241,7 @@ def table(records: list[dict]) -> str:
         link = "-" if "host_tx_bytes_per_step" not in r else \
             f"{max(r['host_tx_bytes_per_step'], r['host_rx_bytes_per_step']) / 2**20:.2f}"
         lines.append(
-            f"{r['strategy']:<{w}} {r['np']:>3} {r['net']:>12} {r['samples_per_s']:>10.1f} "
+            f"{r['strategy']:<{w}} {r['np']:>3} {r['net']:>{n}} {r['samples_per_s']:>10.1f} "
             f"{'(' + format(r['samples_per_s_min'], '.0f') + '-' + format(r['samples_per_s_max'], '.0f') + ')':>15} "
             f"{r['bound_samples_per_s']:>8.1f} {r['efficiency']:>5.2f} {link:>8} {r['min_bytes_per_host'] / 2**20:>8.2f} "
             f"{r['step_s'] * 1e3:>8.1f} {r['compute_s'] * 1e3:>8.1f} {r['comm_overhead_s'] * 1e3:>9.1f} "

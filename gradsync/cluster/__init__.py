@@ -2,6 +2,7 @@
 
 - :mod:`gradsync.cluster.netns`: the namespaces, veth pairs, bridge and ``tc tbf`` of one cluster,
   their teardown, and the cleanup of leftovers;
+- :mod:`gradsync.cluster.links`: ``--net``'s value, a default link rate and the ranks whose host has another;
 - :mod:`gradsync.cluster.netcheck`: measures what the emulated links deliver;
 - :mod:`gradsync.cluster.counters`: the packets its links dropped and its hosts' TCP resent.
 
@@ -12,6 +13,8 @@ Emulated *compute* (sleeping layers with real-size tensors) is :mod:`gradsync.em
 """
 from __future__ import annotations
 
+from gradsync.cluster.links import LinkRates, parse_net
 from gradsync.cluster.netns import EmulatedCluster, format_rate, leftovers, parse_rate, remove, require_privileges
 
-__all__ = ["EmulatedCluster", "parse_rate", "format_rate", "leftovers", "remove", "require_privileges"]
+__all__ = ["EmulatedCluster", "LinkRates", "parse_net", "parse_rate", "format_rate", "leftovers", "remove",
+           "require_privileges"]

@@ -10,8 +10,8 @@ plus ``/etc/netns/<host namespace>/hosts`` naming the hosts' addresses.
 Host ``i``'s ``eth0`` and the switch's ``p<i>`` are the two ends of one veth pair, created inside the
 switch namespace and moved, so nothing is ever added to the machine's own namespace. With a rate,
 ``tc tbf`` shapes the egress of *both* ends: ``eth0`` is the host's uplink, ``p<i>`` its downlink, so
-every host has a full-duplex link of that rate and a many-to-one pattern queues at the switch port
-as on a real switch. (``tbf`` on one end only would leave the other direction unshaped; ``tbf`` on a
+every host has a full-duplex link of that rate (or of its own: ``host_rates``) and a many-to-one
+pattern queues at the switch port as on a real switch. (``tbf`` on one end only would leave the other direction unshaped; ``tbf`` on a
 loopback would shape both directions together.)
 
 Ranks run inside their host's namespace through ``ip netns exec`` and must use ``eth0``
@@ -104,16 +104,22 @@ def tbf_args(rate_bps: float) -> list[str]:
 
 class EmulatedCluster:
     """``hosts`` namespaces joined by a switch; each host link shaped to ``rate_bps`` (None: unshaped),
-    with ``delay_ms`` one way host to host and ``loss`` (0 to 1) of the frames dropped on each link."""
+    or to its own rate in ``host_rates`` (``{host: bits/s}``: a slow link), with ``delay_ms`` one
+    way host to host and ``loss`` (0 to 1) of the frames dropped on each link."""
 
-    def __init__(self, hosts: int, rate_bps: float | None = None, delay_ms: float = 0.0, loss: float = 0.0):
+    def __init__(self, hosts: int, rate_bps: float | None = None, delay_ms: float = 0.0, loss: float = 0.0,
+                 host_rates: dict[int, float] | None = None):
         if hosts < 1:
             raise ConfigError(f"an emulated cluster needs at least 1 host, got {hosts}")
         if delay_ms < 0:
             raise ConfigError(f"link delay must be >= 0 ms, got {delay_ms}")
         if not 0 <= loss < 1:
             raise ConfigError(f"link loss must be a fraction in [0, 1), got {loss}")
+        outside = sorted(h for h in host_rates or {} if not 0 <= h < hosts)
+        if outside:
+            raise ConfigError(f"host {outside[0]} has a link rate but the cluster has hosts 0-{hosts - 1}")
         self.hosts, self.rate_bps, self.delay_ms, self.loss = hosts, rate_bps, delay_ms, loss
+        self.host_rates = dict(host_rates or {})
         self._line: subprocess.Popen | None = None
         self.tag = f"{PREFIX}{os.getpid()}-{next(_counter)}"
         self.switch = f"{self.tag}-sw"
@@ -197,9 +203,21 @@ class EmulatedCluster:
         _ip("-n", self.switch, "link", "set", port, "master", "br0", "up")
         _ip("-n", ns, "addr", "add", f"{self.address(host)}/24", "dev", IFNAME)
         _ip("-n", ns, "link", "set", IFNAME, "up")
-        if self.rate_bps:
-            _run(["tc", "-n", ns, "qdisc", "add", "dev", IFNAME, "root", *tbf_args(self.rate_bps)])
-            _run(["tc", "-n", self.switch, "qdisc", "add", "dev", port, "root", *tbf_args(self.rate_bps)])
+        for argv in self.shaping(host):
+            _run(argv)
+
+    def link_rate(self, host: int) -> float | None:
+        """The rate of ``host``'s link in bits/s (None: unshaped)."""
+        return self.host_rates.get(host, self.rate_bps)
+
+    def shaping(self, host: int) -> list[list[str]]:
+        """The ``tc`` commands that shape ``host``'s link at :meth:`link_rate`: its uplink (``eth0``
+        in its namespace) and its downlink (its port ``p<host>`` on the switch); none if unshaped."""
+        rate = self.link_rate(host)
+        if not rate:
+            return []
+        return [["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", *tbf_args(rate)]
+                for ns, dev in ((self.host_ns(host), IFNAME), (self.switch, f"p{host}"))]
 
     def _write_hosts_file(self, host: int) -> None:
         ns = self.host_ns(host)

@@ -15,7 +15,8 @@ its single-process reference run it unchanged. What happens inside:
 - Time is an :class:`AcceleratorClock`: kernels run back to back on the accelerator while the CPU
   sleeps. Forward only books time (a GPU runs ahead of the host), except that a layer cannot start
   before the host reaches it, so a strategy blocking in a forward hook delays the accelerator as
-  it would on a GPU. Backward sleeps until each layer's end. ``dilation`` multiplies every time.
+  it would on a GPU. Backward sleeps until each layer's end. ``dilation`` multiplies every time,
+  and so does this rank's straggler factor (``--slow RANK:FACTOR``, :mod:`gradsync.emulate.slow`).
 - Gradients are deterministic functions of the batch (one number per sample, drawn from the batch
   seed) and the parameter: a fixed pseudo-random pattern, shifted and scaled by the batch. So the
   data-parallel reference is well defined, and workers with different batches send different,
@@ -38,6 +39,7 @@ from torch import nn
 from gradsync import trace
 from gradsync.emulate.derive import resolve
 from gradsync.emulate.profile import Profile, check_covers, layer_modules
+from gradsync.emulate.slow import rank_factor
 
 _POOL = 1 << 20  # elements of the gradient pattern; a gradient is a window of it, tiled
 
@@ -207,11 +209,17 @@ class EmulatedEmbedding(nn.Embedding):
 class EmulatedModel(nn.Module):
     """The real model's parameters, in the profile's layers. ``forward(x)`` takes one float per sample;
     a model with embedding tables (``lookups``: table name -> the ids it reads, from the inputs)
-    takes the real model's inputs, and its tables are :class:`EmulatedEmbedding` s."""
+    takes the real model's inputs, and its tables are :class:`EmulatedEmbedding` s.
 
-    def __init__(self, real: nn.Module, profile: Profile, dilation: float = 1.0, lookups: dict | None = None):
+    Every layer takes its profiled time times ``dilation`` times ``slowdown``: how many times as long
+    this rank computes (a straggler); None reads it from ``GRADSYNC_SLOW`` at this process's ``RANK``
+    (:func:`gradsync.emulate.slow.rank_factor`: 1 unless the launcher's ``--slow`` names the rank)."""
+
+    def __init__(self, real: nn.Module, profile: Profile, dilation: float = 1.0, lookups: dict | None = None,
+                 slowdown: float | None = None):
         super().__init__()
-        self.clock = AcceleratorClock(dilation, busy=profile.on_host)
+        self.slowdown = rank_factor() if slowdown is None else slowdown
+        self.clock = AcceleratorClock(dilation * self.slowdown, busy=profile.on_host)
         self.lookups = dict(lookups or {})
         check_covers(profile, real)
         owned = layer_modules(real)

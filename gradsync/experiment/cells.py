@@ -34,7 +34,8 @@ _BENCH_FLAGS = {"model": "--model", "np": "--np", "net": "--net", "batch_size": 
                 "warmup": "--warmup", "rounds": "--rounds", "compute": "--compute", "dilation": "--dilation",
                 "check_steps": "--check-steps", "servers": "--servers", "compression": "--compression",
                 "monitors": "--monitors", "optimizer": "--optimizer", "lr": "--lr", "threads": "--threads",
-                "delay": "--delay", "ranks_per_host": "--ranks-per-host", "server_hosts": "--server-hosts"}
+                "delay": "--delay", "ranks_per_host": "--ranks-per-host", "server_hosts": "--server-hosts",
+                "slow": "--slow"}
 _SIM_FLAGS = {"model": "--model", "np": "--np", "net": "--net", "batch_size": "--batch-size",
               "servers": "--servers", "compression": "--compression", "ranks_per_host": "--ranks-per-host"}
 
@@ -68,6 +69,10 @@ def command(spec: Spec, cell: dict, target: str, out: str) -> list[str]:
 def _bench(spec: Spec, cell: dict, target: str, out: str) -> list[str]:
     strategies = ",".join(map(str, cell.get("strategy", []))) if isinstance(cell.get("strategy"), list) \
         else str(cell.get("strategy", ""))
+    stragglers = _stragglers(spec, cell)
+    if target == "sim" and stragglers:
+        raise ConfigError(f"experiment {spec.name} has {stragglers}, which the simulator does not model (every rank "
+                          "alike): use --target emulated")
     if target == "sim":
         if "net" not in cell:
             raise ConfigError(f"experiment {spec.name} runs on loopback: the simulator needs link rates "
@@ -99,6 +104,35 @@ def _bench(spec: Spec, cell: dict, target: str, out: str) -> list[str]:
     return args
 
 
+def _stragglers(spec: Spec, cell: dict) -> str:
+    """The cell's ``slow`` and ``net``'s ``rankN=RATE``, checked against its ranks as bench checks
+    them: ``"slow = ..., net = ..."`` for those it sets, ``""`` for none; ConfigError for a bad one."""
+    from gradsync.cluster import parse_net
+    from gradsync.emulate.slow import SlowRanks
+    from gradsync.launch.emulated import placement
+
+    def listed(key):
+        value = cell.get(key, "")
+        return ",".join(map(str, value)) if isinstance(value, list) else str(value)
+
+    found = []
+    try:
+        np = min(int(n) for n in listed("np").split(",")) if "np" in cell else 2  # bench's default --np
+        servers = int(cell.get("servers", 0))
+        slow = SlowRanks.parse(listed("slow"))
+        slow.check(np, servers)
+        if slow:
+            found.append(f"slow = {listed('slow')}")
+        rates = parse_net(listed("net"))[0] if "net" in cell else None
+        if rates is not None and rates.ranks:
+            rates.per_host(placement(np, servers, int(cell.get("ranks_per_host", 1)), cell.get("server_hosts", "own")))
+            found.append(f"net = {listed('net')}")
+    except (ConfigError, ValueError) as exc:
+        where = ", ".join(f"{k}={cell[k]}" for k in spec.vary if k in cell and not isinstance(cell[k], list))
+        raise ConfigError(f"experiment {spec.name}{f' (cell {where})' if where else ''}: {exc}") from None
+    return ", ".join(found)
+
+
 def _at_machine_rate(spec: Spec, cell: dict, name: str) -> dict:
     """``cell`` without its link rate, which must be the machine's own (its hosts file's ``net``)."""
     from gradsync.cluster import parse_rate
@@ -107,6 +141,9 @@ def _at_machine_rate(spec: Spec, cell: dict, name: str) -> dict:
     if "net" not in cell:
         return cell
     own = machines.get(name).get("net")
+    if any("=" in part for part in str(cell["net"]).split(",")):
+        raise ConfigError(f"experiment {spec.name} gives a rank a link of its own (net = {cell['net']}); machine "
+                          f"{name!r} has real links, which gradsync does not throttle: use --target emulated")
     if own is None or parse_rate(str(cell["net"])) != parse_rate(str(own)):
         has = f"links of {own}" if own else 'links of a rate its hosts file does not give ("net")'
         raise ConfigError(f"experiment {spec.name} runs at net = {cell['net']}; machine {name!r} has {has}, which "

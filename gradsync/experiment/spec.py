@@ -35,7 +35,7 @@ SPEC_DIR = os.path.join(os.path.dirname(__file__), "specs")
 RUNNERS = ("bench", "codecs", "script")
 BENCH_KEYS = {"model", "strategy", "np", "net", "batch_size", "steps", "warmup", "rounds", "compute", "dilation",
               "check_steps", "servers", "compression", "monitors", "optimizer", "lr", "threads", "delay", "set",
-              "ranks_per_host", "server_hosts"}
+              "ranks_per_host", "server_hosts", "slow"}
 CODECS_KEYS = {"compressor", "size", "repeats", "threads"}
 SIDE_BY_SIDE = {"bench": "strategy", "codecs": "compressor", "script": None}
 """The varied key whose values one run measures together (interleaved, so drift hits all alike)."""
@@ -85,7 +85,7 @@ class Spec:
                 raise ConfigError(f"experiment {self.name} has no key {key!r}; its keys: "
                                   f"{', '.join(sorted(set(vary) | set(settings)))}")
             if key in vary:
-                vary[key] = [_value(v) for v in raw.split(",") if v.strip()]
+                vary[key] = [_value(v) for v in _listed(key, raw)]
             else:
                 settings[key] = _value(raw)
         return vary, settings
@@ -108,6 +108,16 @@ class Spec:
                 cell[together] = list(vary[together])
             out.append(cell)
         return out
+
+
+def _listed(key: str, raw: str) -> list[str]:
+    """A varied key's ``--set`` list; for ``net``, each ``rankN=RATE`` joins every rate, as bench's
+    ``--net 1gbit,10gbit,rank3=250mbit`` does (two cells, rank 3's host at 250 Mbit/s in both)."""
+    items = [v.strip() for v in raw.split(",") if v.strip()]
+    if key != "net":
+        return items
+    rates, ranks = [v for v in items if "=" not in v], [v for v in items if "=" in v]
+    return [",".join([rate, *ranks]) for rate in rates] or items
 
 
 def _value(text: str):

@@ -7,7 +7,8 @@ servers. Every rank runs the same command and receives, on top of the launcher's
     RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK (node rank), MASTER_ADDR,
     MASTER_PORT, GRADSYNC_NUM_WORKERS (= N), GRADSYNC_NUM_SERVERS (= S),
     GRADSYNC_ROLE (``worker`` | ``server``), GRADSYNC_ROLE_RANK (index within the role),
-    PYTHONUNBUFFERED=1, PYTHONFAULTHANDLER=1 (unless set)
+    PYTHONUNBUFFERED=1, PYTHONFAULTHANDLER=1 (unless set),
+    GRADSYNC_SLOW (with ``--slow``: the workers whose emulated compute takes longer, gradsync.emulate.slow)
 
 On several hosts the same command runs on each; each launcher starts only its node's ranks.
 Workers fill the hosts' slots in order, servers go round-robin over the hosts (see

@@ -6,7 +6,10 @@ import glob
 import os
 import sys
 
-from gradsync.argtypes import output_dir, output_file
+from gradsync.argtypes import checked, output_dir, output_file
+from gradsync.errors import ConfigError
+from gradsync.emulate.slow import ENV as SLOW_ENV
+from gradsync.emulate.slow import SlowRanks
 from gradsync.launch.hosts import detect_node_rank, parse_hosts, plan_ranks, read_hostfile
 from gradsync.launch.processes import launch_local
 
@@ -108,7 +111,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     torchrun.add_argument("--no-python", "--no_python", action="store_true",
                           help="run COMMAND as it is, even a .py script")
     parser.add_argument("--grace", type=_float_at_least(0), default=3.0, help="seconds between SIGTERM and SIGKILL (default 3)")
-    parser.add_argument("--net", metavar="RATE", help="emulated hosts joined by links of RATE (e.g. 1gbit); needs root")
+    parser.add_argument("--net", metavar="RATE[,rankN=RATE...]",
+                        help="emulated hosts joined by links of RATE (e.g. 1gbit); rankN=RATE gives the host holding "
+                             "rank N a link of its own (1gbit,rank3=250mbit: a slow link); needs root")
     parser.add_argument("--delay", type=_float_at_least(0), default=0.0, metavar="MS", help="with --net: one-way host-to-host delay")
     parser.add_argument("--loss", type=_float_at_least(0), default=0.0, metavar="PCT",
                         help="with --net: percent of the frames each link drops (TCP resends them)")
@@ -116,6 +121,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--trace", metavar="FILE", type=output_file,
                         help="write a Chrome trace of every rank (steps, layers, communication, waits, "
                              "the straggler monitor's readings) to FILE; open in ui.perfetto.dev")
+    parser.add_argument("--slow", action="append", default=[], type=checked(SlowRanks.parse), metavar="RANK:FACTOR",
+                        help="worker RANK's emulated compute takes FACTOR (>= 1) times as long: a straggler "
+                             f"(repeatable, or 3:2,1:1.25); the ranks get it as {SLOW_ENV}, which an emulated model "
+                             "(gradsync.emulate) reads")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the command every rank runs, after --")
     elastic = parser.add_argument_group("elastic jobs (one machine)")
     elastic.add_argument("--elastic", action="store_true",
@@ -284,14 +293,27 @@ def _main(args: argparse.Namespace) -> int:
         return _run_elastic(args, command, parser)
     if args.min_np is not None or args.max_np is not None:
         parser.error("--min-np and --max-np need --elastic")
+    env = _slow_env(args, parser)
     if args.net is not None:
-        return _run_emulated(args, command, parser)
+        return _run_emulated(args, command, parser, env)
     result = launch_local(command, np=args.np, servers=args.servers, port=args.port,
-                          logdir=args.logdir, grace_s=args.grace, hosts=hosts,
+                          logdir=args.logdir, grace_s=args.grace, hosts=hosts, env=env,
                           node_rank=node_rank, master_addr=args.master_addr, say_threads=True)
     if result.message:
         print(result.message, file=sys.stderr, flush=True)
     return result.returncode
+
+
+def _slow_env(args, parser) -> dict[str, str]:
+    """``--slow``, checked against the job's workers, as the ranks' :data:`SLOW_ENV` (none without it)."""
+    if not args.slow:
+        return {}
+    try:
+        slow = SlowRanks.union(args.slow)
+        slow.check(args.np, args.servers)
+    except ConfigError as exc:
+        parser.error(f"--slow: {exc}")
+    return {SLOW_ENV: str(slow)}
 
 
 def _checkpoints(args, parser) -> None:
@@ -323,7 +345,8 @@ def _checkpoints(args, parser) -> None:
 def _run_elastic(args, command: list[str], parser) -> int:
     if args.hosts or args.hostfile or args.net or args.servers:
         parser.error("--elastic runs workers on this machine only: no -H, --hostfile, --net or --servers yet")
-    from gradsync.errors import ConfigError
+    if args.slow:
+        parser.error("--slow names ranks, and an elastic job's ranks change as workers come and go: not with --elastic")
     from gradsync.launch.elastic import launch_elastic
 
     try:
@@ -337,20 +360,24 @@ def _run_elastic(args, command: list[str], parser) -> int:
     return result.returncode
 
 
-def _run_emulated(args, command: list[str], parser) -> int:
+def _run_emulated(args, command: list[str], parser, env: dict[str, str]) -> int:
     """``--net``: the job's ranks on emulated hosts (:mod:`gradsync.cluster`), removed afterwards."""
-    from gradsync.cluster import parse_rate, require_privileges
-    from gradsync.launch.emulated import launch_emulated
-    from gradsync.errors import ConfigError
+    from gradsync.cluster import LinkRates, require_privileges
+    from gradsync.launch.emulated import launch_emulated, placement
 
     if args.hosts or args.hostfile or args.master_addr:
         parser.error("--net emulates the hosts on this machine: it cannot be combined with -H, --hostfile or --master-addr")
     try:
-        rate = parse_rate(args.net)
+        rates = LinkRates.parse(args.net)
+        rates.per_host(placement(args.np, args.servers, args.ranks_per_host))
+    except ConfigError as exc:
+        parser.error(f"--net {args.net}: {exc}")
+    try:
         require_privileges()
-        result = launch_emulated(command, np=args.np, servers=args.servers, rate_bps=rate, delay_ms=args.delay,
-                        loss=args.loss / 100, ranks_per_host=args.ranks_per_host,
-                        port=args.port, logdir=args.logdir, grace_s=args.grace)
+        result = launch_emulated(command, np=args.np, servers=args.servers, rate_bps=rates.default,
+                                 rank_rates=rates.ranks, delay_ms=args.delay, loss=args.loss / 100,
+                                 ranks_per_host=args.ranks_per_host, env=env,
+                                 port=args.port, logdir=args.logdir, grace_s=args.grace)
     except ConfigError as exc:
         parser.error(str(exc))
     if result.message:

@@ -3,7 +3,7 @@
 :func:`gradsync.launch.processes.launch_local` starts the ranks, each inside its host's namespace."""
 from __future__ import annotations
 
-from gradsync.cluster import EmulatedCluster
+from gradsync.cluster import EmulatedCluster, LinkRates
 from gradsync.launch.processes import launch_local
 
 SERVER_HOSTS = ("own", "shared")
@@ -25,16 +25,18 @@ def placement(np: int, servers: int = 0, ranks_per_host: int = 1, server_hosts: 
 
 def launch_emulated(command: list[str], *, np: int, servers: int = 0, rate_bps: float | None,
            delay_ms: float = 0.0, loss: float = 0.0, ranks_per_host: int = 1, server_hosts: str = "own",
-           **launch_options):
+           rank_rates: dict[int, float] | None = None, **launch_options):
     """Run ``command`` as ``np`` workers and ``servers`` servers, ``ranks_per_host`` ranks per emulated
     host, placed by :func:`placement` (``server_hosts``: ``"own"`` or ``"shared"``).
 
-    Every host's link has ``rate_bps`` (None: unshaped), one-way host-to-host ``delay_ms`` and
-    drops ``loss`` (a fraction) of its frames. The cluster is removed afterwards, whatever happens.
-    Returns the launcher's :class:`~gradsync.launch.JobResult`.
+    Every host's link has ``rate_bps`` (None: unshaped), except the host holding a rank that
+    ``rank_rates`` names (``{rank: bits/s}``, :class:`~gradsync.cluster.LinkRates`), one-way
+    host-to-host ``delay_ms`` and drops ``loss`` (a fraction) of its frames. The cluster is removed
+    afterwards, whatever happens. Returns the launcher's :class:`~gradsync.launch.JobResult`.
     """
     hosts = placement(np, servers, ranks_per_host, server_hosts)
-    with EmulatedCluster(max(hosts) + 1, rate_bps, delay_ms, loss) as cluster:
+    host_rates = LinkRates(rate_bps, rank_rates or {}).per_host(hosts)
+    with EmulatedCluster(max(hosts) + 1, rate_bps, delay_ms, loss, host_rates) as cluster:
         def place(spec):
             # Each emulated host is a host of its own to the ranks (gradsync.hosts); LOCAL_RANK stays
             # the rank on the real machine, whose GPUs the ranks share.

@@ -164,6 +164,9 @@ def _rates(text: str, error) -> list[float | None]:
         if item.strip().lower() in ("unlimited", "none", "loopback"):
             out.append(None)
             continue
+        if "=" in item:
+            error(f"--net {text}: the simulator gives every host the same link ({item.strip()} is gradsync bench's "
+                  "emulated slow link; run it there)")
         try:
             out.append(parse_rate(item))
         except ConfigError as exc:
