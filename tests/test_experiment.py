@@ -190,6 +190,18 @@ def test_adjust_sets_a_setting_for_the_cells_it_selects_and_is_checked():
             specs.parse({**base, "adjust": [adjust]})
 
 
+def test_exclude_drops_the_cells_it_selects_and_is_checked():
+    base = {"name": "x", "title": "t", "paper": "p", "figure": "f", "metric": "samples_per_s", "runner": "bench",
+            "vary": {"slow": ["none", "1:2"], "net": ["1gbit", "1gbit,rank1=500mbit"], "strategy": ["a"]}}
+    s = specs.parse({**base, "exclude": [{"where": {"slow": "1:2", "net": "1gbit,rank1=500mbit"}}]})
+    assert sorted((c["slow"], c["net"]) for c in s.cells(*s.scaled("default", {}))) == \
+        [("1:2", "1gbit"), ("none", "1gbit"), ("none", "1gbit,rank1=500mbit")]
+    for exclude, reason in [({"where": {"np": 2}}, "selects on np"), ({"where": {"strategy": "a"}}, "selects on strategy"),
+                            ({"where": {"slow": "none"}, "net": "x"}, "nothing else"), ({}, "needs where")]:
+        with pytest.raises(ConfigError, match=reason):
+            specs.parse({**base, "exclude": [exclude]})
+
+
 def test_a_cell_slows_a_rank_and_its_link_and_bench_gets_both():
     base = {"name": "x", "title": "t", "paper": "p", "figure": "f", "metric": "samples_per_s", "runner": "bench",
             "vary": {"slow": ["none", "1:2"], "net": ["1gbit", "1gbit,rank1=250mbit"], "strategy": ["allreduce"]},

@@ -59,7 +59,9 @@ rather than a number of steps (``samples_per_s`` counts every step at its slowes
 ``stragglers``: the workers that held the others back (:mod:`gradsync.stragglers`: ``rank``,
 ``cause`` (``compute``, ``between steps``, ``link``), ``ratio`` (its time over the others', or the
 other links' rate over its), ``held_s`` (what the others waited for it a step)), as found at the end
-of most rounds, and ``straggler_rounds`` (in how many of the rounds); the table's ``slow`` column.
+of most rounds, and ``straggler_rounds`` (in how many of the rounds); ``named`` says it in a word
+(the table's ``slow`` column: ``1 compute``, ``-`` for no one) and ``named_share`` is the share of
+the rounds that found it (what an experiment's relations check).
 """
 from __future__ import annotations
 
@@ -213,12 +215,13 @@ def bound(min_bytes: float, compute_s: float, samples: int, config: dict) -> dic
 def straggler_verdict(rounds: list[list]) -> dict:
     """The verdict found at the end of most rounds (each ``[[rank, cause, ratio, held_s], ...]``)."""
     if not rounds:
-        return {"stragglers": [], "straggler_rounds": "0/0"}
+        return {"stragglers": [], "straggler_rounds": "0/0", "named": "-", "named_share": 0.0}
     keys = [tuple((s[0], s[1]) for s in found) for found in rounds]
     common = max(set(keys), key=keys.count)
     found = rounds[keys.index(common)]
-    return {"stragglers": [{"rank": r, "cause": c, "ratio": x, "held_s": h} for r, c, x, h in found],
-            "straggler_rounds": f"{keys.count(common)}/{len(keys)}"}
+    stragglers = [{"rank": r, "cause": c, "ratio": x, "held_s": h} for r, c, x, h in found]
+    return {"stragglers": stragglers, "straggler_rounds": f"{keys.count(common)}/{len(keys)}",
+            "named": slow_column({"stragglers": stragglers}), "named_share": keys.count(common) / len(keys)}
 
 
 def slow_column(record: dict) -> str:

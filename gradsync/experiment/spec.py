@@ -14,6 +14,8 @@ an experiment is adding one file. The fields::
     [paper_scale]                    the paper's cluster shape, replacing vary/settings keys (``--scale paper``)
     [[adjust]]                       settings for some cells only: where = {varied key = value}, then keys
                                      (e.g. a model's own compute profile)
+    [[exclude]]                      cells not run: where = {varied key = value} (a combination of the
+                                     varied keys that measures nothing the others do not)
     [[published]]                    the paper's values: where (a selector), value, of (ratio: [left, right]), setup
     [[relation]]                     the checks (gradsync.experiment.relations)
     [script]                         runner = "script": command (with {out} and {KEY} placeholders), records
@@ -61,6 +63,7 @@ class Spec:
     notes: str = ""
     path: str = ""
     adjust: list[dict] = field(default_factory=list)
+    exclude: list[dict] = field(default_factory=list)
 
     def keys(self) -> set[str]:
         """Every key a cell may carry: the varied and the fixed ones."""
@@ -101,6 +104,9 @@ class Spec:
         out = []
         for combo in itertools.product(*(vary[k] for k in crossed)):
             cell = {**settings, **dict(zip(crossed, combo))}
+            if any(all(cell.get(k) in (v if isinstance(v, list) else [v]) for k, v in ex["where"].items())
+                   for ex in self.exclude):
+                continue
             for adjust in self.adjust:
                 if all(cell.get(k) in (v if isinstance(v, list) else [v]) for k, v in adjust["where"].items()):
                     cell.update({k: v for k, v in adjust.items() if k != "where" and k not in overridden})
@@ -158,7 +164,7 @@ def parse(raw: dict, path: str = "<spec>") -> Spec:
         return raw[key]
 
     known = {"name", "title", "paper", "figure", "runner", "metric", "x", "series", "panel", "vary", "settings",
-             "paper_scale", "published", "relation", "script", "notes", "adjust"}
+             "paper_scale", "published", "relation", "script", "notes", "adjust", "exclude"}
     unknown = sorted(set(raw) - known)
     if unknown:
         raise ConfigError(f"{path}: unknown field(s) {', '.join(unknown)}")
@@ -194,6 +200,14 @@ def parse(raw: dict, path: str = "<spec>") -> Spec:
         if allowed is not None and keys - allowed:
             raise ConfigError(f"{path}: adjust {i + 1}: key(s) {', '.join(sorted(keys - allowed))} mean nothing to "
                               f"the {runner} runner")
+    exclude = raw.get("exclude", [])
+    for i, entry in enumerate(exclude):
+        where = entry.get("where") if isinstance(entry, dict) else None
+        if not isinstance(where, dict) or not where or set(entry) != {"where"}:
+            raise ConfigError(f"{path}: exclude {i + 1} needs where = {{varied key = value}} and nothing else")
+        if set(where) - set(vary) or SIDE_BY_SIDE.get(runner) in where:
+            raise ConfigError(f"{path}: exclude {i + 1} selects on {', '.join(sorted(where))}: it takes the varied keys "
+                              f"other than {SIDE_BY_SIDE.get(runner)!r} ({', '.join(sorted(vary))})")
     script = raw.get("script", {})
     if runner == "script" and not ("command" in script and "records" in script):
         raise ConfigError(f"{path}: a script experiment needs [script] command and records")
@@ -205,7 +219,7 @@ def parse(raw: dict, path: str = "<spec>") -> Spec:
                 metric=need("metric"), x=raw.get("x"), series=raw.get("series"), panel=raw.get("panel"),
                 vary=vary, settings=settings, paper_scale=paper_scale, published=raw.get("published", []),
                 relations=raw.get("relation", []), script=script, notes=raw.get("notes", ""), path=path,
-                adjust=adjust)
+                adjust=adjust, exclude=exclude)
     for key in (spec.x, spec.series, spec.panel):  # a script's records bring fields of their own
         if key is not None and key not in spec.keys() and runner != "script" and key != SIDE_BY_SIDE[runner]:
             raise ConfigError(f"{path}: chart key {key!r} is neither varied nor set")
