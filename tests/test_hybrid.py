@@ -21,13 +21,22 @@ STEPS = 4
 
 
 def train(work: Workload, steps: int, options: dict):
-    """Train ``work`` with hybrid; workers return (parameters, describe())."""
+    """Train ``work`` with hybrid; workers return (parameters, describe(), (host_work(), the bytes
+    of their server's partitions), what they sent to whom)."""
     topo = gradsync.topology()
     spec = work.spec()
     model, opt = work.build()
     opt = gradsync.distribute(model, opt, "hybrid", exit_servers=False, **options)
     if topo.is_server:
         return None
+    transport, sent = opt.strategy.ctx.transport, []
+    send = transport.send_async
+
+    def recorded(tensor, dst, tag, **kw):
+        sent.append((dst, kw.get("what", "")))
+        return send(tensor, dst, tag, **kw)
+
+    transport.send_async = recorded
     for step in range(steps):
         inputs, target = work.batch(spec, step, topo.rank, topo.num_workers)
         train_step(model, opt, spec, inputs, target)
@@ -35,15 +44,24 @@ def train(work: Workload, steps: int, options: dict):
     owned = sum(p.numel() * p.element_size() for parts in server.parts for _, _, p in parts) if server else 0
     described, work_done = opt.strategy.describe(), (opt.strategy.host_work(), owned)
     opt.close()  # the model is whole after close
-    return {name: p.detach().clone() for name, p in model.named_parameters()}, described, work_done
+    return {name: p.detach().clone() for name, p in model.named_parameters()}, described, work_done, sent
 
 
 def check(work: Workload, workers: int, servers: int = 0, options: dict | None = None,
-          counted: list | None = None) -> str:
+          counted: list | None = None, hosts: tuple | None = None) -> str:
     """Train ``work`` and check it against the reference; ``counted`` gets rank 0's
-    ``host_work()`` and the bytes of its server's partitions."""
-    results = run_ranks(train, workers + servers, work, STEPS, options or {}, servers=servers)
-    first, described, work_done = results[0]
+    ``host_work()`` and the bytes of its server's partitions. ``hosts``: each rank's host, named as
+    a launcher would (tests/test_parity.py); a host's other workers must send no rows to servers."""
+    env = None if hosts is None else [{"GRADSYNC_HOST": f"h{h}", "LOCAL_WORLD_SIZE": str(hosts.count(h))} for h in hosts]
+    results = run_ranks(train, workers + servers, work, STEPS, options or {}, servers=servers, env=env)
+    first, described, work_done, _ = results[0]
+    if hosts is not None:
+        for rank in range(workers):
+            ops = {what.split(" to ")[0] for _, what in results[rank][3]}
+            if hosts.index(hosts[rank]) == rank:  # the host's first worker pushes and pulls its host's rows
+                assert {"hybrid push", "hybrid pull"} <= ops, (rank, ops)
+            else:  # the others only flush (whole partitions, at close) and say stop
+                assert ops == {"hybrid flush", "hybrid stop"}, (rank, ops)
     if counted is not None:
         counted.extend(work_done)
     report = compare(first, reference(work, workers, STEPS), work.tolerance)
@@ -54,13 +72,16 @@ def check(work: Workload, workers: int, servers: int = 0, options: dict | None =
     return described
 
 
-@pytest.mark.parametrize("workers,servers,options", [
-    (2, 0, {}), (4, 0, {}), (2, 1, {}), (3, 2, {"partitions": 3}),
-    (1, 0, {"sparse": ["embedding.weight"]}),  # one worker serving itself, no messages
+@pytest.mark.parametrize("workers,servers,options,hosts", [
+    (2, 0, {}, None), (4, 0, {}, None), (2, 1, {}, None), (3, 2, {"partitions": 3}, None),
+    (1, 0, {"sparse": ["embedding.weight"]}, None),  # one worker serving itself, no messages
+    # hosts of several workers: each host's rows summed and pulled once by its first worker
+    (4, 0, {}, (0, 0, 1, 1)), (3, 1, {"partitions": 2}, (0, 0, 1, 2)),  # 2 + 1 workers, a server host
 ])
-def test_language_model_matches_reference(workers, servers, options):
+def test_language_model_matches_reference(workers, servers, options, hosts):
     counted = []
-    described = check(Workload(model="lstm-lm:tiny", batch_size=4, device=DEVICE), workers, servers, options, counted)
+    described = check(Workload(model="lstm-lm:tiny", batch_size=4, device=DEVICE), workers, servers, options, counted,
+                      hosts)
     work_done, owned = counted
     if servers:  # a worker without a server counts no updates
         assert work_done == {}, work_done
@@ -71,6 +92,7 @@ def test_language_model_matches_reference(workers, servers, options):
     assert re.search(r"embedding\.weight: sparse \(\d", described), described
     assert "softmax.weight" not in described  # a Linear: never a candidate, always all-reduced
     assert "1 sparse tables" in described
+    assert ("host sums: 2 hosts push" in described) == (hosts is not None), described
 
 
 def test_one_worker_keeps_everything_dense():
@@ -80,8 +102,9 @@ def test_one_worker_keeps_everything_dense():
 
 
 def test_recommendation_model_splits_its_tables():
-    """DLRM's 26 tables: the large ones go to the servers, the ones a batch mostly covers stay dense."""
-    described = check(Workload(model="recsys:tiny", batch_size=8, device=DEVICE), 3)
+    """DLRM's 26 tables: the large ones go to the servers, the ones a batch mostly covers stay dense.
+    On hosts of 2 and 1 workers: the host sums of many tables come in one order on both workers."""
+    described = check(Workload(model="recsys:tiny", batch_size=8, device=DEVICE), 3, hosts=(0, 0, 1))
     decisions = dict(re.findall(r"(tables\.\d+)\.weight: (sparse|dense)", described))
     assert decisions["tables.2"] == "sparse" and decisions["tables.8"] == "dense", described  # 1000 rows vs 3
 

@@ -110,7 +110,9 @@ HOST_STRATEGIES = [("allreduce", {}), ("allreduce", {"bucket_mb": 0.001}), ("all
                    ("casync-ps", {"compression": "topk:ratio=1", "partition_mb": 0.0001}),
                    ("compressed-allgather", {"compression": "topk:ratio=1"}),
                    # Sliced servers: slices summed by each host's leader, which alone pushes and forwards answers.
-                   ("p3", {"slice_params": 7}), ("ps-sliced", {"slice_params": 7})]
+                   ("p3", {"slice_params": 7}), ("ps-sliced", {"slice_params": 7}),
+                   # the toy's one table is tied (dense); tests/test_hybrid.py has tables on hosts
+                   ("hybrid", {})]
 RELAYED = ("p3", "ps-sliced")
 """Strategies whose host sums travel as point-to-point messages to the host's leader, not as
 two-level collectives."""

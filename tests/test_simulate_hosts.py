@@ -111,3 +111,36 @@ def test_ps_sums_each_layer_in_its_host_during_backward_and_shares_the_pulls_at_
     assert network and min(network) < backward_end
     assert inside[-1][1] == "parameters broadcast in host"
     assert inside[-1][2] >= max(end for lane, _, _, end in spans if lane == "network")
+
+def _with_table(read: float):
+    """A 400 kB dense layer, a 4 MB one, and a table of 1000 rows of 400 B with ``read`` rows a step."""
+    from gradsync.simulate.workload import Table
+
+    work = synthetic([(1e-3, 2e-3, [400_000]), (1e-3, 2e-3, [4 * MB])])
+    work.tables = {"layer0.p0": Table(rows=1000, row_bytes=400, read=read)}
+    return work
+
+
+def test_hybrid_crosses_each_nic_with_its_hosts_rows_once():
+    """As hybrid's code does on hosts of several workers: the dense part takes the two-level ring, and
+    each host's first rank pushes and pulls the union of its ranks' rows (no samples: 4 ranks read 4
+    times the rows), what one rank per host reading those rows sends."""
+    hosted = simulate("hybrid", _with_table(10), 8, Network(10e9, ranks_per_host=4), steps=4, warmup=2)
+    one_per_host = simulate("hybrid", _with_table(40), 2, Network(10e9), steps=4, warmup=2)
+    assert hosted["hosts"] == "ring" and "summed and pulled once" in hosted["plan"]
+    assert hosted["nic_bytes_per_step"] == pytest.approx(one_per_host["bytes_per_step"], rel=1e-9)
+    assert hosted["min_bytes_per_host"] == pytest.approx(one_per_host["min_bytes_per_host"], rel=1e-9)
+    flat = simulate("hybrid", _with_table(10), 8, Network(10e9, ranks_per_host=4), steps=4, warmup=2, flat=True)
+    assert flat["nic_bytes_per_step"] > hosted["nic_bytes_per_step"]
+
+
+def test_a_hosts_rows_are_the_union_of_its_ranks_batches():
+    import torch
+
+    from gradsync.simulate.workload import Table
+
+    table = Table(rows=10, row_bytes=4, read=4, samples=(torch.tensor([0, 1, 2, 3]), torch.tensor([2, 3, 4, 5])))
+    assert table.host_read(1) == 4 and table.host_read(2) == 6  # the two batches share rows 2 and 3
+    assert table.host_read(3) == 8  # past the samples, each batch adds what the last one did
+    assert table.host_read(9) == 10  # at most every row
+    assert Table(rows=100, row_bytes=4, read=5).host_read(4) == 20  # no samples: no rows shared

@@ -115,9 +115,11 @@ def build(name: str, options: dict | None = None, servers: int = 0) -> StrategyM
 
 HOSTS = {"allreduce": "ring", "allreduce-priority": "ring", "sma": "ring", "pair-averaging": "ring", "ps": "local",
          "p3": "local", "ps-sliced": "local", "casync-ring": "local", "casync-ps": "local",
-         "compressed-allgather": "local"}
+         "compressed-allgather": "local", "hybrid": "ring"}
 """Each strategy's schedule on hosts of several ranks (:data:`~gradsync.simulate.worker.HOST_SCHEDULES`),
-as the topology-aware strategy runs it on Gloo (docs/launcher.md); the others stay flat, as they run."""
+as the topology-aware strategy runs it on Gloo (docs/launcher.md); the others stay flat, as they run.
+``hybrid``'s dense buckets take the two-level ring, its model aggregates its tables' rows inside
+the host itself (:mod:`gradsync.simulate.hybrid`)."""
 
 
 __all__ = ["simulate", "build", "load", "Network", "Host", "SIMULATED", "HOSTS", "Workload", "SimulationError"]

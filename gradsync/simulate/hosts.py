@@ -2,7 +2,7 @@
 
 On a host of ``R`` ranks behind one NIC, the topology-aware parameter-server and compressed
 strategies (``ps``, ``ps-sliced``, ``p3``, ``casync-ps``, ``casync-ring``,
-``compressed-allgather``, ``hybrid``) sum the host's gradients inside the host and exchange one
+``compressed-allgather``) sum the host's gradients inside the host and exchange one
 host's share across the network: the host is one peer of the exchange (one push per host to the
 servers, one co-located server per host, compression only of what crosses hosts), and what comes
 back (the pull, the decoded sum) is shared inside the host. :class:`LocalAggregation` wraps the
@@ -11,7 +11,9 @@ count), and adds the two hops inside the host on its :attr:`~gradsync.simulate.w
 link: each layer's gradients reduced from the host's other ranks once ready, and each layer's
 parameters shared back before its forward. ``ps`` shares its pulls at ``optimizer.step()``
 instead, as its code does (:class:`StepShare`): one broadcast of every parameter. The ring
-strategies' two levels are :meth:`~gradsync.simulate.worker.Worker.ring`'s own.
+strategies' two levels are :meth:`~gradsync.simulate.worker.Worker.ring`'s own; ``hybrid``'s
+dense buckets take them too, and its model sums its tables' rows inside the host itself
+(:mod:`gradsync.simulate.hybrid`).
 """
 from __future__ import annotations
 

@@ -49,6 +49,15 @@ stands for every server (the busiest's rows):
 
 Every other strategy gets each table's gradient as ``nn.Embedding`` makes it, a zeroed copy of
 the whole table (:meth:`~gradsync.simulate.worker.Worker.table_grad_s`); ``hybrid`` only the rows read.
+
+On hosts of several ranks (``hosts="ring"``, :mod:`gradsync.strategies.hybrid.hosts`) the dense
+buckets take the two-level all-reduce, and the tables are aggregated inside the host: the host is
+the exchange's peer (its first rank, the simulated worker, pushes and pulls; co-located servers are
+the hosts' first ranks), and what it pushes and pulls is the union of its ranks' rows
+(:meth:`~gradsync.simulate.workload.Table.host_read`). A pull first all-gathers the ranks' ids
+inside the host and ends with the rows broadcast inside it; a push all-gathers the ranks' rows
+inside the host and sums them on the host's communication thread, off the backward's path
+(``backward()`` only queues it; ``optimizer.step()`` waits for the step's pushes to be taken).
 """
 from __future__ import annotations
 
@@ -92,7 +101,7 @@ class Hybrid(StrategyModel):
 
     def bind(self, worker: Worker) -> None:
         super().bind(worker)
-        n, st = worker.np, self.strategy
+        n, st = worker.workers, self.strategy  # the strategy decides on every worker's reads
         threshold = st.threshold if st.threshold is not None else (n - 1) / n
         params = {p.name for p in worker.params}
         for name in st.force_sparse + st.force_dense:
@@ -117,6 +126,11 @@ class Hybrid(StrategyModel):
                              flags=True, only=dense)
         self.dense.bind(worker)
         self.dense_bytes = sum(worker.params[i].nbytes for i in dense)
+        # hosts of several ranks: the host is the exchange's peer, its rows the union of its ranks'
+        self.ranks = worker.per_host if worker.hosts != "flat" else 1
+        self.read = {name: t.host_read(self.ranks) for name, t in self.sparse.items()}
+        self.sums = worker.cpu_stream("host sums")  # the host's communication thread (its first rank's sums)
+        n = worker.np
         self.servers = self.dedicated or n
         self.partitions, self.shares = self._layout(st.partitions_option)
         self.server = worker.cpu_stream("row server")  # a server's requests are served in turn
@@ -155,7 +169,7 @@ class Hybrid(StrategyModel):
 
     def _busiest(self, shares: dict[str, list[float]]) -> float:
         """The bytes the busiest links of the exchange carry, each table's (see :meth:`_factor`)."""
-        return sum(self._factor(shares[name]) * t.read * t.row_bytes for name, t in self.sparse.items())
+        return sum(self._factor(shares[name]) * self.read[name] * t.row_bytes for name, t in self.sparse.items())
 
     def _factor(self, shares: list[float]) -> float:
         """Of a table's rows a worker reads, how many cross the busiest NIC in one direction while
@@ -170,14 +184,16 @@ class Hybrid(StrategyModel):
     def describe(self) -> str:
         if not self.sparse:
             return ""
+        hosts = f"; each host's {self.ranks} ranks' rows summed and pulled once" if self.ranks > 1 else ""
         return ", ".join(f"{name}: {t.share:.2%} of {t.rows} rows read, {max(self.shares[name]):.0%} on the busiest "
                          f"of {self.servers} servers" for name, t in self.sparse.items()) + \
-            f"; {self.partitions} partition{'s' if self.partitions != 1 else ''} per table"
+            f"; {self.partitions} partition{'s' if self.partitions != 1 else ''} per table{hosts}"
 
     def min_bytes_per_host(self) -> float:
         """The physical bound's traffic, as the strategy's own: the dense part's ring all-reduce and
-        each worker's rows out (push) and back (pull)."""
-        rows = sum(t.read * t.row_bytes for t in self.sparse.values())
+        each peer's rows out (push) and back (pull): a worker's, or on hosts of several ranks the
+        host's union, counted once."""
+        rows = sum(self.read[name] * t.row_bytes for name, t in self.sparse.items())
         return ring_bytes(self.dense_bytes, self.wk.np) + 2 * self._remote(rows)
 
     # -- the wire ------------------------------------------------------------------------------------
@@ -197,6 +213,14 @@ class Hybrid(StrategyModel):
         for (tx, rx), share in zip(wk.servers, shares):
             uses = [(wk.tx, 1), (rx, wk.np)] if to_servers else [(tx, wk.np), (wk.rx, 1)]
             wk.message(nbytes * share, uses, arrive.arrive, what)
+
+    def _gather_in_host(self, nbytes: float, done: Callable[[], None], what: str) -> None:
+        """An all-gather inside the host of ``nbytes`` from each of its ranks (each sends them to
+        every other, all at once, over the host's :attr:`~gradsync.simulate.worker.Worker.intra` link)."""
+        if self.ranks == 1:
+            done()
+            return
+        self.wk.sim.transfer((self.ranks - 1) * nbytes, [(self.wk.intra, self.ranks)], done, name=what, lane="intra-host")
 
     # -- a step ----------------------------------------------------------------------------------------
     def before_forward(self, step: int, go: Callable[[], None]) -> None:
@@ -234,8 +258,18 @@ class Hybrid(StrategyModel):
         self._receive(receives if self.clients else 0, then, "take")
 
     def _pull(self, step: int, name: str, done: Callable[[], None]) -> None:
+        table, wk = self.sparse[name], self.wk
+        if self.ranks > 1:  # the host's ids gathered first, the rows shared last
+            rows = self.read[name] * table.row_bytes
+            shared = lambda: wk.inside(rows, done, f"rows of {name} in host")  # noqa: E731
+            self._gather_in_host(table.read * ID_BYTES, lambda: self._pull_rows(step, name, shared),
+                                 f"ids of {name} in host")
+        else:
+            self._pull_rows(step, name, done)
+
+    def _pull_rows(self, step: int, name: str, done: Callable[[], None]) -> None:
         table, wk, shares = self.sparse[name], self.wk, self.shares[name]
-        rows = table.read * table.row_bytes
+        rows = self.read[name] * table.row_bytes
         served = rows * self.clients * max(shares)  # the busiest server's answers
         received = rows if self.dedicated else rows * (1 - min(shares))  # the worker whose own server holds least
 
@@ -251,26 +285,38 @@ class Hybrid(StrategyModel):
 
         # a header and the ids: two sends to each server, taken by its loop, answered once applied
         wk.message_ends(self.interpreter, 2 * self.peers, lambda: (self._others(2), self._exchange(
-            table.read * ID_BYTES, name, lambda: self._take(2, lambda finish: (
+            self.read[name] * ID_BYTES, name, lambda: self._take(2, lambda finish: (
                 finish(), self._after_applied(step - 1, answer))), f"ids of {name}", to_servers=True)))
 
     def on_layer_ready(self, step: int, layer: int) -> None:
         for name in self.tables_of_layer.get(layer, []):
             table, wk = self.sparse[name], self.wk
             rows = table.read * table.row_bytes
-            wk.host.run(wk.copy_s(rows), lambda name=name, table=table: self._push(step, name, table),
+            push = self._host_push if self.ranks > 1 else self._push
+            wk.host.run(wk.copy_s(rows), lambda name=name, table=table, push=push: push(step, name, table),
                         what=f"coalesce {name}")
         self.dense.on_layer_ready(step, layer)
 
-    def _push(self, step: int, name: str, table) -> None:
+    def _host_push(self, step: int, name: str, table) -> None:
+        """Hosts of several ranks: backward queues the host's sum and goes on; the ranks' rows are
+        all-gathered inside the host, summed by its first rank's communication thread, pushed on."""
+        wk = self.wk
+        self.issued[step].arrive()
+        self._gather_in_host(table.read * (table.row_bytes + ID_BYTES), lambda: self.sums.run(
+            wk.copy_s(self.ranks * table.read * table.row_bytes), lambda: self._push(step, name, table, queued=True),
+            what=f"sum {name} in host"), f"rows of {name} in host")
+
+    def _push(self, step: int, name: str, table, queued: bool = False) -> None:
         """A header, the ids and the rows (three sends to each server), taken by the servers'
-        loops; the push that completes the step runs the update there."""
+        loops; the push that completes the step runs the update there. ``queued``: the host's sum,
+        which backward already counted as issued."""
         wk, taken = self.wk, self.taken[step]
 
         def sent() -> None:
-            self.issued[step].arrive()
+            if not queued:
+                self.issued[step].arrive()
             self._others(3)
-            self._exchange(table.read * (table.row_bytes + ID_BYTES), name, lambda: self._take(3, lambda finish: (
+            self._exchange(self.read[name] * (table.row_bytes + ID_BYTES), name, lambda: self._take(3, lambda finish: (
                 taken.arrive(), self._pushed(step, finish))), f"push {name}", to_servers=True)
 
         wk.message_ends(self.interpreter, 3 * self.peers, sent)
@@ -302,7 +348,7 @@ class Hybrid(StrategyModel):
         (the busiest server's), divided by N, then the optimizer."""
         table, wk = self.sparse[name], self.wk
         part = table.rows * table.row_bytes / self.servers
-        build = (ZEROED_PASSES + 1) * part + table.read * table.row_bytes * wk.np * max(self.shares[name])
+        build = (ZEROED_PASSES + 1) * part + self.read[name] * table.row_bytes * wk.np * max(self.shares[name])
         return wk.copy_s(build) + wk.update_s(part)
 
     def _late(self, update_s: float) -> float:
@@ -312,7 +358,7 @@ class Hybrid(StrategyModel):
         rate = self.wk.net.rate_bps
         if not rate:
             return update_s * self.wk.slowest_of(self.servers)
-        answers = [sum(t.read * t.row_bytes * self.clients * self.shares[name][s] for name, t in self.sparse.items())
+        answers = [sum(self.read[name] * t.row_bytes * self.clients * self.shares[name][s] for name, t in self.sparse.items())
                    * 8 / rate for s in range(self.servers)]
         return self.wk.last_of(update_s, answers)
 

@@ -46,6 +46,26 @@ class Table:
     def share(self) -> float:
         return self.read / max(self.rows, 1)
 
+    def host_read(self, ranks: int) -> float:
+        """The rows that ``ranks`` workers' steps read together (the union of their batches' ids:
+        ``hybrid``'s host pull and push on hosts of several workers): the mean union of ``ranks``
+        consecutive :attr:`samples` (in turn); past the samples, each further batch adds as many
+        rows as the last sample did; without samples, ``ranks`` times :attr:`read`. At most every row."""
+        import torch
+
+        k = len(self.samples)
+        if ranks <= 1 or not k:
+            return min(float(self.rows), ranks * self.read)
+
+        def union(j: int) -> float:
+            return sum(torch.unique(torch.cat([torch.as_tensor(self.samples[(i + m) % k]) for m in range(j)])).numel()
+                       for i in range(k)) / k
+
+        if ranks <= k:
+            return float(union(ranks))
+        whole = union(k)
+        return min(float(self.rows), whole + (ranks - k) * (whole - union(k - 1)))
+
     def server_shares(self, index: int, partitions: int, servers: int) -> list[float]:
         """Of the rows a step reads, the share each server holds when this is table ``index`` of
         ``hybrid``'s layout with ``partitions`` partitions per table over ``servers`` servers

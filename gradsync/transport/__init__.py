@@ -200,10 +200,42 @@ class Transport:
         self._two_level(self.two_level, "host-all-reduce", tensor, what).wait()
         return tensor
 
-    def host_broadcast(self, tensor: torch.Tensor, *, what: str) -> torch.Tensor:
-        """Copy ``tensor`` from the host's first worker to the host's other workers (intra-host)."""
-        self._two_level(self.two_level, "broadcast", tensor, what).wait()
+    def host_broadcast(self, tensor: torch.Tensor, *, what: str, group: TwoLevel | None = None) -> torch.Tensor:
+        """Copy ``tensor`` from the host's first worker to the host's other workers (intra-host;
+        ``group``: a strategy's own :class:`TwoLevel`, default the job's)."""
+        self._two_level(group or self.two_level, "broadcast", tensor, what).wait()
         return tensor
+
+    def host_allgather_async(self, message: torch.Tensor, *, group: TwoLevel, limit: int, what: str,
+                             info: tuple[int, int, int] = (0, 0, 0), then=None) -> Handle:
+        """Start gathering every host worker's ``uint8`` message, each of its own length (at most
+        ``limit`` bytes, checked before anything is allocated for it), and three words of ``info``,
+        on ``group`` (a :class:`TwoLevel`), in its issue order: a host's workers must issue their
+        gathers in one order. ``then(messages, infos)`` runs on the communication thread with them,
+        in host order (this rank's own among them), before the handle completes. Intra-host: nothing
+        counts in :attr:`bytes_sent`."""
+        staged = self.staged(message)
+        home = message.device
+        record = self._record(what, "all-gather", message.numel(), group=group)
+        tracer = trace.current()
+        token = None if tracer is None else tracer.begin_async(what, "comm", bytes=message.numel(),
+                                                               op="two-level all-gather-bytes")
+
+        def landed(messages, infos) -> None:
+            if then is not None:
+                then([m.to(home) for m in messages] if home.type != staged.device.type else messages, infos)
+
+        done = group.submit("all-gather-bytes", (staged, tuple(info), limit, what),
+                            None if token is None else lambda: tracer.end_async(token), landed)
+        return Handle(done, self, what, record=record, chunked=True)
+
+    def host_allgather(self, message: torch.Tensor, *, group: TwoLevel, limit: int, what: str,
+                       info: tuple[int, int, int] = (0, 0, 0)) -> tuple[list[torch.Tensor], list[tuple[int, int, int]]]:
+        """Blocking :meth:`host_allgather_async`: every host worker's message and info, in host order."""
+        out = []
+        self.host_allgather_async(message, group=group, limit=limit, what=what, info=info,
+                                  then=lambda messages, infos: out.append((messages, infos))).wait()
+        return out[0]
 
     def host_reduce_scatter(self, tensor: torch.Tensor, *, group: TwoLevel, what: str) -> torch.Tensor:
         """``tensor`` (``group.shards`` shards of one length): the host's sum of each shard this rank

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from gradsync.topology import Topology
+from gradsync.transport.groups import allgather_with_info
 from gradsync.transport.waits import JobThread
 
 
@@ -74,7 +75,7 @@ class TwoLevel:
 
     group_name = "two-level"
     """How the flight record names the operations issued here."""
-    _OPS = ("all-reduce", "reduce", "broadcast", "host-all-reduce", "reduce-scatter", "all-gather")
+    _OPS = ("all-reduce", "reduce", "broadcast", "host-all-reduce", "reduce-scatter", "all-gather", "all-gather-bytes")
 
     def __init__(self, topology: Topology, local, local_ranks: list[int], shards: int,
                  cross: dict[int, tuple[list[int], object]]):
@@ -130,10 +131,13 @@ class TwoLevel:
         workers; ``"reduce-scatter"`` and ``"all-gather"``, steps 1 and 3 alone, on a tensor of S
         shards of one length (a strategy runs its own step 2 on the shards of :attr:`cross`): the
         host's sum of each shard lands at the shard's local owner (other shards are left
-        undefined), then each owner's shards reach the host's other workers. ``then()`` runs on the
-        communication thread after a successful operation and before its waiters wake (a failure
-        in it fails the operation): what must follow at once, as the push of a host's sum;
-        ``on_done()`` runs there once it is done (or failed)."""
+        undefined), then each owner's shards reach the host's other workers; ``"all-gather-bytes"``,
+        every host worker's ``uint8`` message of its own length, ``tensor`` being ``(message,
+        info, limit, what)`` (:func:`~gradsync.transport.groups.allgather_with_info` on the host's
+        group). ``then()`` runs on the communication thread after a successful operation and before
+        its waiters wake (a failure in it fails the operation): what must follow at once, as the
+        push of a host's sum; after ``"all-gather-bytes"`` it is given the messages and the infos,
+        in host order. ``on_done()`` runs there once it is done (or failed)."""
         if op not in self._OPS:
             raise ValueError(f"unknown two-level operation {op!r}")
         done = _Done()
@@ -159,8 +163,11 @@ class TwoLevel:
 
     def _run(self, job) -> None:
         op, tensor, done, on_done, then = job
+        result = ()
         try:
-            if op == "all-reduce":
+            if op == "all-gather-bytes":
+                result = self._gather_bytes(*tensor)
+            elif op == "all-reduce":
                 self._allreduce(tensor.view(-1))
             elif op == "reduce-scatter":
                 self._scatter(tensor.view(-1))
@@ -173,12 +180,19 @@ class TwoLevel:
             elif self.local is not None:
                 dist.broadcast(tensor, src=self.leader, group=self.local)
             if then is not None:
-                then()
+                then(*result)
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
             done.error = exc
         done.event.set()
         if on_done is not None:
             on_done()
+
+    def _gather_bytes(self, message: torch.Tensor, info: tuple[int, int, int], limit: int,
+                      what: str) -> tuple[list[torch.Tensor], list[tuple[int, int, int]]]:
+        """Every host worker's message and info, in host order (a host of one: its own)."""
+        if self.local is None:
+            return [message], [tuple(info)]
+        return allgather_with_info(message, info, self.local, limit=limit, what=what)
 
     def _allreduce(self, flat: torch.Tensor) -> None:
         """Steps 1-3 on consecutive parts of ``flat``, pipelined: a part's all-reduce across hosts

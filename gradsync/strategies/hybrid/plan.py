@@ -63,8 +63,10 @@ class Planning:
             self.groups = [self._group_of(p) for p in tables]  # the lr is read from here at every push
             self.hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.groups]
             self.lazy = lazy_update(self.optimizer_class, self.hyper[0])
-            self.server = (RowServer(self, tables, topo.worker_ranks, local=topo.is_worker)
+            self.server = (RowServer(self, tables, topo.worker_ranks, local=topo.is_worker, pushers=self.pushers)
                            if topo.rank in self.servers else None)
+            if self.host_rows is not None:
+                self.host_rows.plan(self.sparse)
             if self.server is not None:
                 self.server.start()
             self.layout = self._choose_layout([p.shape[0] for p in tables])
@@ -128,8 +130,9 @@ class Planning:
         return best
 
     def _probe(self, layout: Layout) -> list[float]:
-        """Workers: push and pull this step's rows under ``layout``, ``probe_rounds`` times; seconds each."""
-        if not self.ctx.topology.is_worker:
+        """Workers that push (on hosts of several workers, each host's first, with its own rows): push
+        and pull this step's rows under ``layout``, ``probe_rounds`` times; seconds each."""
+        if self.ctx.topology.rank not in self.pushers:
             return [0.0] * self.probe_rounds
         times = []
         for _ in range(self.probe_rounds):

@@ -24,8 +24,12 @@ class RowServer:
     step and answering pulls happen under one lock, on whichever thread brings in the last push.
     """
 
-    def __init__(self, owner: Strategy, tables: list[nn.Parameter], workers: list[int], local: bool):
+    def __init__(self, owner: Strategy, tables: list[nn.Parameter], workers: list[int], local: bool,
+                 pushers: list[int] | None = None):
         self.h, self.tables, self.workers = owner, tables, workers
+        self.pushers = pushers or workers
+        """Whose pushes make a step: every worker, or each host's first, whose push is its host's
+        sum (the mean still divides by every worker)."""
         self.widths, self.dtypes = [p.shape[1] for p in tables], [p.dtype for p in tables]
         self.devices = [p.device for p in tables]  # where the rows live (the tables may be released later)
         self.row_counts = [p.shape[0] for p in tables]  # a dedicated server later keeps only its partitions
@@ -177,6 +181,8 @@ class RowServer:
             if op in (OP_PUSH, OP_PULL) and ids.numel():
                 self._check_ids(src, table, ids, owned=True)
             if op == OP_PUSH:
+                check_peer(src in self.pushers, src, "a hybrid push", "no right to push (its host's first worker "
+                           "pushes its host's rows)")
                 self._push(src, step, table, ids, values, used, lr)
             elif op in (OP_PULL, OP_FLUSH):
                 if step > self.step:
@@ -194,7 +200,7 @@ class RowServer:
             raise GradsyncError(f"hybrid server {self.me}: rank {src} pushed step {step} while this server is at step "
                                 f"{self.step}; every worker must run the same number of optimizer steps")
         self.pushes.setdefault(table, {})[src] = (ids, values, used, lr)
-        expected = len(self.workers) * sum(1 for parts in self.parts if parts)
+        expected = len(self.pushers) * sum(1 for parts in self.parts if parts)
         if sum(len(p) for p in self.pushes.values()) == expected:
             self._apply()
 
@@ -274,7 +280,7 @@ class RowServer:
         """Wait until this server applied ``step`` updates (the co-located worker's own partitions)."""
         def missing() -> list[int]:
             tables = [t for t, parts in enumerate(self.parts) if parts]
-            return [w for w in self.workers if any(w not in self.pushes.get(t, {}) for t in tables)]
+            return [w for w in self.pushers if any(w not in self.pushes.get(t, {}) for t in tables)]
 
         self._await(lambda: self.step >= step or self.failure is not None, missing,
                     f"waiting for the update of step {step}, whose pushes from", patient=False)

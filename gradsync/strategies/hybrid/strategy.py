@@ -12,6 +12,7 @@ from torch import nn
 from gradsync.errors import ConfigError, GradsyncError
 from gradsync.strategies.allreduce import AllReduce
 from gradsync.strategies.base import Strategy, SyncContext, host_ring_bytes, worker_hosts
+from gradsync.strategies.hybrid.hosts import HostRows
 from gradsync.strategies.hybrid.layout import (OP_FLUSH, OP_PULL, OP_PUSH, OP_STOP, TABLES, TAG_ANSWER, TAG_REQUEST,
                                               Layout, _lr_bits)
 from gradsync.strategies.hybrid.plan import Planning
@@ -67,7 +68,12 @@ class SparseHybrid(Planning, Strategy):
         forced_dense = {names[n] for n in self.force_dense}
         self.candidates = [i for i in sorted(self.modules) if i not in forced_dense]
         self.optimizer_class = type(ctx.optimizer)  # before distribute wraps it
-        self.servers = topo.server_ranks if topo.num_servers else topo.worker_ranks
+        # Hosts of several workers: each host's first worker alone pushes and pulls rows (hosts.py).
+        group = ctx.transport.new_two_level() if ctx.two_level is not None else None
+        self.host_rows = HostRows(self, group) if group is not None else None
+        self.pushers = [ranks[0] for ranks in group.plan(topo)[0]] if group is not None else topo.worker_ranks
+        """The workers that push and pull rows: every worker, or each host's first."""
+        self.servers = topo.server_ranks if topo.num_servers else self.pushers
         self.step_no = 0
         self.decided = False
         self.sparse: list[int] = []  # hook indices of the tables on the servers, in table order
@@ -108,8 +114,14 @@ class SparseHybrid(Planning, Strategy):
         if index not in self.table_of:
             return
         self._check_server()
-        t, rank = self.table_of[index], self.ctx.topology.rank
-        uniq = torch.unique(ids)
+        if self.host_rows is not None and torch.is_grad_enabled():
+            self.host_rows.pull(index, torch.unique(ids))
+        else:
+            self._pull(self.table_of[index], index, torch.unique(ids))
+
+    def _pull(self, t: int, index: int, uniq: torch.Tensor) -> None:
+        """Rows ``uniq`` of table ``t`` from their servers into the table."""
+        p, name, rank = self.ctx.params[index], self.ctx.names[index], self.ctx.topology.rank
         answers = []
         for server, where in self.layout.split(t, uniq).items():
             if server == rank:
@@ -166,11 +178,20 @@ class SparseHybrid(Planning, Strategy):
         return g.indices()[0], g.values()
 
     def _push(self, index: int) -> None:
-        t, rank = self.table_of[index], self.ctx.topology.rank
-        p = self.ctx.params[index]
+        t, p = self.table_of[index], self.ctx.params[index]
         used = p.grad is not None
         ids, values = self._rows_of(index)
-        lr = self.groups[t]["lr"]
+        if self.host_rows is not None:
+            self.host_rows.push(index, ids, values, used, self.groups[t]["lr"])
+        else:
+            self._send_rows(t, ids, values, used, self.groups[t]["lr"])
+        p.grad = None  # the update happens on the servers; the user's optimizer must skip it
+        self.pushed.add(index)
+
+    def _send_rows(self, t: int, ids: torch.Tensor, values: torch.Tensor, used: bool, lr: float) -> None:
+        """Push table ``t``'s rows ``ids`` (their gradients ``values``) to their servers; on hosts of
+        several workers the host's first worker sends its host's, from the communication thread."""
+        rank = self.ctx.topology.rank
         self.stats["pushed_rows"] += ids.numel()
         split = self.layout.split(t, ids)
         own = None
@@ -180,11 +201,10 @@ class SparseHybrid(Planning, Strategy):
                 own = where
             else:
                 self._wire_bytes(ids[where], values[where])
-                self.sends += self._request(server, OP_PUSH, t, self.layout.partitions, ids[where], values[where], used, lr)
+                self.sends.extend(self._request(server, OP_PUSH, t, self.layout.partitions, ids[where], values[where],
+                                                used, lr))
         if own is not None:  # last: the own push may run this server's update here, on this thread,
             self.server_push(t, ids[own], values[own], used, lr)  # and the other servers must not wait for it
-        p.grad = None  # the update happens on the servers; the user's optimizer must skip it
-        self.pushed.add(index)
 
     def server_push(self, t: int, ids, values, used: bool, lr: float) -> None:
         with self.server.cond:
@@ -227,6 +247,8 @@ class SparseHybrid(Planning, Strategy):
         if self.dense is not None:
             self.dense.synchronize()
         result = apply()
+        if self.host_rows is not None:
+            self.host_rows.finish()
         wait_all(self.sends)
         self.sends = []
         self.pushed = set()
@@ -280,6 +302,8 @@ class SparseHybrid(Planning, Strategy):
             wait_all(stops)
             if self.server is not None:
                 self.server.stop()
+        if self.host_rows is not None:
+            self.ctx.transport.free_group(self.host_rows.group)
         for i, flag in self.restore_sparse.items():
             self.modules[i].sparse = flag
 
@@ -297,11 +321,12 @@ class SparseHybrid(Planning, Strategy):
         collective over the workers, each row's state held by exactly one of them)."""
         if not self.sparse:
             return
-        if any(self.server.parts):
+        if self.server is not None and any(self.server.parts):
             self.server.wait_step(self.step_no)  # this step's update applied: the state is current
         opt, tables = self.ctx.optimizer, [self.ctx.params[i] for i in self.sparse]
         layout = StateLayout(self.optimizer_class, opt, tables)
-        for t, state in gather(layout, self.server.pieces(), self.ctx.transport).items():
+        pieces = self.server.pieces() if self.server is not None else []  # a host's other workers serve nothing
+        for t, state in gather(layout, pieces, self.ctx.transport).items():
             opt.state[tables[t]] = state
 
     def load_state(self) -> None:
@@ -322,13 +347,15 @@ class SparseHybrid(Planning, Strategy):
             self.ctx.transport.allreduce(torch.zeros(1), what="hybrid: every worker loaded the model")
 
     def min_bytes_per_host(self, model_bytes: int) -> float:
-        """The dense part's ring all-reduce over the hosts, plus the rows out (push) and back (pull)
-        of the busiest host's workers (each this worker's count: their ids differ)."""
+        """The dense part's ring all-reduce over the hosts, plus the rows out (push) and back (pull):
+        on hosts of several workers the host's, counted once (this worker's count, the host's
+        first: the union of its workers' rows); flat, the busiest host's workers' (each this
+        worker's count: their ids differ)."""
         params = self.ctx.params
         sparse_bytes = sum(params[i].numel() * params[i].element_size() for i in self.sparse)
         row_bytes = self.stats["row_bytes"] / max(1, self.stats["steps"])
-        most = max(len(w) for w in worker_hosts(self.ctx.topology))
-        return host_ring_bytes(model_bytes - sparse_bytes, self.ctx.topology) + most * row_bytes
+        copies = 1 if self.host_rows is not None else max(len(w) for w in worker_hosts(self.ctx.topology))
+        return host_ring_bytes(model_bytes - sparse_bytes, self.ctx.topology) + copies * row_bytes
 
     def host_work(self) -> dict[str, list]:
         """This rank's row server's updates so far, ``{"update": [tables updated, partition bytes,
@@ -350,6 +377,8 @@ class SparseHybrid(Planning, Strategy):
             parts = (f", {self.layout.partitions} partitions per table" +
                      (f" (measured {probes})" if probes else "") +
                      f", {'lazy' if self.lazy else 'dense'} server updates")
+        if self.sparse and self.host_rows is not None:
+            parts += f", host sums: {len(self.pushers)} hosts push"
         tables = "; ".join(f"{n}: {d}" for n, d in self.decisions.items()) or "no embedding tables"
         dense = self.dense.describe() if self.dense is not None else "no dense parameters"
         return f"hybrid({len(self.sparse)} sparse tables on {where}{parts}; {tables}; dense: {dense})"
