@@ -60,6 +60,7 @@ class DistributedOptimizer:
         recorder = flight.current()
         if recorder is not None:
             recorder.step += 1
+            recorder.pace.synchronous = sync.strategy.synchronous
             recorder.pace.end_step(recorder.waited_s)
             if sync.strategy.synchronous and stragglers.probe_due(sync.steps) and stragglers.enabled():
                 self._probe_links(recorder)

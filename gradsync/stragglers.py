@@ -57,6 +57,7 @@ class Pace:
         self.alpha = alpha
         self.compute = self.between = self.wait = None
         self.links: dict[int, float] = {}  # peer -> Gbit/s, peer -> this worker
+        self.synchronous = True  # the strategy has a barrier a step (a slow worker can hold the others)
         self._step_end: float | None = None  # monotonic time the last step ended
         self._forward: float | None = None  # the first forward since then
         self._waited_end = self._waited_forward = 0.0  # the recorder's wait total at those times
@@ -88,17 +89,18 @@ class Pace:
         return x if old is None else self.alpha * old + (1 - self.alpha) * x
 
     def line(self) -> str:
-        """``COMPUTE BETWEEN WAIT LINKS`` (ms; links ``peer:gbit,...`` or ``-``), for the heartbeat."""
+        """``COMPUTE BETWEEN WAIT LINKS SYNCHRONOUS`` (ms; links ``peer:gbit,...`` or ``-``; 1 or 0),
+        for the heartbeat."""
         if self.compute is None:
             return ""
         links = ",".join(f"{p}:{g:.4g}" for p, g in sorted(self.links.items())) or "-"
-        return f"{self.compute * 1e3:.3f} {self.between * 1e3:.3f} {self.wait * 1e3:.3f} {links}"
+        return f"{self.compute * 1e3:.3f} {self.between * 1e3:.3f} {self.wait * 1e3:.3f} {links} {int(self.synchronous)}"
 
     def as_dict(self) -> dict | None:
         if self.compute is None:
             return None
         return {"compute": self.compute, "between": self.between, "wait": self.wait,
-                "links": {str(p): g for p, g in self.links.items()}}
+                "links": {str(p): g for p, g in self.links.items()}, "synchronous": self.synchronous}
 
 
 def parse(fields: list[str]) -> dict | None:
@@ -108,7 +110,7 @@ def parse(fields: list[str]) -> dict | None:
     try:
         links = {} if fields[3] == "-" else {p: float(g) for p, g in (x.split(":") for x in fields[3].split(","))}
         return {"compute": float(fields[0]) / 1e3, "between": float(fields[1]) / 1e3, "wait": float(fields[2]) / 1e3,
-                "links": links}
+                "links": links, "synchronous": fields[4:5] != ["0"]}
     except ValueError:
         return None
 
@@ -132,7 +134,8 @@ class Straggler:
 def verdict(paces: dict[int, dict], threshold: float = THRESHOLD, link_threshold: float = LINK_THRESHOLD) -> list[Straggler]:
     """The workers that hold the others back, from every worker's pace (``{rank: Pace.as_dict()}``).
 
-    A worker is named for its time (compute, or its code between steps, whichever differs more)
+    No one is named under a strategy without a barrier (a pace with ``synchronous`` false). A
+    worker is named for its time (compute, or its code between steps, whichever differs more)
     when that time exceeds the median of the other workers' by ``threshold`` and the others wait
     at least half the difference more than it does (they wait for it). A worker is named for its
     link when no one is named for time, the workers wait at least :data:`WAIT_SHARE` of a step, and
@@ -140,8 +143,8 @@ def verdict(paces: dict[int, dict], threshold: float = THRESHOLD, link_threshold
     do not touch it (needs three workers: with two, one link joins both).
     """
     paces = {r: p for r, p in paces.items() if p is not None}
-    if len(paces) < 2:
-        return []
+    if len(paces) < 2 or not all(p.get("synchronous", True) for p in paces.values()):
+        return []  # without a barrier (pair-averaging, ps-async) no worker waits for a slower one
     found = []
     for rank, p in sorted(paces.items()):
         others = [q for r, q in paces.items() if r != rank]
@@ -225,17 +228,19 @@ def gather(transport, topology, pace: Pace) -> dict[int, dict | None]:
     import torch
 
     n, me = topology.num_workers, topology.rank
-    table = torch.zeros(n, 6, dtype=torch.float64, device=transport.device)
+    table = torch.zeros(n, 7, dtype=torch.float64, device=transport.device)
     mine = pace.as_dict()
     if mine is not None:
         prev, nxt = (me - 1) % n, (me + 1) % n
         table[me] = torch.tensor([1.0, mine["compute"], mine["between"], mine["wait"],
-                                  pace.links.get(prev, 0.0), pace.links.get(nxt, 0.0) if n > 2 else 0.0])
+                                  pace.links.get(prev, 0.0), pace.links.get(nxt, 0.0) if n > 2 else 0.0,
+                                  float(pace.synchronous)])
     transport.allreduce(table, world=False, what="straggler readings")
     out: dict[int, dict | None] = {}
-    for r, (known, compute, between, wait, from_prev, from_next) in enumerate(table.tolist()):
+    for r, (known, compute, between, wait, from_prev, from_next, synchronous) in enumerate(table.tolist()):
         links = {p: g for p, g in (((r - 1) % n, from_prev), ((r + 1) % n, from_next)) if g > 0}
-        out[r] = {"compute": compute, "between": between, "wait": wait, "links": links} if known else None
+        out[r] = {"compute": compute, "between": between, "wait": wait, "links": links,
+                  "synchronous": synchronous > 0} if known else None
     return out
 
 

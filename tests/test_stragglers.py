@@ -32,6 +32,14 @@ def test_the_slow_worker_is_named_for_its_compute(factor):
     assert "rank 2 holds the others back: it computes" in found.describe()
 
 
+def test_no_one_is_named_under_a_strategy_without_a_barrier():
+    paces = {r: pace(0.1, 0.05) for r in range(4)}
+    paces[1] = pace(0.2, 0.0)
+    assert stragglers.verdict(paces)[0].rank == 1
+    paces[1]["synchronous"] = False  # pair-averaging: the others do not wait for it
+    assert stragglers.verdict(paces) == []
+
+
 def test_a_slow_worker_nobody_waits_for_is_not_named():
     # Longer compute, but the others do not wait longer (an asynchronous strategy, or overlap).
     paces = {r: pace(0.1, 0.02) for r in range(4)}
@@ -86,7 +94,7 @@ def test_pace_counts_compute_between_and_wait():
     assert got["compute"] == pytest.approx(0.03, abs=0.01)
     p.links = {1: 9.5}
     back = stragglers.parse(p.line().split())
-    assert back.pop("links") == {"1": 9.5}
+    assert back.pop("links") == {"1": 9.5} and back.pop("synchronous") is True
     assert back == pytest.approx({k: got[k] for k in ("compute", "between", "wait")}, abs=1e-6)
     assert stragglers.parse(["x", "1", "2", "-"]) is None
 
