@@ -260,7 +260,7 @@ def main(args) -> int:
                                                       record.get("ranks_per_host", 1), record.get("hosts", "flat"))
                 record["efficiency"] = record["samples_per_s"] / record["bound_samples_per_s"]
                 if "timeline" in record:
-                    _write_trace(record.pop("timeline"), record["step_s"], args.trace)
+                    _write_trace(record.pop("timeline"), record["step_s"], args.trace, max(record["step_ends"]))
                 records.append(record)
     print(table(records))
     print(f"({len(records)} simulations in {time.perf_counter() - started:.1f} s)")
@@ -313,16 +313,16 @@ def table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _write_trace(timeline: list, step_s: float, path: str) -> None:
-    """The last simulated step as a Chrome trace, as ``gradsync bench --trace`` writes a measured
-    one: a process per simulated rank (``rank R ...`` lanes; the first rank's, or the one that
-    stands for all, unprefixed), a track per lane, transfers as async events."""
-    end = max(e for _, _, _, e in timeline)
+def _write_trace(timeline: list, step_s: float, path: str, end: float) -> None:
+    """The last simulated step (the one ending at ``end``) as a Chrome trace, as ``gradsync bench
+    --trace`` writes a measured one: a process per simulated rank (``rank R ...`` lanes; the first
+    rank's, or the one that stands for all, unprefixed), a track per lane, transfers as async
+    events. (Work still under way after the last step, a pull sent for the next one, is left out.)"""
     known = ["accelerator", "network", "host", "collectives"]
     tids: dict[tuple[int, str], int] = {}
     events = []
     for n, (lane, what, start, stop) in enumerate(timeline):
-        if stop < end - step_s:
+        if stop < end - step_s or start > end:
             continue
         words = lane.split(" ", 2)
         ranked = len(words) == 3 and words[0] == "rank" and words[1].isdigit()
