@@ -302,8 +302,8 @@ STUCK = [  # (strategy, servers): one per family of waits
 def test_a_rank_stuck_in_its_own_code_is_named_within_the_timeout(strategy, servers):
     """The stuck rank's heartbeat and its strategy's threads stay alive: what counts is that its
     training thread has been outside every gradsync operation. The waiting ranks fail within the
-    timeout (3 s) of the hang plus 2 s, naming it; its slow step of 1.5 s before is not flagged."""
-    timeout = 3
+    timeout (2 s) of the hang plus 2 s, naming it; its slow step of 1 s before is not flagged."""
+    timeout = 2
     waiting = [r for r in range(3 + servers) if r != 2] if strategy != "ps-async" else [3]
     errors = run_ranks_expect_failure(stuck_in_user_code, 3 + servers, strategy, servers=servers, timeout=60,
                                       env={"GRADSYNC_TIMEOUT": str(timeout)}, wait_for=waiting)
