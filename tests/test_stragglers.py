@@ -151,3 +151,18 @@ def test_a_job_names_its_slow_rank(strategy):
         found, peers = results[rank]
         assert found == [(1, "compute")], (rank, found)
         assert peers == [r for r in range(3) if r != rank]
+
+
+def test_the_adapt_monitor_reports_worker_0s_verdict():
+    from gradsync.adapt import Stragglers
+
+    stragglers.reset()
+    assert Stragglers().values()["straggler_rank"] == -1.0
+    paces = {r: pace(0.1, 0.05) for r in range(3)}
+    paces[2] = pace(0.2, 0.0)
+    for _ in range(stragglers.CONFIRM):  # a verdict holds a few beats before it is reported
+        stragglers.observe(paces)
+    values = Stragglers().values()
+    assert values["straggler_rank"] == 2.0 and values["straggler_cause"] == 1.0
+    assert values["straggler_ratio"] == pytest.approx(2.0) and values["straggler_held_ms"] == pytest.approx(50.0)
+    stragglers.reset()
