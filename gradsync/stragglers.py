@@ -5,13 +5,14 @@ so one slow worker (a slower GPU, a busier host, a slow data loader, a slow NIC)
 all. The flight recorder already knows, per worker, when its training thread waits in a gradsync
 operation; from that each worker keeps its :class:`Pace`: per optimizer step, the seconds it
 computed (from its first forward to the end of its step, less its waits), ran its own code between
-steps (the data loader, logging) and waited. A worker that computes longer than the others while
-they wait for it is the straggler (cause ``compute`` or ``between steps``).
+steps (the data loader, logging) and waited. The worker that arrives last, busy longer than the
+others while they wait for it, is the straggler (cause ``compute`` or ``between steps``).
 
 A slow link does not show in those times: every worker of a ring waits alike. So every
 :data:`PROBE_EVERY` steps the workers of a synchronous strategy time one :data:`PROBE_BYTES`
 message from each ring neighbour (:func:`probe`); the worker whose links are all slower than the
-others' is named (cause ``link``) when the job spends time waiting.
+others' is named (cause ``link``) when the job spends time waiting, before any worker is named
+for its time (a slow link lengthens its neighbours' steps too).
 
 Each worker's pace rides on its heartbeat (no extra message, no barrier); worker 0 reads its peers'
 at each beat and keeps the verdict (:func:`verdict`, :func:`latest`), printed by worker 0 when it
@@ -31,7 +32,8 @@ from gradsync import trace
 ALPHA = 0.8
 """EMA weight of the past in each worker's pace (about the last ten steps)."""
 THRESHOLD = 0.05
-"""A worker is slow when it computes this much longer than the median of the others."""
+"""A worker is slow when its busy time (compute and between steps) exceeds the median of the
+others' by this share of it."""
 LINK_THRESHOLD = 0.25
 """A worker's links are slow when their rate is this much below the median of the other links."""
 WAIT_SHARE = 0.05
@@ -40,7 +42,9 @@ PROBE_EVERY = 100
 """Steps between link probes (the first after :data:`PROBE_FIRST` steps)."""
 PROBE_FIRST = 10
 PROBE_BYTES = 1 << 20
-PROBE_TAG = 0x53540000  # this module's point-to-point tags: PROBE_TAG + 0..19
+PROBE_REPEATS = 2
+"""Each neighbour's link is timed this many times; the fastest reading counts (the least disturbed)."""
+PROBE_TAG = 0x53540000  # this module's point-to-point tags: PROBE_TAG + 0..39
 ENV = "GRADSYNC_STRAGGLERS"
 """``0``: no probes and no printed line (the pace is still kept: it costs two clock reads a step)."""
 
@@ -134,33 +138,36 @@ class Straggler:
 def verdict(paces: dict[int, dict], threshold: float = THRESHOLD, link_threshold: float = LINK_THRESHOLD) -> list[Straggler]:
     """The workers that hold the others back, from every worker's pace (``{rank: Pace.as_dict()}``).
 
-    No one is named under a strategy without a barrier (a pace with ``synchronous`` false). A
-    worker is named for its time (compute, or its code between steps, whichever differs more)
-    when that time exceeds the median of the other workers' by ``threshold`` and the others wait
-    at least half the difference more than it does (they wait for it). A worker is named for its
-    link when no one is named for time, the workers wait at least :data:`WAIT_SHARE` of a step, and
-    the rate of every link to or from it is ``link_threshold`` below the median of the links that
-    do not touch it (needs three workers: with two, one link joins both).
+    No one is named under a strategy without a barrier (a pace with ``synchronous`` false). A slow
+    link comes first (it also lengthens its neighbours' steps): when the workers wait at least
+    :data:`WAIT_SHARE` of a step and every link to or from one worker is ``link_threshold`` below
+    the median of the links that do not touch it, that worker is named for its link (needs three
+    workers: with two, one link joins both). Otherwise the worker that arrives last is named for
+    its time: its busy time (compute and its code between steps) exceeds the median of the
+    others' by ``threshold`` of it, it waits least of all, and the others wait at least half the
+    difference longer than it does; the cause is the part (compute, between steps) that differs
+    more.
     """
     paces = {r: p for r, p in paces.items() if p is not None}
     if len(paces) < 2 or not all(p.get("synchronous", True) for p in paces.values()):
         return []  # without a barrier (pair-averaging, ps-async) no worker waits for a slower one
+    links = _slow_links(paces, link_threshold)
+    if links:
+        return links
     found = []
     for rank, p in sorted(paces.items()):
         others = [q for r, q in paces.items() if r != rank]
+        busy = statistics.median(q["compute"] + q["between"] for q in others)
+        excess = p["compute"] + p["between"] - busy
         held = statistics.median(q["wait"] for q in others) - p["wait"]
-        best = None
-        for cause, key in (("compute", "compute"), ("between steps", "between")):
+        last = p["wait"] < min(q["wait"] for q in others)
+        if last and excess > threshold * max(busy, 1e-4) and held >= 0.5 * excess:
+            parts = {key: p[key] - statistics.median(q[key] for q in others) for key in ("compute", "between")}
+            key = max(parts, key=parts.get)
             base = statistics.median(q[key] for q in others)
-            excess = p[key] - base
-            if excess > threshold * max(base, 1e-4) and held >= 0.5 * excess:
-                if best is None or excess > best[1]:
-                    best = (cause, excess, p[key] / max(base, 1e-9))
-        if best is not None:
-            found.append(Straggler(rank, best[0], best[2], held))
-    if found:
-        return found
-    return _slow_links(paces, link_threshold)
+            cause = "compute" if key == "compute" else "between steps"
+            found.append(Straggler(rank, cause, p[key] / max(base, 1e-9), held))
+    return found
 
 
 def _slow_links(paces: dict[int, dict], link_threshold: float) -> list[Straggler]:
@@ -197,14 +204,15 @@ def probe(transport, topology, nbytes: int = PROBE_BYTES) -> dict[int, float]:
     payload = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=transport.device)
     inbox = torch.empty_like(payload)
     out: dict[int, float] = {}
-    for k, d in enumerate((1, -1) if n > 2 else (1,)):
+    for k, d in enumerate(((1, -1) if n > 2 else (1,)) * PROBE_REPEATS):
         to, frm = (me + d) % n, (me - d) % n
         _barrier(transport, n, me, PROBE_TAG + 10 * k)
         start = time.perf_counter()
         handles = [transport.recv_async(inbox, frm, PROBE_TAG + 10 * k + 9, what="link probe"),
                    transport.send_async(payload, to, PROBE_TAG + 10 * k + 9, what="link probe", counted=False)]
         handles[0].wait()
-        out[frm] = payload.numel() * 32 / max(time.perf_counter() - start, 1e-9) / 1e9
+        rate = payload.numel() * 32 / max(time.perf_counter() - start, 1e-9) / 1e9
+        out[frm] = max(rate, out.get(frm, 0.0))  # the least disturbed of the repeats
         handles[1].wait()
     return out
 

@@ -70,6 +70,10 @@ def test_a_slow_link_is_named_when_the_job_waits():
     [found] = stragglers.verdict(paces)
     assert (found.rank, found.cause, found.ratio) == (3, "link", 2.0)
     assert "its link" in found.describe()
+    # Its neighbours' steps lengthen too (their sends wait on the slow link): still its link.
+    paces[2] = pace(0.115, 0.035, links=links[2])
+    [found] = stragglers.verdict(paces)
+    assert (found.rank, found.cause) == (3, "link")
     # A job that hardly waits is not held back by its links, slow or not.
     quiet = {r: pace(0.1, 0.001, links=links[r]) for r in range(4)}
     assert stragglers.verdict(quiet) == []

@@ -61,7 +61,9 @@ rather than a number of steps (``samples_per_s`` counts every step at its slowes
 other links' rate over its), ``held_s`` (what the others waited for it a step)), as found at the end
 of most rounds, and ``straggler_rounds`` (in how many of the rounds); ``named`` says it in a word
 (the table's ``slow`` column: ``1 compute``, ``-`` for no one) and ``named_share`` is the share of
-the rounds that found it (what an experiment's relations check).
+the rounds that found it (what an experiment's relations check); ``paces`` holds every worker's
+readings at the end of each round (seconds a step computing, between steps and waiting, and the
+Gbit/s of the links from its ring neighbours), from which the verdicts came.
 """
 from __future__ import annotations
 
@@ -116,6 +118,8 @@ def summarize(raw: dict, compute_times: list[float], config: dict, check: dict |
     if raw.get("host_links"):
         record.update(link_bytes_per_step(raw["host_links"]))
     record.update(straggler_verdict(raw.get("stragglers", [])))
+    if raw.get("paces"):  # every worker's pace at the end of each round, from which the verdicts came
+        record["paces"] = raw["paces"]
     work = [w for w in raw.get("host_work") or [] if w]
     if work:
         record["host_work"] = {kind: {"calls": statistics.fmean(w[kind][0] for w in work),

@@ -296,7 +296,8 @@ def run_strategy(name: str, options: dict, work: Workload, total: int, run_dir: 
         recorder.pace = stragglers.Pace()  # this strategy's steps alone
         times = timed_steps(model, optimizer, work, total, label=name, cpu=cpu, updates=updates, host_work=work_done,
                             batches=batches, links=links)
-        slow = stragglers.verdict(stragglers.gather(transport, topo, recorder.pace))
+        readings = stragglers.gather(transport, topo, recorder.pace)
+        slow = stragglers.verdict(readings)
         optimizer.flush()  # the last step's lazily finished pulls (p3) count toward its bytes
         sent = transport.bytes_sent - sent_before
         if links is not None:
@@ -318,7 +319,7 @@ def run_strategy(name: str, options: dict, work: Workload, total: int, run_dir: 
             "exact": bool(optimizer.strategy.exact), "model_bytes": model_bytes, "host_cpu": cpu,
             "host_links": None if links is None else links.steps,
             "min_bytes_per_host": optimizer.strategy.min_bytes_per_host(model_bytes),
-            "stragglers": [[[s.rank, s.cause, s.ratio, s.held_s] for s in slow]]}
+            "stragglers": [[[s.rank, s.cause, s.ratio, s.held_s] for s in slow]], "paces": [readings]}
 
 
 def merge(into: dict | None, record: dict, warmup: int) -> dict:
@@ -348,6 +349,7 @@ def merge(into: dict | None, record: dict, warmup: int) -> dict:
                      if isinstance(v, (int, float))}
     into["workers_max_diff"] = max(into["workers_max_diff"], record["workers_max_diff"])
     into["stragglers"] = into.get("stragglers", []) + record.get("stragglers", [])
+    into["paces"] = into.get("paces", []) + record.get("paces", [])
     return into
 
 
