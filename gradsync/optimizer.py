@@ -70,7 +70,9 @@ class DistributedOptimizer:
     def _probe_links(recorder) -> None:
         """Every worker times its ring neighbours' links, at the same step (gradsync.stragglers)."""
         rt = runtime.current()
-        if rt.topology.num_workers > 1 and rt.elastic is None:  # a joiner counts steps anew
+        # Not in an elastic job (a joiner counts its steps anew), nor where workers share hosts (a
+        # neighbour on the same host is no network link).
+        if rt.topology.num_workers > 1 and rt.elastic is None and not rt.topology.shares_hosts:
             recorder.pace.links = stragglers.probe(rt.transport, rt.topology)
 
     @contextlib.contextmanager

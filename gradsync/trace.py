@@ -183,8 +183,7 @@ def merge(paths: list[str], out: str) -> int:
     machines (their clock offsets differ by more than a millisecond) are put on the wall clock."""
     loaded = []
     for path in paths:
-        with open(path) as f:
-            events = json.load(f)["traceEvents"]
+        events = load_events(path)
         offset = next((e["args"]["seconds"] for e in events if e.get("name") == "clock_offset"), None)
         loaded.append((events, offset))
     offsets = [o for _, o in loaded if o is not None]
@@ -288,10 +287,12 @@ def load_events(path: str) -> list[dict]:
         with open(path) as f:
             trace = json.load(f)
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"{path}: not a readable trace file ({exc}); make one with gradsync bench --trace") from None
+        raise ConfigError(f"{path}: not a readable trace file ({exc}); make one with gradsync bench --trace "
+                          "or gradsync run --trace") from None
     events = trace.get("traceEvents") if isinstance(trace, dict) else trace
     if not isinstance(events, list):
-        raise ConfigError(f"{path}: a JSON file without trace events; make one with gradsync bench --trace")
+        raise ConfigError(f"{path}: a JSON file without trace events; make one with gradsync bench --trace "
+                          "or gradsync run --trace")
     return events
 
 
@@ -331,6 +332,14 @@ def add_parser(subparsers) -> None:
 
 
 def merge_main(args) -> int:
-    count = merge(sorted(args.parts), args.out)
+    import sys
+
+    from gradsync.errors import ConfigError
+
+    try:
+        count = merge(sorted(args.parts), args.out)
+    except ConfigError as exc:
+        print(f"gradsync trace merge: {exc}", file=sys.stderr)
+        return 2
     print(f"{args.out}: {count} events from {len(args.parts)} rank(s); open in https://ui.perfetto.dev or chrome://tracing")
     return 0

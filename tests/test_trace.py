@@ -146,6 +146,9 @@ def test_a_file_that_is_not_a_trace_is_refused_by_name(tmp_path):
                        (tmp_path / "missing.json", "not a readable trace file")):
         with pytest.raises(ConfigError, match=f"{path.name}: .*{what}.*gradsync bench --trace"):
             trace.render(str(path), str(tmp_path / "x.png"))
+    from gradsync.cli import main  # gradsync trace merge: the same words, and exit status 2
+
+    assert main(["trace", "merge", str(bad), "-o", str(tmp_path / "m.json")]) == 2
     events = [{"ph": "X", "pid": 0, "tid": 0, "ts": 0, "dur": 1, "name": "s"}]
     (tmp_path / "list.json").write_text(json.dumps(events))  # the bare list is Chrome's format too
     assert trace.load_events(str(tmp_path / "list.json")) == events
