@@ -62,7 +62,7 @@ class Pace:
         self.compute = self.between = self.wait = None
         self.links: dict[int, float] = {}  # peer -> Gbit/s, peer -> this worker
         self.synchronous = True  # the strategy has a barrier a step (a slow worker can hold the others)
-        self._step_end: float | None = None  # monotonic time the last step ended
+        self._step_end: float | None = None  # when the last step ended (perf_counter, as the tracer)
         self._forward: float | None = None  # the first forward since then
         self._waited_end = self._waited_forward = 0.0  # the recorder's wait total at those times
         self.steps = 0
