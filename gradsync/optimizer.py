@@ -61,7 +61,7 @@ class DistributedOptimizer:
         if recorder is not None:
             recorder.step += 1
             recorder.pace.synchronous = sync.strategy.synchronous
-            recorder.pace.end_step(recorder.waited_s)
+            recorder.pace.end_step(recorder.waited_s, runtime.current().transport.bytes_sent)
             if sync.strategy.synchronous and stragglers.probe_due(sync.steps) and stragglers.enabled():
                 self._probe_links(recorder)
         return loss

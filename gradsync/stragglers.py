@@ -9,10 +9,11 @@ steps (the data loader, logging) and waited. The worker that arrives last, busy 
 others while they wait for it, is the straggler (cause ``compute`` or ``between steps``).
 
 A slow link does not show in those times: every worker of a ring waits alike. So every
-:data:`PROBE_EVERY` steps the workers of a synchronous strategy time one :data:`PROBE_BYTES`
-message from each ring neighbour (:func:`probe`); the worker whose links are all slower than the
-others' is named (cause ``link``) when the job spends time waiting, before any worker is named
-for its time (a slow link lengthens its neighbours' steps too).
+:data:`PROBE_EVERY` steps the workers of a synchronous strategy time a train of
+:data:`PROBE_CHUNKS` messages from each ring neighbour (:func:`probe`); the worker whose links
+are all slower than the others' is named (cause ``link``) when the job spends time waiting and
+its traffic at that rate accounts for a real share of the wait, before any worker is named for its
+time (a slow link lengthens its neighbours' steps too).
 
 Each worker's pace rides on its heartbeat (no extra message, no barrier); worker 0 reads its peers'
 at each beat and keeps the verdict (:func:`verdict`, :func:`latest`), printed by worker 0 when it
@@ -42,9 +43,17 @@ PROBE_EVERY = 100
 """Steps between link probes (the first after :data:`PROBE_FIRST` steps)."""
 PROBE_FIRST = 10
 PROBE_BYTES = 1 << 20
-PROBE_REPEATS = 2
-"""Each neighbour's link is timed this many times; the fastest reading counts (the least disturbed)."""
-PROBE_TAG = 0x53540000  # this module's point-to-point tags: PROBE_TAG + 0..39
+"""One message of the probe's train."""
+PROBE_CHUNKS = 16
+"""Messages a neighbour sends back to back. A link's first bytes pass at line rate (a switch's or
+a token bucket's burst, socket buffers) and a lone arrival time carries the receiver's wake-up
+jitter, so the rate is the message size over the median gap between arrivals in the train's second
+half: the link's sustained rate, undisturbed by one late wake-up on either side."""
+EXPLAINS = 0.25
+"""A slow link is named only when the worker's bytes a step, at its links' rate rather than the
+others', take at least this share of the job's wait longer (a slow probe reading on a link that
+carries little cannot hold the others back)."""
+PROBE_TAG = 0x53540000  # this module's point-to-point tags: PROBE_TAG + 0..99
 ENV = "GRADSYNC_STRAGGLERS"
 """``0``: no probes and no printed line (the pace is still kept: it costs two clock reads a step)."""
 
@@ -54,12 +63,14 @@ def enabled() -> bool:
 
 
 class Pace:
-    """One worker's seconds per step: computing, its own code between steps, waiting (EMAs), and
-    the rate (Gbit/s) at which its ring neighbours' probes last reached it."""
+    """One worker's seconds per step: computing, its own code between steps, waiting, the bytes it
+    sent (EMAs), and the rate (Gbit/s) at which its ring neighbours' probes last reached it."""
 
     def __init__(self, alpha: float = ALPHA):
         self.alpha = alpha
         self.compute = self.between = self.wait = None
+        self.sent = 0.0  # bytes a step
+        self._sent_end: int | None = None
         self.links: dict[int, float] = {}  # peer -> Gbit/s, peer -> this worker
         self.synchronous = True  # the strategy has a barrier a step (a slow worker can hold the others)
         self._step_end: float | None = None  # when the last step ended (perf_counter, as the tracer)
@@ -72,9 +83,14 @@ class Pace:
         if self._forward is None:
             self._forward, self._waited_forward = time.perf_counter(), waited
 
-    def end_step(self, waited: float) -> None:
-        """An optimizer step ended."""
+    def end_step(self, waited: float, sent: int = 0) -> None:
+        """An optimizer step ended (``sent``: the transport's total bytes sent so far)."""
         now = time.perf_counter()
+        if self._sent_end is not None and self.compute is not None:
+            self.sent = self._ema(self.sent, float(sent - self._sent_end))
+        elif self._sent_end is not None:
+            self.sent = float(sent - self._sent_end)
+        self._sent_end = sent
         if self._step_end is not None and self._forward is not None:
             between = max(0.0, self._forward - self._step_end - (self._waited_forward - self._waited_end))
             compute = max(0.0, now - self._forward - (waited - self._waited_forward))
@@ -93,18 +109,20 @@ class Pace:
         return x if old is None else self.alpha * old + (1 - self.alpha) * x
 
     def line(self) -> str:
-        """``COMPUTE BETWEEN WAIT LINKS SYNCHRONOUS`` (ms; links ``peer:gbit,...`` or ``-``; 1 or 0),
-        for the heartbeat."""
+        """``COMPUTE BETWEEN WAIT LINKS SYNCHRONOUS SENT`` (ms; links ``peer:gbit,...`` or ``-``; 1
+        or 0; MB a step), for the heartbeat."""
         if self.compute is None:
             return ""
         links = ",".join(f"{p}:{g:.4g}" for p, g in sorted(self.links.items())) or "-"
-        return f"{self.compute * 1e3:.3f} {self.between * 1e3:.3f} {self.wait * 1e3:.3f} {links} {int(self.synchronous)}"
+        return (f"{self.compute * 1e3:.3f} {self.between * 1e3:.3f} {self.wait * 1e3:.3f} {links} "
+                f"{int(self.synchronous)} {self.sent / 1e6:.6g}")
 
     def as_dict(self) -> dict | None:
         if self.compute is None:
             return None
         return {"compute": self.compute, "between": self.between, "wait": self.wait,
-                "links": {str(p): g for p, g in self.links.items()}, "synchronous": self.synchronous}
+                "links": {str(p): g for p, g in self.links.items()}, "synchronous": self.synchronous,
+                "sent": self.sent}
 
 
 def parse(fields: list[str]) -> dict | None:
@@ -114,7 +132,7 @@ def parse(fields: list[str]) -> dict | None:
     try:
         links = {} if fields[3] == "-" else {p: float(g) for p, g in (x.split(":") for x in fields[3].split(","))}
         return {"compute": float(fields[0]) / 1e3, "between": float(fields[1]) / 1e3, "wait": float(fields[2]) / 1e3,
-                "links": links, "synchronous": fields[4:5] != ["0"]}
+                "links": links, "synchronous": fields[4:5] != ["0"], "sent": float((fields[5:6] or ["0"])[0]) * 1e6}
     except ValueError:
         return None
 
@@ -140,9 +158,10 @@ def verdict(paces: dict[int, dict], threshold: float = THRESHOLD, link_threshold
 
     No one is named under a strategy without a barrier (a pace with ``synchronous`` false). A slow
     link comes first (it also lengthens its neighbours' steps): when the workers wait at least
-    :data:`WAIT_SHARE` of a step and every link to or from one worker is ``link_threshold`` below
-    the median of the links that do not touch it, that worker is named for its link (needs three
-    workers: with two, one link joins both). Otherwise the worker that arrives last is named for
+    :data:`WAIT_SHARE` of a step, every link to or from one worker is ``link_threshold`` below
+    the median of the links that do not touch it, and the bytes it sends a step take at least
+    :data:`EXPLAINS` of the wait longer at its rate than at theirs, that worker is named for its
+    link (needs three workers: with two, one link joins both). Otherwise the worker that arrives last is named for
     its time: its busy time (compute and its code between steps) exceeds the median of the
     others' by ``threshold`` of it, it waits least of all, and the others wait at least half the
     difference longer than it does; the cause is the part (compute, between steps) that differs
@@ -182,8 +201,12 @@ def _slow_links(paces: dict[int, dict], link_threshold: float) -> list[Straggler
     for rank in sorted(paces):
         mine = [g for (a, b), g in rates.items() if rank in (a, b)]
         rest = [g for (a, b), g in rates.items() if rank not in (a, b)]
-        if mine and rest and max(mine) < (1 - link_threshold) * statistics.median(rest):
-            found.append(Straggler(rank, "link", statistics.median(rest) / statistics.median(mine), wait))
+        if not mine or not rest or max(mine) >= (1 - link_threshold) * statistics.median(rest):
+            continue
+        slow, usual = statistics.median(mine), statistics.median(rest)
+        longer = paces[rank].get("sent", 0.0) * 8 / 1e9 * (1 / slow - 1 / usual)  # seconds a step
+        if longer >= EXPLAINS * wait:
+            found.append(Straggler(rank, "link", usual / slow, wait))
     return found
 
 
@@ -192,28 +215,35 @@ def probe_due(steps: int) -> bool:
     return steps == PROBE_FIRST or (steps > PROBE_FIRST and (steps - PROBE_FIRST) % PROBE_EVERY == 0)
 
 
-def probe(transport, topology, nbytes: int = PROBE_BYTES) -> dict[int, float]:
+def probe(transport, topology, nbytes: int = PROBE_BYTES, chunks: int = PROBE_CHUNKS) -> dict[int, float]:
     """Collective over the workers: the rate (Gbit/s) of the link from each ring neighbour to this
-    worker. After a barrier each worker sends ``nbytes`` to the next worker (then, second round, to
-    the previous one) and times the arrival of its neighbour's message. Point-to-point messages
-    only (the barrier too: a dissemination barrier), so a strategy's collectives still in flight on
-    its own threads are not disturbed."""
+    worker. After a barrier each worker sends ``chunks`` messages of ``nbytes`` back to back to the
+    next worker (then, second round, to the previous one) and notes when each of its neighbour's
+    arrives; the rate is ``nbytes`` over the median gap between arrivals in the train's second half
+    (:data:`PROBE_CHUNKS`). Point-to-point messages only (the barrier too: a dissemination
+    barrier), so a strategy's collectives still in flight on its own threads are not disturbed."""
     import torch  # here: the launcher reads verdicts without importing torch
 
     n, me = topology.num_workers, topology.rank
     payload = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=transport.device)
-    inbox = torch.empty_like(payload)
+    inboxes = [torch.empty_like(payload) for _ in range(chunks)]
+    bits = payload.numel() * 32
     out: dict[int, float] = {}
-    for k, d in enumerate(((1, -1) if n > 2 else (1,)) * PROBE_REPEATS):
+    for k, d in enumerate((1, -1) if n > 2 else (1,)):
         to, frm = (me + d) % n, (me - d) % n
-        _barrier(transport, n, me, PROBE_TAG + 10 * k)
-        start = time.perf_counter()
-        handles = [transport.recv_async(inbox, frm, PROBE_TAG + 10 * k + 9, what="link probe"),
-                   transport.send_async(payload, to, PROBE_TAG + 10 * k + 9, what="link probe", counted=False)]
-        handles[0].wait()
-        rate = payload.numel() * 32 / max(time.perf_counter() - start, 1e-9) / 1e9
-        out[frm] = max(rate, out.get(frm, 0.0))  # the least disturbed of the repeats
-        handles[1].wait()
+        tag = PROBE_TAG + 50 * k
+        _barrier(transport, n, me, tag)
+        recvs = [transport.recv_async(inboxes[i], frm, tag + 10 + i, what="link probe") for i in range(chunks)]
+        sends = [transport.send_async(payload, to, tag + 10 + i, what="link probe", counted=False)
+                 for i in range(chunks)]
+        arrived = []
+        for h in recvs:
+            h.wait()
+            arrived.append(time.perf_counter())
+        gaps = [b - a for a, b in zip(arrived[chunks // 2 - 1:], arrived[chunks // 2:])]
+        out[frm] = bits / max(statistics.median(gaps), 1e-9) / 1e9
+        for h in sends:
+            h.wait()
     return out
 
 
@@ -236,19 +266,19 @@ def gather(transport, topology, pace: Pace) -> dict[int, dict | None]:
     import torch
 
     n, me = topology.num_workers, topology.rank
-    table = torch.zeros(n, 7, dtype=torch.float64, device=transport.device)
+    table = torch.zeros(n, 8, dtype=torch.float64, device=transport.device)
     mine = pace.as_dict()
     if mine is not None:
         prev, nxt = (me - 1) % n, (me + 1) % n
         table[me] = torch.tensor([1.0, mine["compute"], mine["between"], mine["wait"],
                                   pace.links.get(prev, 0.0), pace.links.get(nxt, 0.0) if n > 2 else 0.0,
-                                  float(pace.synchronous)])
+                                  float(pace.synchronous), pace.sent])
     transport.allreduce(table, world=False, what="straggler readings")
     out: dict[int, dict | None] = {}
-    for r, (known, compute, between, wait, from_prev, from_next, synchronous) in enumerate(table.tolist()):
+    for r, (known, compute, between, wait, from_prev, from_next, synchronous, sent) in enumerate(table.tolist()):
         links = {p: g for p, g in (((r - 1) % n, from_prev), ((r + 1) % n, from_next)) if g > 0}
         out[r] = {"compute": compute, "between": between, "wait": wait, "links": links,
-                  "synchronous": synchronous > 0} if known else None
+                  "synchronous": synchronous > 0, "sent": sent} if known else None
     return out
 
 

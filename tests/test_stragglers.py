@@ -10,8 +10,8 @@ from gradsync.bench import report
 from multirank import run_ranks
 
 
-def pace(compute, wait, between=0.001, links=None):
-    return {"compute": compute, "between": between, "wait": wait, "links": links or {}}
+def pace(compute, wait, between=0.001, links=None, sent=0.0):
+    return {"compute": compute, "between": between, "wait": wait, "links": links or {}, "sent": sent}
 
 
 def test_a_balanced_job_names_no_one():
@@ -65,41 +65,48 @@ def ring(n, slow=None, rate=10.0, slow_rate=5.0):
 
 
 def test_a_slow_link_is_named_when_the_job_waits():
+    # 50 MB a step: 40 ms at 10 Gbit/s, 80 ms at 5: the slow link accounts for the 50 ms wait.
     links = ring(4, slow=3)
-    paces = {r: pace(0.1, 0.05, links=links[r]) for r in range(4)}
+    paces = {r: pace(0.1, 0.05, links=links[r], sent=50e6) for r in range(4)}
     [found] = stragglers.verdict(paces)
     assert (found.rank, found.cause, found.ratio) == (3, "link", 2.0)
     assert "its link" in found.describe()
     # Its neighbours' steps lengthen too (their sends wait on the slow link): still its link.
-    paces[2] = pace(0.115, 0.035, links=links[2])
+    paces[2] = pace(0.115, 0.035, links=links[2], sent=50e6)
     [found] = stragglers.verdict(paces)
     assert (found.rank, found.cause) == (3, "link")
     # A job that hardly waits is not held back by its links, slow or not.
-    quiet = {r: pace(0.1, 0.001, links=links[r]) for r in range(4)}
+    quiet = {r: pace(0.1, 0.001, links=links[r], sent=50e6) for r in range(4)}
     assert stragglers.verdict(quiet) == []
     # Equal links: no one.
     even = ring(4)
-    assert stragglers.verdict({r: pace(0.1, 0.05, links=even[r]) for r in range(4)}) == []
+    assert stragglers.verdict({r: pace(0.1, 0.05, links=even[r], sent=50e6) for r in range(4)}) == []
+    # A slow reading on a link that carries 50 kB a step (40 us at 10 Gbit/s) explains no 50 ms wait:
+    # the worker that arrives last is named for its compute instead.
+    light = {r: pace(0.1, 0.05, links=links[r], sent=50e3) for r in range(4)}
+    light[1] = pace(0.15, 0.0, links=links[1], sent=50e3)
+    assert [(s.rank, s.cause) for s in stragglers.verdict(light)] == [(1, "compute")]
 
 
 def test_pace_counts_compute_between_and_wait():
     p = stragglers.Pace(alpha=0.0)  # the last step alone
     waited = 0.0
-    p.end_step(waited)  # the first step ends: nothing to measure yet
+    p.end_step(waited, sent=1000)  # the first step ends: nothing to measure yet
     assert p.as_dict() is None and p.line() == ""
     time.sleep(0.02)  # between steps
     p.forward(waited)
     time.sleep(0.05)  # computing, and waiting 20 ms of it in gradsync operations
     waited += 0.02  # (counted by the flight recorder)
-    p.end_step(waited)
+    p.end_step(waited, sent=3000)
     got = p.as_dict()
+    assert got["sent"] == 2000
     assert got["between"] == pytest.approx(0.02, abs=0.01)
     assert got["wait"] == pytest.approx(0.02)
     assert got["compute"] == pytest.approx(0.03, abs=0.01)
     p.links = {1: 9.5}
     back = stragglers.parse(p.line().split())
     assert back.pop("links") == {"1": 9.5} and back.pop("synchronous") is True
-    assert back == pytest.approx({k: got[k] for k in ("compute", "between", "wait")}, abs=1e-6)
+    assert back == pytest.approx({k: got[k] for k in ("compute", "between", "wait", "sent")}, abs=1e-6)
     assert stragglers.parse(["x", "1", "2", "-"]) is None
 
 
