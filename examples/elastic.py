@@ -3,6 +3,12 @@
     gradsync run --elastic -np 1 --min-np 1 --max-np 4 -- python examples/elastic.py --schedule 3:2,6:4,10:2
     gradsync resize 3 --port PORT        # from another shell: PORT is printed at start
 
+Over several hosts, the same on each (``GRADSYNC_JOB_SECRET`` the same everywhere; the first host's
+agent, the one that owns HOST's address, hosts the store):
+
+    gradsync run --elastic --nnodes 1:3 --nproc-per-node 1 --rdzv-endpoint HOST:29400 -- \
+        python examples/elastic.py --stop-file /shared/stop
+
 A least-squares model on a fixed dataset. Every step takes the next global batch (``--batch`` per
 worker times the current number of workers) of one order per epoch (gradsync.adapt.GlobalBatches),
 so the run is reproducible whatever happens to the job. Worker 0 writes ``--out``: the final
@@ -22,7 +28,7 @@ import time
 import torch
 
 import gradsync
-from gradsync.adapt import Controller, NoiseScale, ScheduledResize, StrategySwitch, monitor
+from gradsync.adapt import Controller, NoiseScale, ScheduledResize, StopFile, StrategySwitch, monitor
 
 DIM, DATA = 8, 1024
 
@@ -71,6 +77,7 @@ def main() -> None:
                              "casync-ring (identity codec): policies and monitors across resizes")
     parser.add_argument("--model", default="", help="a gradsync model (e.g. resnet50) on synthetic data instead "
                         "of least squares: for resize latencies with a model's real size")
+    parser.add_argument("--stop-file", default="", help="end after the first step at which this file exists (StopFile)")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
 
@@ -90,7 +97,7 @@ def main() -> None:
     die_step, die_id = (int(v) for v in args.die.split(":")) if args.die else (-1, -1)
     if me == die_id:
         model.weight.register_hook(lambda g: os.kill(os.getpid(), signal.SIGKILL) if ctl.step == die_step else g)
-    policies = [ScheduledResize(schedule)]
+    policies = [ScheduledResize(schedule)] + ([StopFile(args.stop_file)] if args.stop_file else [])
     noise = None
     if args.adapt:
         noise = NoiseScale(args.batch)

@@ -18,7 +18,7 @@ from gradsync._lazy import lazy_names
 # Public name -> the module that defines it (each of these imports torch).
 _LAZY = {
     **{name: "gradsync.adapt.builtin" for name in ("AdaptiveBatchSize", "BalanceBatches", "ScheduledResize",
-                                                   "StrategySwitch", "balanced_shares")},
+                                                   "StopFile", "StrategySwitch", "balanced_shares")},
     "GlobalBatches": "gradsync.adapt.data",
     **{name: "gradsync.adapt.monitors" for name in ("EMA", "GradientVariance", "Monitor", "Monitors", "NoiseScale", "Stragglers",
                                                    "Throughput", "links", "monitor")},

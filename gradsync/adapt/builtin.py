@@ -164,6 +164,27 @@ class ScheduledResize(Policy):
             ctl.resize(size)
 
 
+class StopFile(Policy):
+    """End training after the first step at which any worker sees ``path`` (a scheduler's preemption
+    notice on shared storage, an operator's ``touch``): the workers agree in one all-reduce of one
+    flag a step, so all stop after the same step, where ``ctl.run`` returns and the script saves
+    what it saves. The file is left where it is."""
+
+    def __init__(self, path: str):
+        if not path:
+            raise ConfigError("StopFile needs the path of the file to watch for")
+        self.path = path
+
+    def after_step(self, ctl: Controller) -> None:
+        import os
+
+        seen = torch.tensor([float(os.path.exists(self.path))])
+        if ctl.num_workers > 1:
+            runtime.current().transport.allreduce(seen, op="max", what=f"StopFile({self.path})")
+        if seen.item() > 0:
+            ctl.stop()
+
+
 def balanced_shares(seconds_per_sample: list[float], global_batch: int, min_share: int = 1) -> list[int]:
     """Integer shares of ``global_batch``, one per worker, in proportion to each worker's speed
     (1 / its seconds per sample), each at least ``min_share``: workers whose proportional share

@@ -6,7 +6,8 @@ of worker ids (``elastic/members/g``), and worker ``members[i]`` is rank ``i`` o
 process group (created on the store under the prefix ``elastic/g/``, so generations never mix).
 
 - A worker started by the launcher announces itself (``elastic/ready/<id>``) and waits until a
-  generation lists it (:func:`join`, from ``gradsync.init()``).
+  generation lists it (:func:`join`, from ``gradsync.init()``). A standby (``--standby``) waits
+  there without a deadline until a grow admits it, and exits when the job ends (``elastic/done``).
 - Between steps, the :class:`~gradsync.adapt.Controller` asks (:meth:`Membership.agree`) whether a
   newer generation exists: one all-reduce (max) of one integer, so all workers switch after the
   same step. Then every worker closes its strategy, leaves the old group, and the members of the
@@ -21,7 +22,8 @@ process group (created on the store under the prefix ``elastic/g/``, so generati
 
 Store keys (all strings): ``elastic/gen``, ``elastic/members/<g>``, ``elastic/ready/<id>``,
 ``elastic/request/<n>`` (a size asked for; ``n`` from the counter ``elastic/request_seq``),
-``elastic/answer/<n>``, ``elastic/failed`` (why the launcher gave up). Values are signed with the
+``elastic/answer/<n>``, ``elastic/failed`` (why the launcher gave up), ``elastic/done`` (the job
+ended: standbys exit). Values are signed with the
 job's secret (:mod:`gradsync.store`); a worker ignores a generation whose signature is wrong (the
 launcher restores it), so a hostile write cannot steer or stop the job.
 """
@@ -125,8 +127,8 @@ class Membership:
     def enter(self, gen: int, *, needs_state: bool = False) -> bool:
         """Form generation ``gen``'s process group; False when this worker is not in it (detached).
 
-        If the group cannot form (a listed worker died meanwhile) and the launcher has published a
-        newer generation, that one is tried instead. Once formed, the members agree in one all-reduce
+        If the group cannot form (a listed worker died meanwhile), the launcher's next generation
+        (waited for up to the timeout) is tried instead. Once formed, the members agree in one all-reduce
         whether anyone is new and whether anyone ``needs_state`` (restored after a failure): every
         worker then takes the same path through the model broadcast and the state hand-over."""
         while True:
@@ -144,12 +146,14 @@ class Membership:
                 rt.transport.allreduce(flags, op="max", what="elastic: who is new")
             except Exception as exc:  # noqa: BLE001 - Gloo and the store raise plain RuntimeErrors
                 runtime.leave()
-                newer = self.latest()
-                if newer > gen:
-                    gen = newer
+                try:  # a member died meanwhile: the launcher leaves it out of the next generation
+                    gen = self.wait_for(gen, self.timeout_s)
                     continue
+                except GradsyncError:
+                    pass
                 raise GradsyncError(f"elastic worker {self.id}: generation {gen} ({members}) could not form its "
-                                    f"process group and the launcher published no newer one: {exc}") from exc
+                                    f"process group and the launcher published no newer one within "
+                                    f"{self.timeout_s:g} s: {exc}") from exc
             self.fresh = self.gen < 0
             self.gen, self.members = gen, members
             self.any_new, self.needs_state = bool(flags[0]), bool(flags[1])
@@ -176,15 +180,33 @@ def join(backend: str, timeout_s: float):
     store = _client(addr, port, max(timeout_s, runtime.RENDEZVOUS_MIN_S))
     member = Membership(store, addr, port, wid, backend, timeout_s)
     store.set(f"elastic/ready/{wid}", "1")
+    standby = os.environ.get("GRADSYNC_ELASTIC_STANDBY") == "1"
     deadline = time.monotonic() + max(timeout_s, runtime.RENDEZVOUS_MIN_S)
     gen = -1
     while True:
-        gen = member.wait_for(gen, max(1.0, deadline - time.monotonic()))
+        if standby:
+            gen = _admitted_or_done(member, gen)
+        else:
+            gen = member.wait_for(gen, max(1.0, deadline - time.monotonic()))
         if wid in member.members_of(gen):
             break
     if not member.enter(gen):
         raise GradsyncError(f"elastic worker {wid} was listed in generation {gen} and then not")
     return runtime.current()
+
+
+def _admitted_or_done(member: Membership, gen: int) -> int:
+    """A standby's wait: the next generation, however long it takes; the process exits (0) when
+    the job ends before a grow admits it."""
+    while True:
+        if member._read("elastic/done") is not None:
+            print(f"gradsync: standby worker {member.id}: the job ended before a grow needed it", flush=True)
+            raise SystemExit(0)
+        try:
+            return member.wait_for(gen, 1.0)
+        except GradsyncError:
+            if member._failed():
+                raise
 
 
 def joining() -> bool:

@@ -120,6 +120,8 @@ class Controller(Commits, Regrouping):
             if elastic.joining():
                 self._hand_over(joining=True)  # the survivors do the same in _regroup
                 self._resumed = True  # the job is mid-training: no before_train / before_epoch here
+                print(f"gradsync: elastic worker {member.id} joined generation {member.gen} ({len(member.members)} "
+                      f"workers) at step {self.step}", flush=True)
                 return
         if self.checkpoint_dir is not None and os.environ.get(durable.RESUME_ENV) == "1":
             self._resume()

@@ -112,6 +112,9 @@ class Regrouping:
         self._regrouped_at = self.step
         self.resizes.append({"generation": gen, "from": before, "to": len(member.members), "cause": cause,
                              "step": self.step, "seconds": time.perf_counter() - start, "phases": phases})
+        if runtime.current().topology.rank == 0:
+            print(f"gradsync: generation {gen} regrouped, {before} -> {len(member.members)} workers after step "
+                  f"{self.step}, in {self.resizes[-1]['seconds']:.2f} s ({cause.split(':')[0]})", flush=True)
         self.commit()  # the state to come back to (the step's own commit, which this replaces, is not timed either)
 
     def _hand_over(self, *, joining: bool) -> None:

@@ -53,10 +53,14 @@ def _per_node(text: str) -> int:
     return _int_in(1)(text)
 
 
-def _nnodes(text: str) -> int:
+def _nnodes(text: str) -> int | tuple[int, int]:
+    """A count of machines, or torchrun's elastic range ``MIN:MAX`` (with ``--elastic``)."""
     if ":" in text:
-        raise argparse.ArgumentTypeError(f"{text}: a range of machines is torchrun's elastic form; gradsync's "
-                                         "elastic jobs run on one machine: --elastic --min-np A --max-np B")
+        low, _, high = text.partition(":")
+        low, high = _int_in(1)(low), _int_in(1)(high)
+        if low > high:
+            raise argparse.ArgumentTypeError(f"{text}: MIN:MAX needs MIN <= MAX")
+        return (low, high)
     return _int_in(1)(text)
 
 
@@ -83,7 +87,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help="torchrun's name: workers on each machine (the job has this times --nnodes); "
                              "auto, gpu or cpu: this machine's GPUs or cores, as torchrun counts them")
     parser.add_argument("--nnodes", type=_nnodes,
-                        help="torchrun's name: machines, each running --nproc-per-node workers (needs --master-addr)")
+                        help="torchrun's name: machines, each running --nproc-per-node workers (needs --master-addr); "
+                             "with --elastic, MIN:MAX machines, one agent each (needs --rdzv-endpoint)")
     parser.add_argument("--servers", type=_int_in(0), default=0, help="parameter servers (default 0)")
     hosts = parser.add_mutually_exclusive_group()
     hosts.add_argument("-H", "--hosts", help="host1:slots,host2:slots (workers fill hosts in order)")
@@ -126,11 +131,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                              f"(repeatable, or 3:2,1:1.25); the ranks get it as {SLOW_ENV}, which an emulated model "
                              "(gradsync.emulate) reads")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the command every rank runs, after --")
-    elastic = parser.add_argument_group("elastic jobs (one machine)")
+    elastic = parser.add_argument_group("elastic jobs (one machine, or --nnodes MIN:MAX machines)")
     elastic.add_argument("--elastic", action="store_true",
                          help="workers may join, leave or die while the job runs (gradsync resize N; see docs/adaptive.md)")
     elastic.add_argument("--min-np", type=_int_in(1), help="with --elastic: fewest workers (default -np)")
     elastic.add_argument("--max-np", type=_int_in(1), help="with --elastic: most workers (default -np)")
+    elastic.add_argument("--standby", type=_int_in(0), default=0, metavar="K",
+                         help="with --elastic: keep K extra workers started (torch imported, the script run up to "
+                              "gradsync.init()) that a grow admits at once; replaced in the background")
     durable = parser.add_argument_group("checkpoints (a script that trains through gradsync.adapt.Controller)")
     durable.add_argument("--checkpoint-dir", metavar="DIR", type=output_dir,
                          help="worker 0 writes the Controller's commits to DIR, atomically, off the step's path")
@@ -278,6 +286,11 @@ def _main(args: argparse.Namespace) -> int:
     parser = args.run_parser
     command = _command(args, parser)
     _rendezvous(args, parser)
+    if isinstance(args.nnodes, tuple):
+        if not args.elastic:
+            parser.error(f"--nnodes {args.nnodes[0]}:{args.nnodes[1]}: a range of machines is torchrun's elastic form: "
+                         "add --elastic (one agent per machine, --rdzv-endpoint the first's address)")
+        return _run_elastic_hosts(args, command, parser)
     _workers(args, parser)
     if args.delay and args.net is None:
         parser.error("--delay needs --net: it is the delay of the emulated links")
@@ -291,8 +304,8 @@ def _main(args: argparse.Namespace) -> int:
     _checkpoints(args, parser)
     if args.elastic:
         return _run_elastic(args, command, parser)
-    if args.min_np is not None or args.max_np is not None:
-        parser.error("--min-np and --max-np need --elastic")
+    if args.min_np is not None or args.max_np is not None or args.standby:
+        parser.error("--min-np, --max-np and --standby need --elastic")
     env = _slow_env(args, parser)
     if args.net is not None:
         return _run_emulated(args, command, parser, env)
@@ -351,8 +364,44 @@ def _run_elastic(args, command: list[str], parser) -> int:
 
     try:
         result = launch_elastic(command, np=args.np, min_np=args.min_np or args.np, max_np=args.max_np or args.np,
-                                port=args.port, logdir=args.logdir, grace_s=args.grace)
+                                port=args.port, logdir=args.logdir, grace_s=args.grace, standby=args.standby)
     except ConfigError as exc:  # its store cannot listen (a port in use): nothing was started
+        print(f"gradsync run --elastic: {exc}", file=sys.stderr, flush=True)
+        return 2
+    if result.message:
+        print(result.message, file=sys.stderr, flush=True)
+    return result.returncode
+
+
+def _run_elastic_hosts(args, command: list[str], parser) -> int:
+    """``--elastic --nnodes MIN:MAX``: this host's agent of a job over several hosts. The agent on the
+    host that owns the rendezvous address leads (hosts the store, decides who is in the job); the
+    others register with it (gradsync.launch.elastic_hosts)."""
+    if args.nproc_per_node is None or args.np is not None:
+        parser.error("--elastic --nnodes MIN:MAX counts workers per machine: give --nproc-per-node K, not -np")
+    if args.master_addr is None or args.port is None:
+        parser.error("--elastic --nnodes MIN:MAX needs --rdzv-endpoint HOST:PORT: the address and port of the "
+                     "machine whose agent hosts the job's store, the same on every machine")
+    if args.min_np is not None or args.max_np is not None:
+        parser.error("--nnodes MIN:MAX sets the workers already (MIN and MAX times --nproc-per-node): drop --min-np/--max-np")
+    if args.hosts or args.hostfile or args.net or args.servers or args.slow:
+        parser.error("--elastic --nnodes runs one agent per machine: no -H, --hostfile, --net, --servers or --slow")
+    from gradsync.launch.elastic import launch_elastic
+    from gradsync.launch.elastic_hosts import is_local_address, launch_host
+
+    low, high = args.nnodes
+    k = args.nproc_per_node
+    try:
+        if is_local_address(args.master_addr):
+            result = launch_elastic(command, np=low * k, min_np=low * k, max_np=high * k, port=args.port,
+                                    logdir=args.logdir, grace_s=args.grace, standby=args.standby,
+                                    addr=args.master_addr, nproc=k, min_hosts=low)
+        else:
+            if args.standby:
+                parser.error("--standby is the lead's (the agent on the --rdzv-endpoint machine): give it there")
+            result = launch_host(command, addr=args.master_addr, port=args.port, nproc=k, logdir=args.logdir,
+                                 grace_s=args.grace)
+    except ConfigError as exc:
         print(f"gradsync run --elastic: {exc}", file=sys.stderr, flush=True)
         return 2
     if result.message:
@@ -377,7 +426,7 @@ def _run_emulated(args, command: list[str], parser, env: dict[str, str]) -> int:
         result = launch_emulated(command, np=args.np, servers=args.servers, rate_bps=rates.default,
                                  rank_rates=rates.ranks, delay_ms=args.delay, loss=args.loss / 100,
                                  ranks_per_host=args.ranks_per_host, env=env,
-                                 port=args.port, logdir=args.logdir, grace_s=args.grace)
+                                 port=args.port, logdir=args.logdir, grace_s=args.grace, standby=args.standby)
     except ConfigError as exc:
         parser.error(str(exc))
     if result.message:

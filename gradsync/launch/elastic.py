@@ -1,17 +1,25 @@
-"""``gradsync run --elastic``: the agent that decides who is in a job while it runs (one machine).
+"""``gradsync run --elastic``: the agent that decides who is in a job while it runs.
 
 It hosts the job's key-value store (a ``torch.distributed.TCPStore`` on ``--port``), starts the
 workers with stable ids (``GRADSYNC_ELASTIC_ID``; their output is prefixed ``[worker ID]``) and
 publishes *generations*: lists of worker ids (keys in :mod:`gradsync.adapt.elastic`). It acts on:
 
 - a size request (``gradsync resize N``, or a policy calling ``ctl.resize(N)``), clamped to
-  ``--min-np``..``--max-np``: to grow, it starts the new workers and publishes the next generation
-  (old members first, in order, then the new ones) once every new one has announced itself; to
-  shrink, it publishes the first N members at once, and the others leave training and exit;
+  ``--min-np``..``--max-np``: to grow, it admits standbys (below) and starts any further workers,
+  and publishes the next generation (old members first, in order, then the new ones) once every
+  new one has announced itself; to shrink, it publishes the first N members at once, and the
+  others leave training and exit;
 - a worker that dies (exits non-zero or by a signal): the next generation leaves it out, and the
   survivors restore their last commit and go on; below ``--min-np`` the job fails.
 
-The job ends when every member has exited successfully; its exit code is then 0.
+*Standbys* (``--standby K``) are workers started ahead of need: Python up, torch imported, the
+script run up to ``gradsync.init()``, where they announce themselves and wait (without a deadline)
+to be listed. A grow admits them first, so it costs the regroup and the state hand-over rather than
+a process's start; each admitted standby is replaced in the background. A standby that fails
+while waiting is reported and not replaced (the next grow starts workers as without standbys).
+
+The job ends when every member has exited successfully; its exit code is then 0. Standbys still
+waiting then exit (``elastic/done``; the agent ends any that do not within ``--grace``).
 
 Where each worker is (:mod:`gradsync.flight`): on ``SIGUSR1``, and when the job fails, the agent
 prints the cross-rank summary of the current generation and writes ``flight-summary.json`` into
@@ -21,6 +29,11 @@ The store listens on loopback only, and every value in it is signed with the job
 (:mod:`gradsync.store`), which the agent draws at start, passes to its workers and keeps in a 0600
 file (``~/.gradsync/jobs/elastic-PORT.key``) for ``gradsync resize``. A resize request without a
 valid signature is refused and logged; a generation overwritten from outside is written back.
+
+Over several hosts (``--nnodes MIN:MAX``, :mod:`gradsync.launch.elastic_hosts`) this agent is the
+*lead*: its store listens on the rendezvous address, the secret is the one every host's agent was
+given, and workers start on any host with a free slot (this one first); hosts that register grow
+the job, hosts that go quiet leave it.
 """
 from __future__ import annotations
 
@@ -34,7 +47,8 @@ from datetime import timedelta
 
 from gradsync import flight
 from gradsync import store as stores
-from gradsync.errors import GradsyncError
+from gradsync.errors import ConfigError, GradsyncError
+from gradsync.launch.elastic_hosts import BEAT_S, CONNECT_S, HOST_LOST_S, RemoteHost, RemoteHosts
 from gradsync.launch.hosts import RankSpec
 from gradsync.launch.output import _Output, _start_pumps
 from gradsync.launch.processes import JobResult
@@ -42,17 +56,27 @@ from gradsync.launch.spawn import _spawn, fault_handler_env
 from gradsync.launch.watch import _USR1, _exit_code, _stop, _trap_signals
 
 POLL_S = 0.02
+STANDBY_ENV = "GRADSYNC_ELASTIC_STANDBY"
+"""``1`` in a standby's environment: it waits to be admitted without a deadline."""
 REQUEST_BODY_S = 5.0
 """How long a request number may go without its size before it is refused."""
 
 
 class Agent:
     def __init__(self, command: list[str], np: int, min_np: int, max_np: int, port: int | None,
-                 logdir: str | None, grace_s: float):
-
+                 logdir: str | None, grace_s: float, standby: int = 0, addr: str = "127.0.0.1",
+                 nproc: int | None = None, min_hosts: int = 1):
+        """``nproc``: slots on each host of a job over several hosts (None: one host, this one, and
+        no limit but ``max_np``); ``min_hosts`` of them must register before the job starts."""
         self.command, self.min_np, self.max_np, self.grace_s, self.logdir = command, min_np, max_np, grace_s, logdir
-        # On loopback only: the store takes requests from anyone who can reach it (gradsync.store).
-        self._server = stores.serve("127.0.0.1", port or 0, None, 30)
+        # One host: on loopback only (the store takes requests from anyone who can reach it,
+        # gradsync.store); several: on the rendezvous address, the hosts' trusted network.
+        self.addr, self.nproc = addr, nproc
+        if nproc is not None and not stores.job_secret():
+            raise ConfigError(f"an elastic job over several hosts needs the job's secret on every host: set "
+                              f"{stores.SECRET_ENV} to the same value for every agent (for instance python -c "
+                              "'import secrets; print(secrets.token_hex(16))')")
+        self._server = stores.serve(addr, port or 0, None, 30)
         self.port = self._server.port
         self.secret = stores.job_secret() or stores.new_secret()
         self.secret_path = stores.secret_file(self.port)
@@ -64,40 +88,91 @@ class Agent:
         self.procs: dict[int, object] = {}  # id -> _Rank
         self.members: list[int] = []
         self.pending: list[int] = []  # started, not yet in a generation
+        self.standby: list[int] = []  # started ahead of need, waiting to be admitted by a grow
         self.gen = -1
         self.next_id = 0
         self.seq = 0
         self.unanswered: list[int] = []  # requests answered when the new workers have joined
         self.failed: list[str] = []
         self.requested_at: float | None = None
+        self.standby_target = standby
         if logdir is not None:
             os.makedirs(logdir, exist_ok=True)
         self.flight_dir = os.path.abspath(logdir if logdir is not None else tempfile.mkdtemp(prefix="gradsync-flight-"))
+        self.remote = None
+        if nproc is not None:
+            self.remote = RemoteHosts(self.store, self._keep)
+            self._keep("elastic/job", f"{min_np} {max_np}")
+            self.store.add("elastic/hosts", 1)  # host 0: this one
+            self._gather_hosts(min_hosts)
         for _ in range(np):
             self._start_worker()
         self.members, self.pending = list(self.pending), []
         self._publish("start")
+        self._top_up_standbys()
+
+    def _gather_hosts(self, count: int) -> None:
+        """Wait until ``count`` hosts (this one included) have registered."""
+        deadline = time.monotonic() + 5 * CONNECT_S
+        while len(self.remote.hosts) + 1 < count:
+            for host in self.remote.arrivals():
+                self._say(f"host {host.index} ({host.name}) registered with {host.slots} slots")
+            if time.monotonic() > deadline:
+                self._server = None
+                raise GradsyncError(f"only {len(self.remote.hosts) + 1} of --nnodes' {count} hosts registered "
+                                    f"within {5 * CONNECT_S:g} s at {self.addr}:{self.port}")
+            time.sleep(POLL_S)
+
+    def _capacity(self) -> int:
+        """Workers the job can hold: ``max_np`` on one host; the usable hosts' slots on several."""
+        if self.remote is None:
+            return self.max_np
+        return min(self.max_np, self.nproc + sum(h.slots for h in self.remote.usable()))
+
+    def _place(self) -> RemoteHost | None | bool:
+        """Where the next worker starts: this host (None), a registered host, or nowhere (False)."""
+        if self.remote is None or len(self.procs) < self.nproc:
+            return None
+        for host in self.remote.usable():
+            if self.remote.load(host) < host.slots:
+                return host
+        return False
+
+    def _top_up_standbys(self) -> None:
+        while len(self.standby) < self.standby_target and self._place() is not False:
+            self._start_worker(standby=True)
 
     def _connect(self):
         """The agent's own client of its store: the store closes a connection that sent a request it
         could not parse (an ``add`` to a key holding text), so the agent can open another."""
         import torch.distributed as dist
 
-        return stores.signed(dist.TCPStore("127.0.0.1", self.port, is_master=False, timeout=timedelta(seconds=30),
+        return stores.signed(dist.TCPStore(self.addr, self.port, is_master=False, timeout=timedelta(seconds=30),
                                            wait_for_workers=False), self.secret)
 
-    def _start_worker(self) -> None:
+    def _start_worker(self, standby: bool = False, host: RemoteHost | None | bool = True) -> None:
+        """Start worker ``next_id`` (a standby, or pending until it announces itself) where
+        :meth:`_place` says, or on ``host``."""
+        host = self._place() if host is True else host
+        if host is False:
+            raise GradsyncError("no host has a free slot")  # callers check the capacity first
         wid = self.next_id
         self.next_id += 1
-        env = {**os.environ, "GRADSYNC_ELASTIC": "1", "GRADSYNC_ELASTIC_ID": str(wid), "MASTER_ADDR": "127.0.0.1",
+        if host is not None:
+            self.remote.start(host, wid, standby)
+            (self.standby if standby else self.pending).append(wid)
+            return
+        env = {**os.environ, "GRADSYNC_ELASTIC": "1", "GRADSYNC_ELASTIC_ID": str(wid), "MASTER_ADDR": self.addr,
                "MASTER_PORT": str(self.port), stores.SECRET_ENV: self.secret, flight.DIR_ENV: self.flight_dir, "GRADSYNC_MIN_NP": str(self.min_np), "GRADSYNC_MAX_NP": str(self.max_np),
                "PYTHONUNBUFFERED": "1", **fault_handler_env()}
-        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "GRADSYNC_NUM_SERVERS"):
+        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "GRADSYNC_NUM_SERVERS", STANDBY_ENV):
             env.pop(key, None)
+        if standby:
+            env[STANDBY_ENV] = "1"
         rank = _spawn(list(self.command), RankSpec(wid, "worker", wid, wid), env, self.logdir)
         _start_pumps(rank, self.out)
         self.procs[wid] = rank
-        self.pending.append(wid)
+        (self.standby if standby else self.pending).append(wid)
 
     def _publish(self, why: str) -> None:
         self.gen += 1
@@ -186,11 +261,23 @@ class Agent:
             self._say(f"resize request {seq} {why}")
             self._answer(seq, why)
             return
+        if size > self._capacity():
+            why = (f"refused: {size} workers need more slots than the {len(self.remote.usable()) + 1} hosts have "
+                   f"({self._capacity()}); start another host's agent")
+            self._say(f"resize request {seq} {why}")
+            self._answer(seq, why)
+            return
         have = len(self.members) + len(self.pending)
         if size > have:
-            for _ in range(size - have):
+            admitted, self.standby = self.standby[:size - have], self.standby[size - have:]
+            self.pending += admitted
+            for _ in range(size - have - len(admitted)):
                 self._start_worker()
-            self._say(f"starting {size - have} workers for a resize to {size}")
+            started = size - have - len(admitted)
+            self._say(f"for a resize to {size}: " + ", ".join(
+                part for part in (f"admitting standbys {admitted}" if admitted else "",
+                                  f"starting {started} workers" if started else "") if part))
+            self._top_up_standbys()  # the next grow finds standbys again
         elif size < len(self.members):
             leaving = self.members[size:]
             self.members = self.members[:size]
@@ -209,14 +296,74 @@ class Agent:
                 self._answer(seq, str(self.gen))
             self.unanswered = []
 
+    def _live(self) -> set[int]:
+        return set(self.procs) | (set(self.remote.alive) if self.remote is not None else set())
+
+    def _dismiss_standbys(self) -> None:
+        """The job is over: standbys still waiting exit (``elastic/done``), or are ended after the grace."""
+        self.store.set("elastic/done", "1")
+        local = [w for w in self.standby if w in self.procs]
+        deadline = time.monotonic() + self.grace_s
+        while time.monotonic() < deadline and any(self.procs[w].proc.poll() is None for w in local):
+            time.sleep(POLL_S)
+        _stop([self.procs[w] for w in local], self.grace_s)
+        for wid in self.standby:
+            self.procs.pop(wid, None)
+            if self.remote is not None:
+                self.remote.alive.pop(wid, None)  # their hosts' agents end them
+        self.standby = []
+
+    def _farewell(self) -> None:
+        """Before the store closes with this agent: give the other hosts' agents a few beats to read
+        ``elastic/done`` or ``elastic/failed`` (each says goodbye), so none mistakes the end for a
+        lost store."""
+        if self.remote is None:
+            return
+        deadline = time.monotonic() + 4 * BEAT_S
+        hosts = self.remote.usable()
+        while time.monotonic() < deadline and not all(self.store.check([f"elastic/bye/{h.index}"]) for h in hosts):
+            time.sleep(POLL_S)
+
     def run(self) -> JobResult:
         try:
             return self._loop()
         finally:
+            with contextlib.suppress(Exception):
+                self._farewell()
             with contextlib.suppress(OSError):
                 os.unlink(self.secret_path)
             if self.logdir is None and not os.path.exists(os.path.join(self.flight_dir, "flight-summary.json")):
                 shutil.rmtree(self.flight_dir, ignore_errors=True)
+
+    def _ended(self) -> list[tuple[int, int | None]]:
+        """Workers that ended since the last call, here and on the other hosts: ``(id, exit code)``,
+        None for the workers of a host that was lost."""
+        ended = []
+        for wid, rank in list(self.procs.items()):
+            code = rank.proc.poll()
+            if code is not None:
+                del self.procs[wid]
+                ended.append((wid, code))
+        if self.remote is not None:
+            for host in self.remote.arrivals():
+                self._host_joined(host)
+            lost_before = {h.index for h in self.remote.hosts.values() if h.lost}
+            ended += self.remote.exits()
+            for host in self.remote.hosts.values():
+                if host.lost and host.index not in lost_before:
+                    self._say(f"host {host.index} ({host.name}) is lost: no beat for its agent reached the store "
+                              f"for {HOST_LOST_S:g} s; its workers leave the job")
+        return ended
+
+    def _host_joined(self, host: RemoteHost) -> None:
+        """A host registered while the job runs: its workers join, up to ``max_np``; free slots
+        hold standbys."""
+        grow = min(host.slots, self.max_np - len(self.members) - len(self.pending))
+        self._say(f"host {host.index} ({host.name}) registered with {host.slots} slots"
+                  + (f"; starting {grow} workers there" if grow > 0 else "; the job has --max-np workers already"))
+        for _ in range(max(0, grow)):
+            self._start_worker(host=host)
+        self._top_up_standbys()
 
     def _loop(self) -> JobResult:
         with _trap_signals(usr1=True) as caught:
@@ -227,33 +374,44 @@ class Agent:
                 self._handle_requests()
                 self._repair()
                 self._check_pending()
-                for wid, rank in list(self.procs.items()):
-                    code = rank.proc.poll()
-                    if code is None:
+                generation, gone = list(self.members), []
+                for wid, code in self._ended():
+                    how = "its host was lost" if code is None else f"exit code {_exit_code(code)}"
+                    if wid in self.standby:
+                        self.standby.remove(wid)
+                        if code != 0:
+                            self._say(f"standby worker {wid} failed while waiting ({how}); not replaced")
                         continue
-                    del self.procs[wid]
                     if code == 0:
                         continue  # a worker that left, or one finishing before the others
-                    self.failed.append(f"worker {wid} (exit code {_exit_code(code)})")
+                    self.failed.append(f"worker {wid} ({how})")
                     if wid in self.pending:
                         self.pending.remove(wid)
-                        self._say(f"worker {wid} failed while starting (exit code {_exit_code(code)}); not added")
+                        self._say(f"worker {wid} failed while starting ({how}); not added")
                         if not self.pending:  # nobody left to wait for: answer now
                             for seq in self.unanswered:
-                                self._answer(seq, f"refused: the new workers failed to start (worker {wid}: exit "
-                                                  f"code {_exit_code(code)})")
+                                self._answer(seq, f"refused: the new workers failed to start (worker {wid}: {how})")
                             self.unanswered = []
                         continue
-                    if wid not in self.members:
-                        continue
-                    generation = list(self.members)
-                    self.members.remove(wid)
+                    if wid in self.members:
+                        self.members.remove(wid)
+                        gone.append((wid, code))
+                if gone:
                     if len(self.members) < self.min_np:
-                        return self._fail(f"worker {wid} failed (exit code {_exit_code(code)}) and "
-                                          f"{len(self.members)} workers are left, fewer than --min-np {self.min_np}",
-                                          _exit_code(code), generation)
-                    self._publish(f"worker {wid} failed with exit code {_exit_code(code)}; continuing without it")
-                if not self.procs:
+                        failed = ", ".join(f"worker {w} failed ({'its host was lost' if c is None else f'exit code {_exit_code(c)}'})"
+                                           for w, c in gone)
+                        last = next((_exit_code(c) for _, c in reversed(gone) if c is not None), 1)
+                        return self._fail(f"{failed} and {len(self.members)} workers are left, fewer than --min-np "
+                                          f"{self.min_np}", last, generation)
+                    self._publish("; ".join(f"worker {w} failed: its host was lost" if c is None else
+                                            f"worker {w} failed with exit code {_exit_code(c)}" for w, c in gone)
+                                  + ("; continuing without it" if len(gone) == 1 else "; continuing without them"))
+                    self._top_up_standbys()
+                live = self._live()
+                if live and live <= set(self.standby):
+                    self._dismiss_standbys()
+                if not self._live():
+                    self.store.set("elastic/done", "1")
                     if self.failed:
                         self._say(f"done; failed during the job, and the others went on without them: "
                                   f"{', '.join(self.failed)}")
@@ -263,12 +421,22 @@ class Agent:
 
 
 def launch_elastic(command: list[str], *, np: int, min_np: int, max_np: int, port: int | None = None,
-                   logdir: str | None = None, grace_s: float = 3.0) -> JobResult:
+                   logdir: str | None = None, grace_s: float = 3.0, standby: int = 0, addr: str = "127.0.0.1",
+                   nproc: int | None = None, min_hosts: int = 1) -> JobResult:
+    """Run an elastic job's lead agent: this host's workers, the store, the decisions (see
+    :class:`Agent` for ``addr``, ``nproc`` and ``min_hosts``, the job over several hosts)."""
     if not 1 <= min_np <= np <= max_np:
         return JobResult(2, None, f"gradsync run --elastic: need 1 <= --min-np ({min_np}) <= -np ({np}) "
                                   f"<= --max-np ({max_np})")
-    agent = Agent(command, np, min_np, max_np, port, logdir, grace_s)
-    agent._say(f"store on 127.0.0.1:{agent.port}; resize with: gradsync resize N --port {agent.port}")
+    try:
+        agent = Agent(command, np, min_np, max_np, port, logdir, grace_s, standby, addr, nproc, min_hosts)
+    except ConfigError:
+        raise
+    except GradsyncError as exc:
+        return JobResult(1, None, f"gradsync run --elastic: {exc}")
+    where = f"{addr}:{agent.port}"
+    agent._say(f"store on {where}; resize with: gradsync resize N --port {agent.port}"
+               + (f" --addr {addr}" if nproc is not None else ""))
     return agent.run()
 
 

@@ -1,0 +1,301 @@
+"""Elastic jobs over several hosts: one agent per host, one job store on the first.
+
+``gradsync run --elastic --nnodes MIN:MAX --nproc-per-node K --rdzv-endpoint HOST:PORT`` runs on
+every host, torchrun's spelling (by hand, from SLURM's ``srun``, or one pod each in a Kubernetes
+job). The agent on the host that owns the endpoint's address hosts the job's store there and
+decides who is in the job (:class:`gradsync.launch.elastic.Agent`, the *lead*); every other agent
+(:class:`HostAgent`) registers its host and its K slots in that store, starts the workers the lead
+assigns to it, and reports how they end. Workers of every host follow the same generations as on
+one host (:mod:`gradsync.adapt.elastic`): the store is the only thing the hosts share.
+
+The job starts when MIN hosts have registered; a host that registers later is grown into the job
+at once (its workers start, the job regroups after the step in which they announce themselves),
+up to MAX hosts' workers; ``gradsync resize N`` from any host (``--addr`` the endpoint) shrinks or
+grows within the hosts' slots. A host whose beats stop arriving for :data:`HOST_LOST_S` (its link
+cut, its agent killed, the machine gone) is dropped: its workers leave the next generation and the
+survivors go on from their last commit, as after one worker's death.
+
+Keys, all signed with the job's secret, which every agent must have (``GRADSYNC_JOB_SECRET``): the
+lead writes ``elastic/job`` (``MIN_NP MAX_NP``), ``elastic/spawn/<h>`` (the worker ids host ``h``
+runs, ``s`` after a standby's), ``elastic/lost/<h>``, ``elastic/done`` and ``elastic/failed``; a
+host agent writes ``elastic/host/<h>`` (``K NAME``) and ``elastic/exit/<id>`` (a worker's exit
+code), and counts ``elastic/hosts`` (its index) and ``elastic/beat/<h>``, and says ``elastic/bye/<h>`` when it
+ends.
+
+When the lead's host dies, the store dies with it: every host agent stops its workers after
+:data:`STORE_LOST_S` without an answer and says so. With ``--checkpoint-dir`` on storage the hosts
+share, ``gradsync run --resume DIR`` on any host starts the job again from the newest commit, with
+that host as the new lead.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from gradsync import flight
+from gradsync import store as stores
+from gradsync.errors import ConfigError, GradsyncError
+from gradsync.launch.hosts import RankSpec
+from gradsync.launch.output import _Output, _start_pumps
+from gradsync.launch.processes import JobResult
+from gradsync.launch.spawn import _spawn, fault_handler_env
+from gradsync.launch.watch import _stop, _trap_signals
+
+BEAT_S = 0.5
+"""How often a host agent counts its beat."""
+HOST_LOST_S = 5.0
+"""The lead drops a host whose beat has not moved for this long."""
+STORE_LOST_S = 10.0
+"""A host agent stops its workers when the store has not answered for this long."""
+CONNECT_S = 60.0
+"""How long a host agent tries to reach the store before it gives up."""
+POLL_S = 0.05
+
+
+def is_local_address(addr: str) -> bool:
+    """Whether this host owns ``addr`` (the agent here then hosts the store)."""
+    try:
+        infos = socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    for family, _, _, _, sockaddr in infos:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((sockaddr[0], 0))
+                return True
+            except OSError:
+                continue
+    return False
+
+
+# -- the lead's view of the other hosts ---------------------------------------------------------------
+@dataclass
+class RemoteHost:
+    index: int
+    slots: int
+    name: str
+    spawned: list[str] = field(default_factory=list)  # "ID" or "IDs" (a standby), in the order started
+    beat: int = -1
+    beat_at: float = field(default_factory=time.monotonic)
+    lost: bool = False
+
+
+class RemoteHosts:
+    """What the lead knows of the hosts that registered: their slots, the workers it started there,
+    their beats and the exit codes their agents reported."""
+
+    def __init__(self, store, keep):
+        self.store, self.keep = store, keep  # keep(key, value): a key the lead publishes and keeps true
+        self.hosts: dict[int, RemoteHost] = {}
+        self.alive: dict[int, int] = {}  # worker id -> host index, until its exit is known
+        self.seen = 1  # host indices below this were looked at (0 is the lead's)
+
+    def arrivals(self) -> list[RemoteHost]:
+        """Hosts that registered since the last call."""
+        new = []
+        count = self.store.add("elastic/hosts", 0)
+        while self.seen < count:
+            key = f"elastic/host/{self.seen}"
+            try:
+                raw = self.store.get(key).decode() if self.store.check([key]) else None
+            except stores.UnsignedValueError:
+                raw = None
+            if raw is None:
+                break  # it counted itself and has not written its slots yet: next poll
+            slots, _, name = raw.partition(" ")
+            host = RemoteHost(self.seen, int(slots), name)
+            self.hosts[host.index] = host
+            new.append(host)
+            self.seen += 1
+        return new
+
+    def usable(self) -> list[RemoteHost]:
+        return [h for h in sorted(self.hosts.values(), key=lambda h: h.index) if not h.lost]
+
+    def load(self, host: RemoteHost) -> int:
+        return sum(1 for h in self.alive.values() if h == host.index)
+
+    def start(self, host: RemoteHost, wid: int, standby: bool) -> None:
+        host.spawned.append(f"{wid}{'s' if standby else ''}")
+        self.alive[wid] = host.index
+        self.keep(f"elastic/spawn/{host.index}", ",".join(host.spawned))
+
+    def exits(self) -> list[tuple[int, int | None]]:
+        """Workers that ended since the last call: ``(id, exit code)``, None for a lost host's."""
+        ended: list[tuple[int, int | None]] = []
+        now = time.monotonic()
+        for host in self.usable():
+            beat = self.store.add(f"elastic/beat/{host.index}", 0)
+            if beat != host.beat:
+                host.beat, host.beat_at = beat, now
+            elif now - host.beat_at > HOST_LOST_S:
+                host.lost = True
+                self.keep(f"elastic/lost/{host.index}", "1")
+                ended += [(wid, None) for wid, h in list(self.alive.items()) if h == host.index]
+        for wid, h in list(self.alive.items()):
+            if self.hosts[h].lost:
+                continue
+            key = f"elastic/exit/{wid}"
+            try:
+                raw = self.store.get(key).decode() if self.store.check([key]) else None
+            except stores.UnsignedValueError:
+                raw = None
+            if raw is not None and raw.lstrip("-").isdigit():
+                ended.append((wid, int(raw)))
+        for wid, _ in ended:
+            self.alive.pop(wid, None)
+        return ended
+
+
+# -- the agent of every other host ---------------------------------------------------------------------
+class HostAgent:
+    """One host of a multi-host elastic job, not the lead: registers, starts what the lead assigns,
+    reports exits, beats; ends when the job ends, fails, drops this host, or its store is gone."""
+
+    def __init__(self, command: list[str], addr: str, port: int, nproc: int, logdir: str | None, grace_s: float):
+        self.command, self.addr, self.port, self.nproc, self.logdir, self.grace_s = command, addr, port, nproc, logdir, grace_s
+        self.name = os.environ.get("GRADSYNC_HOST") or socket.gethostname()
+        self.secret = stores.job_secret()
+        if not self.secret:
+            raise ConfigError(f"host {self.name}: an elastic job over several hosts needs the job's secret on every "
+                              f"host: set {stores.SECRET_ENV} to the same value for every agent (for instance "
+                              "python -c 'import secrets; print(secrets.token_hex(16))', shared as SLURM or "
+                              "Kubernetes shares a secret)")
+        self.store = self._connect()
+        try:
+            job = self._read("elastic/job", wait_s=CONNECT_S)
+        except stores.UnsignedValueError:
+            raise ConfigError(f"host {self.name}: the elastic job at {addr}:{port} has another secret than "
+                              f"this agent's {stores.SECRET_ENV}: give every host the same one") from None
+        if job is None:
+            raise GradsyncError(f"host {self.name}: {addr}:{port} answers, but no elastic job has started there "
+                                f"within {CONNECT_S:g} s (is --rdzv-endpoint the lead's?)")
+        self.min_np, self.max_np = (int(x) for x in job.split()[:2])
+        self.index = self.store.add("elastic/hosts", 1) - 1
+        self.store.set(f"elastic/host/{self.index}", f"{nproc} {self.name}")
+        self.out = _Output(prefix=True)
+        self.procs: dict[int, object] = {}
+        self.started: set[int] = set()
+        self.flight_dir = tempfile.mkdtemp(prefix="gradsync-flight-")
+        self.answered = time.monotonic()
+        self._say(f"host {self.index} ({self.name}) joined the job at {addr}:{port} with {nproc} slots")
+
+    def _connect(self):
+        import torch.distributed as dist
+
+        deadline = time.monotonic() + CONNECT_S
+        while True:
+            try:
+                return stores.signed(dist.TCPStore(self.addr, self.port, is_master=False, timeout=timedelta(seconds=10),
+                                                   wait_for_workers=False), self.secret)
+            except Exception as exc:  # noqa: BLE001 - TCPStore raises plain RuntimeErrors
+                if time.monotonic() > deadline:
+                    raise GradsyncError(f"host {self.name}: cannot reach the elastic job's store at {self.addr}:"
+                                        f"{self.port} within {CONNECT_S:g} s ({exc}); is the lead's agent running, "
+                                        "and is that its address?") from None
+                time.sleep(0.5)
+
+    def _read(self, key: str, wait_s: float = 0.0) -> str | None:
+        deadline = time.monotonic() + wait_s
+        while True:
+            if self.store.check([key]):
+                return self.store.get(key).decode()
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(POLL_S)
+
+    def _signed(self, key: str) -> str | None:
+        try:
+            return self._read(key)
+        except stores.UnsignedValueError:
+            return None
+
+    def _say(self, text: str) -> None:
+        print(f"gradsync run --elastic: {text}", file=sys.stderr, flush=True)
+
+    def _start(self, wid: int, standby: bool) -> None:
+        env = {**os.environ, "GRADSYNC_ELASTIC": "1", "GRADSYNC_ELASTIC_ID": str(wid), "MASTER_ADDR": self.addr,
+               "MASTER_PORT": str(self.port), stores.SECRET_ENV: self.secret, flight.DIR_ENV: self.flight_dir,
+               "GRADSYNC_MIN_NP": str(self.min_np), "GRADSYNC_MAX_NP": str(self.max_np), "PYTHONUNBUFFERED": "1",
+               **fault_handler_env()}
+        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "GRADSYNC_NUM_SERVERS", "GRADSYNC_ELASTIC_STANDBY"):
+            env.pop(key, None)
+        if standby:
+            env["GRADSYNC_ELASTIC_STANDBY"] = "1"
+        rank = _spawn(list(self.command), RankSpec(wid, "worker", wid, wid), env, self.logdir)
+        _start_pumps(rank, self.out)
+        self.procs[wid] = rank
+        self.started.add(wid)
+
+    def run(self) -> JobResult:
+        beat_at = 0.0
+        with _trap_signals() as caught:
+            while not caught:
+                try:
+                    if time.monotonic() - beat_at >= BEAT_S:
+                        self.store.add(f"elastic/beat/{self.index}", 1)
+                        beat_at = time.monotonic()
+                    result = self._step()
+                    self.answered = time.monotonic()
+                except Exception as exc:  # noqa: BLE001 - the store's host died or is cut off
+                    if time.monotonic() - self.answered > STORE_LOST_S:
+                        return self._end(1, f"the job's store at {self.addr}:{self.port} has not answered for "
+                                            f"{STORE_LOST_S:g} s ({str(exc).splitlines()[0][:120]}): its host is gone, "
+                                            "and the job with it; with --checkpoint-dir on shared storage, start it "
+                                            "again with gradsync run --resume DIR")
+                    result = None
+                if result is not None:
+                    return result
+                time.sleep(POLL_S)
+        return self._end(130 if caught and caught[0] == 2 else 143, "interrupted")
+
+    def _step(self) -> JobResult | None:
+        if self._signed("elastic/done") is not None:
+            return self._end(0, "", grace=True)
+        failed = self._signed("elastic/failed")
+        if failed is not None:
+            return self._end(1, f"the job failed: {failed}")
+        if self._signed(f"elastic/lost/{self.index}") is not None:
+            return self._end(1, f"the job dropped host {self.index} ({self.name}): its beats stopped reaching the "
+                                f"store for {HOST_LOST_S:g} s; its workers are stopped")
+        spawn = self._signed(f"elastic/spawn/{self.index}") or ""
+        for entry in filter(None, spawn.split(",")):
+            wid = int(entry.rstrip("s"))
+            if wid not in self.started:
+                self._start(wid, entry.endswith("s"))
+        for wid, rank in list(self.procs.items()):
+            code = rank.proc.poll()
+            if code is not None:
+                del self.procs[wid]
+                self.store.set(f"elastic/exit/{wid}", str(code))
+        return None
+
+    def _end(self, code: int, message: str, grace: bool = False) -> JobResult:
+        """Say goodbye to the lead, stop this host's workers (after the grace when the job ended
+        well: standbys leave on their own) and end."""
+        with contextlib.suppress(Exception):  # a store that is gone hears no goodbye
+            self.store.set(f"elastic/bye/{self.index}", "1")
+        if grace:
+            deadline = time.monotonic() + self.grace_s
+            while time.monotonic() < deadline and any(r.proc.poll() is None for r in self.procs.values()):
+                time.sleep(POLL_S)
+        _stop(list(self.procs.values()), self.grace_s)
+        shutil.rmtree(self.flight_dir, ignore_errors=True)
+        return JobResult(code, None, f"gradsync run --elastic: host {self.index}: {message}" if message else "")
+
+
+def launch_host(command: list[str], *, addr: str, port: int, nproc: int, logdir: str | None = None,
+                grace_s: float = 3.0) -> JobResult:
+    """``gradsync run --elastic --nnodes MIN:MAX`` on a host that is not the rendezvous endpoint's."""
+    try:
+        agent = HostAgent(command, addr, port, nproc, logdir, grace_s)
+    except GradsyncError as exc:
+        return JobResult(2 if isinstance(exc, ConfigError) else 1, None, f"gradsync run --elastic: {exc}")
+    return agent.run()
