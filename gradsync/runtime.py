@@ -116,7 +116,15 @@ def check_progress(what: str, since: float | None = None) -> None:
 
 
 _RUNTIME: Runtime | None = None
+_DEFERRED = None  # a standby's join, run where the script first needs the job (current())
 _AT_EXIT = False
+
+
+def defer(join) -> None:
+    """Run ``join()`` (which starts the runtime) where the script first needs the job rather than
+    in ``init()``: an elastic standby builds its model ahead of being admitted."""
+    global _DEFERRED
+    _DEFERRED = join
 
 
 def _explain_uncaught(kind, value, tb) -> None:
@@ -180,6 +188,8 @@ def init(*, backend: str | None = None, timeout_s: float | None = None,
     """
     if _RUNTIME is not None:
         return _RUNTIME.topology
+    if _DEFERRED is not None:
+        return _PendingTopology()
     source = "timeout_s" if timeout_s is not None else "GRADSYNC_TIMEOUT"
     raw_timeout = timeout_s if timeout_s is not None else (os.environ.get("GRADSYNC_TIMEOUT") or DEFAULT_TIMEOUT_S)
     try:
@@ -308,10 +318,24 @@ def on_stop(stopper) -> None:
 
 
 def current() -> Runtime:
-    """The runtime, initialising it from the environment on first use."""
+    """The runtime, initialising it from the environment on first use (or running a deferred join)."""
+    global _DEFERRED
+    if _RUNTIME is None and _DEFERRED is not None:
+        join, _DEFERRED = _DEFERRED, None
+        join()
     if _RUNTIME is None:
         init()
     return _RUNTIME
+
+
+class _PendingTopology:
+    """What ``init()`` returns before a deferred join: reading any of it joins first."""
+
+    def __getattr__(self, name):
+        return getattr(current().topology, name)
+
+    def __repr__(self) -> str:
+        return repr(current().topology)
 
 
 def is_initialized() -> bool:

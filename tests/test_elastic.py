@@ -16,11 +16,11 @@ EXAMPLE = os.path.join(ROOT, "examples", "elastic.py")
 GRADSYNC = [sys.executable, "-m", "gradsync.cli"]
 
 
-def run_job(tmp_path, launcher_args, example_args, timeout=120):
+def run_job(tmp_path, launcher_args, example_args, timeout=120, env=None):
     out = tmp_path / "result.json"
     proc = subprocess.run([*GRADSYNC, "run", "--elastic", *launcher_args, "--", sys.executable, EXAMPLE,
                            "--out", str(out), *example_args], capture_output=True, text=True, timeout=timeout,
-                          cwd=ROOT, env={**os.environ, "GRADSYNC_TIMEOUT": "20"})
+                          cwd=ROOT, env={**os.environ, "GRADSYNC_TIMEOUT": "20", **(env or {})})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return json.loads(out.read_text()), proc.stderr + proc.stdout
 
@@ -44,7 +44,7 @@ def test_grow_and_shrink_1_2_4_2_while_training_matches_the_reference(tmp_path):
     # One standby: the first grow admits it (worker 1), the second its replacement (worker 2) and
     # starts worker 3; worker 4, the last replacement, is still waiting when the job ends and exits.
     result, log = run_job(tmp_path, ["-np", "1", "--min-np", "1", "--max-np", "4", "--standby", "1"],
-                          ["--schedule", "3:2,6:4,10:2,12:9", "--steps", "14"])
+                          ["--schedule", "3:2,6:4,10:2,12:9", "--steps", "14"], env={"GRADSYNC_STANDBY_REPLACE_S": "0"})
     assert "for a resize to 2: admitting standbys [1]" in log, log[-3000:]
     assert "for a resize to 4: admitting standbys [2], starting 1 workers" in log, log[-3000:]
     assert "standby worker 4: the job ended before a grow needed it" in log, log[-3000:]

@@ -6,8 +6,9 @@ of worker ids (``elastic/members/g``), and worker ``members[i]`` is rank ``i`` o
 process group (created on the store under the prefix ``elastic/g/``, so generations never mix).
 
 - A worker started by the launcher announces itself (``elastic/ready/<id>``) and waits until a
-  generation lists it (:func:`join`, from ``gradsync.init()``). A standby (``--standby``) waits
-  there without a deadline until a grow admits it, and exits when the job ends (``elastic/done``).
+  generation lists it (:func:`join`, from ``gradsync.init()``). A standby (``--standby``) goes
+  on with the script and waits where it first needs the job (``distribute``, the topology), without
+  a deadline, until a grow admits it; it exits when the job ends (``elastic/done``).
 - Between steps, the :class:`~gradsync.adapt.Controller` asks (:meth:`Membership.agree`) whether a
   newer generation exists: one all-reduce (max) of one integer, so all workers switch after the
   same step. Then every worker closes its strategy, leaves the old group, and the members of the
@@ -180,18 +181,34 @@ def join(backend: str, timeout_s: float):
     store = _client(addr, port, max(timeout_s, runtime.RENDEZVOUS_MIN_S))
     member = Membership(store, addr, port, wid, backend, timeout_s)
     store.set(f"elastic/ready/{wid}", "1")
-    standby = os.environ.get("GRADSYNC_ELASTIC_STANDBY") == "1"
-    deadline = time.monotonic() + max(timeout_s, runtime.RENDEZVOUS_MIN_S)
+    if os.environ.get("GRADSYNC_ELASTIC_STANDBY") == "1":
+        # A standby goes on with the script (its model is built ahead of need) and waits to be
+        # admitted where it first needs the job: distribute(), gradsync.topology(), the rank.
+        runtime.defer(lambda: _enter_when_listed(member, None))
+        return _Deferred()
+    return _enter_when_listed(member, time.monotonic() + max(timeout_s, runtime.RENDEZVOUS_MIN_S))
+
+
+class _Deferred:
+    """``join``'s answer for a standby: ``init()`` returns a topology that joins when read."""
+
+    @property
+    def topology(self):
+        return runtime.init()
+
+
+def _enter_when_listed(member: Membership, deadline: float | None):
+    """Wait until a generation lists this worker (a standby: however long it takes), form its group."""
     gen = -1
     while True:
-        if standby:
+        if deadline is None:
             gen = _admitted_or_done(member, gen)
         else:
             gen = member.wait_for(gen, max(1.0, deadline - time.monotonic()))
-        if wid in member.members_of(gen):
+        if member.id in member.members_of(gen):
             break
     if not member.enter(gen):
-        raise GradsyncError(f"elastic worker {wid} was listed in generation {gen} and then not")
+        raise GradsyncError(f"elastic worker {member.id} was listed in generation {gen} and then not")
     return runtime.current()
 
 

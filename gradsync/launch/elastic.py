@@ -15,7 +15,8 @@ publishes *generations*: lists of worker ids (keys in :mod:`gradsync.adapt.elast
 *Standbys* (``--standby K``) are workers started ahead of need: Python up, torch imported, the
 script run up to ``gradsync.init()``, where they announce themselves and wait (without a deadline)
 to be listed. A grow admits them first, so it costs the regroup and the state hand-over rather than
-a process's start; each admitted standby is replaced in the background. A standby that fails
+a process's start; each admitted standby is replaced in the background, :data:`REPLACE_AFTER_S`
+later. A standby that fails
 while waiting is reported and not replaced (the next grow starts workers as without standbys).
 
 The job ends when every member has exited successfully; its exit code is then 0. Standbys still
@@ -58,6 +59,10 @@ from gradsync.launch.watch import _USR1, _exit_code, _stop, _trap_signals
 POLL_S = 0.02
 STANDBY_ENV = "GRADSYNC_ELASTIC_STANDBY"
 """``1`` in a standby's environment: it waits to be admitted without a deadline."""
+REPLACE_AFTER_S = float(os.environ.get("GRADSYNC_STANDBY_REPLACE_S", "5"))
+"""Admitted standbys are replaced this long after the grow (``GRADSYNC_STANDBY_REPLACE_S``): a
+process starting (importing torch, building the model) would take the cores the regroup and the
+state hand-over need."""
 REQUEST_BODY_S = 5.0
 """How long a request number may go without its size before it is refused."""
 
@@ -96,6 +101,7 @@ class Agent:
         self.failed: list[str] = []
         self.requested_at: float | None = None
         self.standby_target = standby
+        self.replace_at = 0.0  # standbys are not started before (REPLACE_AFTER_S after a grow admitted some)
         if logdir is not None:
             os.makedirs(logdir, exist_ok=True)
         self.flight_dir = os.path.abspath(logdir if logdir is not None else tempfile.mkdtemp(prefix="gradsync-flight-"))
@@ -139,6 +145,8 @@ class Agent:
         return False
 
     def _top_up_standbys(self) -> None:
+        if time.monotonic() < self.replace_at:
+            return
         while len(self.standby) < self.standby_target and self._place() is not False:
             self._start_worker(standby=True)
 
@@ -277,7 +285,8 @@ class Agent:
             self._say(f"for a resize to {size}: " + ", ".join(
                 part for part in (f"admitting standbys {admitted}" if admitted else "",
                                   f"starting {started} workers" if started else "") if part))
-            self._top_up_standbys()  # the next grow finds standbys again
+            if admitted:  # replaced once the regroup is over: the next grow finds standbys again
+                self.replace_at = time.monotonic() + REPLACE_AFTER_S
         elif size < len(self.members):
             leaving = self.members[size:]
             self.members = self.members[:size]
@@ -380,6 +389,7 @@ class Agent:
                     if wid in self.standby:
                         self.standby.remove(wid)
                         if code != 0:
+                            self.standby_target -= 1
                             self._say(f"standby worker {wid} failed while waiting ({how}); not replaced")
                         continue
                     if code == 0:
@@ -407,6 +417,7 @@ class Agent:
                                             f"worker {w} failed with exit code {_exit_code(c)}" for w, c in gone)
                                   + ("; continuing without it" if len(gone) == 1 else "; continuing without them"))
                     self._top_up_standbys()
+                self._top_up_standbys()  # slots that workers leaving after a shrink freed
                 live = self._live()
                 if live and live <= set(self.standby):
                     self._dismiss_standbys()
