@@ -96,8 +96,9 @@ def test_gradsync_resize_from_another_shell_and_hostile_writes_to_the_store(tmp_
     env.pop("GRADSYNC_JOB_SECRET", None)
     # 150 steps of 50 ms: the resize below starts a worker (torch's import alone takes seconds on a
     # loaded machine) well before the job's last step
+    stop = tmp_path / "stop"
     job = subprocess.Popen([*GRADSYNC, "run", "--elastic", "-np", "1", "--max-np", "2", "--", sys.executable, EXAMPLE,
-                            "--steps", "150", "--sleep", "0.05", "--out", str(out)],
+                            "--steps", "150", "--sleep", "0.05", "--out", str(out), "--stop-file", str(stop)],
                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, cwd=ROOT, env=env)
     try:
         port = None
@@ -130,6 +131,7 @@ def test_gradsync_resize_from_another_shell_and_hostile_writes_to_the_store(tmp_
         no_secret = subprocess.run([*GRADSYNC, "resize", "2", "--port", port, "--secret-file", str(tmp_path / "none")],
                                    capture_output=True, text=True, timeout=60, env=env)
         assert no_secret.returncode == 1 and "cannot read the job's secret" in no_secret.stderr, no_secret
+        stop.touch()  # StopFile: the workers agree to end after the same step
         rest = job.stderr.read()
         assert job.wait(timeout=90) == 0, rest[-3000:]
     finally:
@@ -141,8 +143,8 @@ def test_gradsync_resize_from_another_shell_and_hostile_writes_to_the_store(tmp_
     assert "elastic/gen was overwritten from outside the job" in rest and "elastic/members/0 was overwritten" in rest
     assert not secret.exists()  # removed when the job ends
     result = json.loads(out.read_text())
-    sizes = [result["sizes"][str(s)] for s in range(150)]
-    assert sizes[0] == 1 and sizes[-1] == 2 and sorted(sizes) == sizes
+    sizes = [result["sizes"][str(s)] for s in range(len(result["sizes"]))]
+    assert sizes[0] == 1 and sizes[-1] == 2 and sorted(sizes) == sizes and len(sizes) <= 150
     assert_matches_reference(result)
 
 

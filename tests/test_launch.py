@@ -292,7 +292,7 @@ def test_port_in_use_exits_2_before_spawning(capsys):
      "drop -H/--hostfile"),
     (["--", "x"], "the number of workers is required"),
     (["--nproc-per-node", "1", "--max-restarts", "3", "x.py"], "does not restart a failed job"),
-    (["--nproc-per-node", "1", "--nnodes", "1:2", "x.py"], "--elastic --min-np A --max-np B"),
+    (["--nproc-per-node", "1", "--nnodes", "1:2", "x.py"], "a range of machines is torchrun's elastic form: add --elastic"),
     (["--nproc-per-node", "1", "--rdzv-endpoint", "a:1", "--master-addr", "a", "x.py"], "drop --master-addr"),
     (["--nproc-per-node", "1", "--rdzv-endpoint", "a:port", "x.py"], "--rdzv-endpoint a:port: the port"),
     (["--nproc-per-node", "1", "--rdzv-backend", "etcd", "x.py"], "invalid choice: 'etcd'"),

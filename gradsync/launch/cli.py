@@ -426,7 +426,7 @@ def _run_emulated(args, command: list[str], parser, env: dict[str, str]) -> int:
         result = launch_emulated(command, np=args.np, servers=args.servers, rate_bps=rates.default,
                                  rank_rates=rates.ranks, delay_ms=args.delay, loss=args.loss / 100,
                                  ranks_per_host=args.ranks_per_host, env=env,
-                                 port=args.port, logdir=args.logdir, grace_s=args.grace, standby=args.standby)
+                                 port=args.port, logdir=args.logdir, grace_s=args.grace)
     except ConfigError as exc:
         parser.error(str(exc))
     if result.message:

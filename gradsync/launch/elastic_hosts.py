@@ -50,8 +50,8 @@ from gradsync.launch.watch import _stop, _trap_signals
 
 BEAT_S = 0.5
 """How often a host agent counts its beat."""
-HOST_LOST_S = 5.0
-"""The lead drops a host whose beat has not moved for this long."""
+HOST_LOST_S = float(os.environ.get("GRADSYNC_HOST_LOST_S", "5"))
+"""The lead drops a host whose beat has not moved for this long (``GRADSYNC_HOST_LOST_S``)."""
 STORE_LOST_S = 10.0
 """A host agent stops its workers when the store has not answered for this long."""
 CONNECT_S = 60.0
