@@ -387,12 +387,13 @@ def _run_elastic_hosts(args, command: list[str], parser) -> int:
     if args.hosts or args.hostfile or args.net or args.servers or args.slow:
         parser.error("--elastic --nnodes runs one agent per machine: no -H, --hostfile, --net, --servers or --slow")
     from gradsync.launch.elastic import launch_elastic
-    from gradsync.launch.elastic_hosts import is_local_address, launch_host
+    from gradsync.launch.elastic_hosts import launch_host
+    from gradsync.launch.hosts import _is_local_address
 
     low, high = args.nnodes
     k = args.nproc_per_node
     try:
-        if is_local_address(args.master_addr):
+        if _is_local_address(args.master_addr):  # this machine owns the endpoint: its agent leads
             result = launch_elastic(command, np=low * k, min_np=low * k, max_np=high * k, port=args.port,
                                     logdir=args.logdir, grace_s=args.grace, standby=args.standby,
                                     addr=args.master_addr, nproc=k, min_hosts=low)

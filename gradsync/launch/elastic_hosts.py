@@ -59,22 +59,6 @@ CONNECT_S = 60.0
 POLL_S = 0.05
 
 
-def is_local_address(addr: str) -> bool:
-    """Whether this host owns ``addr`` (the agent here then hosts the store)."""
-    try:
-        infos = socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)
-    except OSError:
-        return False
-    for family, _, _, _, sockaddr in infos:
-        with socket.socket(family, socket.SOCK_STREAM) as s:
-            try:
-                s.bind((sockaddr[0], 0))
-                return True
-            except OSError:
-                continue
-    return False
-
-
 # -- the lead's view of the other hosts ---------------------------------------------------------------
 @dataclass
 class RemoteHost:
