@@ -360,7 +360,8 @@ def shutdown() -> None:
     Every closer runs even if one raises (the first error is raised at the end), and the heartbeat
     is stopped in any case. After a peer failure the process group is broken: it is not torn down
     (a thread may still be blocked in it), see :func:`gradsync.teardown.exit_after_failure`."""
-    global _RUNTIME
+    global _RUNTIME, _DEFERRED
+    _DEFERRED = None  # a standby that ends before it was admitted
     runtime = _RUNTIME
     if runtime is None:
         return

@@ -155,3 +155,26 @@ def test_gradsync_resize_of_a_store_that_is_no_elastic_job_fails():
     asked = subprocess.run([*GRADSYNC, "resize", "2", "--port", str(server.port)], capture_output=True, text=True,
                            timeout=60, env={**os.environ, "GRADSYNC_JOB_SECRET": "s" * 64})
     assert asked.returncode == 1 and "is no elastic job's" in asked.stderr, asked
+
+
+def test_stop_file_needs_a_path_and_one_worker_stops_at_the_step_it_appears(tmp_path):
+    import pytest
+
+    from gradsync.adapt import StopFile
+    from gradsync.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="StopFile needs the path"):
+        StopFile("")
+
+    class Ctl:  # one worker: no agreement needed
+        num_workers, stopped = 1, False
+
+        def stop(self):
+            self.stopped = True
+
+    policy, ctl = StopFile(str(tmp_path / "stop")), Ctl()
+    policy.after_step(ctl)
+    assert not ctl.stopped
+    (tmp_path / "stop").touch()
+    policy.after_step(ctl)
+    assert ctl.stopped
