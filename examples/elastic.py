@@ -12,7 +12,9 @@ agent, the one that owns HOST's address, hosts the store):
 A least-squares model on a fixed dataset. Every step takes the next global batch (``--batch`` per
 worker times the current number of workers) of one order per epoch (gradsync.adapt.GlobalBatches),
 so the run is reproducible whatever happens to the job. Worker 0 writes ``--out``: the final
-parameters, the global batch of every step and the record of every resize.
+parameters, the global batch of every step, the record of every resize and each step's seconds.
+``--table`` adds an embedding table (for ``--strategy hybrid``); ``--model resnet50`` trains a real
+model on synthetic data instead, for resize latencies.
 
 ``--die STEP:ID`` kills worker ID (SIGKILL, no clean-up) in the middle of step STEP's backward:
 the survivors restore their last commit and continue without it.
@@ -40,25 +42,40 @@ def dataset():
     return x, y
 
 
-def build():
+class WithTable(torch.nn.Module):
+    """The linear model plus a learned offset per sample: an embedding table, whose rows ``hybrid``
+    serves from parameter servers (each step touches only its batch's rows)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(DIM, 1)
+        self.offset = torch.nn.Embedding(DATA, 1)
+        torch.nn.init.zeros_(self.offset.weight)
+
+    def forward(self, x, idx):
+        return self.linear(x) + self.offset(idx)
+
+
+def build(table: bool = False):
     torch.manual_seed(0)
-    model = torch.nn.Linear(DIM, 1)
+    model = WithTable() if table else torch.nn.Linear(DIM, 1)
     return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
 
-def loss_of(model, x, y):
-    return 0.5 * (model(x).squeeze(1) - y).pow(2).mean()
+def loss_of(model, x, y, idx=None):
+    out = model(x, idx) if isinstance(model, WithTable) else model(x)
+    return 0.5 * (out.squeeze(1) - y).pow(2).mean()
 
 
-def replay(batches: dict) -> list[torch.Tensor]:
+def replay(batches: dict, table: bool = False) -> list[torch.Tensor]:
     """The reference for a run's ``--out``: one process, one model, each step's gradient over
     that step's whole global batch (``batches``: step -> sample indices). Every worker had an
     equal share of it, so the mean of the workers' means is this mean."""
     x, y = dataset()
-    model, opt = build()
+    model, opt = build(table)
     for step in sorted(batches, key=int):
         idx = torch.tensor(batches[step])
-        loss_of(model, x[idx], y[idx]).backward()
+        loss_of(model, x[idx], y[idx], idx).backward()
         opt.step()
         opt.zero_grad()
     return [p.detach().reshape(-1) for p in model.parameters()]
@@ -77,6 +94,10 @@ def main() -> None:
                              "casync-ring (identity codec): policies and monitors across resizes")
     parser.add_argument("--model", default="", help="a gradsync model (e.g. resnet50) on synthetic data instead "
                         "of least squares: for resize latencies with a model's real size")
+    parser.add_argument("--table", action="store_true", help="add an embedding table (a learned offset per "
+                        "sample), for the hybrid strategy")
+    parser.add_argument("--commit-every", type=int, default=1, help="steps between commits (a failure redoes at "
+                        "most this many); under ps, p3 and hybrid each commit gathers the optimizer state")
     parser.add_argument("--stop-file", default="", help="end after the first step at which this file exists (StopFile)")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
@@ -84,7 +105,7 @@ def main() -> None:
     gradsync.init()
     me = int(os.environ.get("GRADSYNC_ELASTIC_ID", "0"))
     x, y = dataset()
-    model, opt = build()
+    model, opt = build(args.table)
     if args.model:
         from gradsync.models import get_model
 
@@ -96,7 +117,7 @@ def main() -> None:
     schedule = {int(a): int(b) for a, b in (item.split(":") for item in args.schedule.split(",") if item)}
     die_step, die_id = (int(v) for v in args.die.split(":")) if args.die else (-1, -1)
     if me == die_id:
-        model.weight.register_hook(lambda g: os.kill(os.getpid(), signal.SIGKILL) if ctl.step == die_step else g)
+        next(model.parameters()).register_hook(lambda g: os.kill(os.getpid(), signal.SIGKILL) if ctl.step == die_step else g)
     policies = [ScheduledResize(schedule)] + ([StopFile(args.stop_file)] if args.stop_file else [])
     noise = None
     if args.adapt:
@@ -104,9 +125,10 @@ def main() -> None:
         monitor(opt, noise)
         policies.append(StrategySwitch(["allreduce", ("casync-ring", {"compression": "none"})], probe_steps=2,
                                        check_every=4, tolerance=0.5))
-    ctl = Controller(opt, policies, batch_size=args.batch, dataset_size=DATA)
+    ctl = Controller(opt, policies, batch_size=args.batch, dataset_size=DATA, commit_every=args.commit_every)
     batches: dict[int, list[int]] = {}
     sizes: dict[int, int] = {}
+    began: dict[int, float] = {}  # when each step began (a redone step: its last start)
 
     def train(ctl):
         for _ in ctl.epochs(1_000_000):  # resumes at ctl.epoch, ctl.step after a failure
@@ -116,17 +138,20 @@ def main() -> None:
                     break
                 batches[step] = ctl.data.global_batch(ctl.global_batch_size).tolist()
                 sizes[step] = ctl.num_workers
+                began[step] = time.perf_counter()
                 idx = ctl.batch_indices()  # may be empty in an epoch's last step: then no gradient
                 time.sleep(args.sleep)
                 if args.model:
                     inputs, target = spec.batch(len(idx), step * 1000 + gradsync.topology().rank)
                     spec.loss(model(*inputs), target).backward()
                 elif len(idx):
-                    loss_of(model, x[idx], y[idx]).backward()
+                    loss_of(model, x[idx], y[idx], idx).backward()
                 opt.step()
                 opt.zero_grad()
 
     ctl.run(train)
+    if not ctl.detached:
+        opt.flush()  # the whole model up to date here (hybrid's tables live on their servers)
     if args.out and not ctl.detached:  # every worker: what it ended with, to compare across workers
         with open(f"{args.out}.{me}", "w") as f:
             json.dump({"strategy": opt.strategy.name, "noise_scale": noise.value if noise else None,
@@ -136,7 +161,8 @@ def main() -> None:
     elif gradsync.topology().rank == 0 and args.out:
         with open(args.out, "w") as f:
             json.dump({"params": [p.detach().reshape(-1).tolist() for p in model.parameters()],
-                       "batches": batches, "sizes": sizes, "resizes": ctl.resizes, "id": me}, f)
+                       "batches": batches, "sizes": sizes, "resizes": ctl.resizes, "id": me, "table": args.table,
+                       "step_seconds": {s: began[s + 1] - began[s] for s in began if s + 1 in began}}, f)
     gradsync.shutdown()
 
 

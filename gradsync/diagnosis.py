@@ -14,7 +14,7 @@ import time
 
 from gradsync import flight
 from gradsync.errors import GradsyncError, PeerFailureError
-from gradsync.heartbeat import Heartbeat
+from gradsync.heartbeat import SILENT_S, Heartbeat
 from gradsync.topology import Topology
 from gradsync.transport import REPORT_S, Transport
 
@@ -31,12 +31,17 @@ class PeerDiagnosis:
     timeout_s: float
     heartbeat: Heartbeat | None
     store_lost: bool
+    elastic: object
+    peer_lost: str | None
 
     def explain(self, what: str, exc: BaseException) -> PeerFailureError:
         """Turn a failed communication into an error naming the rank(s) at fault: the ones whose
         heartbeat stopped, else the ones alive but absent from the operation (:meth:`behind`)."""
         me = self.topology.describe(self.topology.rank)
         timed_out = isinstance(exc, TimeoutError) or "timed out" in str(exc).lower()
+        lost = self._lost_notice(0.0 if timed_out else SILENT_S)  # after a timeout it would have come
+        if lost:
+            return self._failed(PeerFailureError(f"{what} failed on {me}: {lost}. Original error: {exc}"))
         silent = self.heartbeat.silent_ranks(fresh=not timed_out) if self.heartbeat else []
         if silent:  # a rank that shut down cleanly (no barrier at the end: ps-async) is no fault
             gone = self.heartbeat.left(silent)
@@ -69,13 +74,28 @@ class PeerDiagnosis:
                      "Either ranks issued different operations (different models, step counts or "
                      "strategies) or a step takes longer than the timeout (raise it with "
                      "gradsync.init(timeout_s=...) or GRADSYNC_TIMEOUT)")
-        error = PeerFailureError(f"{what} failed on {me}: {cause}. Original error: {exc}")
+        return self._failed(PeerFailureError(f"{what} failed on {me}: {cause}. Original error: {exc}"))
+
+    def _failed(self, error: PeerFailureError) -> PeerFailureError:
+        """Mark the transport failed with ``error`` and dump the flight record."""
         if self.transport is not None:
             self.transport.failure = error
         recorder = flight.current()
         if recorder is not None:  # for the launcher's cross-rank summary (gradsync.flight)
             recorder.dump(str(error))
         return error
+
+    def _lost_notice(self, within_s: float) -> str | None:
+        """In an elastic job, the launcher's word that a member is gone (``peer_lost``, set by the
+        membership's watch): waited for up to ``within_s`` after an operation failed at once (a
+        connection reset), since the launcher sees a worker's process end sooner than its
+        heartbeat's silence shows."""
+        if self.elastic is None:
+            return None
+        deadline = time.monotonic() + within_s
+        while not self.peer_lost and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return self.peer_lost
 
     def behind(self) -> list[tuple[int, int, float]]:
         """The workers alive but absent from synchronization, as their heartbeats last published
@@ -110,6 +130,9 @@ class PeerDiagnosis:
         heartbeat, transport = self.heartbeat, self.transport
         if transport is None or transport.failure is not None:
             return None
+        if self.peer_lost:
+            me = self.topology.describe(self.topology.rank)
+            return self._failed(PeerFailureError(f"{what} failed on {me}: {self.peer_lost}"))
         now, limit = time.monotonic(), self.timeout_s - REPORT_S
         idle_s = now - transport.progress
         if heartbeat is not None and idle_s >= limit:

@@ -253,15 +253,13 @@ def detach(optimizer, *, failed: bool = False) -> None:
     the user's optimizer, unless ``failed``: after a peer died, only local clean-up is possible)."""
     sync = optimizer._gradsync
     old = sync.strategy
-    if not failed:
+    if failed:
+        old.abandon()
+    else:
         old.flush()
         if old.state_location in ("here", "workers"):
             old.gather_state()
-    try:
         old.close()
-    except Exception:
-        if not failed:
-            raise
     sync.remove_hooks()
     runtime.forget(sync.close)
 

@@ -79,6 +79,10 @@ class Runtime(PeerDiagnosis):
     stoppers: list = field(default_factory=list)
     """Callables that stop threads of this process without a word to any peer (a watchdog's):
     :func:`shutdown` runs them even for a rank going down with an error, which runs no closer."""
+    peer_lost: str | None = None
+    """Set from another thread when a member of this job is known to be gone (an elastic job's
+    launcher published a generation without it): every wait ends with it at its next check
+    (:meth:`overdue`), instead of at the timeout."""
 
 
 def poll_s(longest: float = 0.5, since: float | None = None) -> float:
@@ -307,6 +311,8 @@ def leave() -> Runtime | None:
     teardown.stop_threads(runtime)
     if runtime.owns_group and dist.is_initialized():
         dist.destroy_process_group()
+    if runtime.transport is not None and runtime.transport.failure is not None:
+        teardown.left_behind(runtime.timeout_s)
     return runtime
 
 

@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Callable
 
@@ -21,6 +22,9 @@ from gradsync import flight
 
 _FAILED_AT_SHUTDOWN = False
 """Whether the last :func:`leave_group` found the process group broken by a peer failure."""
+_LEFT_BEHIND: list[threading.Thread] = []
+_LEFT_UNTIL = 0.0
+"""Threads of groups left after a peer failure (:func:`left_behind`), and when the last ends at the latest."""
 
 
 def abandon(runtime, error: BaseException) -> None:
@@ -79,6 +83,31 @@ def stop_threads(runtime) -> None:
         two_level.close()
 
 
+def left_behind(timeout_s: float) -> None:
+    """A group broken by a peer failure was left and this process goes on (an elastic job's
+    survivor): its threads still blocked in a receive that no peer will answer (a Gloo receive
+    cannot be cancelled) end at the group's timeout, at most ``timeout_s`` from now. Remember
+    them: :func:`leave_group` waits for them at shutdown, since one returning while the
+    interpreter finalizes would abort the process."""
+    global _LEFT_UNTIL
+    me = threading.current_thread()
+    _LEFT_BEHIND.extend(t for t in threading.enumerate() if t.name.startswith("gradsync") and t.is_alive()
+                        and t is not me and t not in _LEFT_BEHIND)
+    _LEFT_UNTIL = max(_LEFT_UNTIL, time.monotonic() + timeout_s)
+
+
+def _wait_left_behind() -> None:
+    """Wait for the threads :func:`left_behind` remembered, until their group's timeout."""
+    alive = [t for t in _LEFT_BEHIND if t.is_alive()]
+    if alive:
+        left = _LEFT_UNTIL - time.monotonic()
+        print(f"gradsync: waiting up to {max(left, 0):.0f} s for {len(alive)} thread(s) blocked in the process group "
+              "that a failed peer broke (their receives end at its timeout)", file=sys.stderr, flush=True)
+        for thread in alive:
+            thread.join(max(0.0, _LEFT_UNTIL - time.monotonic()))
+    _LEFT_BEHIND.clear()
+
+
 def leave_group(runtime) -> None:
     """Destroy ``runtime``'s process group where it owns it, unless a peer failure broke it (a
     thread may still be blocked in it: :func:`exit_after_failure`), and then warn of any gradsync
@@ -88,6 +117,7 @@ def leave_group(runtime) -> None:
     if runtime.owns_group and dist.is_initialized() and not failed:
         dist.destroy_process_group()
     if not failed:
+        _wait_left_behind()
         warn_live_threads(runtime.store_lost, stacklevel=4)  # at the caller of gradsync.shutdown()
     _FAILED_AT_SHUTDOWN = failed
 

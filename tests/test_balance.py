@@ -169,6 +169,10 @@ def shares_job(plan, steps_balanced):
             opt.set_grad_weight(bad)
         except ConfigError as exc:
             errors.append(str(exc))
+    try:
+        Controller(opt, batch_size=8, commit_every=0)
+    except ConfigError as exc:
+        errors.append(str(exc))
     batches = []
     with ctl.train():
         for _ in ctl.epochs(1):
@@ -221,5 +225,6 @@ def test_unequal_shares_train_exactly_as_one_process_and_balance_batches_follows
     for got, want in zip(params, reference(batches, x, y, torch.nn.Linear(DIM, 1).double(), momentum=0.0)):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
     expected = ["must sum to the global batch 16", "2 integers >= 0", "2 integers >= 0", "2 integers >= 0",
-                "finite number >= 0", "finite number >= 0", "does not average gradients over workers"]
+                "finite number >= 0", "finite number >= 0", "commit_every must be an integer >= 1",
+                "does not average gradients over workers"]
     assert len(errors) == len(expected) and all(e in err for e, err in zip(expected, errors)), errors

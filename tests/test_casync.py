@@ -259,18 +259,18 @@ def test_a_codecs_cold_first_call_is_not_timed():
 
     from gradsync.compress import Compressor
 
-    class ColdFirstDecode(Compressor):  # a real onebit whose first decode per instance is 50 ms late
+    class ColdFirstDecode(Compressor):  # onebit whose first decode per instance is 50 ms late, the rest free
         def __init__(self):
-            self.inner, self.warm = build("onebit"), False
+            self.inner, self.out = build("onebit"), None
 
         def compress(self, tensor):
             return self.inner.compress(tensor)
 
         def decompress(self, payload, ctx):
-            if not self.warm:
-                self.warm = True
+            if self.out is None:
                 time.sleep(0.05)
-            return self.inner.decompress(payload, ctx)
+                self.out = self.inner.decompress(payload, ctx)
+            return self.out  # warm calls cost microseconds: a loaded machine cannot reach 25 ms
 
     enc, dec, _ = costmodel.measure_codec(ColdFirstDecode, torch.float32, repeats=1)
-    assert dec(4 << 20) < 0.025  # the warm decode of 4 MB: well under the cold call's 50 ms
+    assert dec(4 << 20) < 0.025  # the timed decode is a warm one, not the cold call's 50 ms

@@ -10,6 +10,7 @@ import os
 
 import torch
 
+from gradsync import runtime
 from gradsync.adapt import durable
 from gradsync.optimizer import user_class
 
@@ -60,13 +61,38 @@ class Commits:
             self._writer = durable.DurableCommits(self.checkpoint_dir, self._schedule)
         self._writer.submit(self._commit)
 
+    def _spread(self) -> bool:
+        """The optimizer state is spread over the ranks (co-located ``ps``, ``p3``, ``hybrid``): a
+        commit gathers it first, a collective every worker joins."""
+        return self.optimizer._gradsync.strategy.state_location in ("workers", "servers")
+
+    def _checkpoint_due(self) -> bool:
+        """Outside an elastic job: whether this step's commit is written. Worker 0 decides alone
+        unless the state is spread; then every worker must commit, and with ``checkpoint_seconds``
+        (each worker's own clock) they agree by one all-reduce of the flag."""
+        due = self._schedule.due(self.step)
+        if not self._spread():
+            return due and self.rank == 0
+        if self._schedule.every_s is not None and self.num_workers > 1:
+            flag = torch.tensor([1 if due else 0], dtype=torch.int64)
+            runtime.current().transport.allreduce(flag, op="max", what="checkpoint due (spread optimizer state)")
+            due = bool(flag)
+        return due
+
     def commit(self) -> None:
-        """Remember parameters, buffers, optimizer state and counters (restored if a worker dies)."""
+        """Remember parameters, buffers, optimizer state and counters (restored if a worker dies).
+        Where the state is spread over the ranks, every worker calls it: the strategy's parameters
+        in flight are finished (``hybrid``'s tables pulled whole from their servers) and the state
+        gathered, collectives the size of the tables and of the optimizer state."""
+        if self._spread():
+            self.optimizer.flush()
+            self.optimizer.consolidate_state_dict()
+        optimizer = copy.deepcopy(self.optimizer.state_dict())  # first: "here" strategies finish their updates
         model = self.optimizer._gradsync.model
         self._commit = {
             "params": [p.detach().clone() for p in model.parameters()],
             "buffers": [b.detach().clone() for b in model.buffers()],
-            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+            "optimizer": optimizer,
             "counters": self._counters(),
         }
 

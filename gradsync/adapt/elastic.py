@@ -23,15 +23,18 @@ process group (created on the store under the prefix ``elastic/g/``, so generati
 
 Store keys (all strings): ``elastic/gen``, ``elastic/members/<g>``, ``elastic/ready/<id>``,
 ``elastic/request/<n>`` (a size asked for; ``n`` from the counter ``elastic/request_seq``),
-``elastic/answer/<n>``, ``elastic/failed`` (why the launcher gave up), ``elastic/done`` (the job
+``elastic/answer/<n>``, ``elastic/dropped/<g>`` (members of the previous generation that died or
+were lost, and why), ``elastic/failed`` (why the launcher gave up), ``elastic/done`` (the job
 ended: standbys exit). Values are signed with the
 job's secret (:mod:`gradsync.store`); a worker ignores a generation whose signature is wrong (the
 launcher restores it), so a hostile write cannot steer or stop the job.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import threading
 import time
 from datetime import timedelta
 
@@ -44,6 +47,10 @@ from gradsync.errors import ConfigError, GradsyncError
 from gradsync.topology import Topology
 
 POLL_S = 0.02
+WATCH_S = 0.2
+"""While a worker trains, how often it reads whether the launcher lost a member of its generation."""
+WATCH_TIMEOUT_S = 2.0
+"""The longest one of those reads may block (a store host that is gone)."""
 
 
 def _client(addr: str, port: int, timeout_s: float, prefix: str = ""):
@@ -159,7 +166,43 @@ class Membership:
             self.gen, self.members = gen, members
             self.any_new, self.needs_state = bool(flags[0]), bool(flags[1])
             rt.elastic = self
+            self._watch_for_lost(rt)
             return True
+
+    def _watch_for_lost(self, rt) -> None:
+        """Until this generation's group is left: read the launcher's newest generation every
+        :data:`WATCH_S` (a connection of its own); when one names members of this generation as
+        lost (``elastic/dropped/<g>``: dead, or their host unreachable), every wait of this worker ends
+        at its next check (``Runtime.peer_lost``) instead of at the timeout, and it regroups."""
+        stop, gen, members = threading.Event(), self.gen, set(self.members)
+        rt.transport.check_every_s = WATCH_S
+
+        def watch() -> None:
+            try:
+                client = _client(self.addr, self.port, WATCH_TIMEOUT_S)
+            except Exception:  # noqa: BLE001 - no watch: waits end at the timeout, as without one
+                return
+            seen = gen
+            while not stop.wait(WATCH_S):
+                with contextlib.suppress(Exception):  # a slow store or a hostile write: read again later
+                    newest = int(client.get("elastic/gen").decode())
+                    for g in range(seen + 1, newest + 1):
+                        if client.check([f"elastic/dropped/{g}"]):
+                            lost = json.loads(client.get(f"elastic/dropped/{g}").decode())
+                            if members & set(lost["ids"]):
+                                rt.peer_lost = (f"the elastic launcher lost a member of generation {gen}: "
+                                                f"{lost['why']} (generation {g})")
+                                return
+                    seen = max(seen, newest)
+
+        thread = threading.Thread(target=watch, name="gradsync-elastic-watch", daemon=True)
+        thread.start()
+
+        def end() -> None:  # a read under way takes milliseconds (at most WATCH_TIMEOUT_S)
+            stop.set()
+            thread.join(WATCH_TIMEOUT_S + WATCH_S)
+
+        runtime.on_stop(end)
 
     def agree(self) -> int:
         """The newest generation any worker has seen: collective, the same answer everywhere."""

@@ -90,6 +90,8 @@ class Controller(Commits, Regrouping):
                 raise ConfigError(f"{p!r} is not a gradsync.adapt.Policy")
         if batch_size < 1:
             raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
+        if isinstance(commit_every, bool) or not isinstance(commit_every, int) or commit_every < 1:
+            raise ConfigError(f"commit_every must be an integer >= 1 (steps between commits), got {commit_every!r}")
         self.optimizer = optimizer
         self.policies = list(policies)
         self.monitors = monitors if monitors is not None else getattr(optimizer._gradsync, "observer", None)
@@ -128,9 +130,11 @@ class Controller(Commits, Regrouping):
 
     @staticmethod
     def _check_elastic(strategy) -> None:
-        if strategy.state_location != "optimizer":
-            raise ConfigError(f"elastic training and checkpoints need a strategy whose optimizer state stays in your optimizer "
-                              f"(allreduce, ddp, casync-*, compressed-allgather, sma); {strategy.name!r} spreads it")
+        """Commits hold the whole optimizer state: refused only where no worker can gather it."""
+        if strategy.state_location == "servers" and not strategy.moves_server_state:
+            raise ConfigError(f"elastic training and checkpoints need the whole optimizer state on the workers; "
+                              f"{strategy.name!r} keeps it on its dedicated servers, out of their reach: use "
+                              "co-located servers (no --servers), or ps, whose servers hand their state over")
 
     # -- who we are ------------------------------------------------------------------------------
     @property
@@ -201,7 +205,7 @@ class Controller(Commits, Regrouping):
             self._call("after_step")
             if elastic.current() is not None:
                 self._between_steps()
-            elif self.checkpoint_dir is not None and self.rank == 0 and self._schedule.due(self.step):
+            elif self.checkpoint_dir is not None and self._checkpoint_due():
                 self.commit()
                 self._persist()
 

@@ -39,6 +39,7 @@ the job, hosts that go quiet leave it.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import sys
@@ -182,8 +183,12 @@ class Agent:
         self.procs[wid] = rank
         (self.standby if standby else self.pending).append(wid)
 
-    def _publish(self, why: str) -> None:
+    def _publish(self, why: str, lost: list[int] = ()) -> None:
+        """The next generation: its members, and the members of the last one that are ``lost``
+        (failed or unreachable: the survivors end their waits on them at once)."""
         self.gen += 1
+        if lost:
+            self._keep(f"elastic/dropped/{self.gen}", json.dumps({"ids": list(lost), "why": why}))
         self._keep(f"elastic/members/{self.gen}", ",".join(map(str, self.members)))
         self._keep("elastic/gen", str(self.gen))
         self._say(f"generation {self.gen}: {len(self.members)} workers {self.members} ({why})")
@@ -415,7 +420,8 @@ class Agent:
                                           f"{self.min_np}", last, generation)
                     self._publish("; ".join(f"worker {w} failed: its host was lost" if c is None else
                                             f"worker {w} failed with exit code {_exit_code(c)}" for w, c in gone)
-                                  + ("; continuing without it" if len(gone) == 1 else "; continuing without them"))
+                                  + ("; continuing without it" if len(gone) == 1 else "; continuing without them"),
+                                  lost=[w for w, _ in gone])
                     self._top_up_standbys()
                 self._top_up_standbys()  # slots that workers leaving after a shrink freed
                 live = self._live()

@@ -169,6 +169,11 @@ class Strategy:
     def close(self) -> None:
         pass
 
+    def abandon(self) -> None:
+        """A peer failed and this rank goes on (an elastic job regroups): stop this rank's own
+        threads without a word to any peer and without waiting on one. Their pending operations end
+        when the process group is destroyed, right after."""
+
     def describe(self) -> str:
         """One line for logs and reports: the strategy and its effective options."""
         return self.name

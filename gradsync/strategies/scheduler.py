@@ -94,6 +94,14 @@ class PrioritySender:
         for thread in self._threads:
             thread.join()
 
+    def abandon(self) -> None:
+        """Stop at once, sending nothing more (a peer failed): the issuing thread ends; a thread
+        waiting for a send ends when that send does (the process group going away ends it)."""
+        with self._cv:
+            self._stopping = True
+            self._queue.clear()
+            self._wake_all()
+
     def check(self) -> None:
         if self.error is not None:
             raise self.error

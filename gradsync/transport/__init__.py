@@ -70,6 +70,9 @@ class Transport:
         """Asked while a collective waits: the error to raise now, or None to go on waiting
         (:meth:`gradsync.runtime.Runtime.overdue`)."""
         self._chunked = device.type == "cpu"  # Gloo; a CUDA work's wait(timeout) means something else
+        self.check_every_s = float("inf")
+        """The longest a wait blocks between two ``overdue`` checks before its deadline: an elastic
+        job shortens it, since there another thread may learn of a lost member (``Runtime.peer_lost``)."""
         self.waiter = Waiter() if self._chunked else None
         """Where the training thread's point-to-point waits block (Gloo only; :class:`Waiter`)."""
         self.two_level = two_level
@@ -79,6 +82,11 @@ class Transport:
         """Seconds until the timeout, less :data:`REPORT_S`, has passed since this rank's last
         completed operation."""
         return self.progress + self.timeout.total_seconds() - REPORT_S - time.monotonic()
+
+    def next_check(self) -> float:
+        """How long a wait may block before asking ``overdue`` again: until the deadline, at most
+        :attr:`check_every_s`, at least :data:`RECHECK_S`."""
+        return max(RECHECK_S, min(self.until_overdue(), self.check_every_s))
 
     def staged(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` where the backend reads and writes it: itself, or a copy on :attr:`device`.
@@ -292,6 +300,14 @@ class Transport:
         staged = self.staged(tensor)  # the work holds it until sent
         work = self._issue(what, lambda: dist.group.WORLD.send([staged], dst, tag))
         return Handle(work, self, what, token, record, local=True)
+
+    def send_despite_failure(self, tensor: torch.Tensor, dst: int, tag: int) -> Handle:
+        """Send ``tensor`` although an operation failed: a strategy that abandons its streams after
+        a peer died tells the surviving peers, whose receives from this rank stay posted (a Gloo
+        receive cannot be cancelled). Not recorded, traced or counted; its wait may fail."""
+        staged = self.staged(tensor)
+        return Handle(dist.group.WORLD.send([staged], dst, tag), self, f"send to rank {dst} after a failure",
+                      local=True)
 
     def recv_async(self, tensor: torch.Tensor, src: Optional[int], tag: int, *,
                    what: str = "receive", traced: bool = True) -> Handle:

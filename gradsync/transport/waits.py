@@ -84,7 +84,7 @@ class Handle:
             return
         while True:
             try:
-                work.wait(timeout=timedelta(seconds=max(RECHECK_S, self._owner.until_overdue())))
+                work.wait(timeout=timedelta(seconds=self._owner.next_check()))
                 return
             except RuntimeError:
                 if work.is_completed():  # finished (or failed) meanwhile: its own outcome counts
@@ -192,7 +192,7 @@ class Waiter:
     def wait(self, ticket: list, owner, what: str) -> None:
         """Block until ``ticket``'s operation is done; raise its error, or ``owner.overdue``'s."""
         done = ticket[0]
-        while not done.wait(max(RECHECK_S, owner.until_overdue())):
+        while not done.wait(owner.next_check()):
             error = owner.overdue(what)
             if error is not None:
                 raise error

@@ -16,8 +16,10 @@ and finally its stop messages. A dedicated server's whole loop is these threads 
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
+import threading
 import time
 from collections import deque
 
@@ -171,6 +173,31 @@ class SliceServing:
             for _ in range(protocol.POSTED):
                 self._sender_to(peer).put((math.inf, math.inf), self.wire.new(STOP, [], self.steps), peer, TAG,
                                           what=f"stop to rank {peer}")
+
+    def abandon(self) -> None:
+        """A peer failed (an elastic job regroups): the senders stop at once, and every peer gets
+        this rank's stop messages straight from the transport, which ends the receiving thread that
+        the peer keeps for this rank (the surviving peers do the same for this rank's threads; a
+        Gloo receive cannot be cancelled). A send to the dead peer fails, which ends nothing else."""
+        self.closed = self.stopping = True
+        if self.plan is None:  # no step was taken: nothing started
+            return
+        self.sender.abandon()
+        if self.inside is not None:
+            self.inside.abandon()
+        t, sends = self.ctx.transport, []
+        for peer in self.peers:
+            for _ in range(protocol.POSTED):
+                with contextlib.suppress(Exception):
+                    sends.append(t.send_despite_failure(self.wire.new(STOP, [], self.steps), peer, TAG))
+
+
+        def settle() -> None:
+            for handle in sends:
+                with contextlib.suppress(Exception):
+                    handle.wait(background=True)
+
+        threading.Thread(target=settle, name="gradsync-p3-goodbye", daemon=True).start()
 
     def _close_senders(self) -> None:
         self.sender.close()
