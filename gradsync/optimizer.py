@@ -257,8 +257,8 @@ def detach(optimizer, *, failed: bool = False) -> None:
         old.abandon()
     else:
         old.flush()
-        if old.state_location in ("here", "workers"):
-            old.gather_state()
+        if old.state_location in ("here", "workers") and sync.consolidated != sync.steps:
+            old.gather_state()  # unless gathered since the last step (an elastic commit just did)
         old.close()
     sync.remove_hooks()
     runtime.forget(sync.close)
