@@ -441,16 +441,14 @@ def test_cpu_sized_language_model_has_lm1b_rows():
     assert negatives.numel() == 8192 and negatives.unique().numel() == 8192
 
 
-def _elastic_check():
+def test_elastic_jobs_refuse_only_state_that_stays_on_dedicated_servers():
+    """hybrid with tables on the workers' own servers is elastic (tests/test_elastic.py); where
+    dedicated servers keep the state out of the workers' reach, commits cannot hold it."""
     from gradsync.adapt.policy import Controller
 
-    model = Table()
-    opt = gradsync.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1), "hybrid")
-    with pytest.raises(ConfigError, match="elastic training and checkpoints need a strategy whose optimizer state stays"):
-        Controller._check_elastic(opt.strategy)
-    return "refused"
+    class OnServers:
+        name, state_location, moves_server_state = "hybrid", "servers", False
 
-
-def test_elastic_jobs_refuse_hybrid_with_tables():
-    """A dead worker would take the only current copy of its partitions' rows with it."""
-    assert run_ranks(_elastic_check, 2) == ["refused", "refused"]
+    with pytest.raises(ConfigError, match="keeps it on its dedicated servers, out of their reach"):
+        Controller._check_elastic(OnServers())
+    Controller._check_elastic(type("CoLocated", (OnServers,), {"state_location": "workers"})())
