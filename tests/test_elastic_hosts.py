@@ -108,3 +108,36 @@ def test_an_agent_without_the_jobs_secret_stops_at_once():
                            "--rdzv-endpoint", "127.0.0.1:1", "--", "true"], capture_output=True, text=True,
                           env={k: v for k, v in os.environ.items() if k != "GRADSYNC_JOB_SECRET"}, timeout=60)
     assert none.returncode == 2 and "needs the job's secret on every host" in none.stderr, none.stderr
+
+
+@needs_root
+def test_when_the_store_host_dies_the_other_agents_stop_their_workers_and_say_how_to_resume(tmp_path):
+    with EmulatedCluster(2, 10e9) as cluster:
+        env = {**os.environ, **cluster.env(), "GRADSYNC_JOB_SECRET": SECRET, "GRADSYNC_TIMEOUT": "6",
+               "GRADSYNC_STORE_LOST_S": "2"}
+
+        def agent(host: int) -> Log:
+            return Log(subprocess.Popen(
+                [*cluster.exec_prefix(host), *GRADSYNC, "run", "--elastic", "--nnodes", "2:2", "--nproc-per-node", "1",
+                 "--rdzv-endpoint", f"{cluster.address(0)}:{PORT + 1}", "--", sys.executable, EXAMPLE, "--sleep", "0.05",
+                 "--steps", "100000"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                start_new_session=True, env={**env, "GRADSYNC_HOST": f"emulated host {host}"}))
+
+        lead, other = agent(0), agent(1)
+        try:
+            lead.wait_for(r"generation \d: 2 workers \[0, 1\]")
+            time.sleep(2)  # both train
+            os.killpg(lead.proc.pid, signal.SIGKILL)  # the lead's agent, its store and its worker
+            assert other.proc.wait(timeout=60) == 1, other.text()[-4000:]
+            time.sleep(0.5)
+            with pytest.raises(ProcessLookupError):  # its worker was stopped with it: nothing left in its group
+                os.killpg(other.proc.pid, 0)
+        finally:
+            for log in (lead, other):
+                if log.proc.poll() is None:
+                    os.killpg(log.proc.pid, signal.SIGKILL)
+                    log.proc.wait()
+        text = other.text()
+        assert re.search(r"the job's store at [\d.]+:\d+ has not answered for 2 s", text), text[-3000:]
+        assert "start it again with gradsync run --resume DIR" in text, text[-3000:]
+    assert leftovers() == []

@@ -23,7 +23,7 @@ code), and counts ``elastic/hosts`` (its index) and ``elastic/beat/<h>``, and sa
 ends.
 
 When the lead's host dies, the store dies with it: every host agent stops its workers after
-:data:`STORE_LOST_S` without an answer and says so. With ``--checkpoint-dir`` on storage the hosts
+:data:`STORE_LOST_S` (``GRADSYNC_STORE_LOST_S``) without an answer and says so. With ``--checkpoint-dir`` on storage the hosts
 share, ``gradsync run --resume DIR`` on any host starts the job again from the newest commit, with
 that host as the new lead.
 """
@@ -52,8 +52,8 @@ BEAT_S = 0.5
 """How often a host agent counts its beat."""
 HOST_LOST_S = float(os.environ.get("GRADSYNC_HOST_LOST_S", "5"))
 """The lead drops a host whose beat has not moved for this long (``GRADSYNC_HOST_LOST_S``)."""
-STORE_LOST_S = 10.0
-"""A host agent stops its workers when the store has not answered for this long."""
+STORE_LOST_S = float(os.environ.get("GRADSYNC_STORE_LOST_S", "10"))
+"""A host agent stops its workers when the store has not answered for this long (``GRADSYNC_STORE_LOST_S``)."""
 CONNECT_S = 60.0
 """How long a host agent tries to reach the store before it gives up."""
 POLL_S = 0.05
