@@ -128,11 +128,15 @@ class PeerDiagnosis:
         when what it waits for last arrived (or its wait began). That wait ends at the timeout
         after it, whatever else completed, naming the ranks that hold it back (:meth:`explain`)."""
         heartbeat, transport = self.heartbeat, self.transport
-        if transport is None or transport.failure is not None:
+        if transport is None:
             return None
-        if self.peer_lost:
+        if self.peer_lost:  # every wait ends, a communication thread's too: the job regroups without it
+            if transport.failure is not None:
+                return PeerFailureError(str(transport.failure))
             me = self.topology.describe(self.topology.rank)
             return self._failed(PeerFailureError(f"{what} failed on {me}: {self.peer_lost}"))
+        if transport.failure is not None:
+            return None
         now, limit = time.monotonic(), self.timeout_s - REPORT_S
         idle_s = now - transport.progress
         if heartbeat is not None and idle_s >= limit:

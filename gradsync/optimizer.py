@@ -254,7 +254,7 @@ def detach(optimizer, *, failed: bool = False) -> None:
     sync = optimizer._gradsync
     old = sync.strategy
     if failed:
-        old.abandon()
+        old.abandon()  # never raises
     else:
         old.flush()
         if old.state_location in ("here", "workers") and sync.consolidated != sync.steps:

@@ -15,8 +15,19 @@ import torch
 from gradsync import runtime
 from gradsync.adapt import elastic
 from gradsync.consistency import broadcast_model, check_models_match
-from gradsync.errors import PeerFailureError
+from gradsync.diagnosis import PEER_TROUBLE
+from gradsync.errors import GradsyncError, PeerFailureError
 from gradsync.optimizer import detach, reattach
+
+
+def _peer_failure(exc: RuntimeError) -> PeerFailureError | None:
+    """``exc`` as a peer's failure: gradsync's own, or one raised inside PyTorch's communication
+    (DDP's reducer), explained; None for any other error (the script's own: it propagates)."""
+    if isinstance(exc, PeerFailureError):
+        return exc
+    if isinstance(exc, GradsyncError) or not PEER_TROUBLE.search(str(exc)) or not runtime.is_initialized():
+        return None
+    return runtime.current().explain("a collective inside PyTorch (DDP's all-reduce, or the script's own)", exc)
 
 
 class Regrouping:
@@ -38,8 +49,11 @@ class Regrouping:
                 try:
                     train(self)
                     return
-                except PeerFailureError as exc:
-                    self._recover(exc)
+                except RuntimeError as exc:
+                    failure = _peer_failure(exc)
+                    if failure is None:
+                        raise
+                    self._recover(failure)
                     if self.detached:
                         return
         finally:

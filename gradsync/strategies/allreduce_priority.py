@@ -296,6 +296,20 @@ class PriorityAllReduce(Strategy):
                 self.inflight_bytes -= self.nbytes[k]
                 self.cv.notify_all()
 
+    def abandon(self) -> None:
+        """After a peer failed: the schedule ends without another partition; rank 0 tells the
+        followers straight from the transport, which ends their wait for its next decision."""
+        self.closed = True
+        if self.plan is None:  # no step was taken: nothing started
+            return
+        with self.cv:
+            self.stopping = True
+            self.ready.clear()
+            self.cv.notify_all()
+        if self.leader:
+            stop = torch.tensor([STOP, self.steps], dtype=torch.int64, device=self.ctx.transport.device)
+            self.ctx.transport.send_despite_failure([(stop, r, CONTROL_TAG) for r in self.followers])
+
     def close(self) -> None:
         """Wait for the last updates, end the schedule and the threads. Safe to call twice."""
         if self.closed:

@@ -36,6 +36,7 @@ worker that did not use the parameter contributing zero; a parameter no worker u
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
 
@@ -171,8 +172,13 @@ class Strategy:
 
     def abandon(self) -> None:
         """A peer failed and this rank goes on (an elastic job regroups): stop this rank's own
-        threads without a word to any peer and without waiting on one. Their pending operations end
-        when the process group is destroyed, right after."""
+        threads and release what it holds locally, without waiting on a peer. By default
+        :meth:`close`, whose first word to a peer fails at once on the failed transport; a strategy
+        whose close would leave threads running or state changed overrides it. A thread still
+        blocked in a receive from the broken group ends at its timeout (a Gloo receive cannot be
+        cancelled), and shutdown waits for it."""
+        with contextlib.suppress(Exception):
+            self.close()
 
     def describe(self) -> str:
         """One line for logs and reports: the strategy and its effective options."""

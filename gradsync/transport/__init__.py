@@ -301,13 +301,22 @@ class Transport:
         work = self._issue(what, lambda: dist.group.WORLD.send([staged], dst, tag))
         return Handle(work, self, what, token, record, local=True)
 
-    def send_despite_failure(self, tensor: torch.Tensor, dst: int, tag: int) -> Handle:
-        """Send ``tensor`` although an operation failed: a strategy that abandons its streams after
-        a peer died tells the surviving peers, whose receives from this rank stay posted (a Gloo
-        receive cannot be cancelled). Not recorded, traced or counted; its wait may fail."""
-        staged = self.staged(tensor)
-        return Handle(dist.group.WORLD.send([staged], dst, tag), self, f"send to rank {dst} after a failure",
-                      local=True)
+    def send_despite_failure(self, messages: list[tuple[torch.Tensor, int, int]]) -> None:
+        """Send each ``(tensor, dst, tag)`` although an operation failed: a strategy that abandons its
+        streams after a peer died tells the surviving peers, whose receives from this rank stay
+        posted (a Gloo receive cannot be cancelled). Not recorded, traced or counted; a daemon
+        thread waits for the sends, and one to the dead peer fails quietly."""
+        works = []
+        for tensor, dst, tag in messages:
+            with contextlib.suppress(RuntimeError):
+                works.append(dist.group.WORLD.send([self.staged(tensor)], dst, tag))
+
+        def settle() -> None:
+            for work in works:
+                with contextlib.suppress(RuntimeError):
+                    work.wait()
+
+        threading.Thread(target=settle, name="gradsync-goodbye", daemon=True).start()
 
     def recv_async(self, tensor: torch.Tensor, src: Optional[int], tag: int, *,
                    what: str = "receive", traced: bool = True) -> Handle:

@@ -247,6 +247,13 @@ class CompressedSync(BucketedSync):
         self.ctx.transport.allreduce(tensor, what="compressed all-reduce", group=self.peers.group)
 
     # -- the rest of the contract ----------------------------------------------------------------------
+    def abandon(self) -> None:
+        """After a peer failed: the exchange thread takes no more buckets; an exchange under way
+        ends with the broken group."""
+        self.closed = True
+        if self.thread is not None:
+            self.thread.abandon()
+
     def close(self) -> None:
         if self.closed:
             return

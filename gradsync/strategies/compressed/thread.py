@@ -77,6 +77,13 @@ class ExchangeThread:
                 self.error = exc
                 self.cv.notify_all()
 
+    def abandon(self) -> None:
+        """Take no more buckets and do not wait (a peer failed): see :meth:`CompressedSync.abandon`."""
+        with self.cv:
+            self.closed = True
+            self.queue.clear()
+            self.cv.notify_all()
+
     def close(self) -> None:
         with self.cv:
             self.closed = True

@@ -307,6 +307,15 @@ class SparseHybrid(Planning, Strategy):
         for i, flag in self.restore_sparse.items():
             self.modules[i].sparse = flag
 
+    def abandon(self) -> None:
+        """After a peer failed: the tables get back their own ``sparse`` flags (the next strategy
+        attached records them), the row server's loop ends with the broken group; nothing is sent."""
+        self.closed = True
+        if self.server is not None:
+            self.server.closed = True
+        for i, flag in self.restore_sparse.items():
+            self.modules[i].sparse = flag
+
     # -- reports -----------------------------------------------------------------------------------
     @property
     def state_location(self) -> str:  # type: ignore[override]

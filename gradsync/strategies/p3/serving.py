@@ -16,10 +16,8 @@ and finally its stop messages. A dedicated server's whole loop is these threads 
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import sys
-import threading
 import time
 from collections import deque
 
@@ -185,19 +183,8 @@ class SliceServing:
         self.sender.abandon()
         if self.inside is not None:
             self.inside.abandon()
-        t, sends = self.ctx.transport, []
-        for peer in self.peers:
-            for _ in range(protocol.POSTED):
-                with contextlib.suppress(Exception):
-                    sends.append(t.send_despite_failure(self.wire.new(STOP, [], self.steps), peer, TAG))
-
-
-        def settle() -> None:
-            for handle in sends:
-                with contextlib.suppress(Exception):
-                    handle.wait(background=True)
-
-        threading.Thread(target=settle, name="gradsync-p3-goodbye", daemon=True).start()
+        self.ctx.transport.send_despite_failure([(self.wire.new(STOP, [], self.steps), peer, TAG)
+                                                 for peer in self.peers for _ in range(protocol.POSTED)])
 
     def _close_senders(self) -> None:
         self.sender.close()
