@@ -98,7 +98,10 @@ def test_hosts_join_one_is_lost_and_another_resizes_the_job(tmp_path):
     assert [(r["from"], r["to"]) for r in result["resizes"]][-2:] == [(3, 2), (2, 1)]
     # The survivors' waits on the cut host ended when the lead dropped it (2 s), not at the 6 s timeout.
     assert "the elastic launcher lost a member of generation" in result["resizes"][-2]["cause"], result["resizes"]
-    assert [(r["from"], r["to"]) for r in result["resizes"]][:-2] in ([(1, 2), (2, 3)], [(1, 3)])
+    # Before that the job grew to 3 as hosts registered: in one or two generations, or none where all
+    # three had registered before the first generation started.
+    grown = [(r["from"], r["to"]) for r in result["resizes"]][:-2]
+    assert grown in ([], [(1, 3)], [(2, 3)], [(1, 2), (2, 3)]), result["resizes"]
     assert_matches_reference(result)
     assert leftovers() == []
 
