@@ -106,7 +106,7 @@ def test_the_check_catches_a_wrong_model():
     (["--np", "0"], "--np must be >= 1"),
     (["--batch-size", "0"], "--batch-size must be >= 1"),
     (["--servers", "-1"], "--servers must be >= 0"),
-    (["--strategies", "allreduce,nope"], "valid strategies: allreduce, allreduce-priority, casync-ps, casync-ring, compressed-allgather, ddp, hybrid, p3, pair-averaging, ps, ps-async, ps-sliced, sma"),
+    (["--strategies", "allreduce,nope"], "valid strategies: allreduce, allreduce-priority, casync-ps, casync-ring, compressed-allgather, ddp, diloco, hybrid, local-sgd, p3, pair-averaging, ps, ps-async, ps-sliced, sma"),
     (["--model", "nope"], "valid models:"),
     (["--model", "no_such_module_here:build"], "cannot import module 'no_such_module_here'"),
     (["--model", "user_models:nope"], "module 'user_models' has no function 'nope'"),

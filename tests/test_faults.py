@@ -128,7 +128,7 @@ MISUSE = {  # case -> parts of the ConfigError's message
     "optimizer not an optimizer": ["optimizer must be a torch.optim.Optimizer", "got str"],
     "model not a module": ["model must be a torch.nn.Module, got str"],
     "model on the meta device": ["on the meta device", "model.to_empty(device=...)"],
-    "unknown strategy": ["unknown strategy 'allreduse'", "valid strategies: allreduce, allreduce-priority, casync-ps, casync-ring, compressed-allgather, ddp, hybrid, p3, pair-averaging, ps, ps-async, ps-sliced, sma"],
+    "unknown strategy": ["unknown strategy 'allreduse'", "valid strategies: allreduce, allreduce-priority, casync-ps, casync-ring, compressed-allgather, ddp, diloco, hybrid, local-sgd, p3, pair-averaging, ps, ps-async, ps-sliced, sma"],
     "bucket_mb=0": ["bucket sizes must be > 0 MB", "bucket_mb=0"],
     "unknown option": ["strategy 'allreduce' has no option 'bucket_megabytes'", "its options: bucket_mb"],
     "ps mode": ["ps mode must be 'sync' or 'async'", "'nope'"],

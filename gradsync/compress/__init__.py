@@ -17,6 +17,7 @@ efsignsgd      sign x mean magnitude, with EF     1 bit                        n
 tbq            +-tau / 0 with residual            2 bits                       no
 terngrad       stochastic ternary                 2 bits                       no
 qsgd           stochastic, ``levels`` levels      2-8 bits + a norm per 128    no
+int8, int4     nearest of 255 / 15 levels         8 / 4 bits + a scale per 128 no
 topk           largest ``ratio``                  64 bits x ratio              no
 randomk        shared random ``ratio``            32 bits x ratio              yes
 dgc            sampled top-k, momentum            64 bits x ratio              no
@@ -35,7 +36,7 @@ from gradsync.compress.base import (CompressionError, Compressor, Context, NonFi
 from gradsync.compress.cast import BF16, FP16, Identity
 from gradsync.compress.feedback import ErrorFeedback
 from gradsync.compress.powersgd import PowerSGD
-from gradsync.compress.quantize import QSGD, TBQ, TernGrad
+from gradsync.compress.quantize import QSGD, TBQ, Int4, Int8, TernGrad
 from gradsync.compress.sign import OneBit, ScaledSign, SignSGD
 from gradsync.compress.sparsify import DGC, GradDrop, RandomK, TopK
 from gradsync.errors import ConfigError, options_error
@@ -56,6 +57,8 @@ COMPRESSORS: dict[str, Callable[..., Compressor]] = {
     "tbq": TBQ,
     "terngrad": TernGrad,
     "qsgd": QSGD,
+    "int8": Int8,
+    "int4": Int4,
     "topk": TopK,
     "randomk": RandomK,
     "dgc": DGC,
@@ -123,6 +126,6 @@ def build(name: str, *, key: str = "", worker: int = 0, error_feedback: bool = F
 
 
 __all__ = ["BF16", "COMPRESSORS", "CompressionError", "Compressor", "Context", "DGC", "ErrorFeedback", "FP16",
-           "GradDrop", "Identity", "NonFiniteGradientError", "OneBit", "Payload", "PowerSGD", "QSGD", "RandomK",
+           "GradDrop", "Identity", "Int4", "Int8", "NonFiniteGradientError", "OneBit", "Payload", "PowerSGD", "QSGD", "RandomK",
            "ScaledSign", "SignSGD", "TBQ", "TernGrad", "TopK", "build", "check_finite", "compress_checked",
            "compressor_names", "parse_spec", "register", "wire_bytes"]

@@ -10,6 +10,8 @@
   is rounded stochastically to one of ``levels`` levels; unbiased, with variance at most
   ``min(d / levels**2, sqrt(d) / levels) ||x||^2`` (d the bucket size). Codes are ``2 levels + 1``
   signed values, packed in 2, 4 or 8 bits, plus one float32 norm per bucket.
+- ``int8``, ``int4``: deterministic round-to-nearest to ``[-127, 127]`` / ``[-7, 7]`` times one
+  absolute-maximum scale per bucket of 128 (the quantized outer gradients of DiLoCo's descendants).
 
 Stochastic rounding draws from the instance's own generator seeded with ``seed``; strategies give
 each rank a different seed so that ranks' rounding errors are independent.
@@ -140,3 +142,47 @@ class QSGD(_Seeded, Compressor):
         codes = torch.nn.functional.pad(codes, (0, -ctx.numel % self.bucket_size)).view(-1, self.bucket_size)
         values = codes * payload[1].float().unsqueeze(1) / self.levels
         return values.view(-1)[: ctx.numel].to(ctx.dtype).view(ctx.shape)
+
+
+@dataclass
+class Int8(Compressor):
+    """Deterministic round-to-nearest to signed integers, one absolute-maximum scale per bucket.
+
+    Each bucket of ``bucket_size`` elements is scaled so its largest magnitude becomes ``q``
+    (127 for ``int8``, 7 for ``int4``), rounded to the nearest integer code in ``[-q, q]`` and sent
+    as packed ``bits``-bit codes plus one float32 scale per bucket. The error of an element is at
+    most half its bucket's step (``max |x| / 2q``), with no randomness: what the quantized
+    outer gradients of Streaming DiLoCo and INTELLECT-1 send (Douillard et al. 2025, 4 bits;
+    Jaghouar et al. 2024, int8). Biased, so pair it with error feedback where the error would
+    accumulate (``error_feedback=True``)."""
+
+    name: ClassVar[str] = "int8"
+    bits: ClassVar[int] = 8
+    bucket_size: int = 128
+    """Elements sharing one scale; smaller buckets: finer scales, more of them sent (4 bytes each)."""
+
+    def __post_init__(self):
+        if self.bucket_size < 1:
+            raise ConfigError(f"{self.name} bucket_size must be >= 1, got {self.bucket_size}")
+        self.q = (1 << (self.bits - 1)) - 1
+
+    def compress(self, tensor: torch.Tensor) -> tuple[Payload, Context]:
+        x = flat(tensor)
+        buckets = torch.nn.functional.pad(x, (0, -x.numel() % self.bucket_size)).view(-1, self.bucket_size)
+        scales = buckets.abs().amax(dim=1, keepdim=True) / self.q
+        codes = (buckets / scales.clamp(min=torch.finfo(torch.float32).tiny)).round_().add_(self.q)
+        return [bits.pack(codes.view(-1)[: x.numel()], self.bits), scales.view(-1)], Context(tensor.shape, tensor.dtype)
+
+    def decompress(self, payload: Payload, ctx: Context) -> torch.Tensor:
+        codes = bits.unpack(payload[0], self.bits, ctx.numel).float() - self.q
+        codes = torch.nn.functional.pad(codes, (0, -ctx.numel % self.bucket_size)).view(-1, self.bucket_size)
+        values = codes * payload[1].float().unsqueeze(1)
+        return values.view(-1)[: ctx.numel].to(ctx.dtype).view(ctx.shape)
+
+
+@dataclass
+class Int4(Int8):
+    """:class:`Int8` with 4-bit codes in ``[-7, 7]``: 4.25 bits per element at the default bucket."""
+
+    name: ClassVar[str] = "int4"
+    bits: ClassVar[int] = 4

@@ -18,6 +18,8 @@ registered name is the short form users pass as ``strategy=``:
 ``sma``                       :class:`ModelAveraging` (synchronous model averaging)
 ``pair-averaging``            :class:`PairAveraging`
 ``hybrid``                    :class:`SparseHybrid` (Parallax)
+``diloco``                    :class:`DiLoCo` (outer steps every ``H``, streamed in fragments)
+``local-sgd``                 :class:`LocalSGD` (parameters averaged every ``H`` steps)
 ============================  =================================================================
 
 :data:`STRATEGIES` maps each name to a constructor; adding one is one line, and users add their
@@ -36,6 +38,7 @@ from gradsync.strategies.casync_ps import CaSyncPS
 from gradsync.strategies.casync_ring import CaSyncRing
 from gradsync.strategies.compressed_allgather import CompressedAllGather
 from gradsync.strategies.ddp import TorchDDP
+from gradsync.strategies.diloco import DiLoCo, LocalSGD
 from gradsync.strategies.hybrid import SparseHybrid
 from gradsync.strategies.p3 import P3, SlicedParameterServer
 from gradsync.strategies.pair_averaging import PairAveraging
@@ -56,6 +59,8 @@ STRATEGIES: dict[str, Callable[..., Strategy]] = {
     "sma": ModelAveraging,
     "pair-averaging": PairAveraging,
     "hybrid": SparseHybrid,
+    "diloco": DiLoCo,
+    "local-sgd": LocalSGD,
 }
 
 
@@ -97,5 +102,5 @@ lazy_names(__name__, {}, renamed={"DDP": "gradsync.strategies.TorchDDP", "SMA": 
                                   "strategy_names": "gradsync.strategies.names"})
 
 __all__ = ["STRATEGIES", "AllReduce", "AsyncParameterServer", "CaSyncPS", "CaSyncRing", "CompressedAllGather",
-           "ModelAveraging", "P3", "PairAveraging", "ParameterServer", "PriorityAllReduce", "SlicedParameterServer",
+           "DiLoCo", "LocalSGD", "ModelAveraging", "P3", "PairAveraging", "ParameterServer", "PriorityAllReduce", "SlicedParameterServer",
            "SparseHybrid", "Strategy", "SyncContext", "TorchDDP", "names", "register", "resolve"]
