@@ -287,12 +287,11 @@ def stuck_in_user_code(strategy: str):
     return None
 
 
-STUCK = [  # (strategy, servers): one per family of waits
+STUCK = [  # (strategy, servers): one per family of waits (a compression thread's: casync-ring, below)
     ("allreduce", 0),  # a collective on the training thread
     ("ddp", 0),  # PyTorch's reducer
     ("ps-async", 1),  # a server's receive from any worker
     ("p3", 0),  # the training thread waits for slices; keep-alives keep the links busy
-    ("casync-ps", 0),  # the training thread waits for its compression thread
     ("hybrid", 0),  # row servers on every worker's threads
     ("pair-averaging", 0),  # no barrier while training: the goodbye at the end waits
 ]
