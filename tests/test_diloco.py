@@ -172,3 +172,31 @@ def test_fragments_are_runs_of_whole_parameters_of_about_equal_size():
         assert [i for run in runs for i in run] == list(range(7)) and all(runs), runs
     assert split(params, 2) == [[0, 1, 2, 3, 4, 5], [6]]
     assert split(params, 7) == [[i] for i in range(7)]
+
+
+def test_the_simulator_synchronizes_every_H_steps_and_hides_a_delayed_fragment():
+    from gradsync.simulate import Host, Network, simulate
+    from gradsync.simulate.workload import synthetic
+
+    # 2 workers, 0.5 s of compute a step, 1000 B of parameters over a 1000 B/s link (a 1 s ring).
+    free, net = Host(copy_Bps=1e18, update_Bps=1e18, handoff_s=0.0), Network(rate_bps=8000.0, latency_s=0.0)
+    work = synthetic([(0.25, 0.25, [500, 500])])
+    every = simulate("local-sgd", work, 2, net, host=free, options={"H": 4}, steps=3, warmup=1)
+    assert every["period"] == 4 and every["steps"] == 4  # one whole period after the warm-up
+    assert every["step_s"] == pytest.approx((4 * 0.5 + 1.0) / 4)  # the mean, not the median (0.5)
+    assert every["bytes_per_step"] == pytest.approx(1000 / 4)
+    # Two fragments of 500 B (0.5 s each), each sent one step before it lands: hidden behind compute.
+    streamed = simulate("diloco", work, 2, net, host=free, options={"H": 4, "fragments": 2, "delay": 1})
+    assert streamed["step_s"] == pytest.approx(0.5)
+    waited = simulate("diloco", work, 2, net, host=free, options={"H": 4, "fragments": 2})
+    assert waited["step_s"] == pytest.approx((4 * 0.5 + 2 * 0.5) / 4)
+
+
+def test_advise_ranks_the_rare_strategies_with_their_measured_loss_gap():
+    from gradsync.simulate.advise import candidates, loss_gap
+
+    labels = [label for label, _, _ in candidates(0, [])]
+    assert {"local-sgd H=10", "diloco H=50", "diloco H=50 streaming int4"} <= set(labels)
+    gap = loss_gap("diloco", {"H": 50})  # from the run gradsync ships (or the user's own)
+    assert "against allreduce at equal tokens" in gap and "%" in gap, gap
+    assert "not measured here" in loss_gap("diloco", {"H": 7})

@@ -308,11 +308,11 @@ def test_a_dedicated_server_names_the_worker_that_died():
 def _switching(work: Workload, plan: list):
     topo, spec = gradsync.topology(), work.spec()
     model, opt = work.build()
-    opt = gradsync.distribute(model, opt, plan[0][0])
+    opt = gradsync.distribute(model, opt, plan[0][0], **plan[0][2])
     step = 0
-    for k, (strategy, steps) in enumerate(plan):
+    for k, (strategy, steps, options) in enumerate(plan):
         if k:
-            opt.switch_strategy(strategy)
+            opt.switch_strategy(strategy, **options)
         for _ in range(steps):
             inputs, target = work.batch(spec, step, topo.rank, topo.num_workers)
             train_step(model, opt, spec, inputs, target)
@@ -322,11 +322,15 @@ def _switching(work: Workload, plan: list):
 
 
 def test_switching_to_and_from_hybrid_keeps_the_tables_optimizer_state():
-    """Momentum built under all-reduce goes to the servers' partitions, and back again."""
+    """Momentum built under all-reduce goes to the servers' partitions, and back again; composed
+    strategies (a codec on hybrid's dense part, on allreduce) are switched to like any other, and
+    with lossless codecs (top-k keeping every element goes through casync-ring) stay exact."""
     work = Workload(model="lstm-lm:tiny", batch_size=4)
-    plan = [("allreduce", 2), ("hybrid", 2), ("ps", 1), ("hybrid", 2), ("allreduce", 1)]
+    lossless = {"compression": "topk:ratio=1"}
+    plan = [("allreduce", 2, {}), ("hybrid", 2, lossless), ("ps", 1, {}), ("hybrid", 2, {}),
+            ("allreduce", 1, {"compression": "none"})]
     results = run_ranks(_switching, 2, work, plan, timeout=120)
-    ref = reference(work, 2, sum(steps for _, steps in plan))
+    ref = reference(work, 2, sum(steps for _, steps, _ in plan))
     for rank, params in enumerate(results):
         report = compare(params, ref, work.tolerance)
         assert report["correct"], (rank, report)

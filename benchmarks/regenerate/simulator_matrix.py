@@ -32,6 +32,8 @@ SERVED = "ps,ps-async,p3"
 HOSTED = "allreduce,allreduce:flat,ps,ps:flat,p3,p3:flat,ddp"  # hosts of several workers: two-level and flat
 TABLES = "allreduce,ps,ddp"  # beside hybrid, which has groups of its own (below)
 LM_COMPUTE = "emulated:flops:11.11tflops"  # lstm-lm's shipped V100 rate, on the CPU-sized shape
+RARE = "allreduce,local-sgd,diloco,diloco+int4"
+RARE_SET = ["local-sgd.H=10", "diloco.H=10", "diloco.fragments=2", "diloco.delay=1"]
 CODECS = ["onebit"]  # the compressed strategies' default
 MESSAGED = {"p3", "ps-sliced", "hybrid"}  # the strategies whose Python threads handle each message (Host.message_s)
 COMPRESSED = {"casync-ring", "casync-ps", "compressed-allgather"}
@@ -71,6 +73,10 @@ GROUPS = [  # (model, workers, rate, dedicated servers, strategies[, compute[, r
     # loopback hops add to the cores' work what one worker to a host does not have
     ("resnet50", 4, "10gbit", 0, HOSTED, "emulated", 1,
      {"ranks_per_host": 2, "steps": 8, "warmup": 2, "dilation": "auto:500mbit"}),
+    # The strategies that synchronize every H steps, beside allreduce: 20 measured steps a round, two
+    # whole periods of H = 10 (a round's mean step holds both synchronizations of every fragment).
+    ("resnet50", 4, "1gbit", 0, RARE, "emulated", 1, {"steps": 20, "set": RARE_SET}),
+    ("resnet50", 4, "10gbit", 0, RARE, "emulated", 1, {"steps": 20, "set": RARE_SET}),
 ]
 SHAPE = ("model", "np", "net_bps", "servers", "batch_size", "compute", "ranks_per_host")
 
@@ -116,8 +122,8 @@ def command(model: str, np: int, rate: str, servers: int, strategies: str, out: 
             compute: str = "emulated", rounds: int = 1, more: dict | None = None, rank_cores: float = 2.0) -> list[str]:
     """The group's ``gradsync bench`` command, writing its records to ``out``: 12 measured steps a
     round after 3 of warm-up, unless ``more`` says otherwise (``steps`` a round, ``warmup``,
-    ``dilation``: ``--dilation``'s value, else :func:`dilation`'s), and ``more["ranks_per_host"]``
-    workers to an emulated host (default 1)."""
+    ``dilation``: ``--dilation``'s value, else :func:`dilation`'s), ``more["ranks_per_host"]``
+    workers to an emulated host (default 1), and ``more["set"]``, ``--set`` options."""
     more = more or {}
     per_host = more.get("ranks_per_host", 1)
     return ["gradsync", "bench", "--model", model, "--compute", compute, "--np", str(np), "--net", rate,
@@ -126,7 +132,8 @@ def command(model: str, np: int, rate: str, servers: int, strategies: str, out: 
             "--dilation", more.get("dilation") or dilation(np, rate, servers, rank_cores=rank_cores),
             "--strategies", strategies,
             "--steps", str(more.get("steps", 12) * rounds), "--warmup", str(more.get("warmup", 3)),
-            "--rounds", str(rounds), "--check-steps", "0", "--json", out]
+            "--rounds", str(rounds), "--check-steps", "0", "--json", out,
+            *[arg for setting in more.get("set", []) for arg in ("--set", setting)]]
 
 
 def group_command(index: int, out: str, rank_cores: float = 2.0) -> list[str]:

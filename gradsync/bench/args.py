@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from gradsync.argtypes import available_bytes, checked, output_dir, output_file
 from gradsync.emulate.slow import SlowRanks
@@ -367,8 +368,13 @@ def _check_options(config: dict, parser_error) -> None:
     from gradsync.errors import ConfigError
     from gradsync.strategies import resolve
 
+    per_round = config["per_round"]
     for name, options in config["options"].items():
         try:
-            resolve(strategy_of(name), **options)
+            made = resolve(strategy_of(name), **options)
         except ConfigError as exc:
             parser_error(str(exc))
+        if made.period > 1 and per_round % made.period:
+            print(f"gradsync bench: warning: {name} synchronizes every {made.period} steps but a round measures "
+                  f"{per_round}; its mean step covers part of a period (use --steps {made.period * config['rounds']} "
+                  f"or a multiple)", file=sys.stderr)

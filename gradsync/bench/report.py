@@ -2,7 +2,10 @@
 
 Throughput is global: ``num_workers * batch_size / step_time`` for each step after warm-up, where a
 step's time is the slowest worker's. We report its median with min and max, because the machine
-is noisy and a mean would let one preempted step move the result. With ``--dilation K`` every time
+is noisy and a mean would let one preempted step move the result. A strategy that synchronizes
+every ``period`` steps (``local-sgd``, ``diloco``) is the exception: its step time is the mean over
+the measured steps (whole periods where each round measures a multiple of it), since its median
+step sends nothing. With ``--dilation K`` every time
 is divided by K before anything else, so records are in undilated (real-cluster) units.
 
 The physical bound of a run: ``T_compute`` is one worker's step without communication (the
@@ -91,13 +94,15 @@ def summarize(raw: dict, compute_times: list[float], config: dict, check: dict |
     compute = [t / k for t in compute_times]
     samples = config["np"] * config["workload"]["batch_size"]
     rates = [samples / t for t in times]
-    step_s, compute_s = statistics.median(times), statistics.median(compute)
+    period = raw.get("period", 1)  # every step synchronizes, or one in `period` (local-sgd, diloco)
+    step_s = statistics.median(times) if period == 1 else statistics.fmean(times)
+    compute_s = statistics.median(compute)
     record = {
         "strategy": raw["strategy"], "describe": raw["describe"], "model": config["workload"]["model"],
         "np": config["np"], "servers": config["servers"], "batch_size": config["workload"]["batch_size"],
         "ranks_per_host": config.get("ranks_per_host", 1), "server_hosts": config.get("server_hosts", "own"),
         "steps": len(times), "warmup": warm, "rounds": config["rounds"], "threads": config["threads"],
-        "samples_per_s": statistics.median(rates), "samples_per_s_min": min(rates),
+        "samples_per_s": statistics.median(rates) if period == 1 else samples / step_s, "samples_per_s_min": min(rates),
         "samples_per_s_max": max(rates), "step_s": step_s, "compute_s": compute_s,
         "comm_overhead_s": step_s - compute_s, "bytes_per_step": raw["bytes_per_step"],
         "peak_mem_mb": raw["peak_mem_mb"], "server_peak_mem_mb": raw.get("server_peak_mem_mb", 0.0),
@@ -107,6 +112,8 @@ def summarize(raw: dict, compute_times: list[float], config: dict, check: dict |
         "slow": config.get("slow", ""),
         **bound(raw["min_bytes_per_host"], compute_s, samples, config),
     }
+    if period > 1:
+        record["period"] = period
     if raw.get("optimizer_times"):  # the user's optimizer.step(), the slowest worker's, per step
         record["optimizer_s"] = statistics.median(t / k for t in raw["optimizer_times"])
     if raw.get("mean_times"):  # each step's time, the workers' mean

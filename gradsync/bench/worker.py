@@ -316,7 +316,8 @@ def run_strategy(name: str, options: dict, work: Workload, total: int, run_dir: 
             "mean_times": means, "step_rates": paces, "batch_times": batches, "host_work": work_done,
             "bytes_per_step": sent / total, "peak_mem_mb": worker_mb, "server_peak_mem_mb": server_mb,
             "workers_max_diff": agree, "stats": {k: v for k, v in getattr(optimizer.strategy, "stats", {}).items() if isinstance(v, (int, float))},
-            "exact": bool(optimizer.strategy.exact), "model_bytes": model_bytes, "host_cpu": cpu,
+            "exact": bool(optimizer.strategy.exact), "period": optimizer.strategy.period, "model_bytes": model_bytes,
+            "host_cpu": cpu,
             "host_links": None if links is None else links.steps,
             "min_bytes_per_host": optimizer.strategy.min_bytes_per_host(model_bytes),
             "stragglers": [[[s.rank, s.cause, s.ratio, s.held_s] for s in slow]], "paces": [readings]}

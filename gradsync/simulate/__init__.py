@@ -5,8 +5,8 @@
   profiles the emulated cluster replays);
 - :mod:`gradsync.simulate.models`: the simulated worker, and the schedules of the bucketed,
   parameter-server and sliced strategies, planned by the strategy's own code;
-  :mod:`gradsync.simulate.compressed`, :mod:`gradsync.simulate.averaging` and
-  :mod:`gradsync.simulate.hybrid` the others';
+  :mod:`gradsync.simulate.compressed`, :mod:`gradsync.simulate.averaging`,
+  :mod:`gradsync.simulate.hybrid` and :mod:`gradsync.simulate.rare` the others';
 - :func:`build`: the model of one strategy; :func:`simulate`: one strategy, one model, one
   cluster shape -> a record with ``gradsync bench``'s fields.
 """
@@ -20,6 +20,7 @@ from gradsync.simulate.engine import Sim, SimulationError
 from gradsync.simulate.hosts import aggregation
 from gradsync.simulate.hybrid import Hybrid
 from gradsync.simulate.models import Buckets, ParameterServers, Slices
+from gradsync.simulate.rare import RareSync
 from gradsync.simulate.worker import Host, Network, StrategyModel, Worker
 from gradsync.simulate.workload import Workload, load
 
@@ -31,7 +32,9 @@ def simulate(strategy: str, workload: Workload, np: int, net: Network, *, host: 
     ``gradsync bench`` record (throughput is global: ``np * batch / step time``). With ``trace``,
     also ``timeline`` (every span: lane, what, start, end, in seconds) and ``step_ends``. On hosts
     of several ranks (``net.ranks_per_host``) the strategy runs its topology-aware schedule
-    (:attr:`StrategyModel.hosts`), or, with ``flat``, every rank as its own peer."""
+    (:attr:`StrategyModel.hosts`), or, with ``flat``, every rank as its own peer. A strategy that
+    communicates every ``H`` steps (``period``) runs whole periods, in the warm-up and after it, and
+    its step time is the mean of the measured ones."""
     if steps <= warmup:
         raise SimulationError(f"steps ({steps}) must exceed warmup ({warmup})")
     if servers < 0:
@@ -44,10 +47,15 @@ def simulate(strategy: str, workload: Workload, np: int, net: Network, *, host: 
     worker = Worker(sim, workload, np, net, host or Host(), servers, hosts)
     if worker.hosts == "local":
         model = aggregation(model)
+    period = getattr(model, "period", 1)
+    if period > 1:  # whole periods, warm-up and measured: one synchronization of every fragment each
+        measured = -(-max(steps - warmup, 1) // period) * period
+        warmup = -(-warmup // period) * period
+        steps = warmup + measured
     ends = worker.run(model, steps)
     times = model.step_times(ends)[warmup:]
     samples = np * workload.batch_size
-    step_s = statistics.median(times)
+    step_s = statistics.fmean(times) if period > 1 else statistics.median(times)
     compute_s = workload.compute_s
     record = {
         "strategy": strategy, "model": workload.model, "np": np, "servers": servers,
@@ -59,6 +67,8 @@ def simulate(strategy: str, workload: Workload, np: int, net: Network, *, host: 
         "compute": "simulated", "source": "gradsync simulate", "events": sim.events,
         "bytes_per_step": worker.bytes_sent() / len(ends), "plan": model.describe(),
     }
+    if period > 1:
+        record["period"] = period
     if worker.per_host > 1:
         record.update(ranks_per_host=worker.per_host, hosts=worker.hosts, nic_bytes_per_step=worker.nic_bytes() / len(ends))
     if hasattr(model, "dense_bytes"):
@@ -71,7 +81,7 @@ def simulate(strategy: str, workload: Workload, np: int, net: Network, *, host: 
 
 # -- choosing the model of a strategy ------------------------------------------------------------------
 SIMULATED = ["allreduce", "ddp", "ps", "p3", "ps-sliced", "allreduce-priority", "casync-ring", "casync-ps",
-             "compressed-allgather", "sma", "pair-averaging", "ps-async", "hybrid"]
+             "compressed-allgather", "sma", "pair-averaging", "ps-async", "hybrid", "local-sgd", "diloco"]
 
 
 def build(name: str, options: dict | None = None, servers: int = 0) -> StrategyModel:
@@ -105,6 +115,8 @@ def build(name: str, options: dict | None = None, servers: int = 0) -> StrategyM
                        all_reduce=False, servers=servers)
     elif name == "hybrid":
         model = Hybrid(strategy, servers)
+    elif name in ("local-sgd", "diloco"):
+        model = RareSync(strategy)
     elif name == "allreduce-priority":
         model = Slices(strategy, strategy.partition_params, strategy.credit_mb * 2**20, True, True,
                        all_reduce=True, servers=0)
@@ -115,7 +127,7 @@ def build(name: str, options: dict | None = None, servers: int = 0) -> StrategyM
 
 HOSTS = {"allreduce": "ring", "allreduce-priority": "ring", "sma": "ring", "pair-averaging": "ring", "ps": "local",
          "p3": "local", "ps-sliced": "local", "casync-ring": "local", "casync-ps": "local",
-         "compressed-allgather": "local", "hybrid": "ring"}
+         "compressed-allgather": "local", "hybrid": "ring", "local-sgd": "ring", "diloco": "ring"}
 """Each strategy's schedule on hosts of several ranks (:data:`~gradsync.simulate.worker.HOST_SCHEDULES`),
 as the topology-aware strategy runs it on Gloo (docs/launcher.md); the others stay flat, as they run.
 ``hybrid``'s dense buckets take the two-level ring, its model aggregates its tables' rows inside

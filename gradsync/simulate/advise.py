@@ -4,7 +4,10 @@ Every strategy the simulator models (and each compressed strategy once per compr
 simulated on the cluster described (workers, link rate, latency, servers, workers per host), and
 ranked by predicted throughput, each with one line saying why: what it moves per step, how much of
 that is hidden behind compute, what it costs in memory, and what it gives up (exactness, or a
-lossy compressor).
+lossy compressor). The strategies that communicate every ``H`` steps (``local-sgd``, ``diloco``) are
+ranked by the same throughput, and their line says what they cost in loss: the gap to synchronous
+training at equal tokens measured by the stored run of ``gradsync experiment run diloco-communication``
+(yours, else the one gradsync ships), or that none is stored.
 
     gradsync advise --model vgg19 --np 16 --net 10gbit
     gradsync advise --model resnet50 --np 8 --net 25gbit --compression "onebit;fp16" --servers 2
@@ -24,9 +27,14 @@ from gradsync.simulate.cli import add_host_arguments
 from gradsync.simulate.compressed import COMPRESSED
 NEEDS_SERVERS = ("ps-async",)
 INEXACT = {"sma": "averages models, not gradients (not exact)",
+           # local-sgd and diloco: their line gives the measured loss gap (loss_gap)
            "pair-averaging": "averages with one random peer, no barrier (not exact)",
            "ps-async": "asynchronous updates (not exact)"}
 DEFAULT_COMPRESSION = "onebit;fp16;topk:ratio=0.01"
+RARE = [("local-sgd H=10", "local-sgd", {"H": 10}), ("diloco H=50", "diloco", {"H": 50}),
+        ("diloco H=50 streaming int4", "diloco", {"H": 50, "fragments": 4, "delay": 1, "compression": "int4"})]
+"""The rare-communication candidates: ``(label, strategy, options)``."""
+EXPERIMENT = "diloco-communication"
 
 
 @dataclass
@@ -51,6 +59,7 @@ def buffer_bytes(strategy: str, model_bytes: int, np: int, ratio: float = 1.0) -
         "compressed-allgather": 1.0 + np * ratio,  # every worker's payload held at once
         "sma": 1.0, "pair-averaging": 2.0,  # the average; the snapshot served and the peer's model
         "hybrid": 1.0,  # buckets of its dense parameters (model_bytes: those); a table's rows are few
+        "local-sgd": 2.0, "diloco": 3.0,  # the shared copy and its bucket; diloco's outer momentum too
     }
     return extra.get(strategy, 1.0) * model_bytes
 
@@ -61,7 +70,9 @@ def candidates(servers: int, compression: list[str]) -> list[tuple[str, str, dic
     for name in SIMULATED:
         if name in NEEDS_SERVERS and not servers:
             continue
-        if name in COMPRESSED:
+        if name in ("local-sgd", "diloco"):
+            out += [c for c in RARE if c[1] == name]
+        elif name in COMPRESSED:
             for spec in compression:
                 if name != "casync-ring" and spec.split(":")[0] == "powersgd":
                     continue  # its factors are all-reduced: casync-ring only
@@ -107,10 +118,44 @@ def _reason(strategy: str, options: dict, rec: dict, workload, ratio: float) -> 
         parts.append(f"{options['compression']} sends {ratio:.1%} of the bytes (lossy: see gradsync codecs --convergence)")
     if strategy in INEXACT:
         parts.append(INEXACT[strategy])
+    if strategy in ("local-sgd", "diloco"):
+        parts.append(f"synchronizes every {options['H']} steps; not exact: {loss_gap(strategy, options)}")
     if strategy == "hybrid":
         parts.append(f"row servers for {rec['plan']}; needs Gloo (tables on the CPU)" if rec.get("plan")
                      else "no embedding table read sparsely: the same as allreduce")
     return "; ".join(parts)
+
+
+def experiment_label(strategy: str, options: dict) -> str:
+    """How the experiment's cells name a strategy with options: ``NAME[:OPTION=VALUE,...]`` without ``H``."""
+    rest = ",".join(f"{k}={v}" for k, v in options.items() if k != "H")
+    return f"{strategy}:{rest}" if rest else strategy
+
+
+def loss_gap(strategy: str, options: dict) -> str:
+    """The measured loss of ``strategy`` against synchronous training's at equal tokens, from the
+    newest stored run of :data:`EXPERIMENT` (the user's store first, then the shipped runs)."""
+    import os
+
+    from gradsync.experiment.store import SHIPPED, Store, default_path
+
+    for path in (default_path(), SHIPPED):
+        if not os.path.exists(path):
+            continue
+        store = Store(path, readonly=True)
+        try:
+            run = store.latest(EXPERIMENT)
+            records = store.records(run["id"]) if run else []
+        finally:
+            store.close()
+        at = [r for r in records if r["cell"].get("net") == "1gbit"]
+        sync = [r["loss"] for r in at if r["cell"]["strategy"] == "allreduce"]
+        mine = [r["loss"] for r in at if r["cell"]["strategy"] == experiment_label(strategy, options)
+                and r["cell"]["H"] == options["H"]]
+        if sync and mine:
+            return (f"held-out loss {mine[0] / sync[0] - 1:+.1%} against allreduce at equal tokens "
+                    f"(gradsync experiment show {EXPERIMENT}: an LSTM language model, 4 workers)")
+    return f"its loss against allreduce is not measured here (gradsync experiment run {EXPERIMENT})"
 
 
 def add_parser(subparsers) -> None:

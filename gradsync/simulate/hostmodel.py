@@ -56,8 +56,14 @@ def run_options(record: dict) -> tuple[str, dict]:
     ``hybrid``, the partition count its probes chose (its ``describe``), by which the model lays
     the rows out over the servers: per server, as the option counts them (the probes' fit may
     choose a count between two multiples of the servers: the nearer); for ``pair-averaging``,
-    whether its pull was overlapped with the next step (its ``describe`` says so)."""
+    whether its pull was overlapped with the next step (its ``describe`` says so); for ``local-sgd``
+    and ``diloco``, ``H``, fragments and delay (its ``describe``)."""
     name, options = options_of(record["strategy"])
+    if name in ("local-sgd", "diloco"):
+        for key in ("H", "fragments", "delay"):
+            found = re.search(rf"\b{key}=(\d+)", record.get("describe", ""))
+            if found and key not in options:
+                options[key] = int(found.group(1))
     if name == "pair-averaging" and "overlap" not in options:  # runs before the overlap waited for each pull
         options["overlap"] = "overlapped" in record.get("describe", "")
     if name == "hybrid" and "partitions" not in options:

@@ -104,6 +104,10 @@ class Strategy:
       each gradient's version counter at ``step()`` and raises :class:`GradientEditedError`;
       clipping is then ``distribute(..., clip_grad_norm=C)`` where :attr:`clips` is true.
     """
+    period: int = 1
+    """Steps from one synchronization to the next (``local-sgd``, ``diloco``: ``H``). Where it is
+    more than one, most steps send nothing, so ``gradsync bench`` and the simulator report the mean
+    step over whole periods, not the median (which would be a step without communication)."""
     synchronous: ClassVar[bool] = True
     """Every worker finishes each step with the others (a barrier in effect): the straggler monitor
     may then time the links at the same step on every worker (:mod:`gradsync.stragglers`)."""

@@ -34,11 +34,26 @@ from __future__ import annotations
 
 import torch
 
-from gradsync.compress import CompressionError, NonFiniteGradientError
+from gradsync.compress import CompressionError, NonFiniteGradientError, build, parse_spec
 from gradsync.compress.base import all_finite
 from gradsync.compress.powersgd import PowerSGD
+from gradsync.strategies.allreduce import AllReduce, BucketedSync
 from gradsync.strategies.compressed import CompressedSync
 from gradsync.transport import wait_all
+
+
+def compressed_allreduce(compression: str | None, error_feedback: bool = False, **options) -> "BucketedSync":
+    """The gradient strategy that all-reduces buckets through ``compression`` where another
+    strategy composes one (``hybrid``'s dense part, ``diloco``'s outer gradients): ``allreduce``
+    without a codec or with one whose payloads add up (the payload all-reduced), else
+    ``casync-ring`` (decode-merge-encode around the ring). ``options``: bucket sizes, buffers."""
+    if compression is None:
+        return AllReduce(**options)
+    name, codec_options = parse_spec(compression)
+    probe = build(name, **codec_options)
+    if probe.summable and not isinstance(probe, PowerSGD):
+        return AllReduce(compression=compression, error_feedback=error_feedback, **options)
+    return CaSyncRing(compression=compression, error_feedback=error_feedback, **options)
 
 
 class CaSyncRing(CompressedSync):

@@ -50,9 +50,8 @@ from torch import nn
 
 from gradsync.compress import PowerSGD, build, parse_spec
 from gradsync.errors import ConfigError
-from gradsync.strategies.allreduce import AllReduce
 from gradsync.strategies.base import Strategy, SyncContext
-from gradsync.strategies.casync_ring import CaSyncRing
+from gradsync.strategies.casync_ring import compressed_allreduce
 from gradsync.strategies.overlap import ELEMENTWISE
 
 
@@ -85,6 +84,7 @@ class DiLoCo(Strategy):
             raise ConfigError(f"{self.name}: outer_optimizer must be a callable that takes a list of parameters and "
                               f"returns a torch.optim.Optimizer, got {outer_optimizer!r}")
         self.H, self.fragments, self.delay = H, fragments, delay
+        self.period = H
         self.mix = (0.5 if delay else 0.0) if mix is None else float(mix)
         self.outer_lr, self.outer_momentum, self.nesterov = outer_lr, outer_momentum, nesterov
         self.outer_optimizer = outer_optimizer
@@ -99,12 +99,8 @@ class DiLoCo(Strategy):
     # -- setup ---------------------------------------------------------------------------------------
     def _outer_strategy(self) -> Strategy:
         """The gradient strategy that averages one fragment's outer gradient."""
-        if self.compression is None:
-            return AllReduce(rebuild_buckets=False, broadcast_buffers=False)
-        if self.summable:
-            return AllReduce(rebuild_buckets=False, broadcast_buffers=False, compression=self.compression,
-                             error_feedback=self.error_feedback)
-        return CaSyncRing(compression=self.compression, error_feedback=self.error_feedback, broadcast_buffers=False)
+        options = {"rebuild_buckets": False} if self.summable else {}  # the order is always backward's
+        return compressed_allreduce(self.compression, self.error_feedback, broadcast_buffers=False, **options)
 
     def _make_outer_optimizer(self, params: list[nn.Parameter]) -> torch.optim.Optimizer:
         if self.outer_optimizer is None:

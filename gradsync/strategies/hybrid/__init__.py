@@ -1,7 +1,9 @@
 """Sparse-aware hybrid synchronization: Parallax (Kim et al., EuroSys 2019).
 
 Embedding tables whose steps touch few rows go to parameter servers as (row ids, row values);
-everything else goes through the bucketed all-reduce (:class:`~gradsync.strategies.allreduce.AllReduce`).
+everything else goes through the bucketed all-reduce (:class:`~gradsync.strategies.allreduce.AllReduce`;
+with ``compression=``, the codec's: the payloads all-reduced where they add up, else casync-ring's
+decode-merge-encode, :func:`~gradsync.strategies.casync_ring.compressed_allreduce`).
 All-reduce would move every row of a table every step; the servers move only the rows touched.
 
 Which tables are sparse is measured at the first step, on every worker, and agreed by one

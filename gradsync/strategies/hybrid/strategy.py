@@ -10,8 +10,9 @@ import torch
 from torch import nn
 
 from gradsync.errors import ConfigError, GradsyncError
-from gradsync.strategies.allreduce import AllReduce
+from gradsync.strategies.allreduce import BucketedSync
 from gradsync.strategies.base import Strategy, SyncContext, host_ring_bytes, worker_hosts
+from gradsync.strategies.casync_ring import compressed_allreduce
 from gradsync.strategies.hybrid.hosts import HostRows
 from gradsync.strategies.hybrid.layout import (OP_FLUSH, OP_PULL, OP_PUSH, OP_STOP, TABLES, TAG_ANSWER, TAG_REQUEST,
                                               Layout, _lr_bits)
@@ -32,7 +33,8 @@ class SparseHybrid(Planning, Strategy):
 
     def __init__(self, sparse: list[str] | None = None, dense: list[str] | None = None,
                  sparse_threshold: float | None = None, partitions: int | str = "auto",
-                 probe_rounds: int = 3, bucket_mb: float = 25.0, first_bucket_mb: float = 1.0):
+                 probe_rounds: int = 3, bucket_mb: float = 25.0, first_bucket_mb: float = 1.0,
+                 compression: str | None = None, error_feedback: bool = False):
         # one name on its own, as `--set hybrid.sparse=embedding.weight` gives it, is a list of one
         sparse, dense = ([names] if isinstance(names, str) else names for names in (sparse, dense))
         if partitions != "auto" and (not isinstance(partitions, int) or partitions < 1):
@@ -47,6 +49,9 @@ class SparseHybrid(Planning, Strategy):
         self.force_sparse, self.force_dense = list(sparse or ()), list(dense or ())
         self.threshold, self.partitions_option, self.probe_rounds = sparse_threshold, partitions, probe_rounds
         self.dense_options = dict(bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb)
+        self.compression, self.error_feedback = compression, error_feedback
+        self.dense_probe = compressed_allreduce(compression, error_feedback, **self.dense_options)  # bad codec: here
+        self.exact = self.dense_probe.exact
 
     # -- set-up ------------------------------------------------------------------------------------
     def attach(self, ctx: SyncContext) -> None:
@@ -82,7 +87,7 @@ class SparseHybrid(Planning, Strategy):
         self.arrival: list[int] = []
         self.sends: list = []
         self.pushed: set[int] = set()
-        self.dense: AllReduce | None = None
+        self.dense: BucketedSync | None = None
         self.server: RowServer | None = None
         self.decisions: dict[str, str] = {}
         self.touched: dict[str, list[int]] = {}
@@ -229,7 +234,7 @@ class SparseHybrid(Planning, Strategy):
         dense = [i for i in range(len(ctx.params)) if i not in chosen]
         self.dense_index = {i: k for k, i in enumerate(dense)}
         if dense:
-            self.dense = AllReduce(**self.dense_options)
+            self.dense = compressed_allreduce(self.compression, self.error_feedback, **self.dense_options)
             self.dense.attach(SyncContext(ctx.model, ctx.optimizer, [ctx.params[i] for i in dense],
                                           [ctx.names[i] for i in dense], ctx.transport, ctx.topology, ctx.stats,
                                           two_level=ctx.two_level))
@@ -304,6 +309,8 @@ class SparseHybrid(Planning, Strategy):
                 self.server.stop()
         if self.host_rows is not None:
             self.ctx.transport.free_group(self.host_rows.group)
+        if self.dense is not None:
+            self.dense.close()  # casync-ring's communication thread, with compression=
         for i, flag in self.restore_sparse.items():
             self.modules[i].sparse = flag
 
@@ -313,6 +320,8 @@ class SparseHybrid(Planning, Strategy):
         self.closed = True
         if self.server is not None:
             self.server.closed = True
+        if self.dense is not None:
+            self.dense.abandon()
         for i, flag in self.restore_sparse.items():
             self.modules[i].sparse = flag
 
@@ -356,7 +365,8 @@ class SparseHybrid(Planning, Strategy):
             self.ctx.transport.allreduce(torch.zeros(1), what="hybrid: every worker loaded the model")
 
     def min_bytes_per_host(self, model_bytes: int) -> float:
-        """The dense part's ring all-reduce over the hosts, plus the rows out (push) and back (pull):
+        """The dense part's ring all-reduce over the hosts (of the compressed payloads, with
+        ``compression=``), plus the rows out (push) and back (pull):
         on hosts of several workers the host's, counted once (this worker's count, the host's
         first: the union of its workers' rows); flat, the busiest host's workers' (each this
         worker's count: their ids differ)."""
@@ -364,7 +374,9 @@ class SparseHybrid(Planning, Strategy):
         sparse_bytes = sum(params[i].numel() * params[i].element_size() for i in self.sparse)
         row_bytes = self.stats["row_bytes"] / max(1, self.stats["steps"])
         copies = 1 if self.host_rows is not None else max(len(w) for w in worker_hosts(self.ctx.topology))
-        return host_ring_bytes(model_bytes - sparse_bytes, self.ctx.topology) + copies * row_bytes
+        dense = (self.dense.min_bytes_per_host(model_bytes - sparse_bytes) if self.dense is not None
+                 else host_ring_bytes(model_bytes - sparse_bytes, self.ctx.topology))  # the codec's ratio, if any
+        return dense + copies * row_bytes
 
     def host_work(self) -> dict[str, list]:
         """This rank's row server's updates so far, ``{"update": [tables updated, partition bytes,
