@@ -132,8 +132,8 @@ def command(model: str, np: int, rate: str, servers: int, strategies: str, out: 
             "--dilation", more.get("dilation") or dilation(np, rate, servers, rank_cores=rank_cores),
             "--strategies", strategies,
             "--steps", str(more.get("steps", 12) * rounds), "--warmup", str(more.get("warmup", 3)),
-            "--rounds", str(rounds), "--check-steps", "0", "--json", out,
-            *[arg for setting in more.get("set", []) for arg in ("--set", setting)]]
+            "--rounds", str(rounds), "--check-steps", "0",
+            *[arg for setting in more.get("set", []) for arg in ("--set", setting)], "--json", out]
 
 
 def group_command(index: int, out: str, rank_cores: float = 2.0) -> list[str]:
@@ -300,7 +300,8 @@ def main() -> None:
         names = set(strategies.split(","))
         if names & MESSAGED:  # and its Python's per-message cost, where messages can bound the step
             rates["message_s"] = measure_message_cost(rates)["message_s"]
-        own_codecs = calibrate_codecs(CODECS) if names & COMPRESSED else None
+        wanted = (CODECS if names & COMPRESSED else []) + sorted({n.partition("+")[2] for n in names if "+" in n})
+        own_codecs = calibrate_codecs(wanted) if wanted else None  # a label's STRATEGY+CODEC too
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "records.json")
             argv = group_command(index, out, rank_cores=args.rank_cores)
