@@ -200,3 +200,22 @@ def test_advise_ranks_the_rare_strategies_with_their_measured_loss_gap():
     gap = loss_gap("diloco", {"H": 50})  # from the run gradsync ships (or the user's own)
     assert "against allreduce at equal tokens" in gap and "%" in gap, gap
     assert "not measured here" in loss_gap("diloco", {"H": 7})
+
+
+def test_the_shipped_experiment_reports_bytes_time_and_curves(tmp_path, monkeypatch):
+    import contextlib
+    import io
+    import types
+
+    from gradsync.experiment import cli
+
+    monkeypatch.setenv("GRADSYNC_STORE", str(tmp_path / "mine.sqlite"))  # an empty store: the shipped run answers
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert cli.main(types.SimpleNamespace(action="validate", store=None, names=["diloco-communication"],
+                                              all=False, target=None)) == 0
+        cli.main(types.SimpleNamespace(action="report", store=None, names=["diloco-communication"], all=False,
+                                       target=None, out=str(tmp_path)))
+    page = (tmp_path / "diloco-communication.md").read_text()
+    assert "**5 of 5 relations hold**" in page and "`bytes_sent`:" in page and "`seconds_to_target`:" in page
+    assert "(diloco-communication-curves.png)" in page
+    assert (tmp_path / "diloco-communication-curves.png").stat().st_size > 10_000

@@ -246,10 +246,13 @@ def _report(args) -> int:
             continue
         records = store.records(run["id"])
         image = f"{s.name}.png"
-        report.chart(s, records, os.path.join(args.out, image),
-                     f"run {run['id']}, target {run['target']}, {run['environment'].get('time')}")
+        subtitle = f"run {run['id']}, target {run['target']}, {run['environment'].get('time')}"
+        report.chart(s, records, os.path.join(args.out, image), subtitle)
+        curve_image = f"{s.name}-curves.png"
+        if not report.curves(s, records, os.path.join(args.out, curve_image), subtitle):
+            curve_image = None
         text = report.page(s, run, store.cells(run["id"]), records, previous,
-                           store.records(previous["id"]) if previous else [], image)
+                           store.records(previous["id"]) if previous else [], image, curve_image)
         with open(os.path.join(args.out, f"{s.name}.md"), "w") as f:
             f.write(text + "\n")
         checked = report.verdicts(s, records)

@@ -87,15 +87,52 @@ def chart(spec: Spec, records: list[dict], path: str, subtitle: str) -> None:
     plt.close(fig)
 
 
-def table(spec: Spec, records: list[dict]) -> str:
-    """The metric by ``x`` (rows) and ``series`` (columns), within each panel."""
+def curves(spec: Spec, records: list[dict], path: str, subtitle: str) -> bool:
+    """Records that carry a ``curve`` (``[[tokens, seconds, value], ...]``, as a training script
+    prints it): the value against tokens and against seconds, one row of two panels per ``panel``
+    value, one line per cell (``series`` and ``x``). False, and nothing drawn, where none has one."""
+    drawn = [r for r in records if isinstance(r.get("curve"), list) and r["curve"]]
+    if not drawn:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = list(dict.fromkeys(_label(rel.field(r, spec.panel)) for r in drawn)) if spec.panel else [None]
+    fig, axes = plt.subplots(len(panels), 2, figsize=(10, 3.8 * len(panels)), squeeze=False)
+    for row, panel in zip(axes, panels):
+        chosen = [r for r in drawn if panel is None or _label(rel.field(r, spec.panel)) == panel]
+        for i, r in enumerate(chosen):
+            label = " ".join(f"{k}={_label(rel.field(r, k))}" if k != spec.series else _label(rel.field(r, k))
+                             for k in (spec.series, spec.x) if k)
+            points = r["curve"]
+            for ax, column in zip(row, (0, 1)):
+                ax.plot([p[column] for p in points], [p[2] for p in points], color=f"C{i % 10}",
+                        linestyle=("-", "--", ":", "-.")[i // 10 % 4], label=label)
+        for ax, what in zip(row, ("tokens", "seconds")):
+            ax.set_xlabel(what)
+            ax.set_ylabel(spec.metric)
+            ax.set_title(f"{panel}: {spec.metric} against {what}" if panel is not None else what, fontsize=9)
+            ax.grid(alpha=0.3)
+        row[1].legend(fontsize=6, loc="upper right")
+    fig.suptitle(f"{spec.title}\n{subtitle}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return True
+
+
+def table(spec: Spec, records: list[dict], metric: str | None = None) -> str:
+    """The metric (or ``metric``) by ``x`` (rows) and ``series`` (columns), within each panel."""
+    metric = metric or spec.metric
     rows_key = [k for k in (spec.panel, spec.x) if k and k != spec.series]  # x = series: one row per panel
     series = list(dict.fromkeys(_label(rel.field(r, spec.series)) for r in records)) if spec.series else [spec.metric]
     groups: dict[tuple, dict[str, str]] = {}  # rows in the order the records came
     for r in records:
         key = tuple(_label(rel.field(r, k)) for k in rows_key)
         name = _label(rel.field(r, spec.series)) if spec.series else spec.metric
-        groups.setdefault(key, {})[name] = _fmt(rel.field(r, spec.metric))
+        groups.setdefault(key, {})[name] = _fmt(rel.field(r, metric))
     head = "| " + " | ".join(rows_key + series) + " |"
     lines = [head, "|" + "---|" * (len(rows_key) + len(series))]
     for key, values in groups.items():
@@ -104,7 +141,7 @@ def table(spec: Spec, records: list[dict]) -> str:
 
 
 def page(spec: Spec, run: dict, cells: list[dict], records: list[dict], previous: dict | None,
-         previous_records: list[dict], image: str | None) -> str:
+         previous_records: list[dict], image: str | None, curve_image: str | None = None) -> str:
     env = run["environment"]
     checked = verdicts(spec, records)
     before = {v["says"]: v for v in verdicts(spec, previous_records)} if previous else {}
@@ -136,6 +173,10 @@ def page(spec: Spec, run: dict, cells: list[dict], records: list[dict], previous
         out.append("")
     if records and spec.x:
         out += [table(spec, records), ""]
+        for metric in spec.also:
+            out += [f"`{metric}`:", "", table(spec, records, metric), ""]
+    if curve_image:
+        out += [f"![{spec.name}: {spec.metric} against tokens and time]({curve_image})", ""]
     failed = [c for c in cells if c["status"] != "done"]
     out += [f"Commands ({len(cells)} cells, {sum(c['seconds'] for c in cells) / 60:.1f} min):", "", "```sh"]
     out += [shown(c["command"]) + ("   # FAILED" if c["status"] != "done" else "") for c in cells]

@@ -8,6 +8,7 @@ an experiment is adding one file. The fields::
     name, title, paper, figure       what it reproduces (name = the file's stem)
     runner                           bench | codecs | script (see gradsync.experiment.cells)
     metric                           the record field the figure plots (e.g. samples_per_s)
+    also                             more record fields, each tabled like the metric (e.g. bytes_sent)
     x, series, panel                 the chart: x axis, one line per series value, one panel per panel value
     [vary]                           lists, crossed into cells (bench: "strategy" runs side by side in each)
     [settings]                       fixed values; ``--set KEY=VALUE`` overrides a setting or a varied key
@@ -64,6 +65,7 @@ class Spec:
     path: str = ""
     adjust: list[dict] = field(default_factory=list)
     exclude: list[dict] = field(default_factory=list)
+    also: list[str] = field(default_factory=list)
 
     def keys(self) -> set[str]:
         """Every key a cell may carry: the varied and the fixed ones."""
@@ -164,7 +166,7 @@ def parse(raw: dict, path: str = "<spec>") -> Spec:
         return raw[key]
 
     known = {"name", "title", "paper", "figure", "runner", "metric", "x", "series", "panel", "vary", "settings",
-             "paper_scale", "published", "relation", "script", "notes", "adjust", "exclude"}
+             "paper_scale", "published", "relation", "script", "notes", "adjust", "exclude", "also"}
     unknown = sorted(set(raw) - known)
     if unknown:
         raise ConfigError(f"{path}: unknown field(s) {', '.join(unknown)}")
@@ -219,7 +221,9 @@ def parse(raw: dict, path: str = "<spec>") -> Spec:
                 metric=need("metric"), x=raw.get("x"), series=raw.get("series"), panel=raw.get("panel"),
                 vary=vary, settings=settings, paper_scale=paper_scale, published=raw.get("published", []),
                 relations=raw.get("relation", []), script=script, notes=raw.get("notes", ""), path=path,
-                adjust=adjust, exclude=exclude)
+                adjust=adjust, exclude=exclude, also=raw.get("also", []))
+    if not isinstance(spec.also, list) or not all(isinstance(k, str) for k in spec.also):
+        raise ConfigError(f"{path}: also must be a list of record fields")
     for key in (spec.x, spec.series, spec.panel):  # a script's records bring fields of their own
         if key is not None and key not in spec.keys() and runner != "script" and key != SIDE_BY_SIDE[runner]:
             raise ConfigError(f"{path}: chart key {key!r} is neither varied nor set")
