@@ -152,6 +152,18 @@ def test_qsgd_error_within_one_level_and_wire_size():
         assert wire_bytes(payload) == math.ceil(1000 * width / 8) + 4 * math.ceil(1000 / 128)
 
 
+def test_int8_and_int4_round_to_the_nearest_level_of_their_bucket():
+    x = gradient(1000) * torch.linspace(0.01, 10, 1000)  # buckets of very different scales
+    for name, q, width in (("int8", 127, 8), ("int4", 7, 4)):
+        c = build(name)
+        y, payload = roundtrip(c, x)
+        steps = torch.nn.functional.pad(x, (0, 24)).view(-1, 128).abs().amax(dim=1).repeat_interleave(128)[:1000] / q
+        assert ((y - x).abs() <= steps / 2 * (1 + 1e-5)).all(), name  # half a step of its own bucket at most
+        assert torch.equal(y, roundtrip(c, x)[0])  # deterministic
+        assert wire_bytes(payload) == math.ceil(1000 * width / 8) + 4 * math.ceil(1000 / 128)
+    assert torch.equal(roundtrip(build("int4"), torch.zeros(300))[0], torch.zeros(300))  # a zero bucket stays zero
+
+
 @pytest.mark.parametrize("make", [lambda: TernGrad(clip=None), lambda: QSGD(levels=3),
                                   lambda: RandomK(ratio=0.25, unbiased=True)], ids=["terngrad", "qsgd", "randomk"])
 def test_stochastic_compressors_are_unbiased(make):

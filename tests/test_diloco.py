@@ -95,7 +95,8 @@ def simulate(steps: int, H: int, clip: float | None = None, outer_lr: float = 0.
                     land(f)
     for f in list(sent):
         land(f)
-    return [[p.detach() for p in m.parameters()] for m in workers]
+    mean = [sum(ps) / WORKERS for ps in zip(*(m.parameters() for m in workers))]  # close(): one model
+    return [[p.detach() for p in mean] for _ in workers]
 
 
 def data_parallel(steps: int):

@@ -32,7 +32,7 @@ SERVED = "ps,ps-async,p3"
 HOSTED = "allreduce,allreduce:flat,ps,ps:flat,p3,p3:flat,ddp"  # hosts of several workers: two-level and flat
 TABLES = "allreduce,ps,ddp"  # beside hybrid, which has groups of its own (below)
 LM_COMPUTE = "emulated:flops:11.11tflops"  # lstm-lm's shipped V100 rate, on the CPU-sized shape
-RARE = "allreduce,local-sgd,diloco,diloco+int4"
+RARE = "allreduce,local-sgd,diloco"  # with --compression int4: diloco and diloco+int4, local-sgd and local-sgd+int4
 RARE_SET = ["local-sgd.H=10", "diloco.H=10", "diloco.fragments=2", "diloco.delay=1"]
 CODECS = ["onebit"]  # the compressed strategies' default
 MESSAGED = {"p3", "ps-sliced", "hybrid"}  # the strategies whose Python threads handle each message (Host.message_s)
@@ -75,8 +75,8 @@ GROUPS = [  # (model, workers, rate, dedicated servers, strategies[, compute[, r
      {"ranks_per_host": 2, "steps": 8, "warmup": 2, "dilation": "auto:500mbit"}),
     # The strategies that synchronize every H steps, beside allreduce: 20 measured steps a round, two
     # whole periods of H = 10 (a round's mean step holds both synchronizations of every fragment).
-    ("resnet50", 4, "1gbit", 0, RARE, "emulated", 1, {"steps": 20, "set": RARE_SET}),
-    ("resnet50", 4, "10gbit", 0, RARE, "emulated", 1, {"steps": 20, "set": RARE_SET}),
+    ("resnet50", 4, "1gbit", 0, RARE, "emulated", 1, {"steps": 20, "set": RARE_SET, "compression": "int4"}),
+    ("resnet50", 4, "10gbit", 0, RARE, "emulated", 1, {"steps": 20, "set": RARE_SET, "compression": "int4"}),
 ]
 SHAPE = ("model", "np", "net_bps", "servers", "batch_size", "compute", "ranks_per_host")
 
@@ -123,7 +123,8 @@ def command(model: str, np: int, rate: str, servers: int, strategies: str, out: 
     """The group's ``gradsync bench`` command, writing its records to ``out``: 12 measured steps a
     round after 3 of warm-up, unless ``more`` says otherwise (``steps`` a round, ``warmup``,
     ``dilation``: ``--dilation``'s value, else :func:`dilation`'s), ``more["ranks_per_host"]``
-    workers to an emulated host (default 1), and ``more["set"]``, ``--set`` options."""
+    workers to an emulated host (default 1), ``more["set"]``, ``--set`` options, and
+    ``more["compression"]``, ``--compression``."""
     more = more or {}
     per_host = more.get("ranks_per_host", 1)
     return ["gradsync", "bench", "--model", model, "--compute", compute, "--np", str(np), "--net", rate,
@@ -133,7 +134,8 @@ def command(model: str, np: int, rate: str, servers: int, strategies: str, out: 
             "--strategies", strategies,
             "--steps", str(more.get("steps", 12) * rounds), "--warmup", str(more.get("warmup", 3)),
             "--rounds", str(rounds), "--check-steps", "0",
-            *[arg for setting in more.get("set", []) for arg in ("--set", setting)], "--json", out]
+            *[arg for setting in more.get("set", []) for arg in ("--set", setting)],
+            *(["--compression", more["compression"]] if "compression" in more else []), "--json", out]
 
 
 def group_command(index: int, out: str, rank_cores: float = 2.0) -> list[str]:
@@ -298,6 +300,9 @@ def main() -> None:
         model, np, rate, servers, strategies, *_ = GROUPS[index]
         rates = measure_host_rates()  # the machine's host work as this group met it
         names = set(strategies.split(","))
+        more = GROUPS[index][-1] if isinstance(GROUPS[index][-1], dict) else {}
+        if "compression" in more:  # the labels --compression adds
+            names |= {f"{n}+{more['compression']}" for n in names}
         if names & MESSAGED:  # and its Python's per-message cost, where messages can bound the step
             rates["message_s"] = measure_message_cost(rates)["message_s"]
         wanted = (CODECS if names & COMPRESSED else []) + sorted({n.partition("+")[2] for n in names if "+" in n})

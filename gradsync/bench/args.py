@@ -269,14 +269,17 @@ def _check_memory(args, parser_error) -> None:
 
 
 def _with_compression(names: list[str], specs: str, parser_error) -> list[str]:
-    """Each strategy that takes a compressor once per spec, labelled ``STRATEGY+SPEC``; others as they are."""
+    """Each strategy that takes a compressor once per spec, labelled ``STRATEGY+SPEC``, and plain too
+    where compressing is its option rather than its purpose (``compression=None`` by default:
+    allreduce, ddp, hybrid, diloco, local-sgd); others as they are."""
     from gradsync.errors import ConfigError, accepted_options
     from gradsync.strategies import STRATEGIES, resolve
 
     out = []
     for name in names:
-        labels, plain = [], name in ("allreduce", "ddp")  # these also run uncompressed, as the baseline
         known, rest = accepted_options(STRATEGIES[name.removesuffix(":flat")])
+        labels = []
+        plain = any(p.name == "compression" and p.default is None for p in known)  # also uncompressed: the baseline
         if rest is None and all(p.name != "compression" for p in known):
             out += [] if name in out else [name]  # the strategy takes no compressor: it runs plain, once
             continue
@@ -285,7 +288,7 @@ def _with_compression(names: list[str], specs: str, parser_error) -> list[str]:
                 resolve(name.removesuffix(":flat"), compression=spec)
             except ConfigError as exc:
                 if "cannot" in str(exc) or "does not take" in str(exc):  # a valid spec this strategy refuses
-                    what = "runs plain, without" if name in ("allreduce", "ddp") else "skips"
+                    what = "runs plain, without" if plain else "skips"
                     print(f"note: {name} {what} {spec}: {exc}", flush=True)
                     continue
                 parser_error(f"--compression {spec!r} with {name}: {exc}")

@@ -6,9 +6,10 @@ the optimizer, as the strategy does in ``step()``:
 
 1. every fragment whose outer gradient was sent ``delay`` steps ago lands: the training thread
    waits for its exchange, then steps the shared copy with the outer optimizer and merges it into
-   the parameters (two passes over the fragment's bytes);
-2. every fragment whose turn it is (``t = f H / F mod H``) is sent: the outer gradient is a pass
-   over its bytes on the training thread, then its exchange runs on its own stream, as the
+   the parameters (the optimizer's pass, then one copy, or two passes where it mixes);
+2. every fragment whose turn it is (``t = f H / F mod H``) is sent: the outer gradient and its
+   packing into the carrier's bucket are two passes over its bytes on the training thread, then its
+   exchange runs on its own stream, as the
    fragment's gradient strategy runs it: a ring all-reduce of the fragment (``allreduce``; a
    summable codec's payload: the ratio of it, plus its encode and decode), or casync-ring's
    decode-merge-encode hops with the codec's measured costs (:mod:`gradsync.simulate.compressed`).
@@ -89,7 +90,8 @@ class RareSync(StrategyModel):
         self.sent[f], self.done[f] = self.t, False
         after = (lambda: self._land([f], lambda: self._send(rest, go))) if not self.strategy.delay \
             else (lambda: self._send(rest, go))
-        wk.host.run(wk.copy_s(self.fragments[f]), lambda: (self.streams[f].submit(
+        # the outer gradient (theta - theta_w into .grad) and its packing into the carrier's buckets
+        wk.host.run(2 * wk.copy_s(self.fragments[f]), lambda: (self.streams[f].submit(
             lambda finish: self._exchange(f, finish), lambda: self._arrived(f), what=f"outer gradient {f}"), after()),
             what=f"outer gradient {f}")
 
@@ -120,7 +122,9 @@ class RareSync(StrategyModel):
         def merge() -> None:
             del self.sent[f]
             nbytes = self.fragments[f]
-            wk.host.run(wk.update_s(nbytes) + wk.copy_s(nbytes), lambda: self._land(rest, go), what=f"outer step {f}")
+            passes = 2 if self.strategy.mix else 1  # theta copied in; or mixed in: a scaling and an add
+            wk.host.run(wk.update_s(nbytes) + passes * wk.copy_s(nbytes), lambda: self._land(rest, go),
+                        what=f"outer step {f}")
 
         if self.done[f]:
             merge()

@@ -37,7 +37,8 @@ worker computes a gradient for every parameter (the tests check both). Otherwise
 reports its loss next to the reference.
 
 Between synchronizations each worker holds its own parameters: checkpoints and ``flush()`` see
-worker 0's, evaluation on another worker sees its own. BatchNorm statistics (floating buffers)
+worker 0's, evaluation on another worker sees its own. ``close()`` (shutdown, a strategy switch)
+gives every worker the mean of the workers' parameters. BatchNorm statistics (floating buffers)
 are averaged with the first fragment. The outer optimizer's momentum is the strategy's: a
 checkpoint or an elastic resize restarts it (and ``theta``) from the parameters then.
 """
@@ -92,6 +93,7 @@ class DiLoCo(Strategy):
         self.summable = True
         if compression is not None:
             codec, options = parse_spec(compression)
+            self.codec_name, self.codec_options = codec, options  # as the compressed strategies name theirs
             probe = build(codec, **options)  # a bad name or option fails here, not at the first synchronization
             self.summable = probe.summable and not isinstance(probe, PowerSGD)
             self.exact = False
@@ -135,6 +137,7 @@ class DiLoCo(Strategy):
         self.buffers = [b for b in ctx.model.buffers() if b.is_floating_point()]
         self.t = 0
         self.syncs = 0
+        self.closed = False
 
     # -- hook points ---------------------------------------------------------------------------------
     def step(self, apply: Callable[[], Any]) -> Any:
@@ -172,25 +175,35 @@ class DiLoCo(Strategy):
                 else:
                     mine.copy_(shared)
         if part is self.parts[0] and self.buffers:
-            self._average_buffers()
+            self._average(self.buffers, "buffers")
         self.syncs += 1
 
-    def _average_buffers(self) -> None:
-        flat = torch.cat([b.reshape(-1).to(torch.float64) for b in self.buffers])
-        self.ctx.transport.allreduce(flat, what=f"{self.name} buffer average")
-        flat /= self.ctx.topology.num_workers
-        offset = 0
-        for b in self.buffers:
-            b.copy_(flat[offset:offset + b.numel()].view_as(b))
-            offset += b.numel()
-
     def close(self) -> None:
-        for part in getattr(self, "parts", ()):
+        """Land the fragments in flight, then give every worker the mean of the workers' parameters,
+        so that the model after training (or under the strategy switched to) is one model."""
+        if getattr(self, "closed", True):
+            return
+        self.closed = True
+        for part in self.parts:
             if part.launched is not None:  # every worker has the same ones in flight: land them
                 self._land(part)
             part.outer.close()
+        if self.ctx.topology.num_workers > 1 and self.t > 0:
+            self._average(self.ctx.params, "parameters")
+
+    def _average(self, tensors: list[torch.Tensor], what: str) -> None:
+        wide = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+        flat = torch.cat([t.detach().reshape(-1).to(wide) for t in tensors])
+        self.ctx.transport.allreduce(flat, what=f"{self.name} average of the {what}")
+        flat /= self.ctx.topology.num_workers
+        offset = 0
+        with torch.no_grad():
+            for t in tensors:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
 
     def abandon(self) -> None:
+        self.closed = True
         for part in getattr(self, "parts", ()):
             part.outer.abandon()
 
