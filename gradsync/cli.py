@@ -20,7 +20,7 @@ COMMANDS = {
     "demo": ("gradsync.demo", "why the strategies differ: an emulated and a simulated comparison"),
     "bench": ("gradsync.bench.cli", "measure strategies side by side and check them against a reference"),
     "simulate": ("gradsync.simulate.cli", "predict strategies' throughput at any scale (event simulator)"),
-    "advise": ("gradsync.simulate.advise", "rank strategies and compressors for a model on a cluster (simulated)"),
+    "advise": ("gradsync.advise", "rank strategies and compressors for a model on a cluster (simulated)"),
     "strategies": ("gradsync.strategies.cli", "list the strategies: what each does, exact or not, backends"),
     "codecs": ("gradsync.compress.cli", "measure compressors' encode/decode speed, ratio and error"),
     "profile": ("gradsync.emulate.cli", "measure or derive a model's per-layer compute profile"),

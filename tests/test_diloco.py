@@ -194,7 +194,7 @@ def test_the_simulator_synchronizes_every_H_steps_and_hides_a_delayed_fragment()
 
 
 def test_advise_ranks_the_rare_strategies_with_their_measured_loss_gap():
-    from gradsync.simulate.advise import candidates, loss_gap
+    from gradsync.advise import candidates, loss_gap
 
     labels = [label for label, _, _ in candidates(0, [])]
     assert {"local-sgd H=10", "diloco H=50", "diloco H=50 streaming int4"} <= set(labels)

@@ -22,6 +22,7 @@ import argparse
 import sys
 from dataclasses import dataclass
 
+from gradsync.experiment.store import SHIPPED, Store, default_path
 from gradsync.simulate import SIMULATED
 from gradsync.simulate.cli import add_host_arguments
 from gradsync.simulate.compressed import COMPRESSED
@@ -136,8 +137,6 @@ def loss_gap(strategy: str, options: dict) -> str:
     """The measured loss of ``strategy`` against synchronous training's at equal tokens, from the
     newest stored run of :data:`EXPERIMENT` (the user's store first, then the shipped runs)."""
     import os
-
-    from gradsync.experiment.store import SHIPPED, Store, default_path
 
     for path in (default_path(), SHIPPED):
         if not os.path.exists(path):
