@@ -96,6 +96,7 @@ class Regrouping:
         if runtime.is_initialized():
             self._where = (runtime.current().topology.rank, before)
         detach(self.optimizer, failed=failed)
+        done("detach")
         try:
             runtime.leave()
         except Exception:
