@@ -165,7 +165,7 @@ def test_reference_averages_per_worker_batches():
 
 def test_tune_probes_the_space_and_measures_with_the_choice(tmp_path):
     out = tmp_path / "records.json"
-    proc = bench("--model", "toy", "--np", "2", "--batch-size", "4", "--strategies", "ddp,p3,allreduce-priority",
+    proc = bench("--model", "toy", "--np", "2", "--batch-size", "4", "--strategies", "ddp,p3",
                  "--tune", "--tune-steps", "1", "--steps", "2", "--warmup", "1", "--rounds", "1",
                  "--check-steps", "2", "--json", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -173,7 +173,7 @@ def test_tune_probes_the_space_and_measures_with_the_choice(tmp_path):
     assert "tuning" not in records["ddp"]  # nothing to tune
     from gradsync.strategies import STRATEGIES
 
-    for name in ("p3", "allreduce-priority"):
+    for name in ("p3",):  # allreduce-priority's space: tests/test_priority.py
         tuning = records[name]["tuning"]
         probes = 1 + sum(len(values) - 1 for values in STRATEGIES[name].tune_space.values())
         assert len(tuning["probes"]) == probes  # the defaults, then every other value of each knob once

@@ -75,15 +75,14 @@ def test_workers_that_join_take_over_the_policies_monitors_and_chosen_strategy(t
     assert_matches_reference(result)
 
 
-@pytest.mark.parametrize("strategy", ["ps", "p3", "hybrid", "ddp", "allreduce-priority"])
+@pytest.mark.parametrize("strategy", ["ps", "p3", "hybrid", "ddp"])
 def test_every_strategy_grows_and_survives_a_worker_killed_mid_step(tmp_path, strategy):
     # ps, p3 and hybrid keep optimizer state (and hybrid its table rows) on the workers' servers:
     # the grow hands it over in the new layout, and every commit gathers it, so the survivors of
     # the killed worker redo only the interrupted step. Their waits end on the launcher's word that
     # the worker is gone (a wait for the dead one's push would otherwise last the timeout), and
     # threads left blocked in the broken group are waited for at shutdown, never left to abort it.
-    # ddp fails inside PyTorch's reducer, allreduce-priority on its schedule's thread: both regroup
-    # too (they start with 3 workers, no grow).
+    # ddp fails inside PyTorch's reducer and regroups too (it starts with 3 workers, no grow).
     grows = strategy in ("ps", "p3", "hybrid")
     result, log = run_job(tmp_path, ["-np", "2" if grows else "3", "--min-np", "2", "--max-np", "3"],
                           ["--strategy", strategy, "--table", "--schedule", "2:3" if grows else "", "--die", "5:1",
