@@ -114,6 +114,8 @@ def summarize(raw: dict, compute_times: list[float], config: dict, check: dict |
     }
     if period > 1:
         record["period"] = period
+        if raw.get("step_bytes"):  # the measured steps' own: a round's warm-up holds a share of the syncs
+            record["bytes_per_step"] = statistics.fmean(raw["step_bytes"])
     if raw.get("optimizer_times"):  # the user's optimizer.step(), the slowest worker's, per step
         record["optimizer_s"] = statistics.median(t / k for t in raw["optimizer_times"])
     if raw.get("mean_times"):  # each step's time, the workers' mean

@@ -137,14 +137,15 @@ def host_links(config: dict) -> HostLinks | None:
 
 def timed_steps(model, optimizer, work: Workload, total: int, label: str = "compute only",
                 cpu: list | None = None, updates: list | None = None, host_work: list | None = None,
-                batches: list | None = None, links: HostLinks | None = None) -> list[float]:
+                batches: list | None = None, links: HostLinks | None = None, sent: list | None = None) -> list[float]:
     """Run ``total`` training steps; per-step seconds. ``cpu``: gets each step's host CPU ticks
     ``[busy, total]`` appended (an emulated cluster shares this machine's cores: a run that keeps
     them busy measures the host, not the emulated cluster). ``updates``: gets each step's
     ``optimizer.step()`` seconds appended. ``host_work``: gets each step's host work of the
     strategy appended (:meth:`~gradsync.strategies.base.Strategy.host_work`, that step's part).
     ``batches``: gets the seconds each step's batch took to make appended (before the step's
-    timer starts, and so not in its time). ``links``: closes a step of its counters at each step's end."""
+    timer starts, and so not in its time). ``links``: closes a step of its counters at each step's end.
+    ``sent``: gets the transport's bytes sent so far appended after each step."""
     topo = gradsync.topology()
     spec = work.spec()
     tracer = trace.current()
@@ -170,6 +171,8 @@ def timed_steps(model, optimizer, work: Workload, total: int, label: str = "comp
         times.append(end - start)
         if links is not None:
             links.step()
+        if sent is not None:
+            sent.append(runtime.current().transport.bytes_sent)
         if updates is not None:
             updates.append(stepped - backward)
         if done is not None:
@@ -294,8 +297,9 @@ def run_strategy(name: str, options: dict, work: Workload, total: int, run_dir: 
         batches: list[float] = []
         recorder = flight.current()
         recorder.pace = stragglers.Pace()  # this strategy's steps alone
+        counted: list[int] = []
         times = timed_steps(model, optimizer, work, total, label=name, cpu=cpu, updates=updates, host_work=work_done,
-                            batches=batches, links=links)
+                            batches=batches, links=links, sent=counted)
         readings = stragglers.gather(transport, topo, recorder.pace)
         slow = stragglers.verdict(readings)
         optimizer.flush()  # the last step's lazily finished pulls (p3) count toward its bytes
@@ -315,6 +319,7 @@ def run_strategy(name: str, options: dict, work: Workload, total: int, run_dir: 
     return {"strategy": name, "describe": optimizer.strategy.describe(), "times": times, "optimizer_times": updates,
             "mean_times": means, "step_rates": paces, "batch_times": batches, "host_work": work_done,
             "bytes_per_step": sent / total, "peak_mem_mb": worker_mb, "server_peak_mem_mb": server_mb,
+            "step_bytes": [b - a for a, b in zip([sent_before, *counted], counted)],
             "workers_max_diff": agree, "stats": {k: v for k, v in getattr(optimizer.strategy, "stats", {}).items() if isinstance(v, (int, float))},
             "exact": bool(optimizer.strategy.exact), "period": optimizer.strategy.period, "model_bytes": model_bytes,
             "host_cpu": cpu,
@@ -331,10 +336,12 @@ def merge(into: dict | None, record: dict, warmup: int) -> dict:
     links = None if record.get("host_links") is None else record["host_links"][warmup:]
     work = record.get("host_work", [])[warmup:]
     rates = record.get("step_rates", [])[warmup:]
+    sent = record.get("step_bytes", [])[warmup:]
     if into is None:
         return {**record, "times": times, "optimizer_times": updates, "batch_times": batches, "mean_times": means,
-                "host_cpu": cpu, "host_links": links, "host_work": work, "step_rates": rates}
+                "host_cpu": cpu, "host_links": links, "host_work": work, "step_rates": rates, "step_bytes": sent}
     into["step_rates"] = into.get("step_rates", []) + rates
+    into["step_bytes"] = into.get("step_bytes", []) + sent
     into["times"] += times
     into["optimizer_times"] += updates
     into["batch_times"] = into.get("batch_times", []) + batches
