@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import Callable
 
 from gradsync.simulate.worker import StrategyModel, Worker
+from gradsync.strategies.diloco import split
 
 
 class RareSync(StrategyModel):
@@ -36,8 +37,9 @@ class RareSync(StrategyModel):
 
     def bind(self, worker: Worker) -> None:
         super().bind(worker)
-        s, total = self.strategy, worker.w.nbytes
-        self.fragments = [total / s.fragments] * s.fragments
+        s = self.strategy
+        runs = split([p.numel for p in worker.params], s.fragments)  # the strategy's fragments
+        self.fragments = [sum(worker.params[i].nbytes for i in run) for run in runs]
         self.offsets = [f * s.H // s.fragments for f in range(s.fragments)]
         self.t = 0
         self.sent: dict[int, int] = {}  # fragment -> the step it was sent at
@@ -73,23 +75,23 @@ class RareSync(StrategyModel):
 
     def _after_update(self, go: Callable[[], None]) -> None:
         self.t += 1
-        due = [f for f, at in self.sent.items() if self.t - at >= self.strategy.delay]
-        self._land(due, lambda: self._send_due(go))
+        landing = [f for f, at in self.sent.items() if self.t - at >= self.strategy.delay]
+        sending = [f for f, offset in enumerate(self.offsets)
+                   if self.t >= offset and (self.t - offset) % self.strategy.H == 0]
+        self._in_turn(landing, self._land, lambda: self._in_turn(sending, self._send, go))
 
-    def _send_due(self, go: Callable[[], None]) -> None:
-        due = [f for f, offset in enumerate(self.offsets)
-               if self.t >= offset and (self.t - offset) % self.strategy.H == 0]
-        self._send(due, go)
-
-    def _send(self, due: list[int], go: Callable[[], None]) -> None:
-        if not due:
+    def _in_turn(self, fragments: list[int], act: Callable[[int, Callable[[], None]], None],
+                 go: Callable[[], None]) -> None:
+        """``act(f, then)`` for each fragment in order, each after the one before; then ``go``."""
+        if not fragments:
             go()
-            return
-        f, rest = due[0], due[1:]
+        else:
+            act(fragments[0], lambda: self._in_turn(fragments[1:], act, go))
+
+    def _send(self, f: int, then: Callable[[], None]) -> None:
         wk = self.wk
         self.sent[f], self.done[f] = self.t, False
-        after = (lambda: self._land([f], lambda: self._send(rest, go))) if not self.strategy.delay \
-            else (lambda: self._send(rest, go))
+        after = then if self.strategy.delay else (lambda: self._land(f, then))  # no delay: it lands at once
         # the outer gradient (theta - theta_w into .grad) and its packing into the carrier's buckets
         wk.host.run(2 * wk.copy_s(self.fragments[f]), lambda: (self.streams[f].submit(
             lambda finish: self._exchange(f, finish), lambda: self._arrived(f), what=f"outer gradient {f}"), after()),
@@ -112,19 +114,14 @@ class RareSync(StrategyModel):
         if waiting is not None:
             waiting()
 
-    def _land(self, due: list[int], go: Callable[[], None]) -> None:
-        if not due:
-            go()
-            return
-        f, rest = due[0], due[1:]
+    def _land(self, f: int, then: Callable[[], None]) -> None:
         wk = self.wk
 
         def merge() -> None:
             del self.sent[f]
             nbytes = self.fragments[f]
             passes = 2 if self.strategy.mix else 1  # theta copied in; or mixed in: a scaling and an add
-            wk.host.run(wk.update_s(nbytes) + passes * wk.copy_s(nbytes), lambda: self._land(rest, go),
-                        what=f"outer step {f}")
+            wk.host.run(wk.update_s(nbytes) + passes * wk.copy_s(nbytes), then, what=f"outer step {f}")
 
         if self.done[f]:
             merge()

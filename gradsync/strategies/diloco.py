@@ -124,7 +124,7 @@ class DiLoCo(Strategy):
             raise ConfigError(f"{self.name}: fragments={self.fragments} exceeds the model's {n} trainable parameters; "
                               f"a fragment holds whole parameters, so use fragments <= {n}")
         self.parts = []
-        for f, indices in enumerate(split(ctx.params, self.fragments)):
+        for f, indices in enumerate(split([p.numel() for p in ctx.params], self.fragments)):
             params = [ctx.params[i] for i in indices]
             theta = [nn.Parameter(p.detach().clone()) for p in params]
             outer_opt = self._make_outer_optimizer(theta)
@@ -259,9 +259,9 @@ class _Fragment:
         self.launched: int | None = None
 
 
-def split(params: list[nn.Parameter], fragments: int) -> list[list[int]]:
-    """``fragments`` runs of consecutive parameter indices of about equal size (each non-empty)."""
-    sizes = [p.numel() for p in params]
+def split(sizes: list[int], fragments: int) -> list[list[int]]:
+    """``fragments`` runs of consecutive parameter indices of about equal total size (each
+    non-empty), for parameters of ``sizes`` elements in model order."""
     total = sum(sizes)
     runs: list[list[int]] = [[] for _ in range(fragments)]
     seen = 0
