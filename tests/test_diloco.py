@@ -126,6 +126,28 @@ def test_diloco_and_local_sgd_match_one_process_that_runs_every_worker():
                                            msg=lambda m: f"{strategy} {options} vs data parallel, parameter {i}: {m}")
 
 
+def nan_job():
+    model, opt = build()
+    opt = gradsync.distribute(model, opt, "diloco", H=1, compression="topk:ratio=1")  # the casync-ring carrier
+    x, y = batch(0, gradsync.topology().rank)
+    nn.functional.mse_loss(model(x), y).backward()
+    if gradsync.topology().rank == 1:
+        model[0].weight.grad[0, 0] = float("nan")  # its local step makes the outer gradient NaN
+    try:
+        opt.step()
+    except gradsync.GradsyncError as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    opt.close()
+    return error, bool(torch.isfinite(model[0].weight).all())
+
+
+def test_a_non_finite_outer_gradient_is_the_same_error_on_every_worker():
+    results = run_ranks(nan_job, WORKERS, timeout=60)
+    for rank, (error, finite) in enumerate(results):
+        assert error.startswith("NonFiniteGradientError") and "'0.weight (outer gradient)' on rank 1" in error, error
+        assert finite == (rank == 0)  # the final average is skipped: worker 0 keeps its own, finite model
+
+
 @pytest.mark.parametrize("options,words", [
     ({"H": 0}, "H (inner steps between synchronizations) must be an integer >= 1"),
     ({"H": 2.5}, "must be an integer >= 1"),

@@ -50,6 +50,7 @@ import torch
 from torch import nn
 
 from gradsync.compress import PowerSGD, build, parse_spec
+from gradsync.compress.base import all_finite
 from gradsync.errors import ConfigError
 from gradsync.strategies.base import Strategy, SyncContext
 from gradsync.strategies.casync_ring import compressed_allreduce
@@ -163,13 +164,18 @@ class DiLoCo(Strategy):
         part.launched = self.t
 
     def _land(self, part: "_Fragment") -> None:
-        """Wait for the mean outer gradient, step ``theta`` with the outer optimizer, continue from it."""
-        part.outer.after_backward()
-        part.outer.step(part.optimizer.step)
+        """Wait for the mean outer gradient, step ``theta`` with the outer optimizer, continue from it.
+        A fault every worker agreed on (a non-finite outer gradient through a codec) raises here,
+        on every worker, with nothing applied; the fragment is then no longer in flight."""
         part.launched = None
+        try:
+            part.outer.after_backward()
+            part.outer.step(part.optimizer.step)
+        finally:
+            for shared in part.theta:
+                shared.grad = None
         with torch.no_grad():
             for shared, mine in zip(part.theta, part.params):
-                shared.grad = None
                 if self.mix:
                     mine.mul_(self.mix).add_(shared, alpha=1.0 - self.mix)
                 else:
@@ -180,7 +186,8 @@ class DiLoCo(Strategy):
 
     def close(self) -> None:
         """Land the fragments in flight, then give every worker the mean of the workers' parameters,
-        so that the model after training (or under the strategy switched to) is one model."""
+        so that the model after training (or under the strategy switched to) is one model (unless
+        some worker's are NaN/Inf: then each keeps its own rather than all getting NaN)."""
         if getattr(self, "closed", True):
             return
         self.closed = True
@@ -195,6 +202,8 @@ class DiLoCo(Strategy):
         wide = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
         flat = torch.cat([t.detach().reshape(-1).to(wide) for t in tensors])
         self.ctx.transport.allreduce(flat, what=f"{self.name} average of the {what}")
+        if not all_finite(flat):  # some worker's are NaN/Inf: the same sum everywhere, so all keep their own
+            return
         flat /= self.ctx.topology.num_workers
         offset = 0
         with torch.no_grad():
