@@ -180,11 +180,12 @@ def listen(addr: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(addr: str, port: int, world_size: int | None, timeout_s: float):
-    """A ``TCPStore`` server listening on ``addr:port`` only. Its ``.port`` is the port chosen."""
+def serve(addr: str, port: int, world_size: int | None, timeout_s: float, sock: socket.socket | None = None):
+    """A ``TCPStore`` server listening on ``addr:port`` only (or on ``sock``, already listening
+    there). Its ``.port`` is the port chosen."""
     import torch.distributed as dist
 
-    sock = listen(addr, port)
+    sock = listen(addr, port) if sock is None else sock
     chosen = sock.getsockname()[1]
     return dist.TCPStore(addr, chosen, world_size, is_master=True, timeout=timedelta(seconds=timeout_s),
                          wait_for_workers=False, master_listen_fd=sock.detach())

@@ -146,9 +146,10 @@ def test_compression_specs_expand_per_strategy_and_skip_refused_pairs(capsys):
         raise AssertionError(message)
 
     names = _with_compression(["ddp", "allreduce", "casync-ps", "ps"], "onebit;powersgd", fail)
-    assert names == ["ddp+onebit", "ddp+powersgd", "ddp", "allreduce", "casync-ps+onebit", "ps"]
+    assert names == ["ddp+onebit", "ddp+powersgd", "ddp", "allreduce", "casync-ps+onebit", "ps+onebit", "ps"]
     notes = capsys.readouterr().out
     assert "allreduce runs plain, without onebit" in notes and "casync-ps skips powersgd" in notes
+    assert "ps runs plain, without powersgd" in notes  # a server decodes without the shared seed
     with pytest.raises(AssertionError, match="unknown compressor 'zip'"):
         _with_compression(["casync-ring"], "zip", fail)
     with pytest.raises(AssertionError, match="none of --strategies casync-ps takes"):

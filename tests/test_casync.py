@@ -30,6 +30,9 @@ LOSSY = [  # (strategy, options): every path of every algorithm, in one job per 
     ("casync-ps", {"compression": "randomk", "partition_mb": 0.0001}),
     ("casync-ps", {"compression": "qsgd", "error_feedback": True}),
     ("compressed-allgather", {"compression": "onebit"}),
+    # Parameter servers with encoded pushes: a compressor and residual per group or slice.
+    ("ps", {"compression": "int4", "error_feedback": True}),
+    ("p3", {"compression": "topk:ratio=0.1", "error_feedback": True, "slice_params": 50}),
     ("compressed-allgather", {"compression": "randomk", "bucket_mb": 0.001}),
     ("casync-ring", {"compression": "onebit", "selective": True}),
     ("casync-ps", {"compression": "tbq", "selective": True}),
@@ -48,6 +51,7 @@ def train_each(configs, work: Workload, steps: int):
         for step in range(steps):
             inputs, target = work.batch(spec, step, topo.rank, topo.num_workers)
             losses.append(train_step(model, opt, spec, inputs, target))
+        opt.flush()  # p3: the last answers
         out.append(({n: p.detach().clone() for n, p in model.named_parameters()}, losses, opt.strategy.describe()))
         opt.close()
     return out
@@ -57,6 +61,7 @@ CLOSE = [  # fp16 rounds each average to 11 bits: these must stay within fp16's 
     ("casync-ring", {"compression": "fp16"}), ("casync-ps", {"compression": "fp16", "partition_mb": 0.0001}),
     ("allreduce", {"compression": "fp16"}), ("ddp", {"compression": "fp16", "find_unused_parameters": True}),
     ("compressed-allgather", {"compression": "fp16"}),
+    ("ps", {"compression": "fp16", "fuse_kb": 0}), ("p3", {"compression": "fp16", "slice_params": 50}),
 ]
 
 
@@ -126,6 +131,40 @@ def test_a_nan_on_one_worker_raises_the_same_error_on_every_worker(hosts):
             assert kind == NonFiniteGradientError.__name__, (config, rank, message)
             # Every path, the one-round sums from backward included (fp16, randomk, none), names the worker.
             assert "rank 1" in message and "0.weight" in message, (config, rank, message)
+
+
+def nan_through_a_server(configs, bad_rank):
+    """Per configuration, one step where ``bad_rank``'s first-layer gradient has a NaN, then one
+    clean step: which parameters are non-finite on this worker afterwards."""
+    topo = gradsync.topology()
+    out = []
+    for strategy, options in configs:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+        opt = gradsync.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1), strategy, **options)
+        hook = model[0].weight.register_hook(lambda g: g.index_fill(0, torch.tensor([0]), float("nan"))) \
+            if topo.rank == bad_rank else None
+        for step in range(2):
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            if hook is not None:
+                hook.remove()
+                hook = None
+        opt.flush()
+        out.append(sorted(n for n, p in model.named_parameters() if not torch.isfinite(p).all()))
+        opt.close()
+    return out
+
+
+def test_a_nan_pushed_through_encoded_servers_reaches_every_worker_as_uncompressed():
+    """A block holding NaN is not encoded: its server adds NaN, so the update goes non-finite on
+    every worker alike (as without compression, as under DDP), and the job goes on, no hang."""
+    configs = [("p3", {"compression": "int8", "slice_params": 20}), ("ps", {"compression": "topk:ratio=0.5"}),
+               ("ps", {})]
+    results = run_ranks(nan_through_a_server, 2, configs, 1)
+    for c, config in enumerate(configs):
+        assert results[0][c] == results[1][c] and "0.weight" in results[0][c], (config, results)
 
 
 PLAIN = [("casync-ring", {"selective": True, "bucket_mb": 0.001}), ("casync-ps", {"selective": True})]
@@ -210,6 +249,43 @@ def test_bad_options_fail_at_construction():
         resolve("casync-ps", partition_mb=0)
     assert resolve("casync-ring", compression="none").exact
     assert not resolve("casync-ring", compression="onebit").exact
+    for name in ("ps", "p3", "ps-sliced"):  # a server decodes pushes without compressing: no shared seeds
+        with pytest.raises(ConfigError, match=f"{name} cannot use compression='randomk'"):
+            resolve(name, compression="randomk")
+        with pytest.raises(ConfigError, match="unknown compressor 'nope'"):
+            resolve(name, compression="nope")
+        assert resolve(name, compression="none").exact and not resolve(name, compression="int8").exact
+
+
+def test_encoded_pushes_keep_a_residual_per_key_and_refuse_a_bad_slot():
+    """``ps``/``p3``'s push codec: with error feedback what a key's pushes decode to plus its
+    residual is what was pushed, key by key; a non-finite block arrives as NaN (the update goes
+    non-finite, as uncompressed); a slot whose length a peer forged is refused naming the peer."""
+    from gradsync.errors import PeerProtocolError
+    from gradsync.strategies.coded import CodedPushes
+
+    coder = CodedPushes("topk:ratio=0.25", True, "p3")
+    gen = torch.Generator().manual_seed(0)
+    blocks = {key: [torch.randn(40, generator=gen) for _ in range(3)] for key in (0, 1)}
+    decoded = {key: torch.zeros(40) for key in blocks}
+    slot = torch.zeros(coder.slot(40), dtype=torch.uint8)
+    for t in range(3):
+        for key in (0, 1):
+            coder.encode(key, blocks[key][t], slot, what=f"slice {key}")
+            out = torch.empty(40)
+            coder.decode(key, slot, out, peer=1, what=f"slice {key}")
+            assert int((out != 0).sum()) <= 10  # a quarter of the elements travel
+            decoded[key] += out
+    for key in (0, 1):
+        residual = coder.encoders[key].residual
+        torch.testing.assert_close(decoded[key] + residual, sum(blocks[key]), rtol=0, atol=1e-5)
+    coder.encode(0, torch.full((40,), float("nan")), slot, what="slice 0")
+    out = torch.zeros(40)
+    coder.decode(0, slot, out, peer=1, what="slice 0")
+    assert out.isnan().all()
+    slot[:8].view(torch.int64).fill_(10**6)
+    with pytest.raises(PeerProtocolError, match="rank 1 sent a compressed push of slice 0 with a length of 1000000"):
+        coder.decode(0, slot, out, peer=1, what="slice 0")
 
 
 # -- the cost model ---------------------------------------------------------------------------------------------

@@ -323,12 +323,12 @@ def _switching(work: Workload, plan: list):
 
 def test_switching_to_and_from_hybrid_keeps_the_tables_optimizer_state():
     """Momentum built under all-reduce goes to the servers' partitions, and back again; composed
-    strategies (a codec on hybrid's dense part, on allreduce) are switched to like any other, and
-    with lossless codecs (top-k keeping every element goes through casync-ring) stay exact."""
+    strategies (a codec on hybrid's dense part, on ps's and p3's pushes, on allreduce) are switched to
+    like any other, and with lossless codecs (top-k keeping every element) stay exact."""
     work = Workload(model="lstm-lm:tiny", batch_size=4)
     lossless = {"compression": "topk:ratio=1"}
-    plan = [("allreduce", 2, {}), ("hybrid", 2, lossless), ("ps", 1, {}), ("hybrid", 2, {}),
-            ("allreduce", 1, {"compression": "none"})]
+    plan = [("allreduce", 2, {}), ("hybrid", 2, lossless), ("ps", 1, lossless), ("hybrid", 2, {}),
+            ("p3", 1, {**lossless, "error_feedback": True}), ("allreduce", 1, {"compression": "none"})]
     results = run_ranks(_switching, 2, work, plan, timeout=120)
     ref = reference(work, 2, sum(steps for _, steps, _ in plan))
     for rank, params in enumerate(results):

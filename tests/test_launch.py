@@ -411,7 +411,8 @@ def test_strategies_name_shows_one_strategys_paper_and_options(cli, monkeypatch)
     assert "Jayarajan et al., SysML 2019" in out and "``" not in out
     assert "slice_params           50000" in out and "credit_mb              1.0" in out
     code, out, _ = cli("strategies", "ps-async")
-    assert "fuse_kb  256.0" in out and "fixed by this name" not in out  # its own class: nothing to fix
+    assert "fuse_kb         256.0" in out and "fixed by this name" not in out  # its own class: nothing to fix
+    assert "compression     None" in out and "error_feedback  False" in out  # its pushes' codec
     from functools import partial
 
     from gradsync.strategies import P3, STRATEGIES

@@ -59,6 +59,10 @@ CASES = [  # (strategy, workers, servers, options)
     ("casync-ps", 2, 0, {"compression": "none", "bucket_mb": 0.001}),
     ("casync-ps", 3, 0, {"compression": "topk:ratio=1", "partition_mb": 0.0001}),
     ("compressed-allgather", 3, 0, {"compression": "topk:ratio=1"}),
+    # Parameter servers whose pushes are encoded (lossless top-k), with a residual per slice or group.
+    ("ps", 2, 0, {"compression": "topk:ratio=1", "error_feedback": True}),
+    ("p3", 3, 0, {"compression": "topk:ratio=1", "slice_params": 7, "error_feedback": True}),
+    ("p3", 2, 1, {"compression": "topk:ratio=1"}), ("ps-sliced", 2, 0, {"compression": "none"}),
     # hybrid on the toy: its one embedding is tied to the output layer, so it is measured as mixed
     # and all-reduced (tests/test_hybrid.py has the tables that go to servers); a server rank idles.
     ("hybrid", 2, 0, {}), ("hybrid", 2, 1, {}),
@@ -67,22 +71,44 @@ CASES = [c + ("sgd",) for c in CASES] + [  # Adam: per-parameter state, at 2 wor
     ("allreduce", 2, 0, {}, "adam"), ("ps", 2, 0, {}, "adam"), ("ps", 2, 1, {}, "adam"),
     ("ddp", 2, 0, {"find_unused_parameters": True}, "adam"),
     ("p3", 2, 0, {"slice_params": 7}, "adam"), ("p3", 2, 1, {}, "adam"),
+    ("p3", 2, 0, {"slice_params": 7, "compression": "topk:ratio=1"}, "adam"),
     ("allreduce-priority", 2, 0, {"partition_params": 7}, "adam"),
 ]
 
 
-@pytest.mark.parametrize("strategy,workers,servers,options,optimizer", CASES,
-                         ids=[f"{c[0]}-w{c[1]}-s{c[2]}-{c[4]}" + "".join(f"-{k}{v}" for k, v in c[3].items() if k != "find_unused_parameters") for c in CASES])
-def test_matches_single_process_reference(strategy, workers, servers, options, optimizer):
+def train_cases(cases, work: Workload, steps: int):
+    """Train each ``(strategy, options)`` in turn in one job, from the same start."""
+    return [train(strategy, work, steps, options, close=True) for strategy, options in cases]
+
+
+def _group(cases):
+    """The cases by job: ``(workers, servers, optimizer) -> [(strategy, options)]``."""
+    groups: dict[tuple, list] = {}
+    for strategy, workers, servers, options, optimizer in cases:
+        groups.setdefault((workers, servers, optimizer), []).append((strategy, options))
+    return groups
+
+
+JOBS = _group(CASES)
+
+
+@pytest.mark.parametrize("job", list(JOBS), ids=[f"w{w}-s{s}-{o}" for w, s, o in JOBS])
+def test_matches_single_process_reference(job):
+    """One job per size and optimizer trains each of its strategies in turn (each closed before
+    the next, as a strategy switch does); every one must give the reference on rank 0 and the
+    same parameters on every worker."""
+    workers, servers, optimizer = job
+    cases = JOBS[job]
     work = Workload(model="toy", batch_size=6, optimizer=optimizer, device=DEVICE)
-    results = run_ranks(train, workers + servers, strategy, work, STEPS, options, servers=servers)
+    results = run_ranks(train_cases, workers + servers, cases, work, STEPS, servers=servers, timeout=240)
     ref = reference(work, workers, STEPS)
-    first = results[0]
-    report = compare(first, ref, work.tolerance)
-    assert report["correct"], report
-    for rank in range(1, workers):
-        for name, value in results[rank].items():
-            torch.testing.assert_close(value, first[name], rtol=0, atol=0, msg=f"rank {rank} {name}")
+    for c, case in enumerate(cases):
+        first = results[0][c]
+        report = compare(first, ref, work.tolerance)
+        assert report["correct"], (case, report)
+        for rank in range(1, workers):
+            for name, value in results[rank][c].items():
+                torch.testing.assert_close(value, first[name], rtol=0, atol=0, msg=f"{case} rank {rank} {name}")
 
 
 def pull_order_job():
@@ -112,8 +138,10 @@ HOST_STRATEGIES = [("allreduce", {}), ("allreduce", {"bucket_mb": 0.001}), ("all
                    # Sliced servers: slices summed by each host's leader, which alone pushes and forwards answers.
                    ("p3", {"slice_params": 7}), ("ps-sliced", {"slice_params": 7}),
                    # the toy's one table is tied (dense); tests/test_hybrid.py has tables on hosts
-                   ("hybrid", {})]
-UNEVEN_HOST_STRATEGIES = [HOST_STRATEGIES[i] for i in (0, 4, 8, 9, 10, 11)]
+                   ("hybrid", {}),
+                   # Encoded pushes: the host sums exactly, its leader encodes the host's sum.
+                   ("ps", {"compression": "topk:ratio=1"}), ("p3", {"slice_params": 7, "compression": "topk:ratio=1"})]
+UNEVEN_HOST_STRATEGIES = [HOST_STRATEGIES[i] for i in (0, 4, 8, 9, 10, 11, 14)]
 """Hosts of unequal size (2+1): the strategies whose shards, partitions or slices follow the hosts."""
 RELAYED = ("p3", "ps-sliced")
 """Strategies whose host sums travel as point-to-point messages to the host's leader, not as

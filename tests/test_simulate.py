@@ -593,6 +593,9 @@ def test_a_credit_below_one_message_is_refused_as_by_p3_itself():
     work = synthetic([(0.0, 0.0, [1000])])
     with pytest.raises(ConfigError, match="credit_mb=.* is less than one message"):
         simulate("p3", work, 2, NET, options={"slice_params": 250, "credit_mb": 100 / 2**20})
+    for name in ("p3", "ps"):  # not timed as if uncompressed
+        with pytest.raises(ConfigError, match=f"does not model {name} with compression="):
+            simulate(name, work, 2, NET, options={"compression": "int8"})
 
 
 def test_a_compute_profile_is_named_as_bench_names_it_or_without_its_prefix():

@@ -82,12 +82,13 @@ class Agent:
             raise ConfigError(f"an elastic job over several hosts needs the job's secret on every host: set "
                               f"{stores.SECRET_ENV} to the same value for every agent (for instance python -c "
                               "'import secrets; print(secrets.token_hex(16))')")
-        self._server = stores.serve(addr, port or 0, None, 30)
-        self.port = self._server.port
+        # The port is bound first and the store (which imports torch) served after this host's
+        # workers started: they import torch meanwhile, and their connections wait in the backlog.
+        sock = stores.listen(addr, port or 0)
+        self.port = sock.getsockname()[1]
         self.secret = stores.job_secret() or stores.new_secret()
         self.secret_path = stores.secret_file(self.port)
         stores.write_secret(self.secret_path, self.secret)
-        self.store = self._connect()
         self.published: dict[str, str] = {}  # what the agent wrote and keeps true
         self.bodyless: dict[int, float] = {}  # request number -> when first seen without its size
         self.out = _Output(prefix=True)
@@ -107,13 +108,25 @@ class Agent:
             os.makedirs(logdir, exist_ok=True)
         self.flight_dir = os.path.abspath(logdir if logdir is not None else tempfile.mkdtemp(prefix="gradsync-flight-"))
         self.remote = None
+        if nproc is None:
+            for _ in range(np):
+                self._start_worker()
+        try:
+            self._server = stores.serve(addr, self.port, None, 30, sock=sock)
+            self.store = self._connect()
+        except BaseException:
+            for rank in self.procs.values():
+                rank.proc.kill()
+            with contextlib.suppress(OSError):
+                os.unlink(self.secret_path)
+            raise
         if nproc is not None:
             self.remote = RemoteHosts(self.store, self._keep)
             self._keep("elastic/job", f"{min_np} {max_np}")
             self.store.add("elastic/hosts", 1)  # host 0: this one
             self._gather_hosts(min_hosts)
-        for _ in range(np):
-            self._start_worker()
+            for _ in range(np):
+                self._start_worker()
         self.members, self.pending = list(self.pending), []
         self._publish("start")
         self._top_up_standbys()

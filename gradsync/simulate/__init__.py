@@ -99,6 +99,9 @@ def build(name: str, options: dict | None = None, servers: int = 0) -> StrategyM
         mb = 2**20
         model = Buckets(strategy, int(strategy.options["bucket_cap_mb"] * mb), mb, flags=False,
                         copy_back=not strategy.options["gradient_as_bucket_view"])
+    elif name in ("ps", "ps-async", "p3", "ps-sliced") and strategy.coder is not None:
+        raise ConfigError(f"the simulator does not model {name} with compression= yet (its pushes would be "
+                          "timed uncompressed); casync-ps models compressed pushes to co-located aggregators")
     elif name in ("ps", "ps-async"):
         if strategy.mode == "sync":
             model = ParameterServers(strategy, servers)

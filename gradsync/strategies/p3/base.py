@@ -37,7 +37,8 @@ from gradsync.strategies.optstate import StateLayout, gather, install
 from gradsync.strategies.overlap import (Arrivals, ForwardOrder, Gradients, SliceOptimizers, check_elementwise_flag,
                                          check_sliceable, hyper, out_of_step)
 from gradsync.strategies.p3.serving import SliceServing
-from gradsync.strategies.p3.wire import PUSH, TAG, Wire
+from gradsync.strategies.coded import CodedPushes
+from gradsync.strategies.p3.wire import CODED, PUSH, TAG, Wire
 from gradsync.strategies.scheduler import PrioritySender
 from gradsync.strategies.slicing import SlicePlan
 from gradsync.transport import TwoLevel
@@ -52,12 +53,19 @@ class SlicedServer(SliceServing, Strategy):
     credit_mb: float | None
     overlap: bool
 
-    def __init__(self, slice_params: int = 50_000, elementwise_optimizer: bool | None = None):
+    def __init__(self, slice_params: int = 50_000, elementwise_optimizer: bool | None = None,
+                 compression: str | None = None, error_feedback: bool = False):
         if isinstance(slice_params, bool) or not isinstance(slice_params, int) or slice_params < 1:
             raise ConfigError(f"slice_params must be an integer >= 1 (elements per slice), got {slice_params!r}")
         check_elementwise_flag(elementwise_optimizer)
         self.slice_params = slice_params
         self.elementwise = elementwise_optimizer
+        self.coder = None if compression is None else CodedPushes(compression, error_feedback, self.name)
+        """Pushes to a server encoded per slice (:mod:`gradsync.strategies.coded`), or None."""
+        self.answer_coder = None if compression is None else CodedPushes(compression, True, self.name)
+        """The servers' answers: each slice's change encoded, always with a residual per slice."""
+        self.answer_slots: dict = {}
+        self.exact = self.coder is None or self.coder.lossless
 
     # -- set-up ------------------------------------------------------------------------------------
     def attach(self, ctx: SyncContext) -> None:
@@ -83,6 +91,14 @@ class SlicedServer(SliceServing, Strategy):
         else:
             self.peers = [r for r in (self.servers if self.dedicated else self.pushers) if r != self.me] + self.followers
         check_sliceable(self.name, ctx, self.elementwise)
+        if self.coder is not None:
+            if ctx.transport.device.type != "cpu":
+                raise ConfigError(f"{self.name} with compression= runs on Gloo (CPU tensors): its encoded pushes are "
+                                  "shorter than the posted receives, which NCCL does not allow; use casync-ps or "
+                                  "casync-ring on GPUs")
+            self.coder.reset(self.me)
+            self.answer_coder.reset(self.me)
+            self.answer_slots = {}
         self.optimizer_class = type(ctx.optimizer)  # before distribute wraps it
         self.state_location = "servers" if self.dedicated else ("workers" if topo.num_workers > 1 else "here")
         self.order = ForwardOrder(len(ctx.params))
@@ -100,7 +116,8 @@ class SlicedServer(SliceServing, Strategy):
         eager, order = self.order.eager(), self.order.agree(ctx.transport, world=self.dedicated)
         plan = SlicePlan(ctx.params, order, self.slice_params, self.servers)
         credit = None if self.credit_mb is None or not self.priority else int(self.credit_mb * 2**20)
-        wire = Wire(plan, ctx.params[0].dtype, credit, exact=ctx.transport.device.type != "cpu")
+        wire = Wire(plan, ctx.params[0].dtype, credit, exact=ctx.transport.device.type != "cpu",
+                    slot=None if self.coder is None else self.coder.slot(plan.slice_numel))
         if credit is not None and credit < wire.one:
             raise ConfigError(f"credit_mb={self.credit_mb:g} is less than one slice ({wire.one / 2**20:.3g} MB "
                               f"with slice_params={self.slice_params}): nothing could be sent; raise credit_mb")
@@ -229,8 +246,23 @@ class SlicedServer(SliceServing, Strategy):
         if owner == self.me:
             self._accept(self.me, group, step, buf)
         else:
+            if self.coder is not None:
+                buf = self._encode(group, step, buf)
             self.sender.put(self._send_priority(group[0], step), buf, owner, TAG,
                             what=f"push of slices {group} to rank {owner}")
+
+    def _encode(self, group: list[int], step: int, buf):
+        """The push ``buf`` of ``group`` as a :data:`~gradsync.strategies.p3.wire.CODED` message: each
+        slice encoded by its own compressor (and residual), its used flags as they are."""
+        wire, names = self.wire, self.ctx.names
+        out = wire.new(CODED, group, step)
+        for i, k in enumerate(group):
+            segments = self.plan.slices[k].segments
+            payload = wire.payload(buf, i)
+            payload[segments[-1].offset + segments[-1].length:].zero_()  # the last slice's tail
+            self.coder.encode(k, payload, wire.coded(out, i), what=f"slice {k} ({names[segments[0].param]!r}..)")
+            wire.coded_used(out, i).copy_(wire.used(buf, i))
+        return out
 
     def _add_host(self, slices: list[int], step: int, buf) -> None:
         """A leader: add a push of ``slices`` by one of its host's workers (itself included) to the
@@ -347,5 +379,6 @@ class SlicedServer(SliceServing, Strategy):
         order = "custom priority" if callable(self.priority) else ("forward priority" if self.priority else "FIFO")
         credit = f", credit {self.credit_mb:g} MB" if self.priority and self.credit_mb else ""
         hosts = f", host sums: {len(self.pushers)} hosts push" if len(self.pushers) < len(self.workers) else ""
+        coded = "" if self.coder is None else f", {self.coder.describe()}"
         return (f"{self.name}({where}, {slices} of <= {self.slice_params} params, {order}{credit}, "
-                f"{'forward overlap' if self.overlap else 'pull at step'}{hosts})")
+                f"{'forward overlap' if self.overlap else 'pull at step'}{hosts}{coded})")

@@ -25,7 +25,7 @@ import torch
 
 from gradsync import trace
 from gradsync.strategies.p3 import wire as protocol
-from gradsync.strategies.p3.wire import ANSWER, KEEPALIVE, PUSH, STOP, TAG
+from gradsync.strategies.p3.wire import ANSWER, CODED, CODED_ANSWER, KEEPALIVE, PUSH, STOP, TAG
 from gradsync.strategies.slicing import flat_view
 from gradsync.transport import check_peer
 
@@ -49,18 +49,52 @@ class SliceServing:
                     acc[2] += weight
                 if acc[2] == len(self.workers):
                     del self.accum[(k, step)]
+                    before = None if self.coder is None else self._values(k)
                     self.updaters.update(k, acc[0].div_(len(self.workers)), acc[1].tolist(), self.hyper.get(step))
+                    if before is not None:
+                        self._encode_change(k, before)
                     done.append(k)
             if done:
                 self._answer(done, step)
 
+    def _values(self, k: int) -> torch.Tensor:
+        """Slice ``k``'s parameter values, in slice layout (a tail past its segments is zero)."""
+        out = torch.zeros(self.plan.slice_numel, dtype=self.wire.dtype)
+        for seg in self.plan.slices[k].segments:
+            out[seg.offset:seg.offset + seg.length].copy_(flat_view(self.ctx.params[seg.param], seg))
+        return out
+
+    def _encode_change(self, k: int, before: torch.Tensor) -> None:
+        """Compressed answers: encode slice ``k``'s change by its update (with a residual of its own)
+        into its answer slot, and set the slice to ``before`` plus the decoded change, which is what
+        every worker computes from the answer: one model everywhere."""
+        first = self.ctx.names[self.plan.slices[k].segments[0].param]
+        what = f"the update of slice {k} ({first!r}..)"
+        slot = self.answer_slots.get(k)
+        if slot is None:
+            slot = self.answer_slots[k] = torch.zeros(self.wire.slot, dtype=torch.uint8)
+        self.answer_coder.encode(k, self._values(k).sub_(before), slot, what=what)
+        change = torch.empty_like(before)
+        self.answer_coder.decode(k, slot, change, self.me, what)
+        self._add_change(k, before.add_(change), assign=True)
+
+    def _add_change(self, k: int, values: torch.Tensor, assign: bool = False) -> None:
+        """Slice ``k``'s parameters plus ``values`` (or set to them, ``assign``)."""
+        with torch.no_grad():
+            for seg in self.plan.slices[k].segments:
+                view, part = flat_view(self.ctx.params[seg.param], seg), values[seg.offset:seg.offset + seg.length]
+                view.copy_(part) if assign else view.add_(part.to(view.device))
+
     def _answer(self, slices: list[int], step: int) -> None:
         """Send the updated ``slices`` to every pusher (and a leader's to its host's workers),
-        grouped and by priority as the pushes were."""
+        grouped and by priority as the pushes were; compressed, their encoded changes."""
         params, wire = self.ctx.params, self.wire
         for _, group in self._groups(slices):
-            answer = wire.new(ANSWER, group, step)
+            answer = wire.new(ANSWER if self.coder is None else CODED_ANSWER, group, step)
             for i, k in enumerate(group):
+                if self.coder is not None:
+                    wire.coded(answer, i).copy_(self.answer_slots[k])
+                    continue
                 payload = wire.payload(answer, i)
                 for seg in self.plan.slices[k].segments:
                     payload[seg.offset:seg.offset + seg.length].copy_(flat_view(params[seg.param], seg))
@@ -79,14 +113,21 @@ class SliceServing:
             self.inside.put(self._send_priority(slices[0], step), answer, w, TAG,
                             what=f"pull of slices {slices} to rank {w} (host)")
 
-    def _deliver(self, slices: list[int], step: int, buf: torch.Tensor) -> None:
-        """An answer: forwarded to the host's workers (a leader; ``buf`` is received into again,
-        so they get a copy), then into the parameters."""
+    def _deliver(self, slices: list[int], step: int, buf: torch.Tensor, peer: int, coded: bool = False) -> None:
+        """An answer from ``peer``: forwarded to the host's workers (a leader; ``buf`` is received
+        into again, so they get a copy), then into the parameters (``coded``: added, decoded)."""
         params, wire = self.ctx.params, self.wire
         if self.followers:
-            self._forward(slices, step, buf[:wire.length(len(slices))].clone())
+            kind = CODED_ANSWER if coded else ANSWER
+            self._forward(slices, step, buf[:wire.length(len(slices), kind)].clone())
         with torch.no_grad():
             for i, k in enumerate(slices):
+                if coded:
+                    change = torch.empty(self.plan.slice_numel, dtype=wire.dtype)
+                    first = self.ctx.names[self.plan.slices[k].segments[0].param]
+                    self.answer_coder.decode(k, wire.coded(buf, i), change, peer, f"the update of slice {k} ({first!r}..)")
+                    self._add_change(k, change)
+                    continue
                 payload = wire.payload(buf, i)
                 for seg in self.plan.slices[k].segments:
                     flat_view(params[seg.param], seg).copy_(payload[seg.offset:seg.offset + seg.length])
@@ -122,15 +163,33 @@ class SliceServing:
                     self._add_host(slices, step, buf)
                 elif kind == PUSH:
                     self._accept(peer, slices, step, buf)
-                elif kind == ANSWER:
-                    self._deliver(slices, step, buf)
+                elif kind == CODED:
+                    self._accept(peer, slices, step, self._decode(peer, slices, step, buf))
+                elif kind in (ANSWER, CODED_ANSWER):
+                    self._deliver(slices, step, buf, peer, coded=kind == CODED_ANSWER)
                 posted.append((buf, t.recv_async(buf, peer, TAG, what=f"message from rank {peer}", traced=False)))
         except BaseException as exc:  # raised in the training thread by _check()
             self.arrivals.fail(exc)
 
+    def _decode(self, peer: int, slices: list[int], step: int, buf: torch.Tensor) -> torch.Tensor:
+        """A :data:`~gradsync.strategies.p3.wire.CODED` push from ``peer`` as the plain push it encodes."""
+        wire, names = self.wire, self.ctx.names
+        plain = wire.new(PUSH, slices, step)
+        for i, k in enumerate(slices):
+            first = names[self.plan.slices[k].segments[0].param]
+            self.coder.decode(k, wire.coded(buf, i), wire.payload(plain, i), peer, f"slice {k} ({first!r}..)")
+            wire.used(plain, i).copy_(wire.coded_used(buf, i))
+        return plain
+
     def _check_message(self, peer: int, kind: int, count: int, step: int, slices: list[int]) -> None:
-        """A push or an answer carries 1 to ``wire.group`` slices, each checked; a stop or keep-alive none."""
-        if kind in (PUSH, ANSWER):
+        """A push or an answer carries 1 to ``wire.group`` slices, each checked; a stop or keep-alive none.
+        Encoded pushes come only where this job compresses, and never from a worker of this host."""
+        if kind == CODED:
+            check_peer(self.coder is not None and peer not in self.followers, peer, "a P3 message",
+                       "an encoded push (this job's pushes are not compressed, or the peer is on this host)")
+        if kind == CODED_ANSWER:
+            check_peer(self.coder is not None, peer, "a P3 message", "an encoded answer (this job does not compress)")
+        if kind in (PUSH, ANSWER, CODED, CODED_ANSWER):
             check_peer(1 <= count <= self.wire.group, peer, "a P3 message",
                        f"kind {kind} with {count} slices (at most {self.wire.group})")
         for k in slices or [0]:
@@ -140,8 +199,8 @@ class SliceServing:
         """A message from ``peer`` must push a slice this rank owns, answer with one ``peer`` owns, or
         stop; inside a host, a worker pushes any slice to its leader, which answers with any slice."""
         slices = self.plan.slices
-        owner = {PUSH: self.me, ANSWER: peer}.get(kind)
-        relayed = peer in self.followers if kind == PUSH else kind == ANSWER and peer == self.relay
+        owner = {PUSH: self.me, CODED: self.me, ANSWER: peer, CODED_ANSWER: peer}.get(kind)
+        relayed = peer in self.followers if kind == PUSH else kind in (ANSWER, CODED_ANSWER) and peer == self.relay
         ok = kind in (STOP, KEEPALIVE) or (owner is not None and 0 <= k < len(slices)
                                            and (relayed or slices[k].owner == owner))
         check_peer(ok and step >= 0, peer, "a P3 message", f"kind {kind}, slice {k}, step {step}")
@@ -152,9 +211,9 @@ class SliceServing:
         tracer = trace.current()
         if tracer is not None:
             first = self.ctx.names[self.plan.slices[k].segments[0].param]
-            what = "push" if kind == PUSH else "pull"
+            what = "pull" if kind in (ANSWER, CODED_ANSWER) else "push"
             tracer.span(f"{what} slice {k} ({first}) from rank {peer}", "comm", since, now,
-                        bytes=self.wire.block, op=f"{what} received", priority=self.prio[k])
+                        bytes=self.wire.coded_block if kind in (CODED, CODED_ANSWER) else self.wire.block, op=f"{what} received", priority=self.prio[k])
         return now
 
     def _keepalive(self, sender, peers: list[int]) -> None:

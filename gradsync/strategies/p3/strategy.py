@@ -31,6 +31,11 @@ Must match across ranks: the model and the optimizer's class and hyperparameters
 servers the servers' own optimizer is used, so an LR scheduler in the training loop does not reach
 it; co-located servers take each step's hyperparameters from their worker's optimizer.
 Parameters are current after the next forward has passed them, or after ``optimizer.flush()``.
+``compression="topk:ratio=0.01"`` (any codec without a shared seed; ``error_feedback=True`` keeps a
+residual per slice) encodes each slice a pusher sends to a server, in the same priority order and
+under the same credit, and the server decodes before it adds; each answer carries the slice's
+change by the update, encoded with a residual per slice on the server, and workers add it
+(:mod:`gradsync.strategies.coded`). Exact with a lossless codec; Gloo only.
 Tune ``slice_params`` (P3: 40,000-50,000) and ``credit_mb`` (enough to keep a link busy; too much
 and late slices can no longer be overtaken).
 """
@@ -55,18 +60,20 @@ class P3(SlicedServer):
 
     def __new__(cls, slice_params: int = 50_000, credit_mb: float | None = 1.0,
                 priority: bool | Callable[[str, int], float] = True, overlap: bool = True,
-                elementwise_optimizer: bool | None = None):
+                elementwise_optimizer: bool | None = None, compression: str | None = None,
+                error_feedback: bool = False):
         """``priority=False, overlap=False`` is the older spelling of :class:`SlicedParameterServer`."""
         if cls is P3 and priority is False and overlap is False:
             warnings.warn("P3(priority=False, overlap=False) is SlicedParameterServer (strategy 'ps-sliced'); "
                           "use that class", DeprecationWarning, stacklevel=2)
-            return SlicedParameterServer(slice_params, elementwise_optimizer)
+            return SlicedParameterServer(slice_params, elementwise_optimizer, compression, error_feedback)
         return super().__new__(cls)
 
     def __init__(self, slice_params: int = 50_000, credit_mb: float | None = 1.0,
                  priority: bool | Callable[[str, int], float] = True, overlap: bool = True,
-                 elementwise_optimizer: bool | None = None):
-        super().__init__(slice_params, elementwise_optimizer)
+                 elementwise_optimizer: bool | None = None, compression: str | None = None,
+                 error_feedback: bool = False):
+        super().__init__(slice_params, elementwise_optimizer, compression, error_feedback)
         if credit_mb is not None and (not isinstance(credit_mb, (int, float)) or not credit_mb > 0):
             raise ConfigError(f"credit_mb must be > 0 (or None: no limit), got {credit_mb!r}")
         if not isinstance(overlap, bool):

@@ -15,7 +15,12 @@ stays within the credit. Without a credit (``ps-sliced``), or with one under fou
 message carries one slice. Receives are posted ahead at the largest size: Gloo lands a shorter
 message in a longer receive, so a message is as long as its slices. Backends whose receives must
 match the send's length (NCCL) get ``exact``: one slice a message, every message at full length.
-One tag; between two ranks messages arrive in the order sent. A stream ends with :data:`POSTED`
+A push compressed with ``compression=`` (:mod:`gradsync.strategies.coded`) is kind :data:`CODED`:
+the same header, then per slice its encoded *slot* (a fixed size per codec) and its used flags;
+the receiving server decodes it into a plain push. Its answer is :data:`CODED_ANSWER`, laid out
+alike: per slice the encoded change of the slice's values (flags unused). Such messages are shorter than the receives,
+which Gloo allows; compression therefore needs Gloo. One tag; between two ranks messages arrive in
+the order sent. A stream ends with :data:`POSTED`
 stop messages, which fill exactly the receives the peer still has posted; keep-alives fill idle
 streams, well inside the transport's timeout.
 """
@@ -25,7 +30,7 @@ import torch
 
 from gradsync.strategies.slicing import SlicePlan
 
-PUSH, ANSWER, STOP, KEEPALIVE = 1, 2, 3, 4
+PUSH, ANSWER, STOP, KEEPALIVE, CODED, CODED_ANSWER = 1, 2, 3, 4, 5, 6
 TAG = 0x5033
 POSTED = 4
 """Receives each rank keeps posted per peer (Gloo moves a message once its receive is posted)."""
@@ -38,7 +43,8 @@ MOST_BYTES = 4 * 2**20
 class Wire:
     """The message layout: views into one ``uint8`` buffer of up to ``group`` slices."""
 
-    def __init__(self, plan: SlicePlan, dtype: torch.dtype, most: int | None = None, exact: bool = False):
+    def __init__(self, plan: SlicePlan, dtype: torch.dtype, most: int | None = None, exact: bool = False,
+                 slot: int | None = None):
         self.dtype, self.numel, self.flags = dtype, plan.slice_numel, max(plan.max_segments, 1)
         self.size = torch.empty((), dtype=dtype).element_size()
         self.block = (self.numel + self.flags) * self.size  # one slice's bytes
@@ -47,20 +53,26 @@ class Wire:
         self.group = max(1, min(fits, MOST_SLICES))
         self.exact = exact
         self.header_bytes = 8 * (2 + self.group)
-        self.nbytes = self.header_bytes + self.group * self.block
+        self.slot = slot
+        """The bytes of one encoded slice (``compression=``), or None."""
+        flags = self.flags * self.size
+        self.coded_block = 0 if slot is None else -(-(slot + flags) // 8) * 8  # 8-byte aligned slots
+        self.nbytes = self.header_bytes + self.group * max(self.block, self.coded_block)
         """The longest message: what every receive is posted with."""
 
     def new(self, kind: int, slices: list[int], step: int) -> torch.Tensor:
         """A message of ``kind`` for ``slices`` (at most :attr:`group`; none for a stop or keep-alive)."""
         count = len(slices)
-        buf = torch.empty(self.length(count), dtype=torch.uint8)
+        buf = torch.empty(self.length(count, kind), dtype=torch.uint8)
         words = [kind << 32 | count, step, *slices] + [0] * (self.group - count)
         buf[:self.header_bytes].view(torch.int64).copy_(torch.tensor(words, dtype=torch.int64))
         return buf
 
-    def length(self, count: int) -> int:
+    def length(self, count: int, kind: int = PUSH) -> int:
         """The bytes of a message of ``count`` slices (every message at full length where ``exact``)."""
-        return self.nbytes if self.exact else self.header_bytes + count * self.block
+        if self.exact:
+            return self.nbytes
+        return self.header_bytes + count * (self.coded_block if kind in (CODED, CODED_ANSWER) else self.block)
 
     def header(self, buf: torch.Tensor) -> tuple[int, int, int, list[int]]:
         """``(kind, count, step, slices)``; ``count`` as sent, which the caller checks against :attr:`group`."""
@@ -77,3 +89,13 @@ class Wire:
         """The used flags of the message's ``i``-th slice."""
         end = self.header_bytes + (i + 1) * self.block
         return buf[end - self.flags * self.size:end].view(self.dtype)
+
+    def coded(self, buf: torch.Tensor, i: int = 0) -> torch.Tensor:
+        """The encoded slot (``uint8``) of a :data:`CODED` or :data:`CODED_ANSWER` message's ``i``-th slice."""
+        start = self.header_bytes + i * self.coded_block
+        return buf[start:start + self.slot]
+
+    def coded_used(self, buf: torch.Tensor, i: int = 0) -> torch.Tensor:
+        """The used flags of a :data:`CODED` message's ``i``-th slice."""
+        start = self.header_bytes + i * self.coded_block + self.slot
+        return buf[start:start + self.flags * self.size].view(self.dtype)

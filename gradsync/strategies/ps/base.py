@@ -32,6 +32,7 @@ import torch
 
 from gradsync.errors import ConfigError, GradsyncError
 from gradsync.strategies.base import Strategy, SyncContext, fill_slot, mean_of_used, served_bytes_per_host
+from gradsync.strategies.coded import CodedPushes
 from gradsync.strategies.ps.wire import OP_STEP, OP_STOP, TAG_CONTROL, Fused, check_header, partition, plan_groups
 from gradsync.transport import wait_all
 
@@ -47,10 +48,18 @@ class ParameterServerBase(Strategy):
     aggregates_hosts: ClassVar[bool] = False
     """Whether hosts of several workers aggregate inside the host (see the module docstring)."""
 
-    def __init__(self, fuse_kb: float = 256.0):
+    def __init__(self, fuse_kb: float = 256.0, compression: str | None = None, error_feedback: bool = False):
         if fuse_kb < 0:
             raise ConfigError(f"fuse_kb must be >= 0 (0: one message per tensor), got {fuse_kb}")
         self.fuse_bytes = int(fuse_kb * 1024)
+        self.coder = None if compression is None else CodedPushes(compression, error_feedback, self.name)
+        """Pushes encoded per group (:mod:`gradsync.strategies.coded`), or None."""
+        self.answer_coder = None if compression is None or self.mode != "sync" else CodedPushes(
+            compression, True, self.name)
+        """Synchronous servers' answers: each group's change encoded, with a residual per group (an
+        asynchronous server answers each worker alone, whose parameters differ: exact answers)."""
+        if self.coder is not None and not self.coder.lossless:
+            self.exact = False
 
     def attach(self, ctx: SyncContext) -> None:
         super().attach(ctx)
@@ -88,6 +97,18 @@ class ParameterServerBase(Strategy):
         peers = [w for w in self.pushers if w != me]
         self.inbox = {(w, g): Fused([params[i] for i in self.groups[g]], flags=True) for w in peers for g in mine}
         self.recvs: list = []
+        if self.coder is not None:
+            if ctx.transport.device.type != "cpu":
+                raise ConfigError(f"{self.name} with compression= runs on Gloo (CPU tensors); use casync-ps on GPUs")
+            self.coder.reset(me)
+            self.coded_out = {g: self._coded_message(g) for g in theirs}
+            self.coded_in = {(w, g): self._coded_message(g) for w in peers for g in mine}
+            if self.answer_coder is not None:
+                self.answer_coder.reset(me)
+                numel = {g: sum(params[i].numel() for i in grp) for g, grp in enumerate(self.groups)}
+                self.coded_pull = {g: torch.zeros(self.coder.slot(numel[g]), dtype=torch.uint8) for g in theirs}
+                self.answer_slot = {g: torch.zeros(self.coder.slot(numel[g]), dtype=torch.uint8) for g in mine}
+                self.before: dict[int, torch.Tensor] = {}
         if self.host_sum is not None:
             # Every group's message, summed in the host in backward order (a group's first tensor
             # is its last in forward order); a group this worker pushes is summed in place.
@@ -119,8 +140,39 @@ class ParameterServerBase(Strategy):
         else:  # co-located: this worker serves its partition, so it listens for pushes now
             self.recvs = self._post_pushes([w for w in self.pushers if w != t.topology.rank])
 
+    def _coded_message(self, g: int) -> torch.Tensor:
+        """An encoded push of group ``g``: the gradients' slot, then the used flags as they are."""
+        slot, flags = self._coded_layout(g)
+        return torch.zeros(slot + -(-flags // 8) * 8, dtype=torch.uint8)
+
+    def _coded_layout(self, g: int) -> tuple[int, int]:
+        """``(slot bytes, flag bytes)`` of group ``g``'s encoded push."""
+        grp, params = self.groups[g], self.ctx.params
+        return self.coder.slot(sum(params[i].numel() for i in grp)), len(grp) * params[grp[0]].element_size()
+
+    def _encode(self, g: int) -> torch.Tensor:
+        box, out = self.outbox[g], self.coded_out[g]
+        slot, flags = self._coded_layout(g)
+        self.coder.encode(g, box.wire[:box.wire.numel() - box.used.numel()], out[:slot], what=f"push of {self._label(g)}")
+        out[slot:slot + flags].copy_(box.used.view(torch.uint8))
+        return out
+
+    def _decode(self, workers: list[int]) -> None:
+        """The encoded pushes just received from ``workers`` into their plain inboxes."""
+        for w in workers:
+            for g in self.owned_groups:
+                box, msg = self.inbox[(w, g)], self.coded_in[(w, g)]
+                slot, flags = self._coded_layout(g)
+                self.coder.decode(g, msg[:slot], box.wire[:box.wire.numel() - box.used.numel()], w,
+                                  f"push of {self._label(g)}")
+                box.used.view(torch.uint8).copy_(msg[slot:slot + flags])
+
     def _post_pushes(self, workers: list[int]) -> list:
         t = self.ctx.transport
+        if self.coder is not None:
+            return [t.recv_async(self.coded_in[(w, g)], w, 1 + self.groups[g][0],
+                                 what=f"push of {self._label(g)} from rank {w}")
+                    for w in workers for g in self.owned_groups]
         return [t.recv_async(self.inbox[(w, g)].wire, w, 1 + self.groups[g][0],
                              what=f"push of {self._label(g)} from rank {w}")
                 for w in workers for g in self.owned_groups]
@@ -197,7 +249,8 @@ class ParameterServerBase(Strategy):
         self.pushed[g] = True
         owner = self.group_owner[g]
         self.sends.append(self.ctx.transport.send_async(
-            self.outbox[g].wire, owner, 1 + self.groups[g][0], what=f"push of {self._label(g)} to rank {owner}"))
+            self.outbox[g].wire if self.coder is None else self._encode(g), owner, 1 + self.groups[g][0],
+            what=f"push of {self._label(g)} to rank {owner}"))
 
     def step(self, apply: Callable[[], Any]) -> Any:
         if not self.open and self.ctx.topology.rank in self.pushers:
@@ -239,11 +292,14 @@ class ParameterServerBase(Strategy):
 
     def _post_pulls(self) -> list:
         """Receives for the updated parameters of every group this rank does not own (a single
-        tensor lands in place: its owner answers after this rank's own update, which skips it)."""
+        tensor lands in place: its owner answers after this rank's own update, which skips it);
+        compressed answers: for each group's encoded change."""
         t, params = self.ctx.transport, self.ctx.params
         handles = []
         for g in self.outbox:
             target = self.pull_buf[g].wire if g in self.pull_buf else params[self.groups[g][0]].data
+            if self.answer_coder is not None:
+                target = self.coded_pull[g]
             handles.append(t.recv_async(target, self.group_owner[g], 1 + self.groups[g][0],
                                         what=f"pull of {self._label(g)} from rank {self.group_owner[g]}"))
         return handles
@@ -251,6 +307,14 @@ class ParameterServerBase(Strategy):
     def _finish_pulls(self, handles: list) -> None:
         wait_all(handles)
         params = self.ctx.params
+        if self.answer_coder is not None:
+            for g in self.outbox:
+                grp = self.groups[g]
+                change = torch.empty(sum(params[i].numel() for i in grp), dtype=params[grp[0]].dtype)
+                self.answer_coder.decode(g, self.coded_pull[g], change, self.group_owner[g],
+                                         f"the update of {self._label(g)}")
+                self._set_group(g, change, add=True)
+            return
         with torch.no_grad():
             for g, buf in self.pull_buf.items():
                 for i, part in zip(self.groups[g], buf.parts):
@@ -260,6 +324,8 @@ class ParameterServerBase(Strategy):
     def _aggregate(self, workers: list[int], divisor: int, own: bool = False) -> None:
         """Set ``grad`` of owned parameters to the workers' sum over ``divisor``; other parameters get ``None``."""
         me, params = self.ctx.topology.rank, self.ctx.params
+        if self.coder is not None:
+            self._decode([w for w in workers if w != me])
         for g, grp in enumerate(self.groups):
             if self.group_owner[g] != me:
                 for i in grp:
@@ -277,12 +343,44 @@ class ParameterServerBase(Strategy):
                     used += f[slot]
                 p.grad = mean_of_used(total, used, divisor)
 
+    def _before_update(self) -> None:
+        """Compressed answers: the owned groups' values before this step's update."""
+        if self.answer_coder is not None:
+            self.before = {g: self._group_values(g) for g in self.owned_groups}
+
+    def _group_values(self, g: int) -> torch.Tensor:
+        return torch.cat([self.ctx.params[i].detach().reshape(-1) for i in self.groups[g]])
+
+    def _set_group(self, g: int, values: torch.Tensor, add: bool = False) -> None:
+        """Group ``g``'s parameters set to ``values`` (flat), or ``add``-ed to them."""
+        at = 0
+        with torch.no_grad():
+            for i in self.groups[g]:
+                p = self.ctx.params[i]
+                part = values[at:at + p.numel()].view_as(p).to(p.device)
+                p.add_(part) if add else p.copy_(part)
+                at += p.numel()
+
+    def _encode_change(self, g: int) -> torch.Tensor:
+        """Group ``g``'s change by this step's update, encoded (with its residual) into its answer;
+        the group set to its value before plus the decoded change, as every worker computes it."""
+        before, what = self.before[g], f"the update of {self._label(g)}"
+        slot = self.answer_slot[g]
+        self.answer_coder.encode(g, self._group_values(g).sub_(before), slot, what=what)
+        change = torch.empty_like(before)
+        self.answer_coder.decode(g, slot, change, self.ctx.topology.rank, what)
+        self._set_group(g, before.add_(change))
+        return slot
+
     def _answer(self, workers: list[int]) -> list:
-        """Send each owned group's updated parameters to ``workers`` (one fused message per group)."""
+        """Send each owned group's updated parameters to ``workers`` (one fused message per group;
+        compressed answers: its encoded change)."""
         t, me, params = self.ctx.transport, self.ctx.topology.rank, self.ctx.params
         handles = []
         for g in self.owned_groups:
-            if g in self.answer_buf:
+            if self.answer_coder is not None:
+                data = self._encode_change(g)
+            elif g in self.answer_buf:
                 buf = self.answer_buf[g]
                 with torch.no_grad():
                     for i, part in zip(self.groups[g], buf.parts):
@@ -321,4 +419,5 @@ class ParameterServerBase(Strategy):
         where = f"{len(self.servers)} dedicated servers" if self.dedicated else f"co-located on {len(self.servers)} workers"
         fused = f"fuse_kb={self.fuse_bytes / 1024:g}" if self.fuse_bytes else "one message per tensor"
         hosts = "" if self.host_sum is None else f", host sums: {len(self.pushers)} hosts push"
-        return f"ps({self.mode}, {where}, {len(self.groups)} messages per push, {fused}{hosts})"
+        coded = "" if self.coder is None else f", {self.coder.describe()}"
+        return f"ps({self.mode}, {where}, {len(self.groups)} messages per push, {fused}{hosts}{coded})"

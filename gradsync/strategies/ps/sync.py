@@ -15,6 +15,12 @@ the global norm, and each server scales its partition as ``torch.nn.utils.clip_g
 before it updates. A gradient changed in place between backward and step cannot reach the servers:
 ``distribute`` refuses it (``grad_edits``).
 
+``compression="int8"`` (any codec without a shared seed; ``error_feedback=True`` keeps a residual
+per group) encodes each push that crosses the network, and servers decode before they add; each
+answer is the group's change by the update, encoded with a residual per group on the server, which
+sets the group to what every worker computes from it (:mod:`gradsync.strategies.coded`). Exact
+with a lossless codec; Gloo only.
+
 Must match across ranks: the model and the optimizer's hyperparameters (servers build their own
 from the same script). Optimizer state lives on the servers, one partition each;
 ``optimizer.state_dict()`` gathers it and ``load_state_dict()`` hands it back to them.
@@ -43,7 +49,8 @@ class ParameterServer(ParameterServerBase):
     mean_over_workers = True
     aggregates_hosts = True
 
-    def __new__(cls, mode: str = "sync", fuse_kb: float = 256.0):
+    def __new__(cls, mode: str = "sync", fuse_kb: float = 256.0, compression: str | None = None,
+                error_feedback: bool = False):
         """``mode="async"`` is the older spelling of :class:`AsyncParameterServer` (``ps-async``)."""
         if mode not in ("sync", "async"):
             raise ConfigError(f"ps mode must be 'sync' or 'async', got {mode!r}")
@@ -52,11 +59,12 @@ class ParameterServer(ParameterServerBase):
 
             warnings.warn("ParameterServer(mode='async') is AsyncParameterServer (strategy 'ps-async'); "
                           "use that class", DeprecationWarning, stacklevel=2)
-            return AsyncParameterServer(fuse_kb=fuse_kb)
+            return AsyncParameterServer(fuse_kb=fuse_kb, compression=compression, error_feedback=error_feedback)
         return super().__new__(cls)
 
-    def __init__(self, mode: str = "sync", fuse_kb: float = 256.0):
-        super().__init__(fuse_kb)
+    def __init__(self, mode: str = "sync", fuse_kb: float = 256.0, compression: str | None = None,
+                 error_feedback: bool = False):
+        super().__init__(fuse_kb, compression, error_feedback)
 
     def _update(self, apply: Callable[[], Any]) -> tuple[Any, list]:
         """Co-located: serve the own partition (every worker's pushes, the user's optimizer, answers);
@@ -68,6 +76,7 @@ class ParameterServer(ParameterServerBase):
         wait_all(self.recvs)
         self._aggregate(self.pushers, self.ctx.topology.num_workers, own=True)
         self._clip()
+        self._before_update()
         result = apply()
         # Receives before sends: Gloo carries a pair's messages both ways at once only when each
         # side posted its receive first (docs/mechanisms.md: the other order halves each
@@ -170,6 +179,7 @@ class ParameterServer(ParameterServerBase):
             wait_all(answers)  # the previous pull must be on the wire before parameters change
             self._aggregate(workers, self.ctx.topology.num_workers)
             self._clip()
+            self._before_update()
             optimizer.step()
             answers = self._answer(workers)
         wait_all(answers)
