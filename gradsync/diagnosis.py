@@ -38,7 +38,10 @@ class PeerDiagnosis:
         """Turn a failed communication into an error naming the rank(s) at fault: the ones whose
         heartbeat stopped, else the ones alive but absent from the operation (:meth:`behind`)."""
         me = self.topology.describe(self.topology.rank)
-        timed_out = isinstance(exc, TimeoutError) or "timed out" in str(exc).lower()
+        # Gloo's "Application timeout caused pair closure": this rank's own operation on that pair
+        # timed out earlier (the pair closed then), so the peer is no more at fault than any other
+        message = str(exc).lower()
+        timed_out = isinstance(exc, TimeoutError) or "timed out" in message or "application timeout" in message
         lost = self._lost_notice(0.0 if timed_out else SILENT_S)  # after a timeout it would have come
         if lost:
             return self._failed(PeerFailureError(f"{what} failed on {me}: {lost}. Original error: {exc}"))
