@@ -119,4 +119,4 @@ class CodedPushes:
             check_peer(False, peer, f"a compressed push of {what}", f"a payload {self.name} cannot decode ({exc})")
 
     def describe(self) -> str:
-        return f"{self.name}{' with error feedback' if self.error_feedback else ''} on pushes"
+        return f"{self.name}{' with error feedback' if self.error_feedback else ''}"

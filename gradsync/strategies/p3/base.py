@@ -379,6 +379,6 @@ class SlicedServer(SliceServing, Strategy):
         order = "custom priority" if callable(self.priority) else ("forward priority" if self.priority else "FIFO")
         credit = f", credit {self.credit_mb:g} MB" if self.priority and self.credit_mb else ""
         hosts = f", host sums: {len(self.pushers)} hosts push" if len(self.pushers) < len(self.workers) else ""
-        coded = "" if self.coder is None else f", {self.coder.describe()}"
+        coded = "" if self.coder is None else f", {self.coder.describe()} both ways"
         return (f"{self.name}({where}, {slices} of <= {self.slice_params} params, {order}{credit}, "
                 f"{'forward overlap' if self.overlap else 'pull at step'}{hosts}{coded})")

@@ -419,5 +419,6 @@ class ParameterServerBase(Strategy):
         where = f"{len(self.servers)} dedicated servers" if self.dedicated else f"co-located on {len(self.servers)} workers"
         fused = f"fuse_kb={self.fuse_bytes / 1024:g}" if self.fuse_bytes else "one message per tensor"
         hosts = "" if self.host_sum is None else f", host sums: {len(self.pushers)} hosts push"
-        coded = "" if self.coder is None else f", {self.coder.describe()}"
+        coded = "" if self.coder is None else \
+            f", {self.coder.describe()} {'both ways' if self.answer_coder is not None else 'on pushes'}"
         return f"ps({self.mode}, {where}, {len(self.groups)} messages per push, {fused}{hosts}{coded})"
