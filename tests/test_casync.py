@@ -102,16 +102,22 @@ def error_of_one_step(opt, loss) -> tuple[str, str] | None:
         opt.close()
 
 
+def two_layers_with_a_nan(strategy, options, nan: bool):
+    """A two-layer model under ``strategy``; with ``nan``, its first-layer gradient gets a NaN (the
+    hook runs before accumulation, so the strategy sees it). Returns the model, the optimizer, the hook."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    opt = gradsync.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1), strategy, **options)
+    hook = model[0].weight.register_hook(lambda g: g.index_fill(0, torch.tensor([0]), float("nan"))) if nan else None
+    return model, opt, hook
+
+
 def nan_on_one_worker(configs, bad_rank):
     """Per configuration, one step where ``bad_rank``'s first-layer gradient has a NaN: each worker's error."""
     topo = gradsync.topology()
     out = []
     for strategy, options in configs:
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
-        opt = gradsync.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1), strategy, **options)
-        if topo.rank == bad_rank:  # before accumulation, so the strategy sees it
-            model[0].weight.register_hook(lambda g: g.index_fill(0, torch.tensor([0]), float("nan")))
+        model, opt, _ = two_layers_with_a_nan(strategy, options, topo.rank == bad_rank)
         out.append(error_of_one_step(opt, model(torch.randn(4, 8)).sum()))
     return out
 
@@ -139,11 +145,7 @@ def nan_through_a_server(configs, bad_rank):
     topo = gradsync.topology()
     out = []
     for strategy, options in configs:
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
-        opt = gradsync.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1), strategy, **options)
-        hook = model[0].weight.register_hook(lambda g: g.index_fill(0, torch.tensor([0]), float("nan"))) \
-            if topo.rank == bad_rank else None
+        model, opt, hook = two_layers_with_a_nan(strategy, options, topo.rank == bad_rank)
         for step in range(2):
             model(torch.randn(4, 8)).sum().backward()
             opt.step()
