@@ -264,9 +264,9 @@ def test_encoded_pushes_keep_a_residual_per_key_and_refuse_a_bad_slot():
     residual is what was pushed, key by key; a non-finite block arrives as NaN (the update goes
     non-finite, as uncompressed); a slot whose length a peer forged is refused naming the peer."""
     from gradsync.errors import PeerProtocolError
-    from gradsync.strategies.coded import CodedPushes
+    from gradsync.strategies.coded import CodedBlocks
 
-    coder = CodedPushes("topk:ratio=0.25", True, "p3")
+    coder = CodedBlocks("topk:ratio=0.25", True, "p3")
     gen = torch.Generator().manual_seed(0)
     blocks = {key: [torch.randn(40, generator=gen) for _ in range(3)] for key in (0, 1)}
     decoded = {key: torch.zeros(40) for key in blocks}

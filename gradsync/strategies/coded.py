@@ -4,10 +4,10 @@
 A parameter server's push is a fixed block of gradient per key (a fused group of tensors for
 ``ps``, a slice for ``p3``), so its encoded form gets a fixed *slot* on the wire: an ``int64``
 length, then the payload as one :func:`~gradsync.compress.base.to_bytes` message, padded to the
-slot. The slot is the payload of a fresh compressor on a block of ones: the largest any codec here
-sends (sparsifiers keep their full ``k`` on ties, DGC its widest warm-up density), rounded up to 8
-bytes, and a payload
-that outgrows it raises :class:`~gradsync.compress.CompressionError` naming the codec.
+slot. The slot is the payload of a fresh compressor on a block of ones, rounded up to 8 bytes: the
+largest any codec here sends (sparsifiers keep their full ``k`` on ties, DGC its widest warm-up
+density); a payload that outgrows it raises :class:`~gradsync.compress.CompressionError` naming
+the codec.
 
 The pusher keeps one compressor per key (with ``error_feedback=True``, one residual per key: what
 that slice or group lost is added to its next push). A server decodes each push with a decoder of
@@ -40,8 +40,9 @@ NOT_FINITE = -1
 """The length a slot carries for a block that held NaN or Inf (nothing encoded)."""
 
 
-class CodedPushes:
-    """Encode and decode fixed blocks of gradient with one codec, one instance per key and side."""
+class CodedBlocks:
+    """Encode and decode fixed blocks (a push's gradients, an answer's change) with one codec: a
+    compressor per key where blocks are encoded, a decoder per key where they arrive."""
 
     def __init__(self, compression: str, error_feedback: bool, strategy: str):
         name, self.options = parse_spec(compression)

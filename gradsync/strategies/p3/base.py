@@ -37,7 +37,7 @@ from gradsync.strategies.optstate import StateLayout, gather, install
 from gradsync.strategies.overlap import (Arrivals, ForwardOrder, Gradients, SliceOptimizers, check_elementwise_flag,
                                          check_sliceable, hyper, out_of_step)
 from gradsync.strategies.p3.serving import SliceServing
-from gradsync.strategies.coded import CodedPushes
+from gradsync.strategies.coded import CodedBlocks
 from gradsync.strategies.p3.wire import CODED, PUSH, TAG, Wire
 from gradsync.strategies.scheduler import PrioritySender
 from gradsync.strategies.slicing import SlicePlan
@@ -60,9 +60,9 @@ class SlicedServer(SliceServing, Strategy):
         check_elementwise_flag(elementwise_optimizer)
         self.slice_params = slice_params
         self.elementwise = elementwise_optimizer
-        self.coder = None if compression is None else CodedPushes(compression, error_feedback, self.name)
+        self.coder = None if compression is None else CodedBlocks(compression, error_feedback, self.name)
         """Pushes to a server encoded per slice (:mod:`gradsync.strategies.coded`), or None."""
-        self.answer_coder = None if compression is None else CodedPushes(compression, True, self.name)
+        self.answer_coder = None if compression is None else CodedBlocks(compression, True, self.name)
         """The servers' answers: each slice's change encoded, always with a residual per slice."""
         self.answer_slots: dict = {}
         self.exact = self.coder is None or self.coder.lossless

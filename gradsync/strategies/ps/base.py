@@ -32,7 +32,7 @@ import torch
 
 from gradsync.errors import ConfigError, GradsyncError
 from gradsync.strategies.base import Strategy, SyncContext, fill_slot, mean_of_used, served_bytes_per_host
-from gradsync.strategies.coded import CodedPushes
+from gradsync.strategies.coded import CodedBlocks
 from gradsync.strategies.ps.wire import OP_STEP, OP_STOP, TAG_CONTROL, Fused, check_header, partition, plan_groups
 from gradsync.transport import wait_all
 
@@ -52,9 +52,9 @@ class ParameterServerBase(Strategy):
         if fuse_kb < 0:
             raise ConfigError(f"fuse_kb must be >= 0 (0: one message per tensor), got {fuse_kb}")
         self.fuse_bytes = int(fuse_kb * 1024)
-        self.coder = None if compression is None else CodedPushes(compression, error_feedback, self.name)
+        self.coder = None if compression is None else CodedBlocks(compression, error_feedback, self.name)
         """Pushes encoded per group (:mod:`gradsync.strategies.coded`), or None."""
-        self.answer_coder = None if compression is None or self.mode != "sync" else CodedPushes(
+        self.answer_coder = None if compression is None or self.mode != "sync" else CodedBlocks(
             compression, True, self.name)
         """Synchronous servers' answers: each group's change encoded, with a residual per group (an
         asynchronous server answers each worker alone, whose parameters differ: exact answers)."""
