@@ -287,8 +287,7 @@ def stuck_in_user_code(strategy: str):
 
 
 STUCK = [  # (strategy, servers): one per family of waits (a compression thread's: casync-ring, below)
-    ("allreduce", 0),  # a collective on the training thread
-    ("ddp", 0),  # PyTorch's reducer
+    ("allreduce", 0),  # a collective on the training thread (ddp's reducer waits alike: its stopped peer, below)
     ("ps-async", 1),  # a server's receive from any worker
     ("p3", 0),  # the training thread waits for slices; keep-alives keep the links busy
     ("hybrid", 0),  # row servers on every worker's threads
@@ -335,14 +334,15 @@ def test_who_is_behind_is_read_from_the_heartbeats():
     assert "no peer died; the operation did not complete within 10 s" in message, message
 
 
-@pytest.mark.parametrize("strategy", ["allreduce", "ps", "casync-ring", "ddp"])
+@pytest.mark.parametrize("strategy", ["ps", "casync-ring", "ddp"])
 def test_a_peer_stopped_before_the_next_operation_is_named_within_the_timeout_of_the_fault(strategy, tmp_path):
     """Gloo's timeout counts from an operation's start; the survivors' next one starts 2 s after
     rank 1 stopped. The error still comes within the timeout (4 s) of the fault: nothing completed
-    for 4 s and the heartbeat watch saw rank 1 stand still. ``allreduce`` waits in a collective,
-    ``ps`` in a receive (its waiter thread), ``casync-ring``'s training thread for its
-    communication thread, which is blocked in a receive (``runtime.check_progress``), ``ddp`` in
-    PyTorch's reducer, which no exception reaches: the watchdog ends the process."""
+    for 4 s and the heartbeat watch saw rank 1 stand still. ``ps`` waits in a receive (its waiter
+    thread), ``casync-ring``'s training thread for its communication thread, which is blocked in a
+    receive (``runtime.check_progress``), ``ddp`` in PyTorch's reducer, which no exception reaches:
+    the watchdog ends the process. (A collective of gradsync's own on the training thread, as
+    ``allreduce`` waits, is the stuck-rank test's and the watch's unit test's.)"""
     report = tmp_path / "watchdog.txt" if strategy == "ddp" else None
     errors = run_ranks_expect_failure(train_until_fault, 2, strategy, "stop-then-compute", {},
                                       None if report is None else str(report), timeout=40,
