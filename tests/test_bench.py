@@ -22,7 +22,7 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 def test_every_strategy_with_a_dedicated_server(tmp_path):
     out = tmp_path / "records.json"
     proc = bench("--model", "toy", "--np", "2", "--servers", "1", "--batch-size", "4", "--steps", "3",
-                 "--warmup", "1", "--check-steps", "3", "--json", str(out), "--out", str(tmp_path / "o"))
+                 "--warmup", "1", "--rounds", "2", "--check-steps", "3", "--json", str(out), "--out", str(tmp_path / "o"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     records = {r["strategy"]: r for r in json.loads(out.read_text())}
     assert set(records) == {"ddp", "allreduce", "ps", "ps-async"}
@@ -51,7 +51,7 @@ def mixed_run(tmp_path_factory):
     """One bench run read by several checks: a monitored variant, two strategies that are not exact
     or take no monitors, and a compressed one."""
     out = tmp_path_factory.mktemp("mixed") / "records.json"
-    proc = bench("--model", "toy", "--np", "2", "--batch-size", "4", "--steps", "3", "--warmup", "1",
+    proc = bench("--model", "toy", "--np", "2", "--batch-size", "4", "--steps", "3", "--warmup", "1", "--rounds", "1",
                  "--check-steps", "2", "--strategies", "allreduce,sma,p3,casync-ring", "--monitors", "noise-scale",
                  "--json", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -86,6 +86,21 @@ FAILING_JOB = """
 
 # --- the environment contract and output ----------------------------------------------------------
 
+def test_a_gradsync_command_ends_as_pythons_exit_does():
+    # exit_now skips only the interpreter's teardown: threads still running are joined, atexit
+    # functions run, buffered output reaches the reader, and the status is the command's.
+    done = subprocess.run(child("""
+        import atexit, threading, time
+        from gradsync.cli import exit_now
+        threading.Thread(target=lambda: (time.sleep(0.2), print("thread done", end="; "))).start()
+        atexit.register(lambda: print("atexit ran", end=""))
+        print("buffered", end="; ")
+        exit_now(3)
+        print("never")
+    """), capture_output=True, text=True, timeout=30)
+    assert done.returncode == 3 and done.stdout == "buffered; thread done; atexit ran", done
+
+
 def test_env_contract_three_workers_two_servers(capsys, monkeypatch):
     monkeypatch.setenv("GRADSYNC_TEST_PARENT", "inherited")
     keys = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",

@@ -455,4 +455,6 @@ def main(run_dir: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    from gradsync.cli import exit_now
+
+    exit_now(main(sys.argv[1]))

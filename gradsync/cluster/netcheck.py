@@ -151,4 +151,6 @@ def report(rows: list[list[float]], rate_bps: float, dilation: float = 1.0) -> t
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    from gradsync.cli import exit_now
+
+    exit_now(main(sys.argv[1]))

@@ -2,8 +2,9 @@
 import argparse
 import sys
 
+from gradsync.cli import exit_now
 from gradsync.launch.cli import add_parser, main
 
 parser = argparse.ArgumentParser(prog="gradsync")
 add_parser(parser.add_subparsers(dest="command_name", required=True))
-sys.exit(main(parser.parse_args(["run", *sys.argv[1:]])))
+exit_now(main(parser.parse_args(["run", *sys.argv[1:]])))

@@ -198,4 +198,6 @@ def node_main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(node_main())
+    from gradsync.cli import exit_now
+
+    exit_now(node_main())

@@ -283,4 +283,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from gradsync.cli import exit_now
+
+    exit_now(main())
