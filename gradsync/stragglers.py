@@ -25,13 +25,18 @@ from __future__ import annotations
 import os
 import statistics
 import sys
+import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 
 from gradsync import trace
 
-ALPHA = 0.8
-"""EMA weight of the past in each worker's pace (about the last ten steps)."""
+WINDOW = 64
+"""Steps in each worker's pace: its compute, between-steps and wait times are the medians of its
+last ``WINDOW`` steps. A median over a window is what makes a 10 % straggler stand out on a shared
+host, where one worker's step strays by a fifth now and then (an EMA over ten steps followed those
+strays); the window turns over in about half its length after a change of pace."""
 THRESHOLD = 0.05
 """A worker is slow when its busy time (compute and between steps) exceeds the median of the
 others' by this share of it."""
@@ -63,13 +68,14 @@ def enabled() -> bool:
 
 
 class Pace:
-    """One worker's seconds per step: computing, its own code between steps, waiting, the bytes it
-    sent (EMAs), and the rate (Gbit/s) at which its ring neighbours' probes last reached it."""
+    """One worker's seconds per step: computing, its own code between steps, waiting (medians over
+    its last :data:`WINDOW` steps), the bytes it sent a step (their mean over the window), and the
+    rate (Gbit/s) at which its ring neighbours' probes last reached it."""
 
-    def __init__(self, alpha: float = ALPHA):
-        self.alpha = alpha
-        self.compute = self.between = self.wait = None
-        self.sent = 0.0  # bytes a step
+    def __init__(self, window: int = WINDOW):
+        self._steps: deque[tuple[float, float, float]] = deque(maxlen=window)  # (compute, between, wait)
+        self._sent: deque[int] = deque(maxlen=window)
+        self._lock = threading.Lock()  # the heartbeat's thread reads what the training thread appends
         self._sent_end: int | None = None
         self.links: dict[int, float] = {}  # peer -> Gbit/s, peer -> this worker
         self.synchronous = True  # the strategy has a barrier a step (a slow worker can hold the others)
@@ -77,6 +83,30 @@ class Pace:
         self._forward: float | None = None  # the first forward since then
         self._waited_end = self._waited_forward = 0.0  # the recorder's wait total at those times
         self.steps = 0
+
+    @property
+    def compute(self) -> float | None:
+        return self._median(0)
+
+    @property
+    def between(self) -> float | None:
+        return self._median(1)
+
+    @property
+    def wait(self) -> float | None:
+        return self._median(2)
+
+    @property
+    def sent(self) -> float:
+        """Bytes a step (the mean over the window: a strategy may send in bursts, every few steps)."""
+        with self._lock:
+            sent = list(self._sent)
+        return sum(sent) / len(sent) if sent else 0.0
+
+    def _median(self, k: int) -> float | None:
+        with self._lock:
+            values = [s[k] for s in self._steps]
+        return statistics.median(values) if values else None
 
     def forward(self, waited: float) -> None:
         """The model's forward starts (``waited``: the recorder's total wait so far)."""
@@ -86,17 +116,15 @@ class Pace:
     def end_step(self, waited: float, sent: int = 0) -> None:
         """An optimizer step ended (``sent``: the transport's total bytes sent so far)."""
         now = time.perf_counter()
-        if self._sent_end is not None and self.compute is not None:
-            self.sent = self._ema(self.sent, float(sent - self._sent_end))
-        elif self._sent_end is not None:
-            self.sent = float(sent - self._sent_end)
+        if self._sent_end is not None:
+            with self._lock:
+                self._sent.append(sent - self._sent_end)
         self._sent_end = sent
         if self._step_end is not None and self._forward is not None:
             between = max(0.0, self._forward - self._step_end - (self._waited_forward - self._waited_end))
             compute = max(0.0, now - self._forward - (waited - self._waited_forward))
-            self.between = self._ema(self.between, between)
-            self.compute = self._ema(self.compute, compute)
-            self.wait = self._ema(self.wait, waited - self._waited_end)
+            with self._lock:
+                self._steps.append((compute, between, waited - self._waited_end))
             tracer = trace.current()
             if tracer is not None and tracer.path is not None:  # a user's job tracing itself
                 tracer.span(f"step {self.steps}", "step", self._step_end, now)
@@ -105,20 +133,18 @@ class Pace:
         self._step_end, self._waited_end, self._forward = now, waited, None
         self.steps += 1
 
-    def _ema(self, old: float | None, x: float) -> float:
-        return x if old is None else self.alpha * old + (1 - self.alpha) * x
-
     def line(self) -> str:
         """``COMPUTE BETWEEN WAIT LINKS SYNCHRONOUS SENT`` (ms; links ``peer:gbit,...`` or ``-``; 1
         or 0; MB a step), for the heartbeat."""
-        if self.compute is None:
+        if not self._steps:
             return ""
+        compute, between, wait = self.compute, self.between, self.wait
         links = ",".join(f"{p}:{g:.4g}" for p, g in sorted(self.links.items())) or "-"
-        return (f"{self.compute * 1e3:.3f} {self.between * 1e3:.3f} {self.wait * 1e3:.3f} {links} "
+        return (f"{compute * 1e3:.3f} {between * 1e3:.3f} {wait * 1e3:.3f} {links} "
                 f"{int(self.synchronous)} {self.sent / 1e6:.6g}")
 
     def as_dict(self) -> dict | None:
-        if self.compute is None:
+        if not self._steps:
             return None
         return {"compute": self.compute, "between": self.between, "wait": self.wait,
                 "links": {str(p): g for p, g in self.links.items()}, "synchronous": self.synchronous,

@@ -89,7 +89,7 @@ def test_a_slow_link_is_named_when_the_job_waits():
 
 
 def test_pace_counts_compute_between_and_wait():
-    p = stragglers.Pace(alpha=0.0)  # the last step alone
+    p = stragglers.Pace(window=1)  # the last step alone
     waited = 0.0
     p.end_step(waited, sent=1000)  # the first step ends: nothing to measure yet
     assert p.as_dict() is None and p.line() == ""
@@ -108,6 +108,31 @@ def test_pace_counts_compute_between_and_wait():
     assert back.pop("links") == {"1": 9.5} and back.pop("synchronous") is True
     assert back == pytest.approx({k: got[k] for k in ("compute", "between", "wait", "sent")}, abs=1e-6)
     assert stragglers.parse(["x", "1", "2", "-"]) is None
+
+
+def test_pace_is_the_median_of_its_window(monkeypatch):
+    # A balanced worker on a shared host: every fifth step strays 40 % long. Its pace stays at its
+    # usual step (a 10 % straggler's stands out against it); a change of pace shows once half the
+    # window has turned over.
+    clock = [0.0]
+    monkeypatch.setattr(stragglers.time, "perf_counter", lambda: clock[0])
+    p = stragglers.Pace(window=20)
+    p.end_step(0.0)
+    for step in range(40):
+        p.forward(0.0)
+        clock[0] += 0.14 if step % 5 == 4 else 0.10
+        p.end_step(0.0, sent=1000 * (step + 1))
+    assert p.compute == pytest.approx(0.10) and p.sent == 1000
+    for _ in range(5):
+        p.forward(0.0)
+        clock[0] += 0.11
+        p.end_step(0.0)
+    assert p.compute == pytest.approx(0.10)
+    for _ in range(6):
+        p.forward(0.0)
+        clock[0] += 0.11
+        p.end_step(0.0)
+    assert p.compute == pytest.approx(0.11)
 
 
 def test_bench_reports_the_verdict_of_most_rounds():

@@ -15,7 +15,7 @@ class Stragglers(Monitor):
     Values: ``straggler_rank`` (-1: none), ``straggler_cause`` (0 none, 1 compute, 2 between steps,
     3 link), ``straggler_ratio`` (its time over the others', or the other links' rate over its),
     ``straggler_held_ms`` (what the others wait for it a step), and this worker's ``compute_ms``,
-    ``between_ms`` and ``wait_ms`` per step (EMAs).
+    ``between_ms`` and ``wait_ms`` per step (medians over its last steps, :data:`gradsync.stragglers.WINDOW`).
     """
 
     def values(self) -> dict[str, float]:
