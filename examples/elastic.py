@@ -129,6 +129,7 @@ def main() -> None:
     batches: dict[int, list[int]] = {}
     sizes: dict[int, int] = {}
     began: dict[int, float] = {}  # when each step began (a redone step: its last start)
+    layouts: list[tuple[int, str]] = []  # (step, what the strategy says of itself: its hosts, say) as it changes
 
     def train(ctl):
         for _ in ctl.epochs(1_000_000):  # resumes at ctl.epoch, ctl.step after a failure
@@ -138,6 +139,8 @@ def main() -> None:
                     break
                 batches[step] = ctl.data.global_batch(ctl.global_batch_size).tolist()
                 sizes[step] = ctl.num_workers
+                if not layouts or layouts[-1][1] != opt.strategy.describe():
+                    layouts.append((step, opt.strategy.describe()))
                 began[step] = time.perf_counter()
                 idx = ctl.batch_indices()  # may be empty in an epoch's last step: then no gradient
                 time.sleep(args.sleep)
@@ -162,6 +165,7 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump({"params": [p.detach().reshape(-1).tolist() for p in model.parameters()],
                        "batches": batches, "sizes": sizes, "resizes": ctl.resizes, "id": me, "table": args.table,
+                       "described": layouts,
                        "step_seconds": {s: began[s + 1] - began[s] for s in began if s + 1 in began}}, f)
     gradsync.shutdown()
 

@@ -45,9 +45,11 @@ class Log:
 
 @needs_root
 def test_hosts_join_one_is_lost_and_another_resizes_the_job(tmp_path):
-    # Three emulated hosts, one agent each, started together: 1 -> 3 workers as hosts register (in one
-    # or two generations), one host lost for good -> 2, a resize from the other -> 1, then StopFile;
-    # the replay of the global batches. An agent with another secret stops at once.
+    # Three emulated hosts, one agent each, started together, the first with two workers: 2 -> 4
+    # workers as hosts register (in one or two generations), one host lost for good -> 3, a resize
+    # from the other -> 2 (the first host's, the least a job of --nnodes 1:3 runs), then StopFile; the replay of the global batches. While the first host runs
+    # two workers the all-reduce is two-level over the hosts of the generation. An agent with another
+    # secret stops at once.
     out, stop = tmp_path / "result.json", tmp_path / "stop"
     with EmulatedCluster(3, 10e9) as cluster:
         endpoint = f"{cluster.address(0)}:{PORT}"
@@ -56,7 +58,8 @@ def test_hosts_join_one_is_lost_and_another_resizes_the_job(tmp_path):
 
         def agent(host: int, secret: str = SECRET, command=("--out", str(out))) -> Log:
             return Log(subprocess.Popen(
-                [*cluster.exec_prefix(host), *GRADSYNC, "run", "--elastic", "--nnodes", "1:3", "--nproc-per-node", "1",
+                [*cluster.exec_prefix(host), *GRADSYNC, "run", "--elastic", "--nnodes", "1:3",
+                 "--nproc-per-node", "2" if host == 0 else "1",
                  "--rdzv-endpoint", endpoint, "--", sys.executable, EXAMPLE, "--sleep", "0.05", "--steps", "100000",
                  "--stop-file", str(stop), *command],
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, start_new_session=True,
@@ -66,42 +69,47 @@ def test_hosts_join_one_is_lost_and_another_resizes_the_job(tmp_path):
         wrong = agent(2, "f" * 32, ())
         try:
             lead = agents[0]
-            lead.wait_for(r"generation \d: 3 workers \[0, 1, 2\]")
+            lead.wait_for(r"generation \d: 4 workers \[0, 1, 2, 3\]")
             assert wrong.proc.wait(timeout=60) == 2, wrong.text()
             assert "has another secret than this agent's GRADSYNC_JOB_SECRET" in wrong.text(), wrong.text()
-            # Which agent became host 1 (worker 1): the first to register.
+            # Which agent became host 1 (worker 2): the first to register.
             first = int(re.search(r"host 1 \(emulated host (\d)\) registered", lead.text()).group(1))
             other = 3 - first
-            agents[other].wait_for(r"elastic worker 2 joined generation \d \(3 workers\)")
+            agents[other].wait_for(r"elastic worker 3 joined generation \d \(4 workers\)")
             # Host 1 dies whole: its link goes down and its agent (and with it its worker) is killed.
             cluster.link_down(first)
             os.killpg(agents[first].proc.pid, signal.SIGKILL)
             lead.wait_for(rf"host 1 \(emulated host {first}\) is lost")
-            lead.wait_for(r"generation \d: 2 workers \[0, 2\] \(worker 1 failed: its host was lost")
-            lead.wait_for(r"regrouped, 3 -> 2 workers")
+            lead.wait_for(r"generation \d: 3 workers \[0, 1, 3\] \(worker 2 failed: its host was lost")
+            lead.wait_for(r"regrouped, 4 -> 3 workers")
             # A resize from the other host, through the endpoint, with the job's secret.
-            asked = subprocess.run([*cluster.exec_prefix(other), *GRADSYNC, "resize", "1", "--addr",
+            asked = subprocess.run([*cluster.exec_prefix(other), *GRADSYNC, "resize", "2", "--addr",
                                     cluster.address(0), "--port", str(PORT)],
                                    capture_output=True, text=True, env=env, timeout=60)
             assert asked.returncode == 0, asked.stderr
-            lead.wait_for(r"generation \d: 1 workers \[0\]")
+            lead.wait_for(r"generation \d: 2 workers \[0, 1\]")
             stop.touch()
             assert lead.proc.wait(timeout=60) == 0, lead.text()[-4000:]
             assert agents[other].proc.wait(timeout=30) == 0, agents[other].text()[-4000:]
-            assert "worker 2: left the job" in agents[other].text()
+            assert "worker 3: left the job" in agents[other].text()
         finally:
             for log in (*agents.values(), wrong):
                 if log.proc.poll() is None:
                     os.killpg(log.proc.pid, signal.SIGKILL)
                     log.proc.wait()
     result = json.loads(out.read_text())
-    assert [(r["from"], r["to"]) for r in result["resizes"]][-2:] == [(3, 2), (2, 1)]
+    assert [(r["from"], r["to"]) for r in result["resizes"]][-2:] == [(4, 3), (3, 2)]
     # The survivors' waits on the cut host ended when the lead dropped it (2 s), not at the 6 s timeout.
     assert "the elastic launcher lost a member of generation" in result["resizes"][-2]["cause"], result["resizes"]
-    # Before that the job grew to 3 as hosts registered: in one or two generations, or none where all
+    # Before that the job grew to 4 as hosts registered: in one or two generations, or none where all
     # three had registered before the first generation started.
     grown = [(r["from"], r["to"]) for r in result["resizes"]][:-2]
-    assert grown in ([], [(1, 3)], [(2, 3)], [(1, 2), (2, 3)]), result["resizes"]
+    assert grown in ([], [(2, 4)], [(3, 4)], [(2, 3), (3, 4)]), result["resizes"]
+    # Two-level while the first host's two workers had others on other hosts (over 3 hosts, then 2),
+    # flat once the job was that one host.
+    described = [d for _, d in result["described"]]
+    assert any("two-level over 3 hosts" in d for d in described), described
+    assert "two-level over 2 hosts" in described[-2] and "two-level" not in described[-1], described
     assert_matches_reference(result)
     assert leftovers() == []
 

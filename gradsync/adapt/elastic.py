@@ -41,11 +41,14 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from gradsync import runtime
+from gradsync import hosts, runtime
 from gradsync import store as stores
 from gradsync.errors import ConfigError, GradsyncError
 from gradsync.topology import Topology
 
+HOST_ENV = {name: os.environ[name] for name in hosts.NODE_ENV if name in os.environ}
+"""What names this worker's host (a member's number of workers on its host changes with the
+generations, so ``LOCAL_WORLD_SIZE`` is not part of it; the stable worker id is its local rank)."""
 POLL_S = 0.02
 WATCH_S = 0.2
 """While a worker trains, how often it reads whether the launcher lost a member of its generation."""
@@ -148,6 +151,9 @@ class Membership:
             prefix = f"elastic/{gen}/"
             try:
                 store = _client(self.addr, self.port, self.timeout_s, prefix)
+                # Which members share a host, anew each generation (hosts join and leave): where a
+                # host runs several, the strategies aggregate inside it as in a fixed job.
+                topo = hosts.exchange(store, topo, self.timeout_s, env=HOST_ENV)
                 rt = runtime.start(topo, store, backend=self.backend, timeout_s=self.timeout_s,
                                    heartbeat_at=(self.addr, self.port), heartbeat_prefix=prefix)
                 flags = torch.tensor([float(self.gen < 0), float(needs_state or self.gen < 0)])
