@@ -42,6 +42,12 @@ THRESHOLD = 0.05
 others' by this share of it."""
 LINK_THRESHOLD = 0.25
 """A worker's links are slow when their rate is this much below the median of the other links."""
+HELD = 0.25
+"""A worker busier than the others is named only when they wait at least this share of the
+difference longer than it does. Where every step ends at one barrier the others' extra wait equals
+its extra time, so this only keeps a worker nobody waits for from being named; it is no more,
+because a worker's wait also holds the collectives' own time, and their medians stray a few
+percent from round to round (as much as half a 10 % straggler's excess)."""
 WAIT_SHARE = 0.05
 """Links are only blamed when the workers spend at least this share of a step waiting."""
 PROBE_EVERY = 100
@@ -189,9 +195,9 @@ def verdict(paces: dict[int, dict], threshold: float = THRESHOLD, link_threshold
     :data:`EXPLAINS` of the wait longer at its rate than at theirs, that worker is named for its
     link (needs three workers: with two, one link joins both). Otherwise the worker that arrives last is named for
     its time: its busy time (compute and its code between steps) exceeds the median of the
-    others' by ``threshold`` of it, it waits least of all, and the others wait at least half the
-    difference longer than it does; the cause is the part (compute, between steps) that differs
-    more.
+    others' by ``threshold`` of it, it waits least of all, and the others wait at least
+    :data:`HELD` of the difference longer than it does; the cause is the part (compute, between
+    steps) that differs more.
     """
     paces = {r: p for r, p in paces.items() if p is not None}
     if len(paces) < 2 or not all(p.get("synchronous", True) for p in paces.values()):
@@ -206,7 +212,7 @@ def verdict(paces: dict[int, dict], threshold: float = THRESHOLD, link_threshold
         excess = p["compute"] + p["between"] - busy
         held = statistics.median(q["wait"] for q in others) - p["wait"]
         last = p["wait"] < min(q["wait"] for q in others)
-        if last and excess > threshold * max(busy, 1e-4) and held >= 0.5 * excess:
+        if last and excess > threshold * max(busy, 1e-4) and held >= HELD * excess:
             parts = {key: p[key] - statistics.median(q[key] for q in others) for key in ("compute", "between")}
             key = max(parts, key=parts.get)
             base = statistics.median(q[key] for q in others)
