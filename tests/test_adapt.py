@@ -245,10 +245,11 @@ def test_sma_blends_towards_the_average_of_the_parameters_then_applies_the_local
             assert torch.allclose(before[t + 1], expected, atol=1e-6), (t, before[t + 1] - expected)
 
 
-def test_pair_averaging_trains_without_a_barrier_and_ends_cleanly():
+@pytest.mark.parametrize("options", [{}, {"peers": "rotate"}], ids=["random", "rotate"])
+def test_pair_averaging_trains_without_a_barrier_and_ends_cleanly(options):
     # Worker r runs 40 + 5r steps: without a barrier nobody waits for the others, and each keeps
     # answering pulls until every worker has left.
-    results = run_ranks(averaging_job, 3, "pair-averaging", {}, 40, 5, 0.2, timeout=60)
+    results = run_ranks(averaging_job, 3, "pair-averaging", options, 40, 5, 0.2, timeout=60)
     for before, grads, losses in results:
         assert sum(losses[-5:]) < 0.1 * sum(losses[:5])  # it learns
         # Each step averages with one peer's model (all equal at step 0, then no longer): the
@@ -257,6 +258,20 @@ def test_pair_averaging_trains_without_a_barrier_and_ends_cleanly():
     finals = [r[0][-1] for r in results]
     spread = max(float((a - b).abs().max()) for a in finals for b in finals)
     assert spread < 0.5 * float((finals[0] - results[0][0][0]).abs().max())  # the models agree more than they moved
+
+
+def test_pair_averaging_in_turn_asks_each_peer_once_a_turn():
+    from gradsync.errors import ConfigError
+    from gradsync.strategies.pair_averaging import PairAveraging, in_turn
+
+    for workers, world in (([0, 1, 2, 3], 4), ([0, 2, 4], 6), ([0, 1], 2)):  # ([0, 2, 4]: hosts' first workers)
+        orders = {me: in_turn(me, [p for p in workers if p != me], world) for me in workers}
+        for turn in range(len(workers) - 1):
+            asked = sorted(orders[me][turn] for me in workers)
+            assert asked == workers, (workers, turn, orders)
+    assert in_turn(1, [0, 2, 3], 4) == [2, 3, 0]
+    with pytest.raises(ConfigError, match="peers must be 'random' or 'rotate', got 'ring'"):
+        PairAveraging(peers="ring")
 
 
 def switch_policy_job(work, steps):

@@ -2,7 +2,10 @@
 KungFu's ``PairAveragingOptimizer``).
 
 Every step a worker averages its model with the model of one peer chosen at random
-(``v <- (v + v_peer) / 2``) and applies its local gradient. As in KungFu, the pull is overlapped
+(``v <- (v + v_peer) / 2``) and applies its local gradient. ``peers="rotate"`` takes the peers in
+turn instead (at its t-th step a worker pulls from the (t mod (n-1) + 1)-th worker after it): where
+the workers step together each then answers one pull a step, where random choices leave some
+answering two or three while others answer none, and every answer shares its worker's link. As in KungFu, the pull is overlapped
 with computation: a worker asks for the peer's model at the end of its step, the model arrives
 while it computes the next step's gradient, and is averaged in at that next step
 (``overlap=False``: the pull at the step itself, waited for, as AD-PSGD's pseudo-code has it). There is no global barrier: a worker
@@ -34,6 +37,7 @@ from typing import Any, Callable
 import torch
 
 from gradsync import flight, runtime
+from gradsync.errors import ConfigError
 from gradsync.strategies.base import Strategy, SyncContext, worker_hosts
 from gradsync.transport import REPORT_S, check_peer
 
@@ -49,8 +53,10 @@ class PairAveraging(Strategy):
     grad_edits = "local"  # each worker steps with its own gradient; models are averaged in pairs
     exact = False
 
-    def __init__(self, seed: int = 0, overlap: bool = True):
-        self.seed, self.overlap = seed, overlap
+    def __init__(self, seed: int = 0, overlap: bool = True, peers: str = "random"):
+        if peers not in ("random", "rotate"):
+            raise ConfigError(f"pair-averaging: peers must be 'random' or 'rotate', got {peers!r}")
+        self.seed, self.overlap, self.choice = seed, overlap, peers
 
     def attach(self, ctx: SyncContext) -> None:
         super().attach(ctx)
@@ -61,6 +67,7 @@ class PairAveraging(Strategy):
             leaders = [ranks[0] for ranks in self.hosts.plan(topo)[0]]
             self.peers = [r for r in leaders if r != topo.rank] if self.hosts.leader == topo.rank else []
         self.rng = random.Random(self.seed * 7919 + topo.rank)
+        self.turns, self.turn = in_turn(self.me, self.peers, topo.world_size), 0
         groups: dict[tuple, list[torch.nn.Parameter]] = {}
         for p in ctx.params:
             groups.setdefault((p.dtype, p.device), []).append(p)
@@ -128,7 +135,10 @@ class PairAveraging(Strategy):
         if not self.peers:
             return
         transport = self.ctx.transport
-        peer = self.rng.choice(self.peers)
+        if self.choice == "rotate":
+            peer, self.turn = self.turns[self.turn % len(self.turns)], self.turn + 1
+        else:
+            peer = self.rng.choice(self.peers)
         transport.send_async(torch.tensor([OP_PULL, self.me]), peer, TAG_REQUEST,
                              what=f"pull request to worker {peer}").wait()
         self.pulling = (peer, [transport.recv_async(box, peer, TAG_REPLY, what=f"model of worker {peer}")
@@ -203,6 +213,7 @@ class PairAveraging(Strategy):
 
     def describe(self) -> str:
         return ("pair-averaging" + (" (pull overlapped with the next step)" if self.overlap else "")
+                + (", peers in turn" if self.choice == "rotate" else "")
                 + ("" if self.hosts is None else " (hosts pair up, models averaged in each host)"))
 
     def min_bytes_per_host(self, model_bytes: int) -> float:
@@ -213,3 +224,10 @@ class PairAveraging(Strategy):
         if n == 1 or self.ctx.topology.shares_hosts:
             return float(model_bytes)
         return max(len(w) * (n - len(w)) * model_bytes / (n - 1) for w in worker_hosts(self.ctx.topology))
+
+
+def in_turn(me: int, peers: list[int], world: int) -> list[int]:
+    """``peers`` in the order ``peers="rotate"`` pulls from them: the next rank after ``me`` first,
+    cyclically. Every worker (or every host's first worker) uses the same cycle, so at each turn
+    the pulls form a permutation: each peer is asked once."""
+    return sorted(peers, key=lambda p: (p - me) % world)
