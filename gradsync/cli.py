@@ -8,13 +8,11 @@ module of the subcommand being run is imported (most import torch, which takes s
 from __future__ import annotations
 
 import argparse
-import atexit
-import os
 import sys
-import threading
 from importlib import import_module
 
 from gradsync.argtypes import plain
+from gradsync.fastexit import exit_now
 
 # name -> (module that adds its parser, one line for `gradsync --help`)
 COMMANDS = {
@@ -71,22 +69,6 @@ def main(argv: list[str] | None = None) -> int:
 def run() -> None:
     """The ``gradsync`` executable: :func:`main`, then :func:`exit_now` with its status."""
     exit_now(main())
-
-
-def exit_now(code: int) -> None:
-    """End this process as Python's exit does (its other threads joined, the ``atexit`` functions
-    run, the output flushed) without the interpreter's teardown of every module, which takes half a
-    second once torch is loaded: the time every ``gradsync`` command would add to its own end."""
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):  # a reader gone (a pipe closed early) or a stream closed: nothing to keep
-            pass
-    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -91,7 +91,7 @@ def test_a_gradsync_command_ends_as_pythons_exit_does():
     # functions run, buffered output reaches the reader, and the status is the command's.
     done = subprocess.run(child("""
         import atexit, threading, time
-        from gradsync.cli import exit_now
+        from gradsync.fastexit import exit_now
         threading.Thread(target=lambda: (time.sleep(0.2), print("thread done", end="; "))).start()
         atexit.register(lambda: print("atexit ran", end=""))
         print("buffered", end="; ")

@@ -455,6 +455,6 @@ def main(run_dir: str) -> int:
 
 
 if __name__ == "__main__":
-    from gradsync.cli import exit_now
+    from gradsync.fastexit import exit_now
 
     exit_now(main(sys.argv[1]))

@@ -151,6 +151,6 @@ def report(rows: list[list[float]], rate_bps: float, dilation: float = 1.0) -> t
 
 
 if __name__ == "__main__":
-    from gradsync.cli import exit_now
+    from gradsync.fastexit import exit_now
 
     exit_now(main(sys.argv[1]))

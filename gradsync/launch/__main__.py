@@ -2,7 +2,7 @@
 import argparse
 import sys
 
-from gradsync.cli import exit_now
+from gradsync.fastexit import exit_now
 from gradsync.launch.cli import add_parser, main
 
 parser = argparse.ArgumentParser(prog="gradsync")

@@ -198,6 +198,6 @@ def node_main() -> int:
 
 
 if __name__ == "__main__":
-    from gradsync.cli import exit_now
+    from gradsync.fastexit import exit_now
 
     exit_now(node_main())

@@ -283,6 +283,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from gradsync.cli import exit_now
+    from gradsync.fastexit import exit_now
 
     exit_now(main())
