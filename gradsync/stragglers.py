@@ -34,9 +34,9 @@ from gradsync import trace
 
 WINDOW = 64
 """Steps in each worker's pace: its compute, between-steps and wait times are the medians of its
-last ``WINDOW`` steps. A median over a window is what makes a 10 % straggler stand out on a shared
-host, where one worker's step strays by a fifth now and then (an EMA over ten steps followed those
-strays); the window turns over in about half its length after a change of pace."""
+last ``WINDOW`` steps. On a shared host one worker's step strays by a fifth now and then; a median
+over a window ignores such strays (an average over a few steps follows them), so a 10 % straggler
+stands out. After a change of pace the median follows once half the window has turned over."""
 THRESHOLD = 0.05
 """A worker is slow when its busy time (compute and between steps) exceeds the median of the
 others' by this share of it."""
@@ -66,7 +66,7 @@ others', take at least this share of the job's wait longer (a slow probe reading
 carries little cannot hold the others back)."""
 PROBE_TAG = 0x53540000  # this module's point-to-point tags: PROBE_TAG + 0..99
 ENV = "GRADSYNC_STRAGGLERS"
-"""``0``: no probes and no printed line (the pace is still kept: it costs two clock reads a step)."""
+"""``0``: no probes and no printed line (the pace is still kept: it costs two clock reads and an append a step)."""
 
 
 def enabled() -> bool:
