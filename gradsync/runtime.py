@@ -25,7 +25,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from gradsync import flight, hosts, stragglers, teardown, trace
+from gradsync import fastexit, flight, hosts, stragglers, teardown, trace
 from gradsync import store as stores
 from gradsync.diagnosis import PeerDiagnosis, explain_uncaught
 from gradsync.errors import ConfigError, GradsyncError
@@ -194,6 +194,7 @@ def init(*, backend: str | None = None, timeout_s: float | None = None,
         return _RUNTIME.topology
     if _DEFERRED is not None:
         return _PendingTopology()
+    fastexit.freeze_at_exit()
     source = "timeout_s" if timeout_s is not None else "GRADSYNC_TIMEOUT"
     raw_timeout = timeout_s if timeout_s is not None else (os.environ.get("GRADSYNC_TIMEOUT") or DEFAULT_TIMEOUT_S)
     try:

@@ -101,6 +101,21 @@ def test_a_gradsync_command_ends_as_pythons_exit_does():
     assert done.returncode == 3 and done.stdout == "buffered; thread done; atexit ran", done
 
 
+@pytest.mark.parametrize("keep", [False, True])
+def test_a_training_script_ends_without_the_last_collections_unless_asked(keep):
+    # gradsync.init() freezes the collector's objects at exit, after the atexit functions registered
+    # later (and its own shutdown), before those registered earlier; GRADSYNC_EXIT_GC=1 keeps them.
+    done = subprocess.run(child("""
+        import atexit, gc
+        atexit.register(lambda: print("frozen" if gc.get_freeze_count() else "not frozen", end=""))
+        import gradsync
+        gradsync.init()
+        atexit.register(lambda: print(gc.get_freeze_count(), end="; "))
+    """), capture_output=True, text=True, timeout=60,
+        env={**os.environ, "GRADSYNC_EXIT_GC": "1" if keep else "0"})
+    assert done.returncode == 0 and done.stdout == ("0; not frozen" if keep else "0; frozen"), done
+
+
 def test_env_contract_three_workers_two_servers(capsys, monkeypatch):
     monkeypatch.setenv("GRADSYNC_TEST_PARENT", "inherited")
     keys = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",

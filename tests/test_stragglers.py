@@ -39,6 +39,19 @@ def test_a_10_percent_straggler_is_named_through_noisy_waits():
     assert [(s.rank, s.cause) for s in stragglers.verdict(paces)] == [(1, "compute")]
 
 
+def test_the_probe_reads_no_link_faster_than_its_train_arrived():
+    bits, gap = 8 << 20, 0.0034  # 1 MB every 3.4 ms: a 2.5 Gbit/s link
+    steady = [0.0002 + gap * (i + 1) for i in range(16)]  # and 0.2 ms on the way
+    assert stragglers.train_rate(bits, 0.0, steady) == pytest.approx(2.47, rel=0.01)
+    # The receiver, short of a core, wakes once for the last six arrivals: the gaps' median
+    # collapses, the whole train still took as long.
+    bunched = steady[:10] + [steady[-1] + 1e-5 * i for i in range(6)]
+    assert stragglers.train_rate(bits, 0.0, bunched) == pytest.approx(2.47, rel=0.01)
+    # A burst at line rate for the first messages does not lift the reading either.
+    burst = [0.0002 * (i + 1) for i in range(3)] + [0.0006 + gap * (i + 1) for i in range(13)]
+    assert stragglers.train_rate(bits, 0.0, burst) == pytest.approx(bits / gap / 1e9, rel=0.01)
+
+
 def test_no_one_is_named_under_a_strategy_without_a_barrier():
     paces = {r: pace(0.1, 0.05) for r in range(4)}
     paces[1] = pace(0.2, 0.0)

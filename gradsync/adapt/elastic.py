@@ -269,7 +269,7 @@ def _admitted_or_done(member: Membership, gen: int) -> int:
             print(f"gradsync: standby worker {member.id}: the job ended before a grow needed it", flush=True)
             raise SystemExit(0)
         try:
-            return member.wait_for(gen, 1.0)
+            return member.wait_for(gen, 0.2)
         except GradsyncError:
             if member._failed():
                 raise

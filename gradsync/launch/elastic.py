@@ -330,6 +330,11 @@ class Agent:
         """The job is over: standbys still waiting exit (``elastic/done``), or are ended after the grace."""
         self.store.set("elastic/done", "1")
         local = [w for w in self.standby if w in self.procs]
+        starting = [w for w in local if self._signed(f"elastic/ready/{w}") is None]
+        if starting:  # still importing, before gradsync.init(): nothing of theirs to end cleanly
+            self._say(f"the job ended before a grow needed standby workers {starting}, still starting: ended")
+            _stop([self.procs[w] for w in starting], self.grace_s)
+            local = [w for w in local if w not in starting]
         deadline = time.monotonic() + self.grace_s
         while time.monotonic() < deadline and any(self.procs[w].proc.poll() is None for w in local):
             time.sleep(POLL_S)

@@ -266,7 +266,10 @@ class HostAgent:
         well: standbys leave on their own) and end."""
         with contextlib.suppress(Exception):  # a store that is gone hears no goodbye
             self.store.set(f"elastic/bye/{self.index}", "1")
-        if grace:
+        if grace:  # standbys still starting (before gradsync.init()) have nothing to end cleanly
+            with contextlib.suppress(Exception):
+                _stop([r for wid, r in self.procs.items() if self._signed(f"elastic/ready/{wid}") is None],
+                      self.grace_s)
             deadline = time.monotonic() + self.grace_s
             while time.monotonic() < deadline and any(r.proc.poll() is None for r in self.procs.values()):
                 time.sleep(POLL_S)
