@@ -295,7 +295,11 @@ class Controller(Commits, Regrouping):
     def resize(self, num_workers: int) -> bool:
         """Resize the elastic job to ``num_workers`` now (collective: every worker calls it after the
         same step, as a policy does). Growing waits for the new workers to start. Returns whether the
-        job changed (False: the launcher refused, e.g. outside ``--min-np``..``--max-np``)."""
+        job changed (False: the launcher refused, e.g. outside ``--min-np``..``--max-np``). The step's
+        commit comes first, as between steps (where ``ps``, ``p3`` and ``hybrid`` gather their
+        optimizer state), so the regroup does not gather it again."""
+        if elastic.current() is not None:
+            self._commit_step()
         start = time.perf_counter()
         gen = elastic.request_resize(num_workers)
         member = elastic.current()

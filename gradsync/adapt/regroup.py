@@ -63,12 +63,18 @@ class Regrouping:
         member = elastic.current()
         if self._regrouped_at == self.step:
             return  # a policy resized after this step (and committed): a worker that just joined does not ask again
-        if self.step % self.commit_every == 0:
-            self.commit()
-            self._persist()
+        self._commit_step()
         gen = member.agree()
         if gen > member.gen:
             self._regroup(gen, cause="resize")
+
+    def _commit_step(self) -> None:
+        """The step's commit (every ``commit_every`` steps), once: between steps, or first thing in a
+        resize a policy asks for, whose detach then finds the spread optimizer state gathered."""
+        if self.step % self.commit_every or (self._commit is not None and self._commit["counters"]["step"] == self.step):
+            return
+        self.commit()
+        self._persist()
 
     def _recover(self, exc: Exception) -> None:
         member = elastic.current() or self._member
