@@ -23,9 +23,13 @@ demo: $(STAMP)
 
 # The ranks the tests start import gradsync anew, each process: compiled once here, not in every one
 # of them (PYTHONDONTWRITEBYTECODE, where set, keeps each from writing what it compiled).
+# TEST_WORKERS pytest processes share the machine (pytest-xdist): most tests wait on their ranks'
+# timeouts and sockets as much as they compute; a test marked `alone` (it asserts a time) runs by
+# itself (tests/conftest.py).
+TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(BIN)/python -m compileall -q gradsync tests > /dev/null
-	$(BIN)/python -m pytest -q --durations=15 tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --durations=15 tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

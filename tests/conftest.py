@@ -1,3 +1,4 @@
+import fcntl
 import os
 import sys
 import tempfile
@@ -5,6 +6,36 @@ import tempfile
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "alone: under pytest -n N, run while no other test runs (it asserts a time)")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Under ``pytest -n N`` (pytest-xdist, as ``make test`` runs it) tests share the machine's
+    cores; one marked ``alone`` asserts a time (a fault named within its timeout) that a neighbour's
+    ranks on the same cores would stretch, so it waits until the other workers' current tests end
+    and runs by itself (its fixtures' setup included). Every test passes a turnstile first, so that
+    one waiting to be alone is not overtaken forever by the others' next tests."""
+    basetemp = item.config.option.basetemp  # xdist gives each worker a folder in the session's
+    if "PYTEST_XDIST_WORKER" not in os.environ or not basetemp:
+        yield
+        return
+    shared = os.path.dirname(os.path.abspath(basetemp))
+    alone = item.get_closest_marker("alone") is not None
+    with open(os.path.join(shared, "turnstile.lock"), "a") as turnstile, \
+            open(os.path.join(shared, "machine.lock"), "a") as machine:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(machine, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(machine, fcntl.LOCK_UN)
 
 
 @pytest.fixture(scope="session", autouse=True)

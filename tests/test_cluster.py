@@ -134,6 +134,7 @@ socket.create_connection((sys.argv[1], 5000)).sendall(bytes(1_000_000))
 
 
 @needs_root
+@pytest.mark.alone  # its killed owner's namespaces are stale until reaped: others' checks would see them
 def test_the_reaper_removes_a_cluster_whose_owner_was_killed():
     owner = subprocess.Popen([sys.executable, "-c", "from gradsync.cluster import EmulatedCluster\n"
                               "c = EmulatedCluster(2, None); c.create(); print('up', flush=True)\n"
@@ -150,6 +151,7 @@ def test_the_reaper_removes_a_cluster_whose_owner_was_killed():
 
 
 @needs_root
+@pytest.mark.alone  # makes a stale namespace, and cleans up every stale one
 def test_cleanup_removes_leftovers_of_dead_processes_only():
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     stale = f"{netns.PREFIX}{int(dead.stdout)}-0-h0"
@@ -175,13 +177,13 @@ def test_run_net_puts_each_rank_on_its_own_host():
               "assert t.tolist() == [3.0] * 3, t\n"
               "print('address', os.popen('ip -4 -o addr show eth0').read().split()[3])\n"
               "gradsync.shutdown()\n")
-    before = set(leftovers(include_live=True))
+    before = set(leftovers())  # stale ones: a concurrent test's live clusters are not this job's
     out = subprocess.run(GRADSYNC + ["run", "-np", "3", "--net", "200mbit", "--", sys.executable, "-c", script],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     addresses = sorted(line.split()[-1] for line in out.stdout.splitlines() if "address" in line)
     assert addresses == ["10.213.0.1/24", "10.213.0.2/24", "10.213.0.3/24"]
-    assert set(leftovers(include_live=True)) <= before, "gradsync run left namespaces behind"
+    assert set(leftovers()) <= before, "gradsync run left namespaces behind"
 
 
 @pytest.mark.parametrize("args, message", [(["--seconds", "0"], "--seconds must be > 0, got 0"),
@@ -208,7 +210,7 @@ def test_bench_on_an_emulated_cluster_records_the_bound_and_a_trace(tmp_path):
     from test_emulate import toy_profile
 
     profile = toy_profile(tmp_path / "toy.json", ms=2.0)
-    before = set(leftovers(include_live=True))
+    before = set(leftovers())  # stale ones: a concurrent test's live clusters are not this job's
     records, trace = tmp_path / "records.json", tmp_path / "trace.json"
     # a straggler on both counts: worker 1 computes twice as long, the server's host (rank 2) has a slower link
     out = subprocess.run(GRADSYNC + ["bench", "--model", "toy", "--batch-size", "4", "--compute", f"emulated:{profile}",
@@ -252,7 +254,7 @@ def test_bench_on_an_emulated_cluster_records_the_bound_and_a_trace(tmp_path):
         for step, four in zip(steps, zip(*[iter(calls)] * 4)):
             assert [c["name"] for c in four] == ["forward + loss", "backward()", "optimizer.step()", "zero_grad()"]
             assert step["ts"] <= four[0]["ts"] and four[-1]["ts"] + four[-1]["dur"] <= step["ts"] + step["dur"] + 1
-    assert set(leftovers(include_live=True)) <= before, "gradsync bench left namespaces behind"
+    assert set(leftovers()) <= before, "gradsync bench left namespaces behind"
 
 
 @needs_root

@@ -295,6 +295,7 @@ STUCK = [  # (strategy, servers): one per family of waits (a compression thread'
 ]
 
 
+@pytest.mark.alone  # asserts the seconds to the error
 @pytest.mark.parametrize("strategy,servers", STUCK, ids=[s for s, _ in STUCK])
 def test_a_rank_stuck_in_its_own_code_is_named_within_the_timeout(strategy, servers):
     """The stuck rank's heartbeat and its strategy's threads stay alive: what counts is that its
@@ -334,6 +335,7 @@ def test_who_is_behind_is_read_from_the_heartbeats():
     assert "no peer died; the operation did not complete within 10 s" in message, message
 
 
+@pytest.mark.alone  # asserts the seconds to the error
 @pytest.mark.parametrize("strategy", ["ps", "casync-ring", "ddp"])
 def test_a_peer_stopped_before_the_next_operation_is_named_within_the_timeout_of_the_fault(strategy, tmp_path):
     """Gloo's timeout counts from an operation's start; the survivors' next one starts 2 s after
@@ -378,13 +380,16 @@ def stop_the_store_host_at_start():
         gradsync.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1), "allreduce")
     except gradsync.PeerFailureError as exc:
         raise gradsync.PeerFailureError(f"{exc} [{time.monotonic() - start:.2f} s into step 3]") from exc
+    raise AssertionError(f"distribute returned {time.monotonic() - start:.2f} s in, with the store host stopped")
 
 
+@pytest.mark.alone  # asserts the seconds to the error
 def test_a_store_host_stopped_at_start_is_named_within_the_timeout_of_the_fault():
     """Rank 0 serves the rendezvous store: stopped before the others' heartbeats saw it beat, it
     leaves the watch nothing to see; the store's silence is the sign instead."""
     errors = run_ranks_expect_failure(stop_the_store_host_at_start, 2, timeout=40,
                                       env={"GRADSYNC_TIMEOUT": "4"}, wait_for=[1])
+    assert 1 in errors, "rank 1 reported no error within 40 s"
     last = errors[1].strip().splitlines()[-1]
     assert "PeerFailureError" in last and "rank 0, which hosts the rendezvous store, is unreachable" in last, last
     assert seconds_into_step(last) <= 4.5, last

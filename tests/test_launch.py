@@ -176,6 +176,7 @@ def test_logdir_has_one_unprefixed_file_per_rank(tmp_path, capsys):
 
 # --- failures ---------------------------------------------------------------------------------------
 
+@pytest.mark.alone  # asserts the seconds to the error
 def test_failed_rank_stops_the_others_and_is_reported(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("PIDDIR", str(tmp_path))
     monkeypatch.setenv("FAIL_RANK", "1")
