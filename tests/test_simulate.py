@@ -677,6 +677,9 @@ def test_validation_counts_errors_and_orders_and_leaves_out_cpu_bound_cells():
     assert result["advice_good"] == 1
     assert result["median_abs_error"] == pytest.approx((1 - 95 / 102 + 0.1) / 2)  # of 0.04, 0.069, 0.1, 0.1
     assert result["max_abs_error"] == pytest.approx(0.1)
+    # signed: +0.04, -0.1, -0.1, -0.069: one cell fast, the median of the middle two negative
+    assert result["fast_cells"] == 1
+    assert result["median_error"] == pytest.approx((-0.1 + 95 / 102 - 1) / 2)
 
 
 def test_a_run_that_shows_no_update_rate_meets_what_its_group_met(tmp_path):
@@ -900,6 +903,18 @@ def test_a_message_end_shares_the_cores_with_the_networks_load_too():
     # measured on a machine that copies at half the speed of the one that recorded the run: half the CPU
     faster = {**rates, "net_cpu_copy_Bps": {"250000000": 0.5e9, "1000000000": 2e9}}
     assert hostmodel.host_of({"np": 4, "net_bps": 1e9, "dilation": 4.0}, faster, 2).net_cpu_s == pytest.approx(1e-9 / 4)
+
+
+def test_a_handoff_that_waited_out_the_switch_interval_is_not_the_idle_handoff(monkeypatch):
+    # Half the handoffs lost the interpreter lock to the running thread (5 ms and more): the median
+    # of all would be one of those; the idle handoff is the median of the others.
+    from gradsync.simulate import calibration
+
+    fast, slow = [50e-6, 60e-6, 70e-6, 80e-6], [0.016, 0.02, 0.025, 0.029, 0.03]
+    monkeypatch.setattr(calibration, "handoff_latencies", lambda repeats: slow + fast)
+    assert calibration.measure_handoff() == pytest.approx(65e-6)
+    monkeypatch.setattr(calibration, "handoff_latencies", lambda repeats: slow)  # none won: the median of all
+    assert calibration.measure_handoff() == pytest.approx(0.025)
 
 
 def test_calibration_measures_a_thread_handoff_and_starts_on_a_common_clock():

@@ -1,6 +1,7 @@
 """Record the emulated runs that ``gradsync simulate --validate`` replays.
 
     python benchmarks/regenerate/simulator_matrix.py --out gradsync/simulate/validation.json
+    python benchmarks/regenerate/simulator_matrix.py --held-out --out gradsync/simulate/held_out.json
 
 Runs one ``gradsync bench --compute emulated`` per (model, workers, link rate, workers per host) on
 the emulated cluster (root needed), with every simulated strategy side by side, and writes the records, each
@@ -8,7 +9,9 @@ group with its exact command and the host rates measured just before it (copy an
 and as a fraction of that with every core at it, the fraction again just after the run; a thread
 handoff, idle and with every core busy; for a group with ``p3``, ``ps-sliced`` or ``hybrid`` the cost of a message's end too, and for
 one with compressed strategies the compressors' costs), as the validation matrix. ``--groups``
-picks a subset by index (``--groups ""``: none);
+picks a subset by index (``--groups ""``: none); ``--held-out`` records :data:`HELD_OUT` instead,
+cells of models, worker counts and rates the matrix has none of, which ``gradsync simulate
+--validate held-out`` replays to show what the model does away from the cells it was fitted to;
 ``--message-cost`` measures the host cost of a slice message's end on loopback
 (:func:`measure_message_cost`), ``--concurrency`` the rates with every core at it
 (:func:`measure_concurrency`), ``--handoff`` a thread handoff
@@ -78,6 +81,15 @@ GROUPS = [  # (model, workers, rate, dedicated servers, strategies[, compute[, r
     ("resnet50", 4, "1gbit", 0, RARE, "emulated", 1, {"steps": 20, "set": RARE_SET, "compression": "int4"}),
     ("resnet50", 4, "10gbit", 0, RARE, "emulated", 1, {"steps": 20, "set": RARE_SET, "compression": "int4"}),
 ]
+HELD_OUT_STRATEGIES = "allreduce,ps,p3"  # a ring, whole tensors through servers, slices by priority
+HELD_OUT = [  # cells the matrix was not fitted to: other models, worker counts and rates (``--held-out``)
+    (model, np, rate, 0, HELD_OUT_STRATEGIES, "emulated", 1, {"steps": 8, "warmup": 2})
+    for model, shapes in (("inception_v3", ((2, "2gbit"), (3, "5gbit"), (4, "3gbit"))),
+                          ("bert-base", ((3, "2gbit"), (4, "5gbit"), (2, "3gbit"))),
+                          ("transformer-nmt", ((4, "2gbit"), (2, "5gbit"), (3, "3gbit"))))
+    for np, rate in shapes
+]
+SHIPPED = os.path.join(os.path.dirname(__file__), "..", "..", "gradsync", "simulate", "validation.json")
 SHAPE = ("model", "np", "net_bps", "servers", "batch_size", "compute", "ranks_per_host")
 
 
@@ -138,9 +150,9 @@ def command(model: str, np: int, rate: str, servers: int, strategies: str, out: 
             *(["--compression", more["compression"]] if "compression" in more else []), "--json", out]
 
 
-def group_command(index: int, out: str, rank_cores: float = 2.0) -> list[str]:
-    """:func:`command` of ``GROUPS[index]``."""
-    model, np, rate, servers, strategies, *rest = GROUPS[index]
+def group_command(index: int, out: str, rank_cores: float = 2.0, table: list | None = None) -> list[str]:
+    """:func:`command` of ``GROUPS[index]`` (or of ``table[index]``)."""
+    model, np, rate, servers, strategies, *rest = (table or GROUPS)[index]
     more = rest.pop() if rest and isinstance(rest[-1], dict) else None
     return command(model, np, rate, servers, strategies, out, *rest, more=more, rank_cores=rank_cores)
 
@@ -246,8 +258,11 @@ def measure_message_cost(rates: dict) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True)
-    parser.add_argument("--groups", default=",".join(str(i) for i in range(len(GROUPS))),
-                        help="indices of GROUPS to record ('' for none)")
+    parser.add_argument("--groups", default=None, help="indices of GROUPS (or HELD_OUT) to record ('' for none; "
+                                                       "default: all)")
+    parser.add_argument("--held-out", action="store_true",
+                        help="record HELD_OUT instead of GROUPS: cells the matrix was not fitted to, replayed with "
+                             "the shipped matrix's machine constants where a group has none of its own")
     parser.add_argument("--message-cost", action="store_true",
                         help="measure the slice messages' host cost (Host.message_s) and keep it with the matrix's rates")
     parser.add_argument("--handoff", action="store_true",
@@ -259,6 +274,11 @@ def main() -> None:
     parser.add_argument("--concurrency", action="store_true",
                         help="measure how fast host work runs with every core at it (measure_concurrency) and keep "
                              "it with the matrix's rates, for the groups recorded without their own")
+    parser.add_argument("--again", default="",
+                        help="indices of GROUPS (or HELD_OUT; recorded on this machine) whose thread handoff and "
+                             "message cost to measure again, without running them again (a handoff measured "
+                             "before calibration.measure_handoff left out the ones that waited out the switch "
+                             "interval; a message cost measured while something else ran)")
     parser.add_argument("--rank-cores", type=float, default=2.0,
                         help="cores' time each emulated rank gets at least: the dilation is raised to this many "
                              "times the ranks per core (default 2)")
@@ -270,11 +290,18 @@ def main() -> None:
         parser.error(f"--rank-cores must be > 0, got {args.rank_cores:g}")
     from gradsync.simulate.calibration import calibrate_codecs
 
+    table = HELD_OUT if args.held_out else GROUPS
+    if args.groups is None:
+        args.groups = ",".join(str(i) for i in range(len(table)))
     groups, host_rates, codecs, kept = [], None, None, {}
     if os.path.exists(args.out):  # keep the groups already recorded
         with open(args.out) as f:
             kept = json.load(f)
         groups, host_rates, codecs = kept["groups"], kept.get("host_rates"), kept.get("codecs")
+    elif args.held_out:  # the machine constants the shipped matrix's replay uses (mesh, jitter, loopback)
+        with open(SHIPPED) as f:
+            kept = {k: v for k, v in json.load(f).items() if k != "groups"}
+        host_rates, codecs = kept.get("host_rates"), kept.get("codecs")
     host_rates = host_rates or measure_host_rates()  # groups recorded without rates of their own
     codecs = codecs or calibrate_codecs(CODECS)
     if args.message_cost:
@@ -297,10 +324,10 @@ def main() -> None:
         kept = {**kept, "host_rates": host_rates}
         print(f"with every core at it: {host_rates['concurrent']}", flush=True)
     for index in (int(i) for i in args.groups.split(",") if i):
-        model, np, rate, servers, strategies, *_ = GROUPS[index]
+        model, np, rate, servers, strategies, *_ = table[index]
         rates = measure_host_rates()  # the machine's host work as this group met it
         names = set(strategies.split(","))
-        more = GROUPS[index][-1] if isinstance(GROUPS[index][-1], dict) else {}
+        more = table[index][-1] if isinstance(table[index][-1], dict) else {}
         if "compression" in more:  # the labels --compression adds
             names |= {f"{n}+{more['compression']}" for n in names}
         if names & MESSAGED:  # and its Python's per-message cost, where messages can bound the step
@@ -309,7 +336,7 @@ def main() -> None:
         own_codecs = calibrate_codecs(wanted) if wanted else None  # a label's STRATEGY+CODEC too
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "records.json")
-            argv = group_command(index, out, rank_cores=args.rank_cores)
+            argv = group_command(index, out, rank_cores=args.rank_cores, table=table)
             started = time.monotonic()
             subprocess.run([sys.executable, "-m", "gradsync.cli", *argv[1:]], check=True)
             with open(out) as f:
@@ -331,13 +358,23 @@ def main() -> None:
                       f, indent=1)
         print(f"group {index} ({model}, {np} workers, {rate}) recorded", flush=True)
     for index in (int(i) for i in args.codecs.split(",") if i):
-        shown = " ".join(group_command(index, "", rank_cores=args.rank_cores)[:-2])
+        shown = " ".join(group_command(index, "", rank_cores=args.rank_cores, table=table)[:-2])
         group = next(g for g in groups if g["command"] == shown)
         group["codecs"], group["codecs_note"] = calibrate_codecs(CODECS), (
             "compressors' costs measured again after the run, on the same machine, under the ranks' allocator "
             "settings (the first measurement, in the recording process, paid fresh pages on every decode)")
         print(f"group {index}: codecs {group['codecs']}", flush=True)
-    if args.message_cost or args.concurrency or args.handoff or args.busy_wake or args.codecs:
+    for index in (int(i) for i in args.again.split(",") if i):
+        shown = " ".join(group_command(index, "", rank_cores=args.rank_cores, table=table)[:-2])
+        group = next(g for g in groups if g["command"] == shown)
+        rates = group["host_rates"]
+        before = {k: rates[k] for k in ("handoff_s", "message_s") if k in rates}
+        rates["handoff_s"] = statistics.median(_calibrated(1)[0]["handoff_s"] for _ in range(5))
+        if "message_s" in rates:
+            rates["message_s"] = measure_message_cost(rates)["message_s"]
+        group["again_note"] = f"measured again after the run, on the same machine (before: {before})"
+        print(f"group {index}: {({k: rates[k] for k in before})}", flush=True)
+    if args.message_cost or args.concurrency or args.handoff or args.busy_wake or args.codecs or args.again:
         with open(args.out, "w") as f:
             json.dump({**kept, "cores": os.cpu_count(), "latency_s": 50e-6, "host_rates": host_rates, "codecs": codecs,
                        "groups": groups}, f, indent=1)

@@ -135,8 +135,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--json", metavar="FILE", type=output_file, help="write the records to FILE")
     p.add_argument("--out", metavar="DIR", type=output_dir, help="write records (simulate.json) and charts to DIR")
     p.add_argument("--validate", nargs="?", const="shipped", metavar="MATRIX",
-                   help="replay the recorded emulated runs (the shipped matrix, or MATRIX.json) and report the "
-                        "error of every cell; exits 1 when the targets are missed")
+                   help="replay the recorded emulated runs (the shipped matrix; 'held-out', the cells it was not "
+                        "fitted to; or MATRIX.json) and report the error of every cell; exits 1 when the targets "
+                        "are missed")
     p.add_argument("--markdown", metavar="FILE", type=output_file,
                    help="with --validate: also write the cells, grouped by cluster shape with the commands that "
                         "recorded them, as a markdown page (docs/simulate-validation.md is the shipped matrix's)")
@@ -279,7 +280,7 @@ def validate(matrix: str, json_path: str | None, markdown_path: str | None = Non
     from gradsync.simulate import validate as v
     from gradsync.simulate.validation_page import markdown, targets_met
 
-    path = v.MATRIX if matrix == "shipped" else matrix
+    path = {"shipped": v.MATRIX, "held-out": v.HELD_OUT}.get(matrix, matrix)
     if not os.path.exists(path):
         print(f"gradsync simulate: no validation matrix at {path}", file=sys.stderr)
         return 2
@@ -289,7 +290,8 @@ def validate(matrix: str, json_path: str | None, markdown_path: str | None = Non
         with open(json_path, "w") as f:
             json.dump(result, f, indent=1)
     if markdown_path:
-        shown = "gradsync/simulate/validation.json" if matrix == "shipped" else matrix
+        shown = {"shipped": "gradsync/simulate/validation.json", "held-out": "gradsync/simulate/held_out.json"}.get(
+            matrix, matrix)
         command = "gradsync simulate --validate" + ("" if matrix == "shipped" else f" {matrix}") + f" --markdown {markdown_path}"
         os.makedirs(os.path.dirname(os.path.abspath(markdown_path)), exist_ok=True)  # its folder made if missing
         with open(markdown_path, "w") as f:

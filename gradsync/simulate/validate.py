@@ -29,10 +29,14 @@ from gradsync.simulate.hostmodel import (LATENCY_S, codec_speeds, flat_of, host_
                                          record_network, run_options, updates_met)
 
 # the replay's own, and the measurements and corrections it runs on, named here for its users
-__all__ = ["MATRIX", "calibrate", "calibrate_codecs", "cell_host", "cell_network", "codec_speeds", "group_hosts",
+__all__ = ["HELD_OUT", "MATRIX", "calibrate", "calibrate_codecs", "cell_host", "cell_network", "codec_speeds", "group_hosts",
            "handoff_latencies", "measure_busy_wake", "measure_handoff", "memory_met", "options_of", "record_host",
            "record_network", "replay", "report", "run_options", "summary", "updates_met"]
 MATRIX = os.path.join(os.path.dirname(__file__), "validation.json")
+HELD_OUT = os.path.join(os.path.dirname(__file__), "held_out.json")
+"""Cells the matrix was not fitted to: other models, worker counts and link rates
+(``gradsync simulate --validate held-out``; recorded by benchmarks/regenerate/simulator_matrix.py
+``--held-out``)."""
 TIE = 0.03
 ADVICE = 0.05
 
@@ -157,9 +161,11 @@ def summary(cells: list[dict]) -> dict:
         groups.setdefault(_group_of(c), []).append(c)
     ranked = sum(_ranked_alike(c, groups[_group_of(c)]) for c in cells)
     advised = sum(_first_pick_good(g) for g in groups.values())
+    signed = [c["error"] for c in cells]
     return {"cells_counted": len(cells), "median_abs_error": statistics.median(errors) if errors else None,
             "max_abs_error": max(errors, default=None), "groups": len(groups), "ranked_alike": ranked,
-            "advice_good": advised}
+            "advice_good": advised, "median_error": statistics.median(signed) if signed else None,
+            "fast_cells": sum(e > 0 for e in signed)}
 
 
 def _group_of(cell: dict) -> tuple:
@@ -203,6 +209,9 @@ def report(result: dict) -> str:
                  f"{result['max_abs_error']:.1%}; ranked among their group's strategies as measured: {result['ranked_alike']} "
                  f"of {result['cells_counted']} cells (ties within {TIE:.0%}); the predicted best is the measured best "
                  f"or within {ADVICE:.0%} of it in {result['advice_good']} of {result['groups']} groups")
+    if result["cells_counted"]:  # a bias shows as errors of one sign
+        lines.append(f"signed: median error {result['median_error']:+.1%}; the simulator faster than the run in "
+                     f"{result['fast_cells']} of {result['cells_counted']} counted cells")
     lines.append(f"host rates of the machine that recorded the runs: copy {result['rates']['copy_Bps'] / 1e9:.1f} GB/s, optimizer update "
                  f"{result['rates']['update_Bps'] / 1e9:.1f} GB/s (one thread)")
     together = result["rates"].get("concurrent")

@@ -56,7 +56,9 @@ def markdown(result: dict, matrix: str, command: str) -> str:
         lines += [
             f"- {result['cells_counted']} of {len(cells)} cells counted (a cell whose run kept the host's cores 90 % "
             "or more busy measured the machine, not the cluster, and is listed but not counted).",
-            f"- Median |error| {result['median_abs_error']:.1%}, largest {result['max_abs_error']:.1%}.",
+            f"- Median |error| {result['median_abs_error']:.1%}, largest {result['max_abs_error']:.1%}; signed, the "
+            f"median is {result['median_error']:+.1%} and the simulator is faster than the run in "
+            f"{result['fast_cells']} of {result['cells_counted']} cells.",
             f"- Ranked among their group's strategies as measured: {result['ranked_alike']} of "
             f"{result['cells_counted']} cells (ties within 3 %).",
             f"- The predicted best is the measured best or within 5 % of it in {result['advice_good']} of "
