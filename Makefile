@@ -25,11 +25,12 @@ demo: $(STAMP)
 # of them (PYTHONDONTWRITEBYTECODE, where set, keeps each from writing what it compiled).
 # TEST_WORKERS pytest processes share the machine (pytest-xdist): most tests wait on their ranks'
 # timeouts and sockets as much as they compute; a test marked `alone` (it asserts a time) runs by
-# itself (tests/conftest.py).
+# itself (tests/conftest.py). A module's tests stay on one worker (--dist loadscope), so that its
+# module-scoped fixtures (a bench run shared by its tests) run once.
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(BIN)/python -m compileall -q gradsync tests > /dev/null
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --durations=15 tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope --durations=15 tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
