@@ -19,7 +19,7 @@ def pytest_runtest_protocol(item, nextitem):
     ranks on the same cores would stretch, so it waits until the other workers' current tests end
     and runs by itself (its fixtures' setup included). Every test passes a turnstile first, so that
     one waiting to be alone is not overtaken forever by the others' next tests."""
-    basetemp = item.config.option.basetemp  # a worker's own folder, inside the session's
+    basetemp = item.config.option.basetemp  # set by pytest-xdist: this worker's folder in the run's
     if "PYTEST_XDIST_WORKER" not in os.environ or not basetemp:
         yield
         return

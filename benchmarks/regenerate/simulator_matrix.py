@@ -293,6 +293,11 @@ def main() -> None:
     table = HELD_OUT if args.held_out else GROUPS
     if args.groups is None:
         args.groups = ",".join(str(i) for i in range(len(table)))
+    for flag, value in (("--groups", args.groups), ("--codecs", args.codecs), ("--again", args.again)):
+        wrong = [i for i in value.split(",") if i and not (i.isdigit() and int(i) < len(table))]
+        if wrong:
+            parser.error(f"{flag}: no group {', '.join(wrong)} (indices 0-{len(table) - 1} of "
+                         f"{'HELD_OUT' if args.held_out else 'GROUPS'})")
     groups, host_rates, codecs, kept = [], None, None, {}
     if os.path.exists(args.out):  # keep the groups already recorded
         with open(args.out) as f:
@@ -366,7 +371,9 @@ def main() -> None:
         print(f"group {index}: codecs {group['codecs']}", flush=True)
     for index in (int(i) for i in args.again.split(",") if i):
         shown = " ".join(group_command(index, "", rank_cores=args.rank_cores, table=table)[:-2])
-        group = next(g for g in groups if g["command"] == shown)
+        group = next((g for g in groups if g["command"] == shown), None)
+        if group is None:
+            parser.error(f"--again {index}: {args.out} has no group recorded by `{shown}`")
         rates = group["host_rates"]
         before = {k: rates[k] for k in ("handoff_s", "message_s") if k in rates}
         rates["handoff_s"] = statistics.median(_calibrated(1)[0]["handoff_s"] for _ in range(5))

@@ -280,7 +280,7 @@ def validate(matrix: str, json_path: str | None, markdown_path: str | None = Non
     from gradsync.simulate import validate as v
     from gradsync.simulate.validation_page import markdown, targets_met
 
-    path = {"shipped": v.MATRIX, "held-out": v.HELD_OUT}.get(matrix, matrix)
+    path = v.SHIPPED.get(matrix, matrix)
     if not os.path.exists(path):
         print(f"gradsync simulate: no validation matrix at {path}", file=sys.stderr)
         return 2
@@ -290,8 +290,7 @@ def validate(matrix: str, json_path: str | None, markdown_path: str | None = Non
         with open(json_path, "w") as f:
             json.dump(result, f, indent=1)
     if markdown_path:
-        shown = {"shipped": "gradsync/simulate/validation.json", "held-out": "gradsync/simulate/held_out.json"}.get(
-            matrix, matrix)
+        shown = f"gradsync/simulate/{os.path.basename(path)}" if matrix in v.SHIPPED else matrix
         command = "gradsync simulate --validate" + ("" if matrix == "shipped" else f" {matrix}") + f" --markdown {markdown_path}"
         os.makedirs(os.path.dirname(os.path.abspath(markdown_path)), exist_ok=True)  # its folder made if missing
         with open(markdown_path, "w") as f:

@@ -29,7 +29,7 @@ from gradsync.simulate.hostmodel import (LATENCY_S, codec_speeds, flat_of, host_
                                          record_network, run_options, updates_met)
 
 # the replay's own, and the measurements and corrections it runs on, named here for its users
-__all__ = ["HELD_OUT", "MATRIX", "calibrate", "calibrate_codecs", "cell_host", "cell_network", "codec_speeds", "group_hosts",
+__all__ = ["HELD_OUT", "MATRIX", "SHIPPED", "calibrate", "calibrate_codecs", "cell_host", "cell_network", "codec_speeds", "group_hosts",
            "handoff_latencies", "measure_busy_wake", "measure_handoff", "memory_met", "options_of", "record_host",
            "record_network", "replay", "report", "run_options", "summary", "updates_met"]
 MATRIX = os.path.join(os.path.dirname(__file__), "validation.json")
@@ -37,6 +37,8 @@ HELD_OUT = os.path.join(os.path.dirname(__file__), "held_out.json")
 """Cells the matrix was not fitted to: other models, worker counts and link rates
 (``gradsync simulate --validate held-out``; recorded by benchmarks/regenerate/simulator_matrix.py
 ``--held-out``)."""
+SHIPPED = {"shipped": MATRIX, "held-out": HELD_OUT}
+"""The matrices ``gradsync simulate --validate NAME`` knows by name."""
 TIE = 0.03
 ADVICE = 0.05
 
