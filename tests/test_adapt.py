@@ -303,6 +303,7 @@ def switch_policy_job(work, steps):
     return {n: p.detach().clone() for n, p in model.named_parameters()}, policy.history, opt.strategy.name
 
 
+@pytest.mark.alone  # compares the candidates' measured step times
 def test_strategy_switch_probes_every_candidate_keeps_the_fastest_and_stays_exact():
     from gradsync.bench.workload import Workload, compare, reference
 
