@@ -138,6 +138,8 @@ def main() -> None:
                     ctl.stop()
                     break
                 batches[step] = ctl.data.global_batch(ctl.global_batch_size).tolist()
+                if gradsync.topology().rank == 0 and sizes.get(step - 1) != ctl.num_workers:
+                    print(f"step {step}: {ctl.num_workers} workers", flush=True)
                 sizes[step] = ctl.num_workers
                 if not layouts or layouts[-1][1] != opt.strategy.describe():
                     layouts.append((step, opt.strategy.describe()))

@@ -19,9 +19,9 @@ EXAMPLE = os.path.join(ROOT, "examples", "elastic.py")
 GRADSYNC = [sys.executable, "-m", "gradsync.cli"]
 
 
-def run_job(tmp_path, launcher_args, example_args, timeout=120, env=None):
+def run_job(tmp_path, launcher_args, example_args, timeout=120, env=None, script=EXAMPLE):
     out = tmp_path / "result.json"
-    proc = subprocess.run([*GRADSYNC, "run", "--elastic", *launcher_args, "--", sys.executable, EXAMPLE,
+    proc = subprocess.run([*GRADSYNC, "run", "--elastic", *launcher_args, "--", sys.executable, script,
                            "--out", str(out), *example_args], capture_output=True, text=True, timeout=timeout,
                           cwd=ROOT, env={**os.environ, "GRADSYNC_TIMEOUT": "20", **(env or {})})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -103,6 +103,30 @@ def test_every_strategy_grows_and_survives_a_worker_killed_mid_step(tmp_path, st
     generation = 1 if grows else 0
     assert f"the elastic launcher lost a member of generation {generation}: worker 1 failed" in failure["cause"], failure
     assert "threads still running" not in log and "terminate called" not in log, log[-3000:]
+    assert_matches_reference(result)
+
+
+DIES_IN_FIRST_COMMIT = """
+import os, runpy, signal, sys
+from gradsync.adapt.commits import Commits
+if os.environ["GRADSYNC_ELASTIC_ID"] == "1":  # this worker dies as its first commit begins
+    Commits.commit = lambda self: os.kill(os.getpid(), signal.SIGKILL)
+sys.argv[0] = {example!r}
+runpy.run_path({example!r}, run_name="__main__")
+"""
+
+
+def test_a_worker_lost_in_the_first_commit_of_spread_optimizer_state(tmp_path):
+    # ps's first commit gathers the optimizer state from the workers' servers, a collective: the
+    # survivor's gather fails, it has no commit to restore, and the hand-over gives it the start.
+    script = tmp_path / "dies_in_first_commit.py"
+    script.write_text(DIES_IN_FIRST_COMMIT.format(example=EXAMPLE))
+    result, log = run_job(tmp_path, ["-np", "2", "--min-np", "1", "--max-np", "2"],
+                          ["--strategy", "ps", "--steps", "4"], env={"GRADSYNC_TIMEOUT": "6"}, script=str(script))
+    assert "worker 1 failed with exit code 137; continuing without it" in log, log[-2000:]
+    [failure] = result["resizes"]
+    assert failure["cause"].startswith("failure") and failure["step"] == 0 and failure["to"] == 1, failure
+    assert [result["sizes"][str(s)] for s in range(4)] == [1] * 4
     assert_matches_reference(result)
 
 

@@ -44,12 +44,15 @@ class Log:
 
 
 @needs_root
-def test_hosts_join_one_is_lost_and_another_resizes_the_job(tmp_path):
+@pytest.mark.parametrize("strategy", ["allreduce", "ps", "p3"])
+def test_hosts_join_one_is_lost_and_another_resizes_the_job(tmp_path, strategy):
     # Three emulated hosts, one agent each, started together, the first with two workers: 2 -> 4
     # workers as hosts register (in one or two generations), one host lost for good -> 3, a resize
     # from the other -> 2 (the first host's, the least a job of --nnodes 1:3 runs), then StopFile;
     # the replay of the global batches. While the first host runs two workers the all-reduce is
-    # two-level over the hosts of the generation. An agent with another secret stops at once.
+    # two-level over the hosts of the generation (ps and p3: a host's workers sum before one pushes),
+    # and ps's and p3's optimizer state, spread over the workers, is gathered at each commit and
+    # spread anew over each generation's layout. An agent with another secret stops at once.
     out, stop = tmp_path / "result.json", tmp_path / "stop"
     with EmulatedCluster(3, 10e9) as cluster:
         endpoint = f"{cluster.address(0)}:{PORT}"
@@ -63,7 +66,7 @@ def test_hosts_join_one_is_lost_and_another_resizes_the_job(tmp_path):
                 [*cluster.exec_prefix(host), *GRADSYNC, "run", "--elastic", "--nnodes", "1:3",
                  "--nproc-per-node", "2" if host == 0 else "1",
                  "--rdzv-endpoint", endpoint, "--", sys.executable, EXAMPLE, "--sleep", "0.05", "--steps", "100000",
-                 "--stop-file", str(stop), *command],
+                 "--stop-file", str(stop), "--strategy", strategy, *command],
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, start_new_session=True,
                 env={**env, "GRADSYNC_HOST": f"emulated host {host}", "GRADSYNC_JOB_SECRET": secret}))
 
@@ -78,6 +81,7 @@ def test_hosts_join_one_is_lost_and_another_resizes_the_job(tmp_path):
             first = int(re.search(r"host 1 \(emulated host (\d)\) registered", lead.text()).group(1))
             other = 3 - first
             agents[other].wait_for(r"elastic worker 3 joined generation \d \(4 workers\)")
+            lead.wait_for(r"step \d+: 4 workers")  # the job trains at 4 before a host is lost
             # Host 1 dies whole: its link goes down and its agent (and with it its worker) is killed.
             cluster.link_down(first)
             os.killpg(agents[first].proc.pid, signal.SIGKILL)
@@ -112,8 +116,31 @@ def test_hosts_join_one_is_lost_and_another_resizes_the_job(tmp_path):
     # job was that one host: before the others joined, or after the resize if a step ran before
     # the stop).
     described = [d for _, d in result["described"]]
-    hosts = [int(m.group(1)) for d in described if (m := re.search(r"two-level over (\d) hosts", d))]
+    layouts = (re.search(r"two-level over (\d) hosts|host sums: (\d) hosts push", d) for d in described)
+    hosts = [int(m.group(1) or m.group(2)) for m in layouts if m]
+    hosts = [h for i, h in enumerate(hosts) if i == 0 or hosts[i - 1] != h]  # one entry per layout
     assert hosts[-2:] == [3, 2] and len(hosts) <= 3, described
+    assert_matches_reference(result)
+    assert leftovers() == []
+
+
+@needs_root
+def test_an_elastic_job_on_emulated_hosts_runs_an_agent_on_each(tmp_path):
+    # gradsync run --elastic --net: two hosts of two workers, an agent each, both started at once:
+    # the job runs on both (the second joins as it registers, long before step 6), shrinks to the
+    # first host's two, grows back onto the second host's slots (new workers there), and equals
+    # the replay; the cluster is removed.
+    out = tmp_path / "result.json"
+    proc = subprocess.run([*GRADSYNC, "run", "--elastic", "--net", "10gbit", "--ranks-per-host", "2", "-np", "4",
+                           "--min-np", "2", "--", sys.executable, EXAMPLE, "--schedule", "6:2,9:4", "--steps", "12",
+                           "--sleep", "0.1", "--out", str(out)], capture_output=True, text=True, timeout=180, cwd=ROOT,
+                          env={k: v for k, v in os.environ.items() if k != "GRADSYNC_JOB_SECRET"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    sizes = [result["sizes"][str(s)] for s in range(12)]
+    assert 4 in sizes[:6] and sizes[6:] == [2] * 3 + [4] * 3, sizes
+    described = [d for step, d in result["described"]]
+    assert any("two-level over 2 hosts" in d for d in described), described
     assert_matches_reference(result)
     assert leftovers() == []
 

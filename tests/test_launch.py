@@ -330,6 +330,11 @@ def test_port_in_use_exits_2_before_spawning(capsys):
     (["--nproc-per-node", "1", "-m", "--no-python", "x"], "give one"),
     (["--nproc-per-node", "1", "--logdir", __file__, "x.py"], "is a file; name a folder"),
     (["--nproc-per-node", "1", "--checkpoint-dir", __file__, "x.py"], "is a file; name a folder"),
+    (["--elastic", "--net", "1gbit", "-np", "3", "--ranks-per-host", "2", "x.py"], "-np 3 must be a multiple of"),
+    (["--elastic", "--net", "1gbit", "-np", "2", "--max-np", "4", "x.py"], "give --max-np equal to -np"),
+    (["--elastic", "--net", "1gbit,rank1=2gbit", "-np", "2", "x.py"], "one rate for every link"),
+    (["--elastic", "--net", "1gbit", "-np", "2", "--servers", "1", "x.py"], "no -H, --hostfile, --master-addr"),
+    (["--elastic", "-np", "2", "--servers", "1", "x.py"], "no -H, --hostfile or --servers"),
 ])
 def test_argument_errors(argv, fragment, capsys):
     with pytest.raises(SystemExit) as exit_info:

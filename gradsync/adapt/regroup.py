@@ -43,10 +43,10 @@ class Regrouping:
         try:
             if member is None:
                 return train(self)
-            if self._commit is None:
-                self.commit()
             while True:
                 try:
+                    if self._commit is None:
+                        self.commit()  # collective where the optimizer state is spread: a peer may die in it
                     train(self)
                     return
                 except RuntimeError as exc:
@@ -79,7 +79,8 @@ class Regrouping:
     def _recover(self, exc: Exception) -> None:
         member = elastic.current() or self._member
         start = time.perf_counter()
-        self._restore()
+        if self._commit is not None:
+            self._restore()  # without one (a peer died in the first commit) the hand-over brings the state
         gen = member.wait_for(member.gen, runtime.current().timeout_s if runtime.is_initialized() else 60.0)
         self._regroup(gen, cause=f"failure: {exc}".splitlines()[0][:200], failed=True, start=start)
 
@@ -140,9 +141,11 @@ class Regrouping:
 
     def _hand_over(self, *, joining: bool) -> None:
         """Collective in a new generation: the worker with the newest state sends it to all (parameters,
-        buffers, optimizer state, counters). Joiners have none; after a failure, survivors may differ by a step."""
+        buffers, optimizer state, counters). Joiners have none, nor has a worker whose first commit
+        failed; after a failure, survivors may differ by a step. Where no worker has a commit (a peer
+        died in the job's first), the state is the start's, the same everywhere, and rank 0 sends it."""
         transport = runtime.current().transport
-        newest = -1 if joining else self.step
+        newest = -1 if joining or self._commit is None else self.step
         t = torch.tensor([newest], dtype=torch.int64)
         transport.allreduce(t, op="max", what="elastic: newest state")
         best = int(t)

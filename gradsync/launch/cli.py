@@ -122,7 +122,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--delay", type=_float_at_least(0), default=0.0, metavar="MS", help="with --net: one-way host-to-host delay")
     parser.add_argument("--loss", type=_float_at_least(0), default=0.0, metavar="PCT",
                         help="with --net: percent of the frames each link drops (TCP resends them)")
-    parser.add_argument("--ranks-per-host", type=_int_in(1), default=1, help="ranks per emulated host with --net (default 1)")
+    parser.add_argument("--ranks-per-host", type=_int_in(1), default=1, help="ranks per emulated host with --net (default 1; with --elastic, "
+                        "each host's workers, an agent on each host)")
     parser.add_argument("--trace", metavar="FILE", type=output_file,
                         help="write a Chrome trace of every rank (steps, layers, communication, waits, "
                              "the straggler monitor's readings) to FILE; open in ui.perfetto.dev")
@@ -356,8 +357,11 @@ def _checkpoints(args, parser) -> None:
 
 
 def _run_elastic(args, command: list[str], parser) -> int:
-    if args.hosts or args.hostfile or args.net or args.servers:
-        parser.error("--elastic runs workers on this machine only: no -H, --hostfile, --net or --servers yet")
+    if args.net is not None:
+        return _run_elastic_emulated(args, command, parser)
+    if args.hosts or args.hostfile or args.servers:
+        parser.error("--elastic runs workers on this machine (or one agent per machine with --nnodes MIN:MAX): "
+                     "no -H, --hostfile or --servers")
     if args.slow:
         parser.error("--slow names ranks, and an elastic job's ranks change as workers come and go: not with --elastic")
     from gradsync.launch.elastic import launch_elastic
@@ -371,6 +375,38 @@ def _run_elastic(args, command: list[str], parser) -> int:
     if result.message:
         print(result.message, file=sys.stderr, flush=True)
     return result.returncode
+
+
+def _run_elastic_emulated(args, command: list[str], parser) -> int:
+    """``--elastic --net``: -np workers on emulated hosts of ``--ranks-per-host``, an agent on each
+    (:func:`gradsync.launch.emulated.launch_elastic_emulated`); the job runs on no fewer hosts than
+    --min-np's workers fill."""
+    from gradsync.cluster import LinkRates, require_privileges
+    from gradsync.launch.emulated import launch_elastic_emulated
+
+    if args.hosts or args.hostfile or args.master_addr or args.servers or args.slow:
+        parser.error("--elastic --net emulates the hosts on this machine: no -H, --hostfile, --master-addr, "
+                     "--servers or --slow")
+    k = args.ranks_per_host
+    if args.np % k:
+        parser.error(f"--elastic --net: -np {args.np} must be a multiple of --ranks-per-host {k} (hosts of {k} workers)")
+    if args.max_np not in (None, args.np):
+        parser.error("--elastic --net starts every emulated host's agent at once, and the job grows to -np workers "
+                     "as they register: give --max-np equal to -np, or leave it out")
+    try:
+        rates = LinkRates.parse(args.net)
+    except ConfigError as exc:
+        parser.error(f"--net {args.net}: {exc}")
+    if rates.ranks:
+        parser.error(f"--elastic --net {args.net}: one rate for every link (rankN=RATE names ranks, and an elastic "
+                     "job's ranks change as workers come and go)")
+    try:
+        require_privileges()
+    except ConfigError as exc:
+        parser.error(str(exc))
+    return launch_elastic_emulated(command, hosts=args.np // k, nproc=k, min_hosts=-(-(args.min_np or args.np) // k),
+                                   rate_bps=rates.default, delay_ms=args.delay, loss=args.loss / 100,
+                                   port=args.port or 29500, standby=args.standby, logdir=args.logdir, grace_s=args.grace)
 
 
 def _run_elastic_hosts(args, command: list[str], parser) -> int:

@@ -95,6 +95,7 @@ class Agent:
         self.procs: dict[int, object] = {}  # id -> _Rank
         self.members: list[int] = []
         self.pending: list[int] = []  # started, not yet in a generation
+        self.to_start = 0  # a grow's workers whose slots are still held by workers that left (exiting)
         self.standby: list[int] = []  # started ahead of need, waiting to be admitted by a grow
         self.gen = -1
         self.next_id = 0
@@ -161,7 +162,7 @@ class Agent:
     def _top_up_standbys(self) -> None:
         if time.monotonic() < self.replace_at:
             return
-        while len(self.standby) < self.standby_target and self._place() is not False:
+        while not self.to_start and len(self.standby) < self.standby_target and self._place() is not False:
             self._start_worker(standby=True)
 
     def _connect(self):
@@ -293,13 +294,13 @@ class Agent:
             self._say(f"resize request {seq} {why}")
             self._answer(seq, why)
             return
-        have = len(self.members) + len(self.pending)
+        have = len(self.members) + len(self.pending) + self.to_start
         if size > have:
             admitted, self.standby = self.standby[:size - have], self.standby[size - have:]
             self.pending += admitted
-            for _ in range(size - have - len(admitted)):
-                self._start_worker()
             started = size - have - len(admitted)
+            self.to_start += started
+            self._start_deferred()
             self._say(f"for a resize to {size}: " + ", ".join(
                 part for part in (f"admitting standbys {admitted}" if admitted else "",
                                   f"starting {started} workers" if started else "") if part))
@@ -309,13 +310,21 @@ class Agent:
             leaving = self.members[size:]
             self.members = self.members[:size]
             self._publish(f"resize to {size}; workers {leaving} leave")
-        if self.pending:
+        if self.pending or self.to_start:
             self.unanswered.append(seq)
         else:
             self._answer(seq, str(self.gen))
 
+    def _start_deferred(self) -> None:
+        """Start a grow's workers as slots free: right after a shrink, the workers that left may
+        still hold their host's slots while they exit."""
+        while self.to_start and self._place() is not False:
+            self._start_worker()
+            self.to_start -= 1
+
     def _check_pending(self) -> None:
-        if self.pending and all(self._signed(f"elastic/ready/{w}") is not None for w in self.pending):
+        self._start_deferred()
+        if self.pending and not self.to_start and all(self._signed(f"elastic/ready/{w}") is not None for w in self.pending):
             joined, self.pending = self.pending, []
             self.members += joined
             self._publish(f"workers {joined} joined")
@@ -421,7 +430,7 @@ class Agent:
                     if wid in self.pending:
                         self.pending.remove(wid)
                         self._say(f"worker {wid} failed while starting ({how}); not added")
-                        if not self.pending:  # nobody left to wait for: answer now
+                        if not self.pending and not self.to_start:  # nobody left to wait for: answer now
                             for seq in self.unanswered:
                                 self._answer(seq, f"refused: the new workers failed to start (worker {wid}: {how})")
                             self.unanswered = []

@@ -1,7 +1,17 @@
 """Run a job's ranks inside an emulated cluster (``gradsync run --net``, ``gradsync bench --net``):
 :class:`gradsync.cluster.EmulatedCluster` gives each host a network namespace and a shaped link,
-:func:`gradsync.launch.processes.launch_local` starts the ranks, each inside its host's namespace."""
+:func:`gradsync.launch.processes.launch_local` starts the ranks, each inside its host's namespace.
+An elastic job (``gradsync run --elastic --net``) gets an agent per host instead
+(:func:`launch_elastic_emulated`), as it would on real machines."""
 from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
 
 from gradsync.cluster import EmulatedCluster, LinkRates
 from gradsync.launch.processes import launch_local
@@ -46,3 +56,55 @@ def launch_emulated(command: list[str], *, np: int, servers: int = 0, rate_bps: 
 
         return launch_local(command, np=np, servers=servers, master_addr=cluster.address(0),
                             placement=place, **launch_options)
+
+
+def launch_elastic_emulated(command: list[str], *, hosts: int, nproc: int, min_hosts: int, rate_bps: float | None,
+                            delay_ms: float = 0.0, loss: float = 0.0, port: int = 29500, standby: int = 0,
+                            logdir: str | None = None, grace_s: float = 3.0) -> int:
+    """An elastic job over ``hosts`` emulated hosts of ``nproc`` workers (``gradsync run --elastic --net``):
+    on each host an agent, ``gradsync run --elastic --nnodes MIN:HOSTS --nproc-per-node K`` with the
+    first host's address as the rendezvous endpoint, as on real machines (:mod:`gradsync.launch.elastic_hosts`);
+    the first host's agent leads and keeps the ``standby`` workers. Every agent starts at once, so the
+    job grows to every host as they register. Returns the lead's exit code once the other agents have
+    ended too (those still running ``grace_s`` + 10 s later are stopped); the cluster is removed
+    afterwards, whatever happens."""
+    secret = os.environ.get("GRADSYNC_JOB_SECRET") or secrets.token_hex(16)
+    with EmulatedCluster(hosts, rate_bps, delay_ms, loss) as cluster:
+        agents: list[subprocess.Popen] = []
+        try:
+            for host in range(hosts):
+                argv = [*cluster.exec_prefix(host), sys.executable, "-m", "gradsync.cli", "run", "--elastic",
+                        "--nnodes", f"{min_hosts}:{hosts}", "--nproc-per-node", str(nproc),
+                        "--rdzv-endpoint", f"{cluster.address(0)}:{port}", "--grace", f"{grace_s:g}"]
+                if host == 0 and standby:
+                    argv += ["--standby", str(standby)]
+                if logdir:
+                    argv += ["--logdir", os.path.join(logdir, f"host-{host}")]
+                env = {**os.environ, **cluster.env(), "GRADSYNC_HOST": f"emulated host {host}",
+                       "GRADSYNC_JOB_SECRET": secret}
+                agents.append(subprocess.Popen([*argv, "--", *command], env=env, start_new_session=True))
+            code = agents[0].wait()
+            deadline = time.monotonic() + grace_s + 10
+            for agent in agents[1:]:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    agent.wait(timeout=max(0.0, deadline - time.monotonic()))
+            return code
+        finally:
+            _stop(agents, grace_s)
+
+
+def _stop(agents: list[subprocess.Popen], grace_s: float) -> None:
+    """End the agents still running (Ctrl-C, or one that outlived the lead): SIGTERM to each agent's
+    process group (its workers), SIGKILL after ``grace_s``."""
+    running = [a for a in agents if a.poll() is None]
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for agent in running:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(agent.pid, sig)
+        deadline = time.monotonic() + grace_s
+        for agent in running:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                agent.wait(timeout=max(0.1, deadline - time.monotonic()))
+        running = [a for a in running if a.poll() is None]
+        if not running:
+            return

@@ -375,7 +375,8 @@ class SlicedServer(SliceServing, Strategy):
 
     def describe(self) -> str:
         where = f"{len(self.servers)} dedicated servers" if self.dedicated else f"co-located on {len(self.servers)} workers"
-        slices = f"{len(self.plan.slices)} slices" if self.plan is not None else "slices"
+        count = len(self.plan.slices) if self.plan is not None else None
+        slices = "slices" if count is None else f"{count} slice{'s' if count != 1 else ''}"
         order = "custom priority" if callable(self.priority) else ("forward priority" if self.priority else "FIFO")
         credit = f", credit {self.credit_mb:g} MB" if self.priority and self.credit_mb else ""
         hosts = f", host sums: {len(self.pushers)} hosts push" if len(self.pushers) < len(self.workers) else ""
