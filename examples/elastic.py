@@ -157,15 +157,18 @@ def main() -> None:
     ctl.run(train)
     if not ctl.detached:
         opt.flush()  # the whole model up to date here (hybrid's tables live on their servers)
+    # The parameters, to compare with the replay (the small model only: a real model's are for timing,
+    # and ResNet-50's would be 25 M numbers of JSON per worker).
+    params = [] if args.model else [p.detach().reshape(-1).tolist() for p in model.parameters()]
     if args.out and not ctl.detached:  # every worker: what it ended with, to compare across workers
         with open(f"{args.out}.{me}", "w") as f:
             json.dump({"strategy": opt.strategy.name, "noise_scale": noise.value if noise else None,
-                       "params": [p.detach().reshape(-1).tolist() for p in model.parameters()]}, f)
+                       "params": params}, f)
     if ctl.detached:
         print(f"worker {me}: left the job after step {ctl.step}", flush=True)
     elif gradsync.topology().rank == 0 and args.out:
         with open(args.out, "w") as f:
-            json.dump({"params": [p.detach().reshape(-1).tolist() for p in model.parameters()],
+            json.dump({"params": params,
                        "batches": batches, "sizes": sizes, "resizes": ctl.resizes, "id": me, "table": args.table,
                        "described": layouts,
                        "step_seconds": {s: began[s + 1] - began[s] for s in began if s + 1 in began}}, f)

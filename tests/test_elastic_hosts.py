@@ -145,6 +145,55 @@ def test_an_elastic_job_on_emulated_hosts_runs_an_agent_on_each(tmp_path):
     assert leftovers() == []
 
 
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+class BeatStore:
+    """The lead's store as RemoteHosts reads it: one host, whose beat the test moves."""
+
+    def __init__(self):
+        self.beat, self.kept = 0, {}
+
+    def add(self, key, n):
+        return self.beat if key == "elastic/beat/1" else 0
+
+    def check(self, keys):
+        return False
+
+
+def test_a_host_is_lost_when_its_beat_stops_not_when_the_lead_could_not_look(monkeypatch):
+    from gradsync.launch import elastic_hosts as eh
+
+    clock = Clock()
+    monkeypatch.setattr(eh.time, "monotonic", clock)
+    store = BeatStore()
+    hosts = eh.RemoteHosts(store, lambda key, value: store.kept.__setitem__(key, value))
+    hosts.hosts[1] = eh.RemoteHost(1, 2, "b", beat_at=clock.now)
+    hosts.alive[5] = 1
+
+    def look(after_s):
+        clock.now += after_s
+        return hosts.exits()
+
+    assert look(0.1) == []
+    # The lead is held up for 3 x HOST_LOST_S (its store stalled): the beat has not moved, but
+    # the lead did not look either, so the host is not lost.
+    assert look(3 * eh.HOST_LOST_S) == [] and not hosts.hosts[1].lost
+    for _ in range(int((eh.HOST_LOST_S - eh.READ_GAP_S) / 0.1) - 2):  # looks every 0.1 s: within the limit
+        assert look(0.1) == []
+    store.beat = 1
+    for _ in range(int(eh.HOST_LOST_S / 0.1) + 2):  # the beat moved once, then stops for good
+        ended = look(0.1)
+        if ended:
+            break
+    assert ended == [(5, None)] and hosts.hosts[1].lost and store.kept == {"elastic/lost/1": "1"}
+
+
 def test_an_agent_without_the_jobs_secret_stops_at_once():
     none = subprocess.run([*GRADSYNC, "run", "--elastic", "--nnodes", "1:2", "--nproc-per-node", "1",
                            "--rdzv-endpoint", "127.0.0.1:1", "--", "true"], capture_output=True, text=True,

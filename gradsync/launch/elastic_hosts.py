@@ -52,6 +52,9 @@ BEAT_S = 0.5
 """How often a host agent counts its beat."""
 HOST_LOST_S = float(os.environ.get("GRADSYNC_HOST_LOST_S", "5"))
 """The lead drops a host whose beat has not moved for this long (``GRADSYNC_HOST_LOST_S``)."""
+READ_GAP_S = 1.0
+"""A longer gap between the lead's looks at the beats (it polls every few tens of milliseconds)
+is its own delay, not the hosts': it is not counted towards :data:`HOST_LOST_S`."""
 STORE_LOST_S = float(os.environ.get("GRADSYNC_STORE_LOST_S", "10"))
 """A host agent stops its workers when the store has not answered for this long (``GRADSYNC_STORE_LOST_S``)."""
 CONNECT_S = 60.0
@@ -80,6 +83,7 @@ class RemoteHosts:
         self.hosts: dict[int, RemoteHost] = {}
         self.alive: dict[int, int] = {}  # worker id -> host index, until its exit is known
         self.seen = 1  # host indices below this were looked at (0 is the lead's)
+        self.read_at = time.monotonic()  # the lead's last look at the beats
 
     def arrivals(self) -> list[RemoteHost]:
         """Hosts that registered since the last call."""
@@ -115,6 +119,12 @@ class RemoteHosts:
         """Workers that ended since the last call: ``(id, exit code)``, None for a lost host's."""
         ended: list[tuple[int, int | None]] = []
         now = time.monotonic()
+        # Time the lead could not look (its store stalled, its loop held up) does not count against
+        # a host: the beats it would have seen then may be stuck in the same stall.
+        held = now - self.read_at - READ_GAP_S
+        if held > 0:
+            for host in self.hosts.values():
+                host.beat_at += held
         for host in self.usable():
             beat = self.store.add(f"elastic/beat/{host.index}", 0)
             if beat != host.beat:
@@ -135,6 +145,7 @@ class RemoteHosts:
                 ended.append((wid, int(raw)))
         for wid, _ in ended:
             self.alive.pop(wid, None)
+        self.read_at = time.monotonic()
         return ended
 
 
