@@ -16,6 +16,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+import time
+from collections.abc import Callable
 from datetime import timedelta
 
 from gradsync.errors import ConfigError
@@ -59,23 +61,73 @@ def layout(entries: list[tuple[str, int, int | None]]) -> tuple[int, ...]:
     return tuple(index[host] for host, _, _ in entries)
 
 
-def exchange(store, topology: Topology, timeout_s: float, env=os.environ) -> Topology:
-    """``topology`` with every rank's host (see the module docstring); collective over the store."""
+class Abandoned(Exception):
+    """:func:`exchange` gave up because its ``abandon`` check said why (a newer elastic generation)."""
+
+
+def exchange(store, topology: Topology, timeout_s: float, env=os.environ,
+             abandon: Callable[[], str | None] | None = None) -> Topology:
+    """``topology`` with every rank's host (see the module docstring); collective over the store.
+
+    With ``abandon`` (an elastic generation being formed) the waits poll it, and the ranks give up
+    together, with :class:`Abandoned`, once it returns a reason while a rank is still missing (a
+    worker listed in this generation went straight to a newer one and will not come): rank 0 gives
+    up while it waits for a rank; the others while rank 0 has not come. The first rank to add to
+    :data:`DECIDED` writes the layout or the reason, and every rank reads that one answer, so no
+    rank goes on into a group that another has given up."""
     raw_size = env.get("LOCAL_WORLD_SIZE", "")
     mine = f"{host_name(env)}\t{topology.local_rank}\t{raw_size}"
     store.set(KEY.format(rank=topology.rank), mine)
     if topology.rank == 0:
-        entries = []
-        for rank in range(topology.world_size):
-            host, local, size = store.get(KEY.format(rank=rank)).decode().split("\t")
-            entries.append((host, int(local), int(size) if size else None))
-        try:
-            answer = "ok\t" + ",".join(map(str, layout(entries)))
-        except ConfigError as exc:
-            answer = f"error\t{exc}"
-        store.set(LAYOUT, answer)
-    store.wait([LAYOUT], timedelta(seconds=timeout_s))
+        keys = [KEY.format(rank=rank) for rank in range(topology.world_size)]
+        why = _wait(store, keys, timeout_s, abandon)
+        if why is None:
+            entries = []
+            for key in keys:
+                host, local, size = store.get(key).decode().split("\t")
+                entries.append((host, int(local), int(size) if size else None))
+            try:
+                answer = "ok\t" + ",".join(map(str, layout(entries)))
+            except ConfigError as exc:
+                answer = f"error\t{exc}"
+            _decide(store, answer, abandon)
+        else:
+            _decide(store, f"abandoned\t{why}", abandon)
+    elif abandon is not None:
+        first = [KEY.format(rank=0)]
+        why = _wait(store, [LAYOUT], timeout_s, lambda: None if store.check(first) else abandon())
+        if why is not None:
+            _decide(store, f"abandoned\t{why}", abandon)
+    _wait(store, [LAYOUT], timeout_s, None)
     kind, text = store.get(LAYOUT).decode().split("\t", 1)
     if kind == "error":
         raise ConfigError(text)
+    if kind == "abandoned":
+        raise Abandoned(text)
     return dataclasses.replace(topology, host_of=tuple(int(h) for h in text.split(",")))
+
+
+DECIDED = "gradsync/hosts/decided"
+POLL_S = 0.05
+
+
+def _decide(store, answer: str, abandon) -> None:
+    """Write ``answer`` as the layout, unless (where ranks may give up) another rank decided first."""
+    if abandon is None or store.add(DECIDED, 1) == 1:
+        store.set(LAYOUT, answer)
+
+
+def _wait(store, keys: list[str], timeout_s: float, abandon: Callable[[], str | None] | None) -> str | None:
+    """Wait until ``keys`` are all set: None; or ``abandon``'s reason as soon as it gives one."""
+    if abandon is None:
+        store.wait(keys, timedelta(seconds=timeout_s))
+        return None
+    deadline = time.monotonic() + timeout_s
+    while not store.check(keys):
+        why = abandon()
+        if why:
+            return why
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"wait timeout after {timeout_s:g} s, keys: {', '.join(keys)}")
+        time.sleep(POLL_S)
+    return None

@@ -1,10 +1,14 @@
 """Which ranks share a host: the layout found at init (gradsync.hosts), its checks, the Topology."""
+import threading
+import time
+
 import pytest
 import torch
+import torch.distributed as dist
 
 import gradsync
 from gradsync.errors import ConfigError
-from gradsync.hosts import host_name, layout
+from gradsync.hosts import Abandoned, exchange, host_name, layout
 from gradsync.topology import Topology
 from multirank import run_ranks, run_ranks_expect_failure
 
@@ -55,6 +59,45 @@ def test_ranks_told_different_local_world_sizes_all_fail_at_init():
     assert sorted(errors) == [0, 1], errors
     for text in errors.values():
         assert "ConfigError: host 'GRADSYNC_HOST=h' runs ranks [0, 1], but they were told LOCAL_WORLD_SIZE" in text, text
+
+
+def exchange_on(store, ranks, world, abandon, env_of=lambda r: {"GRADSYNC_HOST": f"h{r // 2}"}):
+    """``exchange`` run by ``ranks`` of ``world`` in threads on one store: each rank's layout or error."""
+    out = {}
+
+    def one(rank):
+        try:
+            out[rank] = exchange(store, Topology(world, rank, 0, rank), 5.0, env=env_of(rank), abandon=abandon).host_of
+        except Exception as exc:  # noqa: BLE001 - the test compares what each rank got
+            out[rank] = exc
+    threads = [threading.Thread(target=one, args=(r,)) for r in ranks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    return out
+
+
+@pytest.mark.parametrize("missing", [1, 0])
+def test_ranks_give_up_a_generation_together_once_a_newer_one_exists_and_a_rank_is_missing(missing):
+    # Rank `missing` of four never comes (it went to the newer generation): rank 0 gives up while
+    # it waits for it, or, where rank 0 is the one missing, the others give up; every rank that
+    # came gets the same Abandoned, within a few polls of the newer generation, not at the timeout.
+    newer = threading.Event()
+    threading.Timer(0.3, newer.set).start()
+    start = time.monotonic()
+    out = exchange_on(dist.HashStore(), [r for r in range(4) if r != missing], 4,
+                      lambda: "generation 2 replaced it" if newer.is_set() else None)
+    assert time.monotonic() - start < 3
+    assert all(isinstance(v, Abandoned) and "generation 2" in str(v) for v in out.values()), out
+
+
+def test_a_generation_whose_ranks_all_came_forms_even_if_a_newer_one_exists():
+    # The newer generation appears once every rank has written its host: they form this one.
+    store = dist.HashStore()
+    came = [f"gradsync/hosts/{r}" for r in range(4)]
+    out = exchange_on(store, range(4), 4, lambda: "generation 2 replaced it" if store.check(came) else None)
+    assert out == {r: (0, 0, 1, 1) for r in range(4)}
 
 
 def test_two_level_shards_are_owned_once_per_host_even_on_uneven_hosts():

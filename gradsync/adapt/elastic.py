@@ -108,6 +108,12 @@ class Membership:
         raw = self._read("elastic/gen")
         return int(raw) if raw is not None and raw.isdigit() else -1
 
+    def _newer(self, gen: int) -> str | None:
+        """Why to stop forming generation ``gen``: the launcher published a newer one (a worker
+        listed in ``gen`` may have gone straight there and never come)."""
+        newest = self.latest()
+        return f"generation {newest} replaced it" if newest > gen else None
+
     def members_of(self, gen: int) -> list[int]:
         deadline = time.monotonic() + self.timeout_s
         while (raw := self._read(f"elastic/members/{gen}")) is None:
@@ -153,7 +159,7 @@ class Membership:
                 store = _client(self.addr, self.port, self.timeout_s, prefix)
                 # Which members share a host, anew each generation (hosts join and leave): where a
                 # host runs several, the strategies aggregate inside it as in a fixed job.
-                topo = hosts.exchange(store, topo, self.timeout_s, env=HOST_ENV)
+                topo = hosts.exchange(store, topo, self.timeout_s, env=HOST_ENV, abandon=lambda g=gen: self._newer(g))
                 rt = runtime.start(topo, store, backend=self.backend, timeout_s=self.timeout_s,
                                    heartbeat_at=(self.addr, self.port), heartbeat_prefix=prefix)
                 flags = torch.tensor([float(self.gen < 0), float(needs_state or self.gen < 0)])
