@@ -100,6 +100,27 @@ def test_a_generation_whose_ranks_all_came_forms_even_if_a_newer_one_exists():
     assert out == {r: (0, 0, 1, 1) for r in range(4)}
 
 
+def test_after_a_failed_two_level_operation_the_queued_ones_fail_without_communicating():
+    # Each would block on the groups the failure broke until their timeout (a thread the job's end
+    # then waits for): they fail at once, naming the first failure. The first fails in its `then`
+    # (a host of one: nothing to gather); the host group is then no group at all, so an operation
+    # that tried to communicate would fail differently.
+    from gradsync.transport.twolevel import TwoLevel, _Done
+
+    two = TwoLevel(Topology(4, 0, 0, 0), None, [0], 2, {})
+
+    def lost(*_):
+        raise RuntimeError("Connection reset by peer")
+
+    first, second = _Done(), _Done()
+    two._run(("all-gather-bytes", (torch.zeros(2, dtype=torch.uint8), (0, 0, 0), 8, "test"), first, None, lost))
+    assert str(first.error) == "Connection reset by peer"
+    two.local = object()
+    two._run(("reduce", torch.zeros(2), second, None, None))
+    assert "not run, an earlier two-level operation on these groups failed: Connection reset by peer" in str(
+        second.error), second.error
+
+
 def test_two_level_shards_are_owned_once_per_host_even_on_uneven_hosts():
     from gradsync.transport import TwoLevel
 

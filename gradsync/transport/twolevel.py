@@ -88,6 +88,9 @@ class TwoLevel:
         self.cross = cross
         """Shard -> (the ranks that own it, one per host; their group), for the shards this rank owns."""
         self._thread = JobThread("gradsync-two-level", self._run)
+        self._failed: BaseException | None = None
+        """The first operation's failure: the operations queued after it fail at once, without a
+        collective (each would block on the broken groups until their timeout)."""
 
     @staticmethod
     def plan(topology: Topology) -> tuple[list[list[int]], int, list[list[int]]]:
@@ -165,6 +168,10 @@ class TwoLevel:
         op, tensor, done, on_done, then = job
         result = ()
         try:
+            if self._failed is not None:
+                first = (str(self._failed).splitlines() or [repr(self._failed)])[0]
+                raise RuntimeError(f"two-level {op}: not run, an earlier two-level operation on these groups "
+                                   f"failed: {first}")
             if op == "all-gather-bytes":
                 result = self._gather_bytes(*tensor)
             elif op == "all-reduce":
@@ -183,6 +190,8 @@ class TwoLevel:
                 then(*result)
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
             done.error = exc
+            if self._failed is None:
+                self._failed = exc
         done.event.set()
         if on_done is not None:
             on_done()
