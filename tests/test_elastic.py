@@ -89,9 +89,7 @@ def test_every_strategy_grows_and_survives_a_worker_killed_mid_step(tmp_path, st
     # the killed worker redo only the interrupted step. Their waits end on the launcher's word that
     # the worker is gone (a wait for the dead one's push would otherwise last the timeout), and
     # threads left blocked in the broken group are waited for at shutdown, never left to abort it.
-    # ddp fails inside PyTorch's reducer and regroups too (it starts with 3 workers, no grow). The
-    # joiner builds its model after init() while the others wait for it in the model check: the
-    # timeout leaves it room on a busy machine.
+    # ddp fails inside PyTorch's reducer and regroups too (it starts with 3 workers, no grow).
     grows = strategy in ("ps", "p3", "hybrid")
     result, log = run_job(tmp_path, ["-np", "2" if grows else "3", "--min-np", "2", "--max-np", "3"],
                           ["--strategy", strategy, "--table", "--schedule", "2:3" if grows else "", "--die", "5:1",
@@ -144,11 +142,11 @@ def test_gradsync_resize_from_another_shell_and_hostile_writes_to_the_store(tmp_
     out = tmp_path / "result.json"
     env = {**os.environ, "GRADSYNC_STATE_DIR": str(tmp_path / "state")}
     env.pop("GRADSYNC_JOB_SECRET", None)
-    # 150 steps of 50 ms: the resize below starts a worker (torch's import alone takes seconds on a
-    # loaded machine) well before the job's last step
+    # Steps of 50 ms until the StopFile below: the resize starts a worker, whose start (torch's
+    # import alone takes seconds on a loaded machine) the job trains through
     stop = tmp_path / "stop"
     job = subprocess.Popen([*GRADSYNC, "run", "--elastic", "-np", "1", "--max-np", "2", "--", sys.executable, EXAMPLE,
-                            "--steps", "150", "--sleep", "0.05", "--out", str(out), "--stop-file", str(stop)],
+                            "--steps", "2000", "--sleep", "0.05", "--out", str(out), "--stop-file", str(stop)],
                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, cwd=ROOT, env=env)
     try:
         port = None
@@ -199,7 +197,7 @@ def test_gradsync_resize_from_another_shell_and_hostile_writes_to_the_store(tmp_
     shutil.rmtree(os.path.dirname(path))  # the launcher keeps a folder it wrote a summary into
     result = json.loads(out.read_text())
     sizes = [result["sizes"][str(s)] for s in range(len(result["sizes"]))]
-    assert sizes[0] == 1 and sizes[-1] == 2 and sorted(sizes) == sizes and len(sizes) <= 150
+    assert sizes[0] == 1 and sizes[-1] == 2 and sorted(sizes) == sizes and len(sizes) < 2000
     assert_matches_reference(result)
 
 

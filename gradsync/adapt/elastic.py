@@ -5,10 +5,12 @@ who is in the job; workers follow. The job moves through *generations*; generati
 of worker ids (``elastic/members/g``), and worker ``members[i]`` is rank ``i`` of that generation's
 process group (created on the store under the prefix ``elastic/g/``, so generations never mix).
 
-- A worker started by the launcher announces itself (``elastic/ready/<id>``) and waits until a
-  generation lists it (:func:`join`, from ``gradsync.init()``). A standby (``--standby``) goes
-  on with the script and waits where it first needs the job (``distribute``, the topology), without
-  a deadline, until a grow admits it; it exits when the job ends (``elastic/done``).
+- A worker started by the launcher goes on with the script past ``gradsync.init()`` (:func:`join`);
+  where it first needs the job (``distribute``, the topology, the rank) it announces itself
+  (``elastic/ready/<id>``) and waits until a generation lists it, so a grow's workers are
+  admitted once their model is built. A standby (``--standby``) announces itself at ``init()``
+  and waits where it first needs the job, without a deadline, until a grow admits it. Either
+  exits (0) when the job ends before it joined (``elastic/done``).
 - Between steps, the :class:`~gradsync.adapt.Controller` asks (:meth:`Membership.agree`) whether a
   newer generation exists: one all-reduce (max) of one integer, so all workers switch after the
   same step. Then every worker closes its strategy, leaves the old group, and the members of the
@@ -110,9 +112,22 @@ class Membership:
 
     def _newer(self, gen: int) -> str | None:
         """Why to stop forming generation ``gen``: the launcher published a newer one (a worker
-        listed in ``gen`` may have gone straight there and never come)."""
+        listed in ``gen`` may have gone straight there and never come), or the job ended."""
         newest = self.latest()
-        return f"generation {newest} replaced it" if newest > gen else None
+        if newest > gen:
+            return f"generation {newest} replaced it"
+        return "the job ended" if self.done() else None
+
+    def done(self) -> bool:
+        """The job ended (``elastic/done``): every member finished."""
+        return self._read("elastic/done") is not None
+
+    def exit_if_done(self) -> None:
+        """A worker still joining when the job ends (it became ready after the others' last step)
+        has nothing to do: it says so and the process exits 0."""
+        if self.done():
+            print(f"gradsync: elastic worker {self.id}: the job ended before this worker joined it", flush=True)
+            raise SystemExit(0)
 
     def members_of(self, gen: int) -> list[int]:
         deadline = time.monotonic() + self.timeout_s
@@ -166,6 +181,8 @@ class Membership:
                 rt.transport.allreduce(flags, op="max", what="elastic: who is new")
             except Exception as exc:  # noqa: BLE001 - Gloo and the store raise plain RuntimeErrors
                 runtime.leave()
+                if self.gen < 0:
+                    self.exit_if_done()
                 try:  # a member died meanwhile: the launcher leaves it out of the next generation
                     gen = self.wait_for(gen, self.timeout_s)
                     continue
@@ -224,7 +241,8 @@ class Membership:
 
 
 def join(backend: str, timeout_s: float):
-    """``gradsync.init()`` in an elastic job: announce this worker, wait to be listed, form the group."""
+    """``gradsync.init()`` in an elastic job: where the script first needs the job, announce this
+    worker, wait to be listed and form the group (a standby: announced at once, admitted by a grow)."""
     addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
     port = runtime._env_int("MASTER_PORT", 29500)
     wid = runtime._env_int("GRADSYNC_ELASTIC_ID", -1)
@@ -235,13 +253,22 @@ def join(backend: str, timeout_s: float):
                           "a peer dies, so survivors could not regroup")
     store = _client(addr, port, max(timeout_s, runtime.RENDEZVOUS_MIN_S))
     member = Membership(store, addr, port, wid, backend, timeout_s)
-    store.set(f"elastic/ready/{wid}", "1")
     if os.environ.get("GRADSYNC_ELASTIC_STANDBY") == "1":
         # A standby goes on with the script (its model is built ahead of need) and waits to be
         # admitted where it first needs the job: distribute(), gradsync.topology(), the rank.
+        store.set(f"elastic/ready/{wid}", "1")
         runtime.defer(lambda: _enter_when_listed(member, None))
         return _Deferred()
-    return _enter_when_listed(member, time.monotonic() + max(timeout_s, runtime.RENDEZVOUS_MIN_S))
+
+    def enter() -> None:
+        # Every other worker also goes on with the script and announces itself where it first
+        # needs the job: the workers already training regroup for a joiner once it has built its
+        # model, rather than wait for it in the model check, a collective bounded by the timeout.
+        store.set(f"elastic/ready/{wid}", "1")
+        _enter_when_listed(member, time.monotonic() + max(timeout_s, runtime.RENDEZVOUS_MIN_S))
+
+    runtime.defer(enter)
+    return _Deferred()
 
 
 class _Deferred:
@@ -259,6 +286,7 @@ def _enter_when_listed(member: Membership, deadline: float | None):
         if deadline is None:
             gen = _admitted_or_done(member, gen)
         else:
+            member.exit_if_done()
             gen = member.wait_for(gen, max(1.0, deadline - time.monotonic()))
         if member.id in member.members_of(gen):
             break
