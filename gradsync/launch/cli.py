@@ -139,7 +139,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     elastic.add_argument("--max-np", type=_int_in(1), help="with --elastic: most workers (default -np)")
     elastic.add_argument("--standby", type=_int_in(0), default=0, metavar="K",
                          help="with --elastic: keep K extra workers started (torch imported, the script run up to "
-                              "gradsync.init()) that a grow admits at once; replaced in the background")
+                              "where it first needs the job, e.g. distribute) that a grow admits at once; replaced "
+                              "in the background")
     durable = parser.add_argument_group("checkpoints (a script that trains through gradsync.adapt.Controller)")
     durable.add_argument("--checkpoint-dir", metavar="DIR", type=output_dir,
                          help="worker 0 writes the Controller's commits to DIR, atomically, off the step's path")
