@@ -262,7 +262,7 @@ def join(backend: str, timeout_s: float):
 
     def enter() -> None:
         # Every other worker also goes on with the script and announces itself where it first
-        # needs the job: the workers already training regroup for a joiner once it has built its
+        # needs the job: the workers already in the job regroup for a joiner once it has built its
         # model, rather than wait for it in the model check, a collective bounded by the timeout.
         store.set(f"elastic/ready/{wid}", "1")
         _enter_when_listed(member, time.monotonic() + max(timeout_s, runtime.RENDEZVOUS_MIN_S))
