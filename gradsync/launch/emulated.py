@@ -8,13 +8,14 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
-import signal
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 from gradsync.cluster import EmulatedCluster, LinkRates
 from gradsync.launch.processes import launch_local
+from gradsync.launch.watch import _stop
 
 SERVER_HOSTS = ("own", "shared")
 """Where dedicated servers go (:func:`placement`): on hosts of their own, or on the workers' hosts."""
@@ -89,22 +90,6 @@ def launch_elastic_emulated(command: list[str], *, hosts: int, nproc: int, min_h
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     agent.wait(timeout=max(0.0, deadline - time.monotonic()))
             return code
-        finally:
-            _stop(agents, grace_s)
+        finally:  # Ctrl-C, or an agent that outlived the lead: its group (its workers) TERM, then KILL
+            _stop([SimpleNamespace(proc=agent) for agent in agents if agent.poll() is None], grace_s)
 
-
-def _stop(agents: list[subprocess.Popen], grace_s: float) -> None:
-    """End the agents still running (Ctrl-C, or one that outlived the lead): SIGTERM to each agent's
-    process group (its workers), SIGKILL after ``grace_s``."""
-    running = [a for a in agents if a.poll() is None]
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for agent in running:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(agent.pid, sig)
-        deadline = time.monotonic() + grace_s
-        for agent in running:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                agent.wait(timeout=max(0.1, deadline - time.monotonic()))
-        running = [a for a in running if a.poll() is None]
-        if not running:
-            return
