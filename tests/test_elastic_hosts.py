@@ -128,19 +128,19 @@ def test_hosts_join_one_is_lost_and_another_resizes_the_job(tmp_path, strategy):
 @needs_root
 def test_an_elastic_job_on_emulated_hosts_runs_an_agent_on_each(tmp_path):
     # gradsync run --elastic --net: two hosts of two workers, an agent each, both started at once:
-    # the job runs on both (the second joins as it registers, long before step 6), shrinks to the
-    # first host's two and grows back onto the second host's slots one step later, while the
-    # workers that left may still hold them (new workers start there as they free), and equals
-    # the replay; the cluster is removed.
+    # the job runs on both (the second's workers join once they have built their model, seconds
+    # before step 12 at 0.25 s a step), shrinks to the first host's two and grows back onto the
+    # second host's slots one step later, while the workers that left may still hold them (new
+    # workers start there as they free), and equals the replay; the cluster is removed.
     out = tmp_path / "result.json"
     proc = subprocess.run([*GRADSYNC, "run", "--elastic", "--net", "10gbit", "--ranks-per-host", "2", "-np", "4",
-                           "--min-np", "2", "--", sys.executable, EXAMPLE, "--schedule", "6:2,7:4", "--steps", "10",
-                           "--sleep", "0.1", "--out", str(out)], capture_output=True, text=True, timeout=180, cwd=ROOT,
+                           "--min-np", "2", "--", sys.executable, EXAMPLE, "--schedule", "12:2,13:4", "--steps", "16",
+                           "--sleep", "0.25", "--out", str(out)], capture_output=True, text=True, timeout=180, cwd=ROOT,
                           env={k: v for k, v in os.environ.items() if k != "GRADSYNC_JOB_SECRET"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
-    sizes = [result["sizes"][str(s)] for s in range(10)]
-    assert 4 in sizes[:6] and sizes[6:] == [2] + [4] * 3, sizes
+    sizes = [result["sizes"][str(s)] for s in range(16)]
+    assert 4 in sizes[:12] and sizes[12:] == [2] + [4] * 3, sizes
     described = [d for step, d in result["described"]]
     assert any("two-level over 2 hosts" in d for d in described), described
     assert_matches_reference(result)
