@@ -289,6 +289,7 @@ def stuck_in_user_code(strategy: str):
 STUCK = [  # (strategy, servers): one per family of waits (a compression thread's: casync-ring, below)
     ("allreduce", 0),  # a collective on the training thread (ddp's reducer waits alike: its stopped peer, below)
     ("ps-async", 1),  # a server's receive from any worker
+    ("ps", 1),  # a dedicated server's wait for every worker's header (the workers wait for its answers)
     ("p3", 0),  # the training thread waits for slices; keep-alives keep the links busy
     ("hybrid", 0),  # row servers on every worker's threads
     ("pair-averaging", 0),  # no barrier while training: the goodbye at the end waits
@@ -312,6 +313,47 @@ def test_a_rank_stuck_in_its_own_code_is_named_within_the_timeout(strategy, serv
         assert f"at step {STUCK_STEP + 1}" in last and "its own code" in last, last
         seconds = float(re.search(r"\[([\d.]+) s after the hang\]", last).group(1))
         assert timeout - 1 <= seconds <= timeout + 2, last
+
+
+def paused_together(strategies: list[str]) -> dict:
+    """Each strategy in turn: every worker pauses 1.5x the timeout between two steps (an evaluation),
+    and training goes on. Returns per strategy the parameters and the pings sent meanwhile."""
+    topo, rt = gradsync.topology(), gradsync.runtime.current()
+    out = {}
+    for strategy in strategies:
+        model = TableNet()
+        opt = gradsync.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1), strategy, exit_servers=False)
+        if topo.is_server:
+            continue  # distribute returned when the workers closed
+        for step in range(4):
+            if step == 2:
+                time.sleep(1.5 * rt.timeout_s)
+            ids = torch.randint(0, 1000, (4, 3), generator=torch.Generator().manual_seed(10 * step + topo.rank))
+            model(ids).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        opt.flush()
+        keepalive = getattr(opt._gradsync.strategy, "keepalive", None)
+        out[strategy] = {"params": [p.detach().clone() for p in model.parameters()],
+                         "pings": keepalive.pings if keepalive is not None else 0}
+        opt.close()
+    return out
+
+
+@pytest.mark.parametrize("strategies,servers", [(["hybrid", "pair-averaging"], 0), (["ps", "ps-async", "hybrid"], 1)],
+                         ids=["colocated", "dedicated"])
+def test_a_pause_of_every_worker_longer_than_the_timeout_is_no_fault(strategies, servers):
+    """Servers that wait for the next request (hybrid's rows, pair-averaging's models, dedicated
+    parameter servers) are pinged while their workers pause: without, Gloo's receive timed out and
+    broke the job at the first evaluation longer than GRADSYNC_TIMEOUT."""
+    results = run_ranks(paused_together, 2 + servers, strategies, servers=servers, timeout=90,
+                        env={"GRADSYNC_TIMEOUT": "2"})
+    for strategy in strategies:
+        workers = [results[r][strategy] for r in range(2)]
+        assert all(w["pings"] > 0 for w in workers), (strategy, workers)
+        if strategy in ("hybrid", "ps"):  # synchronous: every worker holds the same model
+            for a, b in zip(workers[0]["params"], workers[1]["params"]):
+                assert torch.equal(a, b), strategy
 
 
 def test_who_is_behind_is_read_from_the_heartbeats():

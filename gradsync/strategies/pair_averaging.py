@@ -14,7 +14,7 @@ worker runs a small server thread that answers pulls from a snapshot of its mode
 each of its own steps). Workers may therefore average models from different steps.
 
 Wire (no pickle): a pull is an ``int64[2] = (op, rank)`` request on tag ``TAG_REQUEST`` (op 1 = pull,
-2 = this worker is leaving), answered by the flat model (one buffer per dtype) on tag ``TAG_REPLY``.
+2 = this worker is leaving, 3 = a keep-alive ping, skipped: :mod:`gradsync.transport.keepalive`), answered by the flat model (one buffer per dtype) on tag ``TAG_REPLY``.
 At ``close`` a worker tells every peer it is leaving and keeps serving until every peer has said the
 same, so a peer's last pull is always answered; a peer from which nothing came for the timeout
 (``GRADSYNC_TIMEOUT``) while it had not left is named in the error.
@@ -40,9 +40,10 @@ from gradsync import flight, runtime
 from gradsync.errors import ConfigError
 from gradsync.strategies.base import Strategy, SyncContext, worker_hosts
 from gradsync.transport import REPORT_S, check_peer
+from gradsync.transport.keepalive import KeepAlive
 
 TAG_REQUEST, TAG_REPLY = 910_001, 910_002
-OP_PULL, OP_LEAVE = 1, 2
+OP_PULL, OP_LEAVE, OP_PING = 1, 2, 3
 
 
 class PairAveraging(Strategy):
@@ -81,10 +82,12 @@ class PairAveraging(Strategy):
         self.left: set[int] = set()
         self.heard = time.monotonic()  # the last request from a peer (pull or leave)
         self.pulling: tuple | None = None  # (peer, receive handles): the model asked for at the last step
-        self.thread = None
+        self.thread = self.keepalive = None
         if self.peers:
             self.thread = threading.Thread(target=self._serve, name="gradsync-pair-averaging", daemon=True)
             self.thread.start()
+            ping = torch.tensor([OP_PING, self.me])  # the peers' servers wait for requests through any pause
+            self.keepalive = KeepAlive(ctx.transport, self.peers, TAG_REQUEST, lambda: ping, "pair-averaging ping")
 
     def _serve(self) -> None:
         transport = self.ctx.transport
@@ -99,10 +102,12 @@ class PairAveraging(Strategy):
                     if self.closed:
                         return
                     raise
-                self.heard = time.monotonic()
                 op, peer = request.tolist()
-                check_peer(op in (OP_PULL, OP_LEAVE) and peer == src and peer in self.peers, src,
+                check_peer(op in (OP_PULL, OP_LEAVE, OP_PING) and peer == src and peer in self.peers, src,
                            "a pair-averaging request", f"operation {op} for worker {peer}")
+                if op == OP_PING:
+                    continue  # alive, but not a request: a peer that never leaves is still named at close
+                self.heard = time.monotonic()
                 if op == OP_LEAVE:
                     self.left.add(peer)
                     continue
@@ -139,6 +144,7 @@ class PairAveraging(Strategy):
             peer, self.turn = self.turns[self.turn % len(self.turns)], self.turn + 1
         else:
             peer = self.rng.choice(self.peers)
+        self.keepalive.sent(peer)
         transport.send_async(torch.tensor([OP_PULL, self.me]), peer, TAG_REQUEST,
                              what=f"pull request to worker {peer}").wait()
         self.pulling = (peer, [transport.recv_async(box, peer, TAG_REPLY, what=f"model of worker {peer}")
@@ -188,6 +194,7 @@ class PairAveraging(Strategy):
             for handle in self.pulling[1]:
                 handle.wait()
             self.pulling = None
+        self.keepalive.stop()  # after the leave message, the peers no longer listen to this worker
         for peer in self.peers:
             self.ctx.transport.send_async(torch.tensor([OP_LEAVE, self.me]), peer, TAG_REQUEST,
                                           what=f"leave message to worker {peer}").wait()

@@ -53,20 +53,23 @@ on ``TAG_REQUEST``, then ``n`` int64 row ids, then (``PUSH``) ``n`` rows of valu
 rows asked for) on ``TAG_ANSWER``. ``FLUSH`` asks for whole partitions, each answered as one
 message straight from the partition into the worker's rows (``flush()``: before
 reading the model outside its lookups, saving it, or comparing it; not a step's traffic, so left out
-of the transport's byte count); ``STOP`` at close.
+of the transport's byte count); ``STOP`` at close; ``PING`` (a header alone, skipped) while a worker
+sends its servers nothing else for a quarter of the timeout, so that their waits for the next request
+outlive the workers' pauses (:mod:`gradsync.transport.keepalive`).
 
 Must match across ranks: the model and the optimizer. Gloo only (servers receive from any source).
 """
 # layout.py: message codes, the row layout, lazy_update; plan.py: the first step's decisions;
 # server.py: RowServer; strategy.py: SparseHybrid, the worker's side.
 from gradsync._lazy import lazy_names
-from gradsync.strategies.hybrid.layout import (HEADER, OP_FLUSH, OP_PROBE_PULL, OP_PROBE_PUSH, OP_PULL, OP_PUSH, OP_STOP,
+from gradsync.strategies.hybrid.layout import (HEADER, OP_FLUSH, OP_PING, OP_PROBE_PULL, OP_PROBE_PUSH, OP_PULL, OP_PUSH,
+                                              OP_STOP,
                                               TABLES, TAG_ANSWER, TAG_REQUEST, Layout, lazy_update)
 from gradsync.strategies.hybrid.server import RowServer
 from gradsync.strategies.hybrid.strategy import SparseHybrid
 
 __all__ = ["SparseHybrid", "RowServer", "Layout", "lazy_update", "TABLES", "HEADER", "TAG_REQUEST", "TAG_ANSWER",
-           "OP_PULL", "OP_PUSH", "OP_FLUSH", "OP_STOP", "OP_PROBE_PUSH", "OP_PROBE_PULL"]
+           "OP_PULL", "OP_PUSH", "OP_FLUSH", "OP_STOP", "OP_PROBE_PUSH", "OP_PROBE_PULL", "OP_PING"]
 
 # The old class name, kept as a deprecated alias.
 lazy_names(__name__, {}, renamed={"Hybrid": "gradsync.strategies.SparseHybrid"})

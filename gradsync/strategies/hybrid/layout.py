@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 
-OP_PULL, OP_PUSH, OP_FLUSH, OP_STOP, OP_PROBE_PUSH, OP_PROBE_PULL = 1, 2, 3, 4, 5, 6
+OP_PULL, OP_PUSH, OP_FLUSH, OP_STOP, OP_PROBE_PUSH, OP_PROBE_PULL, OP_PING = 1, 2, 3, 4, 5, 6, 7
 TAG_REQUEST, TAG_ANSWER = 920_001, 920_002
 HEADER = 8
 TABLES = (nn.Embedding, nn.EmbeddingBag)

@@ -14,9 +14,11 @@ import time
 import torch
 
 from gradsync.errors import ConfigError
-from gradsync.strategies.hybrid.layout import OP_PROBE_PULL, OP_PROBE_PUSH, TAG_ANSWER, Layout, lazy_update
+from gradsync.strategies.hybrid.layout import (HEADER, OP_PING, OP_PROBE_PULL, OP_PROBE_PUSH, TAG_ANSWER, TAG_REQUEST,
+                                              Layout, lazy_update)
 from gradsync.strategies.hybrid.server import RowServer
 from gradsync.transport import wait_all
+from gradsync.transport.keepalive import KeepAlive
 
 
 class Planning:
@@ -78,6 +80,10 @@ class Planning:
             for i in self.sparse:
                 self.restore_sparse[i] = self.modules[i].sparse
                 self.modules[i].sparse = True
+            if topo.rank in self.pushers:  # its servers' waits for requests outlive its pauses
+                ping = torch.tensor([OP_PING] + [0] * (HEADER - 1), dtype=torch.int64)
+                self.keepalive = KeepAlive(ctx.transport, [s for s in self.servers if s != topo.rank], TAG_REQUEST,
+                                           lambda: ping, "hybrid keep-alive ping")
 
     def _measure(self, i: int) -> tuple[float, float, float]:
         """(fraction of rows read, mixed use, used) of candidate ``i`` on this worker's first step."""

@@ -12,7 +12,8 @@ from gradsync import runtime, trace
 from gradsync.errors import GradsyncError, PeerFailureError
 from gradsync.heartbeat import SILENT_S
 from gradsync.strategies.base import Strategy
-from gradsync.strategies.hybrid.layout import (HEADER, OP_FLUSH, OP_PROBE_PULL, OP_PROBE_PUSH, OP_PULL, OP_PUSH, OP_STOP,
+from gradsync.strategies.hybrid.layout import (HEADER, OP_FLUSH, OP_PING, OP_PROBE_PULL, OP_PROBE_PUSH, OP_PULL, OP_PUSH,
+                                              OP_STOP,
                                               TAG_ANSWER, TAG_REQUEST, Layout, _lr)
 from gradsync.transport import check_peer
 
@@ -119,6 +120,8 @@ class RowServer:
                 self.last_request = time.monotonic()
                 op, step, table, partitions, n, used, lr_bits, _ = header.tolist()
                 self._check_header(src, op, table, n)
+                if op == OP_PING:
+                    continue  # a worker away from training (gradsync.transport.keepalive)
                 if op == OP_STOP:
                     with self.cond:
                         self.remote.discard(src)
@@ -142,8 +145,8 @@ class RowServer:
 
     def _check_header(self, src: int, op: int, table: int, n: int) -> None:
         """A request's header against what a worker may ask, before anything is allocated for it."""
-        check_peer(OP_PULL <= op <= OP_PROBE_PULL, src, "a hybrid request", f"operation {op}")
-        if op == OP_STOP:
+        check_peer(OP_PULL <= op <= OP_PING, src, "a hybrid request", f"operation {op}")
+        if op in (OP_STOP, OP_PING):
             return
         check_peer(0 <= table < len(self.row_counts), src, "a hybrid request", f"table {table} (there are {len(self.row_counts)})")
         rows = self.row_counts[table]

@@ -20,6 +20,7 @@ from gradsync.strategies.hybrid.plan import Planning
 from gradsync.strategies.hybrid.server import RowServer
 from gradsync.strategies.optstate import StateLayout, gather
 from gradsync.transport import wait_all
+from gradsync.transport.keepalive import KeepAlive
 
 
 class SparseHybrid(Planning, Strategy):
@@ -94,6 +95,7 @@ class SparseHybrid(Planning, Strategy):
         self.probes: dict[int, float] = {}
         self.restore_sparse: dict[int, bool] = {}
         self.closed = False
+        self.keepalive: KeepAlive | None = None  # from the first step's decisions, on the ranks that push
         self.stats = {"pushed_rows": 0, "pulled_rows": 0, "row_bytes": 0, "steps": 0}
         self.layout: Layout | None = None
 
@@ -151,14 +153,16 @@ class SparseHybrid(Planning, Strategy):
         tr = self.ctx.transport
         header = torch.tensor([op, self.step_no, t, partitions, ids.numel(), int(used), _lr_bits(lr), 0], dtype=torch.int64)
         what = f"hybrid {('pull', 'push', 'flush', 'stop', 'probe', 'probe')[op - 1]} to rank {server}"
-        handles = [tr.send_async(header, server, TAG_REQUEST, what=what)]
+        messages = [header]
         if ids.numel():
-            ids = ids.contiguous()
-            handles.append(tr.send_async(ids, server, TAG_REQUEST, what=what))
+            messages.append(ids.contiguous())
             if values is not None:
-                values = values.contiguous()
-                handles.append(tr.send_async(values, server, TAG_REQUEST, what=what))
-        return handles
+                messages.append(values.contiguous())
+        if self.keepalive is None:
+            return [tr.send_async(m, server, TAG_REQUEST, what=what) for m in messages]
+        with self.keepalive.lock:  # the request's messages in a row: no ping between them
+            self.keepalive.sent(server)
+            return [tr.send_async(m, server, TAG_REQUEST, what=what) for m in messages]
 
     def _wire_bytes(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
         """Count the bytes of rows that went over the wire (ids and values), for the bench's bound."""
@@ -300,6 +304,8 @@ class SparseHybrid(Planning, Strategy):
         if topo.is_worker and self.sparse:
             self.flush()  # the model is whole after close: every row current
         self.closed = True
+        if self.keepalive is not None:
+            self.keepalive.stop()  # before the stop: after it, the servers no longer listen to this worker
         if topo.is_worker and self.sparse:
             wait_all(self.sends)
             stops = [h for server in self.servers if server != topo.rank
@@ -318,6 +324,8 @@ class SparseHybrid(Planning, Strategy):
         """After a peer failed: the tables get back their own ``sparse`` flags (the next strategy
         attached records them), the row server's loop ends with the broken group; nothing is sent."""
         self.closed = True
+        if self.keepalive is not None:
+            self.keepalive.stop(wait=False)
         if self.server is not None:
             self.server.closed = True
         if self.dense is not None:

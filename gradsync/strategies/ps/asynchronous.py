@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import torch
 
+from gradsync import runtime
 from gradsync.errors import ConfigError
 from gradsync.strategies.base import SyncContext
 from gradsync.strategies.ps.base import ParameterServerBase
-from gradsync.strategies.ps.wire import OP_STEP, OP_STOP, TAG_CONTROL, check_header
+from gradsync.strategies.ps.wire import OP_PING, OP_STEP, OP_STOP, TAG_CONTROL, check_header
+from gradsync.transport.keepalive import Absences
 from gradsync.transport import wait_all
 
 
@@ -54,12 +56,20 @@ class AsyncParameterServer(ParameterServerBase):
         every worker has sent 'stop' (``gradsync.shutdown``)."""
         t, optimizer = self.ctx.transport, self.ctx.optimizer
         remaining = set(self.ctx.topology.worker_ranks)
+        absences = Absences(sorted(remaining), t.timeout.total_seconds())
+        what = "step header from any worker"
         while remaining:
             header = torch.zeros(2, dtype=torch.int64, device=t.device)
-            handle = t.recv_async(header, None, TAG_CONTROL, what="step header from any worker")
+            handle = t.recv_async(header, None, TAG_CONTROL, what=what)
             handle.wait()
             worker = handle.source_rank()
-            check_header(header, worker, ops=(OP_STEP, OP_STOP))
+            check_header(header, worker, ops=(OP_STEP, OP_STOP, OP_PING))
+            if int(header[0]) == OP_PING:  # a worker away from training (gradsync.transport.keepalive)
+                late = absences.behind(remaining)
+                if late:  # the others went on without it: stuck in its own code
+                    raise absences.error(runtime.current(), what, late)
+                continue
+            absences.request(worker, int(header[1]))
             if int(header[0]) == OP_STOP:
                 remaining.discard(worker)
                 continue

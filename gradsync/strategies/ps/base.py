@@ -30,11 +30,14 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
+from gradsync import runtime
 from gradsync.errors import ConfigError, GradsyncError
 from gradsync.strategies.base import Strategy, SyncContext, fill_slot, mean_of_used, served_bytes_per_host
 from gradsync.strategies.coded import CodedBlocks
-from gradsync.strategies.ps.wire import OP_STEP, OP_STOP, TAG_CONTROL, Fused, check_header, partition, plan_groups
+from gradsync.strategies.ps.wire import (OP_PING, OP_STEP, OP_STOP, TAG_CONTROL, Fused, check_header, partition,
+                                         plan_groups)
 from gradsync.transport import wait_all
+from gradsync.transport.keepalive import Absences, KeepAlive
 
 
 class ParameterServerBase(Strategy):
@@ -117,6 +120,11 @@ class ParameterServerBase(Strategy):
             self.host_order = sorted(range(len(self.groups)), key=lambda g: -self.groups[g][0])
             self.summing: list = []
         self._reset_pushes()
+        self.keepalive = None
+        self.absences: Absences | None = None  # a dedicated server's record of its workers' headers
+        if self.dedicated and me in self.pushers:  # the servers' waits for headers outlive this worker's pauses
+            ping = torch.tensor([OP_PING, 0], dtype=torch.int64, device=ctx.transport.device)
+            self.keepalive = KeepAlive(ctx.transport, self.servers, TAG_CONTROL, lambda: ping, "parameter-server ping")
 
     def _reset_pushes(self) -> None:
         self.pending = [len(grp) for grp in self.groups]
@@ -135,8 +143,10 @@ class ParameterServerBase(Strategy):
         t = self.ctx.transport
         if self.dedicated:
             header = torch.tensor([OP_STEP, self.step_no], dtype=torch.int64, device=t.device)
-            self.sends += [t.send_async(header, s, TAG_CONTROL, what=f"step header to rank {s}")
-                           for s in self.servers]
+            for s in self.servers:
+                if self.keepalive is not None:
+                    self.keepalive.sent(s)
+                self.sends.append(t.send_async(header, s, TAG_CONTROL, what=f"step header to rank {s}"))
         else:  # co-located: this worker serves its partition, so it listens for pushes now
             self.recvs = self._post_pushes([w for w in self.pushers if w != t.topology.rank])
 
@@ -393,18 +403,33 @@ class ParameterServerBase(Strategy):
         return handles
 
     def _headers(self, workers: list[int]) -> list[torch.Tensor]:
-        headers = [torch.zeros(2, dtype=torch.int64, device=self.ctx.transport.device) for _ in workers]
-        wait_all([self.ctx.transport.recv_async(h, w, TAG_CONTROL, what=f"step header from rank {w}")
-                  for h, w in zip(headers, workers)])
-        for h, w in zip(headers, workers):
-            check_header(h, w)
-        return headers
+        """Each worker's next header, its pings skipped (a dedicated server's wait outlives a pause
+        of every worker; one worker stuck in its own code while the others wait is named)."""
+        t = self.ctx.transport
+        if self.absences is None:
+            self.absences = Absences(workers, t.timeout.total_seconds())
+        got: dict[int, torch.Tensor] = {}
+        waiting = list(workers)
+        while waiting:
+            headers = [torch.zeros(2, dtype=torch.int64, device=t.device) for _ in waiting]
+            wait_all([t.recv_async(h, w, TAG_CONTROL, what=f"step header from rank {w}") for h, w in zip(headers, waiting)])
+            for h, w in zip(headers, waiting):
+                check_header(h, w)
+                if int(h[0]) != OP_PING:
+                    got[w] = h
+                    self.absences.request(w, int(h[1]))
+            waiting = [w for w in waiting if w not in got]
+            late = self.absences.behind(waiting)
+            if late:
+                raise self.absences.error(runtime.current(), f"step header from rank {late[0]}", late)
+        return [got[w] for w in workers]
 
     def close(self) -> None:
         """Workers tell dedicated servers to stop. Safe to call twice."""
         if self.closed or not self.dedicated or self.ctx.topology.rank not in self.pushers:
             return
         self.closed = True
+        self.keepalive.stop()  # after the stop, the servers no longer listen to this worker
         header = torch.tensor([OP_STOP, self.step_no], dtype=torch.int64, device=self.ctx.transport.device)
         t = self.ctx.transport
         wait_all([t.send_async(header, s, TAG_CONTROL, what=f"stop to rank {s}") for s in self.servers])

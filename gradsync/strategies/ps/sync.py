@@ -132,6 +132,8 @@ class ParameterServer(ParameterServerBase):
         if t.topology.rank not in self.pushers:  # the servers hear from each host's first worker
             return
         header = torch.tensor([op, self.step_no], dtype=torch.int64, device=t.device)
+        for s in self.servers:
+            self.keepalive.sent(s)
         wait_all([t.send_async(header, s, TAG_CONTROL, what=f"{doing} request to rank {s}") for s in self.servers])
 
     def _receive_state(self, source: bool) -> None:

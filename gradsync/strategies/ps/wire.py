@@ -3,7 +3,8 @@
 - Control header ``int64[2] = (op, step)`` on tag :data:`TAG_CONTROL`: ``op`` is
   :data:`OP_STEP` (a worker starts step ``step``), :data:`OP_STOP` (it is done:
   ``gradsync.shutdown``), :data:`OP_SAVE` or :data:`OP_LOAD` (a checkpoint of the servers'
-  optimizer state; ``ps`` only).
+  optimizer state; ``ps`` only) or :data:`OP_PING` (a worker away from training, skipped: a
+  server's wait for the next header outlives the workers' pauses, :mod:`gradsync.transport.keepalive`).
 - A push is a *group* of tensors, ``grads.flatten() ++ [used flag per tensor]`` in their dtype, on
   tag ``1 + first index``; a pull is the group's parameter data on the same tag.
 - Groups (:func:`plan_groups`) are tensors consecutive in backward order with the same server, up
@@ -19,11 +20,11 @@ import torch
 from gradsync.strategies.allreduce import plan_buckets
 from gradsync.transport import check_peer
 
-OP_STEP, OP_STOP, OP_SAVE, OP_LOAD = 1, 2, 3, 4
+OP_STEP, OP_STOP, OP_SAVE, OP_LOAD, OP_PING = 1, 2, 3, 4, 5
 TAG_CONTROL = 0
 
 
-def check_header(header: torch.Tensor, src: int, ops=(OP_STEP, OP_STOP, OP_SAVE, OP_LOAD)) -> None:
+def check_header(header: torch.Tensor, src: int, ops=(OP_STEP, OP_STOP, OP_SAVE, OP_LOAD, OP_PING)) -> None:
     """A control header from rank ``src`` must name one of ``ops`` and a step >= 0."""
     op, step = header.tolist()
     check_peer(op in ops and step >= 0, src, "a parameter-server step header",
