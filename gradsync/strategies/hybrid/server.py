@@ -8,7 +8,7 @@ import time
 import torch
 from torch import nn
 
-from gradsync import runtime, trace
+from gradsync import flight, runtime, trace
 from gradsync.errors import GradsyncError, PeerFailureError
 from gradsync.heartbeat import SILENT_S
 from gradsync.strategies.base import Strategy
@@ -313,6 +313,10 @@ class RowServer:
         workers train) fails when no request came for ``GRADSYNC_TIMEOUT``; any other wait fails
         ``GRADSYNC_TIMEOUT`` after it began.
         """
+        with flight.waiting("hybrid: " + what.split(",")[0]):  # a wait on peers, not the script's own code
+            self._await_in(done, waiting_for, what, patient=patient)
+
+    def _await_in(self, done, waiting_for, what: str, *, patient: bool) -> None:
         rt = runtime.current()
         began = time.monotonic()
         since = None  # (when, heartbeat counts) at the start of the current window
