@@ -14,7 +14,7 @@ worker runs a small server thread that answers pulls from a snapshot of its mode
 each of its own steps). Workers may therefore average models from different steps.
 
 Wire (no pickle): a pull is an ``int64[2] = (op, rank)`` request on tag ``TAG_REQUEST`` (op 1 = pull,
-2 = this worker is leaving, 3 = a keep-alive ping, skipped: :mod:`gradsync.transport.keepalive`), answered by the flat model (one buffer per dtype) on tag ``TAG_REPLY``.
+2 = this worker is leaving, 3 = a keep-alive ping, skipped: :mod:`gradsync.strategies.keepalive`), answered by the flat model (one buffer per dtype) on tag ``TAG_REPLY``.
 At ``close`` a worker tells every peer it is leaving and keeps serving until every peer has said the
 same, so a peer's last pull is always answered; a peer from which nothing came for the timeout
 (``GRADSYNC_TIMEOUT``) while it had not left is named in the error.
@@ -40,7 +40,7 @@ from gradsync import flight, runtime
 from gradsync.errors import ConfigError
 from gradsync.strategies.base import Strategy, SyncContext, worker_hosts
 from gradsync.transport import REPORT_S, check_peer
-from gradsync.transport.keepalive import KeepAlive
+from gradsync.strategies.keepalive import KeepAlive
 
 TAG_REQUEST, TAG_REPLY = 910_001, 910_002
 OP_PULL, OP_LEAVE, OP_PING = 1, 2, 3

@@ -55,7 +55,7 @@ message straight from the partition into the worker's rows (``flush()``: before
 reading the model outside its lookups, saving it, or comparing it; not a step's traffic, so left out
 of the transport's byte count); ``STOP`` at close; ``PING`` (a header alone, skipped) while a worker
 sends its servers nothing else for a quarter of the timeout, so that their waits for the next request
-outlive the workers' pauses (:mod:`gradsync.transport.keepalive`).
+outlive the workers' pauses (:mod:`gradsync.strategies.keepalive`).
 
 Must match across ranks: the model and the optimizer. Gloo only (servers receive from any source).
 """

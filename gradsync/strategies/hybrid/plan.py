@@ -18,7 +18,7 @@ from gradsync.strategies.hybrid.layout import (HEADER, OP_PING, OP_PROBE_PULL, O
                                               Layout, lazy_update)
 from gradsync.strategies.hybrid.server import RowServer
 from gradsync.transport import wait_all
-from gradsync.transport.keepalive import KeepAlive
+from gradsync.strategies.keepalive import KeepAlive
 
 
 class Planning:

@@ -121,7 +121,7 @@ class RowServer:
                 op, step, table, partitions, n, used, lr_bits, _ = header.tolist()
                 self._check_header(src, op, table, n)
                 if op == OP_PING:
-                    continue  # a worker away from training (gradsync.transport.keepalive)
+                    continue  # a worker away from training (gradsync.strategies.keepalive)
                 if op == OP_STOP:
                     with self.cond:
                         self.remote.discard(src)

@@ -20,7 +20,7 @@ from gradsync.strategies.hybrid.plan import Planning
 from gradsync.strategies.hybrid.server import RowServer
 from gradsync.strategies.optstate import StateLayout, gather
 from gradsync.transport import wait_all
-from gradsync.transport.keepalive import KeepAlive
+from gradsync.strategies.keepalive import KeepAlive
 
 
 class SparseHybrid(Planning, Strategy):

@@ -20,7 +20,7 @@ from gradsync.errors import ConfigError
 from gradsync.strategies.base import SyncContext
 from gradsync.strategies.ps.base import ParameterServerBase
 from gradsync.strategies.ps.wire import OP_PING, OP_STEP, OP_STOP, TAG_CONTROL, check_header
-from gradsync.transport.keepalive import Absences
+from gradsync.strategies.keepalive import Absences
 from gradsync.transport import wait_all
 
 
@@ -64,7 +64,7 @@ class AsyncParameterServer(ParameterServerBase):
             handle.wait()
             worker = handle.source_rank()
             check_header(header, worker, ops=(OP_STEP, OP_STOP, OP_PING))
-            if int(header[0]) == OP_PING:  # a worker away from training (gradsync.transport.keepalive)
+            if int(header[0]) == OP_PING:  # a worker away from training (gradsync.strategies.keepalive)
                 late = absences.behind(remaining)
                 if late:  # the others went on without it: stuck in its own code
                     raise absences.error(runtime.current(), what, late)

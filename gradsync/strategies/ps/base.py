@@ -37,7 +37,7 @@ from gradsync.strategies.coded import CodedBlocks
 from gradsync.strategies.ps.wire import (OP_PING, OP_STEP, OP_STOP, TAG_CONTROL, Fused, check_header, partition,
                                          plan_groups)
 from gradsync.transport import wait_all
-from gradsync.transport.keepalive import Absences, KeepAlive
+from gradsync.strategies.keepalive import Absences, KeepAlive
 
 
 class ParameterServerBase(Strategy):

@@ -4,7 +4,7 @@
   :data:`OP_STEP` (a worker starts step ``step``), :data:`OP_STOP` (it is done:
   ``gradsync.shutdown``), :data:`OP_SAVE` or :data:`OP_LOAD` (a checkpoint of the servers'
   optimizer state; ``ps`` only) or :data:`OP_PING` (a worker away from training, skipped: a
-  server's wait for the next header outlives the workers' pauses, :mod:`gradsync.transport.keepalive`).
+  server's wait for the next header outlives the workers' pauses, :mod:`gradsync.strategies.keepalive`).
 - A push is a *group* of tensors, ``grads.flatten() ++ [used flag per tensor]`` in their dtype, on
   tag ``1 + first index``; a pull is the group's parameter data on the same tag.
 - Groups (:func:`plan_groups`) are tensors consecutive in backward order with the same server, up
