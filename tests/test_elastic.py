@@ -82,8 +82,9 @@ def test_workers_that_join_take_over_the_policies_monitors_and_chosen_strategy(t
     assert_matches_reference(result)
 
 
-@pytest.mark.parametrize("strategy", ["ps", "p3", "hybrid", "ddp"])
+@pytest.mark.parametrize("strategy", ["ps", "hybrid", "ddp"])
 def test_every_strategy_grows_and_survives_a_worker_killed_mid_step(tmp_path, strategy):
+    # (p3 grows and loses a worker in test_elastic_hosts.py, its host lost mid-training.)
     # ps, p3 and hybrid keep optimizer state (and hybrid its table rows) on the workers' servers:
     # the grow hands it over in the new layout, and every commit gathers it, so the survivors of
     # the killed worker redo only the interrupted step. Their waits end on the launcher's word that

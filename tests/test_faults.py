@@ -315,6 +315,66 @@ def test_a_rank_stuck_in_its_own_code_is_named_within_the_timeout(strategy, serv
         assert timeout - 1 <= seconds <= timeout + 2, last
 
 
+@pytest.mark.alone  # asserts the seconds to the error
+@pytest.mark.parametrize("strategy", ["ps", "casync-ring", "ddp"])
+def test_a_peer_stopped_before_the_next_operation_is_named_within_the_timeout_of_the_fault(strategy, tmp_path):
+    """Gloo's timeout counts from an operation's start; the survivors' next one starts 2 s after
+    rank 1 stopped. The error still comes within the timeout (4 s) of the fault: nothing completed
+    for 4 s and the heartbeat watch saw rank 1 stand still. ``ps`` waits in a receive (its waiter
+    thread), ``casync-ring``'s training thread for its communication thread, which is blocked in a
+    receive (``runtime.check_progress``), ``ddp`` in PyTorch's reducer, which no exception reaches:
+    the watchdog ends the process. (A collective of gradsync's own on the training thread, as
+    ``allreduce`` waits, is the stuck-rank test's and the watch's unit test's.)"""
+    report = tmp_path / "watchdog.txt" if strategy == "ddp" else None
+    errors = run_ranks_expect_failure(train_until_fault, 2, strategy, "stop-then-compute", {},
+                                      None if report is None else str(report), timeout=40,
+                                      env={"GRADSYNC_TIMEOUT": "4"}, wait_for=[0])
+    if report is None:
+        last = errors[0].strip().splitlines()[-1]
+    else:  # the watchdog ended the process: no report, the error is in ``report``
+        assert "exited with code 1 without reporting" in errors[0], errors[0]
+        last = report.read_text()
+        assert "DDP's all-reduce" in last, last
+    assert "PeerFailureError" in last and "worker 1 (rank 1) stopped responding" in last, last
+    assert "nothing completed for" in last, last  # its next operation (ps: a receive) starts after the fault
+    if strategy == "casync-ring":
+        assert "wait for the compressed buckets" in last, last
+    assert seconds_into_step(last) <= 4.5, last  # 6 s when an operation started after the fault waits out its timeout
+
+
+def stop_the_store_host_at_start():
+    """Rank 0, which serves the store, stops right after every rank joined; rank 1 computes for 2 s,
+    then distributes (its first operation, the model check): the error is re-raised with its seconds.
+    Rank 0 waits for rank 1's word that its gradsync.init() returned: stopped earlier, it would
+    leave rank 1 in the rendezvous, which waits for a late store host far longer (RENDEZVOUS_MIN_S)."""
+    store = gradsync.runtime.current().store
+    if gradsync.topology().rank == 0:
+        store.wait(["rank 1 joined"])
+        os.kill(os.getpid(), signal.SIGSTOP)
+    else:
+        store.set("rank 1 joined", "1")
+    start = time.monotonic()
+    time.sleep(2.0)
+    model = mlp()
+    try:
+        gradsync.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1), "allreduce")
+    except gradsync.PeerFailureError as exc:
+        raise gradsync.PeerFailureError(f"{exc} [{time.monotonic() - start:.2f} s into step 3]") from exc
+    raise AssertionError(f"distribute returned {time.monotonic() - start:.2f} s in, with the store host stopped")
+
+
+@pytest.mark.alone  # asserts the seconds to the error
+def test_a_store_host_stopped_at_start_is_named_within_the_timeout_of_the_fault():
+    """Rank 0 serves the rendezvous store: stopped before the others' heartbeats saw it beat, it
+    leaves the watch nothing to see; the store's silence is the sign instead."""
+    errors = run_ranks_expect_failure(stop_the_store_host_at_start, 2, timeout=40,
+                                      env={"GRADSYNC_TIMEOUT": "4"}, wait_for=[1])
+    assert 1 in errors, "rank 1 reported no error within 40 s"
+    last = errors[1].strip().splitlines()[-1]
+    assert "PeerFailureError" in last and "rank 0, which hosts the rendezvous store, is unreachable" in last, last
+    assert seconds_into_step(last) <= 4.5, last
+
+
 def paused_together(strategies: list[str]) -> dict:
     """Each strategy in turn: every worker pauses 1.5x the timeout between two steps (an evaluation),
     and training goes on. Returns per strategy the parameters and the pings sent meanwhile."""
@@ -375,66 +435,6 @@ def test_who_is_behind_is_read_from_the_heartbeats():
     positions[2] = (6, True, 9.5)
     message = str(rt.explain("all-reduce of bucket 0", TimeoutError("Timed out waiting 9700ms")))
     assert "no peer died; the operation did not complete within 10 s" in message, message
-
-
-@pytest.mark.alone  # asserts the seconds to the error
-@pytest.mark.parametrize("strategy", ["ps", "casync-ring", "ddp"])
-def test_a_peer_stopped_before_the_next_operation_is_named_within_the_timeout_of_the_fault(strategy, tmp_path):
-    """Gloo's timeout counts from an operation's start; the survivors' next one starts 2 s after
-    rank 1 stopped. The error still comes within the timeout (4 s) of the fault: nothing completed
-    for 4 s and the heartbeat watch saw rank 1 stand still. ``ps`` waits in a receive (its waiter
-    thread), ``casync-ring``'s training thread for its communication thread, which is blocked in a
-    receive (``runtime.check_progress``), ``ddp`` in PyTorch's reducer, which no exception reaches:
-    the watchdog ends the process. (A collective of gradsync's own on the training thread, as
-    ``allreduce`` waits, is the stuck-rank test's and the watch's unit test's.)"""
-    report = tmp_path / "watchdog.txt" if strategy == "ddp" else None
-    errors = run_ranks_expect_failure(train_until_fault, 2, strategy, "stop-then-compute", {},
-                                      None if report is None else str(report), timeout=40,
-                                      env={"GRADSYNC_TIMEOUT": "4"}, wait_for=[0])
-    if report is None:
-        last = errors[0].strip().splitlines()[-1]
-    else:  # the watchdog ended the process: no report, the error is in ``report``
-        assert "exited with code 1 without reporting" in errors[0], errors[0]
-        last = report.read_text()
-        assert "DDP's all-reduce" in last, last
-    assert "PeerFailureError" in last and "worker 1 (rank 1) stopped responding" in last, last
-    assert "nothing completed for" in last, last  # its next operation (ps: a receive) starts after the fault
-    if strategy == "casync-ring":
-        assert "wait for the compressed buckets" in last, last
-    assert seconds_into_step(last) <= 4.5, last  # 6 s when an operation started after the fault waits out its timeout
-
-
-def stop_the_store_host_at_start():
-    """Rank 0, which serves the store, stops right after every rank joined; rank 1 computes for 2 s,
-    then distributes (its first operation, the model check): the error is re-raised with its seconds.
-    Rank 0 waits for rank 1's word that its gradsync.init() returned: stopped earlier, it would
-    leave rank 1 in the rendezvous, which waits for a late store host far longer (RENDEZVOUS_MIN_S)."""
-    store = gradsync.runtime.current().store
-    if gradsync.topology().rank == 0:
-        store.wait(["rank 1 joined"])
-        os.kill(os.getpid(), signal.SIGSTOP)
-    else:
-        store.set("rank 1 joined", "1")
-    start = time.monotonic()
-    time.sleep(2.0)
-    model = mlp()
-    try:
-        gradsync.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1), "allreduce")
-    except gradsync.PeerFailureError as exc:
-        raise gradsync.PeerFailureError(f"{exc} [{time.monotonic() - start:.2f} s into step 3]") from exc
-    raise AssertionError(f"distribute returned {time.monotonic() - start:.2f} s in, with the store host stopped")
-
-
-@pytest.mark.alone  # asserts the seconds to the error
-def test_a_store_host_stopped_at_start_is_named_within_the_timeout_of_the_fault():
-    """Rank 0 serves the rendezvous store: stopped before the others' heartbeats saw it beat, it
-    leaves the watch nothing to see; the store's silence is the sign instead."""
-    errors = run_ranks_expect_failure(stop_the_store_host_at_start, 2, timeout=40,
-                                      env={"GRADSYNC_TIMEOUT": "4"}, wait_for=[1])
-    assert 1 in errors, "rank 1 reported no error within 40 s"
-    last = errors[1].strip().splitlines()[-1]
-    assert "PeerFailureError" in last and "rank 0, which hosts the rendezvous store, is unreachable" in last, last
-    assert seconds_into_step(last) <= 4.5, last
 
 
 def test_the_watchdog_acts_only_inside_a_window(monkeypatch):
