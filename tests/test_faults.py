@@ -400,7 +400,7 @@ def paused_together(strategies: list[str]) -> dict:
     return out
 
 
-@pytest.mark.parametrize("strategies,servers", [(["hybrid", "pair-averaging"], 0), (["ps", "ps-async", "hybrid"], 1)],
+@pytest.mark.parametrize("strategies,servers", [(["hybrid", "pair-averaging"], 0), (["ps", "ps-async"], 1)],
                          ids=["colocated", "dedicated"])
 def test_a_pause_of_every_worker_longer_than_the_timeout_is_no_fault(strategies, servers):
     """Servers that wait for the next request (hybrid's rows, pair-averaging's models, dedicated
