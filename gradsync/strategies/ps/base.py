@@ -122,7 +122,9 @@ class ParameterServerBase(Strategy):
         self._reset_pushes()
         self.keepalive = None
         self.absences: Absences | None = None  # a dedicated server's record of its workers' headers
-        if self.dedicated and me in self.pushers:  # the servers' waits for headers outlive this worker's pauses
+        # The servers' waits for headers outlive this worker's pauses. Gloo only: NCCL matches
+        # point-to-point messages in order, tags aside, so a ping could land in a push's place.
+        if self.dedicated and me in self.pushers and ctx.transport.device.type == "cpu":
             ping = torch.tensor([OP_PING, 0], dtype=torch.int64, device=ctx.transport.device)
             self.keepalive = KeepAlive(ctx.transport, self.servers, TAG_CONTROL, lambda: ping, "parameter-server ping")
 
@@ -429,7 +431,8 @@ class ParameterServerBase(Strategy):
         if self.closed or not self.dedicated or self.ctx.topology.rank not in self.pushers:
             return
         self.closed = True
-        self.keepalive.stop()  # after the stop, the servers no longer listen to this worker
+        if self.keepalive is not None:
+            self.keepalive.stop()  # after the stop, the servers no longer listen to this worker
         header = torch.tensor([OP_STOP, self.step_no], dtype=torch.int64, device=self.ctx.transport.device)
         t = self.ctx.transport
         wait_all([t.send_async(header, s, TAG_CONTROL, what=f"stop to rank {s}") for s in self.servers])

@@ -133,7 +133,8 @@ class ParameterServer(ParameterServerBase):
             return
         header = torch.tensor([op, self.step_no], dtype=torch.int64, device=t.device)
         for s in self.servers:
-            self.keepalive.sent(s)
+            if self.keepalive is not None:
+                self.keepalive.sent(s)
         wait_all([t.send_async(header, s, TAG_CONTROL, what=f"{doing} request to rank {s}") for s in self.servers])
 
     def _receive_state(self, source: bool) -> None:
