@@ -1,8 +1,9 @@
 """Keep-alive pings: a server's wait for the next request outlives a pause of its workers.
 
 Gloo fails a receive that waits longer than the process group's timeout, and closes the pairs
-with it. A server that answers requests from whichever worker sends first (hybrid's row servers,
-pair-averaging's model servers) has such a receive posted at all times, and it waits whenever
+with it. A server that waits for its workers' next request (hybrid's row servers and
+pair-averaging's model servers, which answer whichever worker sends first; dedicated ``ps`` and
+``ps-async`` servers, between steps) has such a receive posted at all times, and it waits whenever
 every worker runs its own code: an evaluation, a checkpoint, a grow waiting for new workers to
 start. None of that is a fault, yet after ``GRADSYNC_TIMEOUT`` the job would break.
 
@@ -44,7 +45,7 @@ class KeepAlive:
             runtime.on_stop(self.stop)  # also when the rank goes down with an error (no close runs)
 
     def sent(self, server: int) -> None:
-        """The owner just sent ``server`` a request (call it holding :attr:`lock`)."""
+        """The owner just sent ``server`` a request (holding :attr:`lock`, if it is several messages)."""
         self.last[server] = time.monotonic()
 
     def _run(self) -> None:
@@ -109,7 +110,8 @@ class Absences:
 
     def error(self, rt, what: str, late: list[int]) -> Exception:
         """The error naming ``late`` (:meth:`gradsync.runtime.Runtime.explain` adds where each is)."""
-        steps = ", ".join(f"{rt.topology.describe(w)} at step {self.last[w][1]}" for w in late)
+        steps = ", ".join(rt.topology.describe(w) + (f" (its last: step {self.last[w][1]})" if self.last[w][1] >= 0
+                                                      else " (none yet)") for w in late)
         return rt.explain(what, TimeoutError(
             f"no request for {self.timeout_s:g} s (GRADSYNC_TIMEOUT) from {steps}, while another worker reached step "
             f"{max(step for _, step in self.last.values())}"))
