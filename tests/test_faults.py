@@ -416,6 +416,24 @@ def test_a_pause_of_every_worker_longer_than_the_timeout_is_no_fault(strategies,
                 assert torch.equal(a, b), strategy
 
 
+def test_a_server_names_a_worker_the_others_left_behind_not_a_pause_of_all():
+    """Absences: with pings, a server's wait outlives its workers; it names a worker only when its
+    last request is the timeout old and another worker has gone on to a later step."""
+    from gradsync.strategies.keepalive import Absences
+
+    absences = Absences([0, 1, 2], timeout_s=0.0)
+    for worker in (0, 1, 2):
+        absences.request(worker, 5)
+    assert absences.behind([0, 1, 2]) == []  # every worker paused after step 5: an evaluation
+    absences.request(0, 6)
+    absences.request(1, 6)
+    assert absences.behind([0, 1, 2]) == [2]
+    slower = Absences([0, 1], timeout_s=60.0)
+    slower.request(0, 6)
+    slower.request(1, 5)
+    assert slower.behind([1]) == []  # behind by a step for less than the timeout: merely slower
+
+
 def test_who_is_behind_is_read_from_the_heartbeats():
     """Only a worker outside every gradsync operation for half the timeout is named; a rank waiting
     with the others, one computing a normal step, one whose training thread is not known (a loop
