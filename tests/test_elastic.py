@@ -51,8 +51,13 @@ def assert_matches_reference(result):
 def test_grow_and_shrink_1_2_4_2_while_training_matches_the_reference(tmp_path):
     # One standby: the first grow admits it (worker 1), the second its replacement (worker 2) and
     # starts worker 3; worker 4, the last replacement, is still waiting when the job ends and exits.
+    # Meanwhile StrategySwitch probes allreduce and casync-ring (identity) for 2 steps each, then
+    # chooses: the workers joining at steps 3 and 6 (mid-probe, and as it chooses) attach the
+    # script's strategy and must take over the policy's state, the strategy it runs and the noise
+    # scale's averages; any difference would also break the collectives' order.
     result, log = run_job(tmp_path, ["-np", "1", "--min-np", "1", "--max-np", "4", "--standby", "1"],
-                          ["--schedule", "3:2,6:4,10:2,12:9", "--steps", "14"], env={"GRADSYNC_STANDBY_REPLACE_S": "0"})
+                          ["--schedule", "3:2,6:4,10:2,12:9", "--steps", "14", "--adapt"],
+                          env={"GRADSYNC_STANDBY_REPLACE_S": "0"})
     assert "for a resize to 2: admitting standbys [1]" in log, log[-3000:]
     assert "for a resize to 4: admitting standbys [2], starting 1 workers" in log, log[-3000:]
     # Worker 4 exits when it reads that the job is over, or the launcher ends it if it is still starting.
@@ -65,19 +70,11 @@ def test_grow_and_shrink_1_2_4_2_while_training_matches_the_reference(tmp_path):
     # One global order per epoch: the 14 global batches are disjoint stretches of it.
     seen = [i for s in range(14) for i in result["batches"][str(s)]]
     assert len(seen) == len(set(seen)) == sum(4 * n for n in sizes)
-    assert_matches_reference(result)
-
-
-def test_workers_that_join_take_over_the_policies_monitors_and_chosen_strategy(tmp_path):
-    # StrategySwitch probes allreduce and casync-ring (identity) on 1 worker, then chooses; workers
-    # joining at steps 7 and 9 attach the script's strategy and must end up on the chosen one, with
-    # the noise scale's averages: any difference would also break the collectives' order.
-    result, log = run_job(tmp_path, ["-np", "1", "--min-np", "1", "--max-np", "3"],
-                          ["--schedule", "7:2,9:3", "--steps", "16", "--adapt"])
-    assert [(r["from"], r["to"]) for r in result["resizes"]] == [(1, 2), (2, 3)]
-    ends = [json.loads((tmp_path / f"result.json.{w}").read_text()) for w in range(3)]
+    # Both candidates ran; the two workers left at the end (0, and 1, which joined at step 3) agree.
+    assert {d.split("(")[0] for _, d in result["described"]} == {"allreduce", "casync-ring"}, result["described"]
+    ends = [json.loads((tmp_path / f"result.json.{w}").read_text()) for w in range(2)]
     assert len({e["strategy"] for e in ends}) == 1 and len({e["noise_scale"] for e in ends}) == 1
-    assert ends[0]["noise_scale"] == ends[0]["noise_scale"]  # a number: 2-3 workers have run since step 7
+    assert ends[0]["noise_scale"] == ends[0]["noise_scale"]  # a number
     assert all(e["params"] == ends[0]["params"] for e in ends)
     assert_matches_reference(result)
 
