@@ -14,6 +14,7 @@ peers waiting *for it* in a collective still name it there.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from typing import Callable
@@ -26,9 +27,9 @@ from gradsync import runtime
 class KeepAlive:
     """Pings ``servers`` on ``tag`` with ``ping()`` while this worker sends them nothing else.
 
-    A request of several messages is issued under :attr:`lock`, so that no ping lands between
-    them (each server reads a request's messages in a row, from the same sender); the requests the
-    owner sends mark their server with :meth:`sent`. :meth:`stop` ends the pings before the
+    The owner issues each request inside :meth:`sending`, so that no ping lands between its
+    messages (each server reads a request's messages in a row, from the same sender) and none
+    goes to a server that just heard from this worker. :meth:`stop` ends the pings before the
     owner's goodbye (after it, a server no longer listens to this worker)."""
 
     def __init__(self, transport, servers: list[int], tag: int, ping: Callable[[], torch.Tensor], what: str):
@@ -44,9 +45,15 @@ class KeepAlive:
             self._thread.start()
             runtime.on_stop(self.stop)  # also when the rank goes down with an error (no close runs)
 
-    def sent(self, server: int) -> None:
-        """The owner just sent ``server`` a request (holding :attr:`lock`, if it is several messages)."""
-        self.last[server] = time.monotonic()
+    @contextlib.contextmanager
+    def sending(self, *servers: int):
+        """The owner issues a request to ``servers`` inside: no ping goes between its messages, and
+        none to those servers for a while after."""
+        with self.lock:
+            now = time.monotonic()
+            for server in servers:
+                self.last[server] = now
+            yield
 
     def _run(self) -> None:
         pending = []
@@ -82,6 +89,11 @@ class KeepAlive:
         stoppers = getattr(runtime._RUNTIME, "stoppers", [])
         if self.stop in stoppers:
             stoppers.remove(self.stop)
+
+
+def sending(keepalive: KeepAlive | None, *servers: int):
+    """:meth:`KeepAlive.sending`, or nothing where the owner has no pings (NCCL, no remote server)."""
+    return keepalive.sending(*servers) if keepalive is not None else contextlib.nullcontext()
 
 
 class Absences:

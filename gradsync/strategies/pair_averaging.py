@@ -14,7 +14,8 @@ worker runs a small server thread that answers pulls from a snapshot of its mode
 each of its own steps). Workers may therefore average models from different steps.
 
 Wire (no pickle): a pull is an ``int64[2] = (op, rank)`` request on tag ``TAG_REQUEST`` (op 1 = pull,
-2 = this worker is leaving, 3 = a keep-alive ping, skipped: :mod:`gradsync.strategies.keepalive`), answered by the flat model (one buffer per dtype) on tag ``TAG_REPLY``.
+2 = this worker is leaving, 3 = a keep-alive ping, skipped: :mod:`gradsync.strategies.keepalive`),
+answered by the flat model (one buffer per dtype) on tag ``TAG_REPLY``.
 At ``close`` a worker tells every peer it is leaving and keeps serving until every peer has said the
 same, so a peer's last pull is always answered; a peer from which nothing came for the timeout
 (``GRADSYNC_TIMEOUT``) while it had not left is named in the error.
@@ -144,9 +145,10 @@ class PairAveraging(Strategy):
             peer, self.turn = self.turns[self.turn % len(self.turns)], self.turn + 1
         else:
             peer = self.rng.choice(self.peers)
-        self.keepalive.sent(peer)
-        transport.send_async(torch.tensor([OP_PULL, self.me]), peer, TAG_REQUEST,
-                             what=f"pull request to worker {peer}").wait()
+        with self.keepalive.sending(peer):
+            handle = transport.send_async(torch.tensor([OP_PULL, self.me]), peer, TAG_REQUEST,
+                                          what=f"pull request to worker {peer}")
+        handle.wait()
         self.pulling = (peer, [transport.recv_async(box, peer, TAG_REPLY, what=f"model of worker {peer}")
                                for box in self.inbox])
 

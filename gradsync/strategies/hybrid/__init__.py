@@ -62,8 +62,8 @@ Must match across ranks: the model and the optimizer. Gloo only (servers receive
 # layout.py: message codes, the row layout, lazy_update; plan.py: the first step's decisions;
 # server.py: RowServer; strategy.py: SparseHybrid, the worker's side.
 from gradsync._lazy import lazy_names
-from gradsync.strategies.hybrid.layout import (HEADER, OP_FLUSH, OP_PING, OP_PROBE_PULL, OP_PROBE_PUSH, OP_PULL, OP_PUSH,
-                                              OP_STOP,
+from gradsync.strategies.hybrid.layout import (HEADER, OP_FLUSH, OP_PING, OP_PROBE_PULL, OP_PROBE_PUSH, OP_PULL,
+                                              OP_PUSH, OP_STOP,
                                               TABLES, TAG_ANSWER, TAG_REQUEST, Layout, lazy_update)
 from gradsync.strategies.hybrid.server import RowServer
 from gradsync.strategies.hybrid.strategy import SparseHybrid

@@ -12,8 +12,8 @@ from gradsync import flight, runtime, trace
 from gradsync.errors import GradsyncError, PeerFailureError
 from gradsync.heartbeat import SILENT_S
 from gradsync.strategies.base import Strategy
-from gradsync.strategies.hybrid.layout import (HEADER, OP_FLUSH, OP_PING, OP_PROBE_PULL, OP_PROBE_PUSH, OP_PULL, OP_PUSH,
-                                              OP_STOP,
+from gradsync.strategies.hybrid.layout import (HEADER, OP_FLUSH, OP_PING, OP_PROBE_PULL, OP_PROBE_PUSH, OP_PULL,
+                                              OP_PUSH, OP_STOP,
                                               TAG_ANSWER, TAG_REQUEST, Layout, _lr)
 from gradsync.transport import check_peer
 

@@ -20,7 +20,7 @@ from gradsync.strategies.hybrid.plan import Planning
 from gradsync.strategies.hybrid.server import RowServer
 from gradsync.strategies.optstate import StateLayout, gather
 from gradsync.transport import wait_all
-from gradsync.strategies.keepalive import KeepAlive
+from gradsync.strategies.keepalive import KeepAlive, sending
 
 
 class SparseHybrid(Planning, Strategy):
@@ -158,10 +158,7 @@ class SparseHybrid(Planning, Strategy):
             messages.append(ids.contiguous())
             if values is not None:
                 messages.append(values.contiguous())
-        if self.keepalive is None:
-            return [tr.send_async(m, server, TAG_REQUEST, what=what) for m in messages]
-        with self.keepalive.lock:  # the request's messages in a row: no ping between them
-            self.keepalive.sent(server)
+        with sending(self.keepalive, server):  # the request's messages in a row: no ping between them
             return [tr.send_async(m, server, TAG_REQUEST, what=what) for m in messages]
 
     def _wire_bytes(self, ids: torch.Tensor, rows: torch.Tensor) -> None:

@@ -37,7 +37,7 @@ from gradsync.strategies.coded import CodedBlocks
 from gradsync.strategies.ps.wire import (OP_PING, OP_STEP, OP_STOP, TAG_CONTROL, Fused, check_header, partition,
                                          plan_groups)
 from gradsync.transport import wait_all
-from gradsync.strategies.keepalive import Absences, KeepAlive
+from gradsync.strategies.keepalive import Absences, KeepAlive, sending
 
 
 class ParameterServerBase(Strategy):
@@ -145,10 +145,9 @@ class ParameterServerBase(Strategy):
         t = self.ctx.transport
         if self.dedicated:
             header = torch.tensor([OP_STEP, self.step_no], dtype=torch.int64, device=t.device)
-            for s in self.servers:
-                if self.keepalive is not None:
-                    self.keepalive.sent(s)
-                self.sends.append(t.send_async(header, s, TAG_CONTROL, what=f"step header to rank {s}"))
+            with sending(self.keepalive, *self.servers):
+                self.sends += [t.send_async(header, s, TAG_CONTROL, what=f"step header to rank {s}")
+                               for s in self.servers]
         else:  # co-located: this worker serves its partition, so it listens for pushes now
             self.recvs = self._post_pushes([w for w in self.pushers if w != t.topology.rank])
 

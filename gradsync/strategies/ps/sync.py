@@ -35,6 +35,7 @@ import torch
 from gradsync.errors import ConfigError, GradsyncError
 from gradsync.strategies.ps.base import ParameterServerBase
 from gradsync.strategies.optstate import StateLayout, gather, hyperparameters, install, set_hyperparameters
+from gradsync.strategies.keepalive import sending
 from gradsync.strategies.ps.wire import OP_LOAD, OP_SAVE, OP_STEP, OP_STOP, TAG_CONTROL
 from gradsync.transport import wait_all
 
@@ -132,10 +133,9 @@ class ParameterServer(ParameterServerBase):
         if t.topology.rank not in self.pushers:  # the servers hear from each host's first worker
             return
         header = torch.tensor([op, self.step_no], dtype=torch.int64, device=t.device)
-        for s in self.servers:
-            if self.keepalive is not None:
-                self.keepalive.sent(s)
-        wait_all([t.send_async(header, s, TAG_CONTROL, what=f"{doing} request to rank {s}") for s in self.servers])
+        with sending(self.keepalive, *self.servers):
+            handles = [t.send_async(header, s, TAG_CONTROL, what=f"{doing} request to rank {s}") for s in self.servers]
+        wait_all(handles)
 
     def _receive_state(self, source: bool) -> None:
         """Collective over every rank: worker 0's optimizer state and hyperparameters to all. The
