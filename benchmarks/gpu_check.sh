@@ -47,11 +47,12 @@ step() {  # step NAME SECONDS COMMAND...: run, log, one summary line
 cat "$out/info.log"
 
 tests="tests/test_parity.py::test_matches_single_process_reference
+       tests/test_parity.py::test_strategies_on_hosts_of_several_workers_match_the_reference
        tests/test_user_loop.py::test_loop_features_match_the_single_process_reference
        tests/test_hybrid.py::test_language_model_matches_reference
        tests/test_hybrid.py::test_recommendation_model_splits_its_tables
        tests/test_compress.py::test_every_codec_runs_on_the_gradients_device_as_on_the_cpu"
-# 1. Gloo, CUDA tensors, ranks sharing the GPUs.
+# 1. Gloo, CUDA tensors, ranks sharing the GPUs (hosts of several ranks too: the two-level paths).
 want parity && step gloo_cuda "$budget" env GRADSYNC_TEST_DEVICE=cuda GRADSYNC_BACKEND=gloo \
     python3 -m pytest -q -p no:cacheprovider -n 8 $tests \
     tests/test_user_loop.py::test_a_gradscaler_under_a_strategy_that_sent_the_scaled_gradients_is_an_error

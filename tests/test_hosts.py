@@ -121,6 +121,33 @@ def test_after_a_failed_two_level_operation_the_queued_ones_fail_without_communi
         second.error), second.error
 
 
+def test_what_follows_a_host_sum_reads_the_sum_where_the_tensor_lives(monkeypatch):
+    # Under Gloo with the model on a GPU the host's sum lands in a host-memory copy of the tensor;
+    # the push that follows it on the communication thread (a parameter server's host leader) must
+    # read the sum there, not the tensor from before the sum (a silently wrong model on GPUs).
+    from gradsync.transport import Transport
+    from gradsync.transport.twolevel import _Done
+
+    class Host:  # a host group whose other worker contributes ones
+        def submit(self, op, tensor, on_done=None, then=None):
+            done = _Done()
+            tensor.add_(1)
+            if then is not None:
+                then()
+            done.event.set()
+            return done
+
+    transport = Transport(Topology(world_size=2, rank=0, num_servers=0), None, torch.device("cpu"))
+    monkeypatch.setattr(transport, "staged", lambda tensor: tensor.clone())  # a copy, as for a GPU tensor
+    transport.two_level = Host()
+    grad, pushed = torch.full((3,), 2.0), []
+    transport.host_reduce_async(grad, what="host sum", then=lambda: pushed.append(grad.clone())).wait()
+    assert pushed[0].tolist() == [3.0, 3.0, 3.0] and grad.tolist() == [3.0, 3.0, 3.0]
+    total = torch.full((3,), 2.0)  # without a follower the sum lands at the wait
+    transport.host_allreduce(total, what="host sum")
+    assert total.tolist() == [3.0, 3.0, 3.0]
+
+
 def test_two_level_shards_are_owned_once_per_host_even_on_uneven_hosts():
     from gradsync.transport import TwoLevel
 

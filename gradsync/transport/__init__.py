@@ -193,8 +193,16 @@ class Transport:
         tracer = trace.current()
         token = None if tracer is None else tracer.begin_async(what, "comm", bytes=tensor.numel() * tensor.element_size(),
                                                                op=f"two-level {op}")
+        landing = self._landing(staged, tensor)
+        if landing is not None and then is not None:  # what follows at once reads the result where it lives
+            follow = then
+
+            def then() -> None:
+                tensor.copy_(staged)
+                follow()
+            landing = None
         done = two_level.submit(op, staged, None if token is None else lambda: tracer.end_async(token), then)
-        return Handle(done, self, what, record=record, chunked=True, landing=self._landing(staged, tensor))
+        return Handle(done, self, what, record=record, chunked=True, landing=landing)
 
     def host_reduce_async(self, tensor: torch.Tensor, *, what: str, then=None) -> Handle:
         """Start summing ``tensor`` in place over this host's workers onto the host's first worker

@@ -41,6 +41,10 @@ from gradsync.transport.groups import allgather_with_info
 from gradsync.transport.waits import JobThread
 
 
+# torch 2.13 names these `*_single` (and warns on the old names); torch 2.11 has only the old names.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 PIPELINE_BYTES = 4 * 2**20
 PIPELINE_PARTS = 8
 """A two-level all-reduce of more than ``PIPELINE_BYTES`` runs as up to ``PIPELINE_PARTS`` parts in a
@@ -246,7 +250,7 @@ class TwoLevel:
         if len(self.local_ranks) == self.shards:  # every shard has its own local owner
             mine = shard[self.local_ranks.index(self.topology.rank)]
             total = mine.clone()
-            dist.reduce_scatter_single(total, padded, group=self.local)
+            _reduce_scatter(total, padded, group=self.local)
             mine.copy_(total)
         else:  # an uneven host: sum it whole
             dist.all_reduce(padded, group=self.local)
@@ -258,7 +262,7 @@ class TwoLevel:
         if self.local is None:
             return
         if size == self.shards:
-            dist.all_gather_single(padded, shard[self.local_ranks.index(self.topology.rank)].clone(), group=self.local)
+            _all_gather(padded, shard[self.local_ranks.index(self.topology.rank)].clone(), group=self.local)
         else:
             for k in range(self.shards):
                 dist.broadcast(shard[k], src=self.local_ranks[k % size], group=self.local)
