@@ -44,16 +44,15 @@ class Log:
 
 
 @needs_root
-@pytest.mark.parametrize("strategy", ["ps", "p3"])
-def test_hosts_join_one_is_lost_and_another_resizes_the_job(tmp_path, strategy):
+def test_hosts_join_one_is_lost_and_another_resizes_the_job(tmp_path):
     # Three emulated hosts, one agent each, started together, the first with two workers: 2 -> 4
     # workers as hosts register (in one or two generations), one host lost for good -> 3, a resize
     # from the other -> 2 (the first host's, the least a job of --nnodes 1:3 runs), then StopFile;
     # the replay of the global batches. While the first host runs two workers, its workers sum
     # before one pushes (the two-level all-reduce over emulated hosts:
-    # test_an_elastic_job_on_emulated_hosts_runs_an_agent_on_each), and ps's and p3's optimizer
-    # state, spread over the workers, is gathered at each commit and spread anew over each
-    # generation's layout. An agent with another secret stops at once (with ps).
+    # test_an_elastic_job_on_emulated_hosts_runs_an_agent_on_each does it under ps), and p3's
+    # optimizer state, spread over the workers, is gathered at each commit and spread anew over
+    # each generation's layout. An agent with another secret stops at once.
     out, stop = tmp_path / "result.json", tmp_path / "stop"
     with EmulatedCluster(3, 10e9) as cluster:
         endpoint = f"{cluster.address(0)}:{PORT}"
@@ -68,18 +67,17 @@ def test_hosts_join_one_is_lost_and_another_resizes_the_job(tmp_path, strategy):
                 [*cluster.exec_prefix(host), *GRADSYNC, "run", "--elastic", "--nnodes", "1:3",
                  "--nproc-per-node", "2" if host == 0 else "1",
                  "--rdzv-endpoint", endpoint, "--", sys.executable, EXAMPLE, "--sleep", "0.05", "--steps", "100000",
-                 "--stop-file", str(stop), "--strategy", strategy, *command],
+                 "--stop-file", str(stop), "--strategy", "p3", *command],
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, start_new_session=True,
                 env={**env, "GRADSYNC_HOST": f"emulated host {host}", "GRADSYNC_JOB_SECRET": secret}))
 
         agents = {0: agent(0), 1: agent(1), 2: agent(2)}
-        wrong = agent(2, "f" * 32, ()) if strategy == "ps" else None
+        wrong = agent(2, "f" * 32, ())
         try:
             lead = agents[0]
             lead.wait_for(r"generation \d: 4 workers \[0, 1, 2, 3\]")
-            if wrong is not None:
-                assert wrong.proc.wait(timeout=60) == 2, wrong.text()
-                assert "has another secret than this agent's GRADSYNC_JOB_SECRET" in wrong.text(), wrong.text()
+            assert wrong.proc.wait(timeout=60) == 2, wrong.text()
+            assert "has another secret than this agent's GRADSYNC_JOB_SECRET" in wrong.text(), wrong.text()
             # Which agent became host 1 (worker 2): the first to register.
             first = int(re.search(r"host 1 \(emulated host (\d)\) registered", lead.text()).group(1))
             other = 3 - first
@@ -102,7 +100,7 @@ def test_hosts_join_one_is_lost_and_another_resizes_the_job(tmp_path, strategy):
             assert agents[other].proc.wait(timeout=30) == 0, agents[other].text()[-4000:]
             assert "worker 3: left the job" in agents[other].text()
         finally:
-            for log in (*agents.values(), *([wrong] if wrong is not None else [])):
+            for log in (*agents.values(), wrong):
                 if log.proc.poll() is None:
                     os.killpg(log.proc.pid, signal.SIGKILL)
                     log.proc.wait()
@@ -129,14 +127,15 @@ def test_hosts_join_one_is_lost_and_another_resizes_the_job(tmp_path, strategy):
 
 @needs_root
 def test_an_elastic_job_on_emulated_hosts_runs_an_agent_on_each(tmp_path):
-    # gradsync run --elastic --net: two hosts of two workers, an agent each, both started at once:
-    # the job runs on both (the second's workers join once they have built their model, seconds
+    # gradsync run --elastic --net: two hosts of two workers, an agent each, both started at once,
+    # under ps (each host's workers sum before its first pushes; the server state is spread over
+    # each generation's workers): the job runs on both (the second's workers join once they have built their model, seconds
     # before step 12 at 0.25 s a step), shrinks to the first host's two and grows back onto the
     # second host's slots one step later, while the workers that left may still hold them (new
     # workers start there as they free), and equals the replay; the cluster is removed.
     out = tmp_path / "result.json"
     proc = subprocess.run([*GRADSYNC, "run", "--elastic", "--net", "10gbit", "--ranks-per-host", "2", "-np", "4",
-                           "--min-np", "2", "--", sys.executable, EXAMPLE, "--schedule", "12:2,13:4", "--steps", "16",
+                           "--min-np", "2", "--", sys.executable, EXAMPLE, "--strategy", "ps", "--schedule", "12:2,13:4", "--steps", "16",
                            "--sleep", "0.25", "--out", str(out)], capture_output=True, text=True, timeout=180, cwd=ROOT,
                           env={k: v for k, v in os.environ.items() if k != "GRADSYNC_JOB_SECRET"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -144,7 +143,7 @@ def test_an_elastic_job_on_emulated_hosts_runs_an_agent_on_each(tmp_path):
     sizes = [result["sizes"][str(s)] for s in range(16)]
     assert 4 in sizes[:12] and sizes[12:] == [2] + [4] * 3, sizes
     described = [d for step, d in result["described"]]
-    assert any("two-level over 2 hosts" in d for d in described), described
+    assert any("host sums: 2 hosts push" in d for d in described), described
     assert_matches_reference(result)
     assert leftovers() == []
 
