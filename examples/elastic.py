@@ -14,7 +14,8 @@ worker times the current number of workers) of one order per epoch (gradsync.ada
 so the run is reproducible whatever happens to the job. Worker 0 writes ``--out``: the final
 parameters, the global batch of every step, the record of every resize and each step's seconds.
 ``--table`` adds an embedding table (for ``--strategy hybrid``); ``--model resnet50`` trains a real
-model on synthetic data instead, for resize latencies.
+model on synthetic data instead, for resize latencies (``--compute emulated``: its layers take a
+profiled GPU's time, so several workers share a few cores as they would share a host's GPUs).
 
 ``--die STEP:ID`` kills worker ID (SIGKILL, no clean-up) in the middle of step STEP's backward:
 the survivors restore their last commit and continue without it.
@@ -94,6 +95,8 @@ def main() -> None:
                              "casync-ring (identity codec): policies and monitors across resizes")
     parser.add_argument("--model", default="", help="a gradsync model (e.g. resnet50) on synthetic data instead "
                         "of least squares: for resize latencies with a model's real size")
+    parser.add_argument("--compute", default="real", help="with --model: real, or emulated (the model's real "
+                        "parameters and gradients, its layers taking a profiled GPU's time: gradsync.emulate)")
     parser.add_argument("--table", action="store_true", help="add an embedding table (a learned offset per "
                         "sample), for the hybrid strategy")
     parser.add_argument("--commit-every", type=int, default=1, help="steps between commits (a failure redoes at "
@@ -107,9 +110,9 @@ def main() -> None:
     x, y = dataset()
     model, opt = build(args.table)
     if args.model:
-        from gradsync.models import get_model
+        from gradsync.bench.workload import Workload
 
-        spec = get_model(args.model)
+        spec = Workload(model=args.model, batch_size=args.batch, compute=args.compute).spec()
         torch.manual_seed(0)
         model = spec.build()
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)

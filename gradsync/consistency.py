@@ -135,16 +135,4 @@ def broadcast_model(model: nn.Module, transport: Transport, *, world: bool, comp
     tensors = [t for _, _, t in _tensors(model)]
     if compare_first and transport.device.type == "cpu" and all_hold_rank0s(tensors, transport, world):
         return
-    chunk: list[torch.Tensor] = []
-    for t in tensors + [None]:
-        if chunk and (t is None or t.dtype != chunk[0].dtype or
-                      sum(c.numel() for c in chunk) * chunk[0].element_size() > CHUNK_BYTES):
-            flat = torch.cat([c.reshape(-1) for c in chunk])
-            transport.broadcast(flat, 0, world=world, what="initial broadcast of the model")
-            offset = 0
-            for c in chunk:
-                c.copy_(flat[offset:offset + c.numel()].view_as(c))
-                offset += c.numel()
-            chunk = []
-        if t is not None and t.numel():
-            chunk.append(t)
+    transport.broadcast_tensors(tensors, 0, world=world, what="initial broadcast of the model", chunk_bytes=CHUNK_BYTES)

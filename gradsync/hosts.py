@@ -108,7 +108,9 @@ def exchange(store, topology: Topology, timeout_s: float, env=os.environ,
 
 
 DECIDED = "gradsync/hosts/decided"
-POLL_S = 0.05
+POLL_FIRST_S, POLL_S = 0.001, 0.05
+"""An elastic generation's ranks poll for each other from 1 ms, doubling up to 50 ms: the others
+are usually milliseconds away (a regroup waits on this), a joiner seconds (the store is spared)."""
 
 
 def _decide(store, answer: str, abandon) -> None:
@@ -122,12 +124,13 @@ def _wait(store, keys: list[str], timeout_s: float, abandon: Callable[[], str | 
     if abandon is None:
         store.wait(keys, timedelta(seconds=timeout_s))
         return None
-    deadline = time.monotonic() + timeout_s
+    deadline, pause = time.monotonic() + timeout_s, POLL_FIRST_S
     while not store.check(keys):
         why = abandon()
         if why:
             return why
         if time.monotonic() > deadline:
             raise TimeoutError(f"wait timeout after {timeout_s:g} s, keys: {', '.join(keys)}")
-        time.sleep(POLL_S)
+        time.sleep(pause)
+        pause = min(2 * pause, POLL_S)
     return None

@@ -264,10 +264,14 @@ def detach(optimizer, *, failed: bool = False) -> None:
     runtime.forget(sync.close)
 
 
-def reattach(optimizer, strategy: Strategy) -> None:
+def reattach(optimizer, strategy: Strategy, *, previous: Strategy | None = None) -> None:
     """Attach ``strategy`` (fresh, not attached before) to a distributed optimizer whose strategy was
-    taken off by :func:`detach`, on the current process group; hand it the optimizer state."""
+    taken off by :func:`detach`, on the current process group; hand it the optimizer state.
+    ``previous``: the strategy it replaces after an elastic shrink, whose group-independent parts
+    it may take over (:meth:`~gradsync.strategies.base.Strategy.adopt`)."""
     sync = optimizer._gradsync
+    if previous is not None:
+        strategy.adopt(previous)
     wrapped, optimizer.__class__ = optimizer.__class__, user_class(optimizer)  # strategies take the user's class
     try:
         strategy.attach(SyncContext(sync.model, optimizer, sync.params, sync.names, runtime.current().transport,

@@ -70,7 +70,16 @@ def optimizer_api() -> dict:
     with torch.no_grad():
         one_bit.bias[1] += 1e-7 * rank
     gradsync.distribute(one_bit, torch.optim.SGD(one_bit.parameters(), lr=0.1))
-    return {"same": opt is sgd and early is early_sgd, "started": [differ.state_dict(), one_bit.state_dict()], "is_sgd": isinstance(opt, torch.optim.SGD),
+    # Many tensors in a few messages: mixed dtypes, one alone (larger than a chunk), one
+    # non-contiguous, one empty, from rank 1.
+    g = torch.Generator().manual_seed(rank)
+    many = [torch.randn(5, 3, generator=g), torch.arange(4) * (rank + 1), torch.randn(40, generator=g),
+            torch.randn(4, 6, generator=g).t(), torch.empty(0), torch.randn(2, generator=g).double(),
+            torch.randn(1, generator=g)]
+    gradsync.runtime.current().transport.broadcast_tensors(many, 1, what="many", chunk_bytes=64)
+    flat = torch.randn(30, generator=g)  # views one after the other in one buffer: sent as that buffer
+    gradsync.runtime.current().transport.broadcast_tensors([flat[:10].view(2, 5), flat[10:]], 1, what="views")
+    return {"many": [*many, flat], "same": opt is sgd and early is early_sgd, "started": [differ.state_dict(), one_bit.state_dict()], "is_sgd": isinstance(opt, torch.optim.SGD),
             "lrs": [opt.param_groups[0]["lr"], early.param_groups[0]["lr"]],
             "warnings": [str(w.message) for w in caught], "state": state, "reloaded": fresh.state_dict(),
             "params": params_of(model), "early_params": params_of(early_model)}
@@ -94,6 +103,12 @@ def test_distribute_starts_every_rank_from_rank_0s_values(api_results):
         for want, got in zip(expected, result["started"]):
             assert want.keys() == got.keys()
             assert all(torch.equal(want[k], got[k]) for k in want), rank
+
+
+def test_many_tensors_broadcast_packed_by_dtype_equal_the_senders(api_results):
+    got, sent = api_results[0]["many"], api_results[1]["many"]
+    assert [t.shape for t in got] == [t.shape for t in sent] and all(torch.equal(a, b) for a, b in zip(got, sent))
+    assert not torch.equal(got[1], torch.arange(4))  # rank 0's own values were replaced
 
 
 def test_lr_scheduler_made_before_or_after_distribute(api_results):

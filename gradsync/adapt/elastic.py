@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import threading
 import time
@@ -319,19 +320,26 @@ def current() -> Membership | None:
     return runtime.current().elastic if runtime.is_initialized() else None
 
 
-def request_resize(size: int, timeout_s: float = 120.0) -> int:
+def request_resize(size: int, timeout_s: float = 120.0, timings: dict | None = None) -> int:
     """Ask for ``size`` workers and wait for the launcher's answer. Collective: every worker calls it
     after the same step; rank 0 asks and tells the others the request's number, then every worker
     reads the answer from the store (none waits in a collective meanwhile). Returns the generation to
-    enter, or -1 when the launcher refused (it says why, and so does worker 0)."""
+    enter, or -1 when the launcher refused (it says why, and so does worker 0). ``timings`` gets the
+    seconds spent waiting for the other workers to reach the request (the end of their step, as the
+    next step's first collective would wait) and for the launcher's answer."""
     member = current()
     if member is None:
         raise ConfigError("resizing needs an elastic job: gradsync run --elastic --min-np A --max-np B")
     seq = torch.tensor([0], dtype=torch.int64)
     if runtime.current().topology.rank == 0:
         seq[0] = request_size(member.store, size)
+    asked = time.perf_counter()
     runtime.current().transport.broadcast(seq, 0, what="elastic resize request")
+    agreed = time.perf_counter()
     reply = answer(member.store, int(seq), timeout_s)
+    if timings is not None:
+        timings.update({"the others end their step": agreed - asked,
+                        "request (new workers start)": time.perf_counter() - agreed})
     if isinstance(reply, str):
         if runtime.current().topology.rank == 0:
             print(f"gradsync: resize to {size} workers {reply}", flush=True)
@@ -373,6 +381,20 @@ def _decode_state(skeleton, tensors: list[torch.Tensor]):
     return walk(skeleton)
 
 
+def _views_of_flat(shapes: list[tuple[torch.dtype, list[int]]]) -> list[torch.Tensor]:
+    """New tensors of these dtypes and shapes, those of one dtype consecutive views of one buffer."""
+    totals: dict[torch.dtype, int] = {}
+    for dtype, shape in shapes:
+        totals[dtype] = totals.get(dtype, 0) + math.prod(shape)
+    flats, at = {dtype: torch.empty(n, dtype=dtype) for dtype, n in totals.items()}, dict.fromkeys(totals, 0)
+    views = []
+    for dtype, shape in shapes:
+        n = math.prod(shape)
+        views.append(flats[dtype][at[dtype]:at[dtype] + n].view(shape))
+        at[dtype] += n
+    return views
+
+
 def share_state(optimizer, extra: dict, src: int) -> dict:
     """Broadcast ``optimizer``'s state and ``extra`` (JSON) from rank ``src``; load them everywhere.
     Returns ``extra`` as ``src`` had it. Collective over the workers."""
@@ -390,11 +412,11 @@ def share_state(optimizer, extra: dict, src: int) -> dict:
     transport.broadcast(blob, src, what="elastic state header")
     skeleton = json.loads(bytes(blob.tolist()).decode()) if me != src else skeleton
     if me != src:
-        tensors = []
+        shapes = []
 
         def allocate(value):
             if isinstance(value, dict) and "__tensor__" in value:
-                tensors.append(torch.empty(value["shape"], dtype=getattr(torch, value["dtype"])))
+                shapes.append((getattr(torch, value["dtype"]), value["shape"]))
             elif isinstance(value, dict) and "__dict__" in value:
                 for _, v in value["__dict__"]:
                     allocate(v)
@@ -403,8 +425,8 @@ def share_state(optimizer, extra: dict, src: int) -> dict:
                     allocate(v)
 
         allocate(skeleton["optimizer"])
-    for t in tensors:
-        transport.broadcast(t, src, what="elastic optimizer state")
+        tensors = _views_of_flat(shapes)  # received in place, a few messages, nothing to unpack
+    transport.broadcast_tensors(tensors, src, what="elastic optimizer state")
     if me != src:
         optimizer.load_state_dict(_decode_state(skeleton["optimizer"], tensors))
     return {k: v for k, v in skeleton.items() if k != "optimizer"}

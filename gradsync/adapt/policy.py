@@ -300,10 +300,10 @@ class Controller(Commits, Regrouping):
         optimizer state), so the regroup does not gather it again."""
         if elastic.current() is not None:
             self._commit_step()
-        start = time.perf_counter()
-        gen = elastic.request_resize(num_workers)
+        start, asked = time.perf_counter(), {}
+        gen = elastic.request_resize(num_workers, timings=asked)
         member = elastic.current()
         if gen <= member.gen:
             return False
-        self._regroup(gen, cause=f"resize to {num_workers}", start=start, asked=time.perf_counter() - start)
+        self._regroup(gen, cause=f"resize to {num_workers}", start=start, asked=asked)
         return True

@@ -85,11 +85,11 @@ class Regrouping:
         self._regroup(gen, cause=f"failure: {exc}".splitlines()[0][:200], failed=True, start=start)
 
     def _regroup(self, gen: int, *, cause: str, failed: bool = False, start: float | None = None,
-                 asked: float | None = None) -> None:
+                 asked: dict | None = None) -> None:
         start = time.perf_counter() if start is None else start
         phases, mark = {}, [time.perf_counter()]
-        if asked is not None:
-            phases["request (new workers start)"] = asked
+        if asked is not None:  # a resize asked for: waiting for the others' step, then the launcher
+            phases.update(asked)
         elif failed:
             phases["restore and wait for the launcher"] = mark[0] - start
 
@@ -102,6 +102,7 @@ class Regrouping:
         before = len(member.members)
         if runtime.is_initialized():
             self._where = (runtime.current().topology.rank, before)
+        previous = self.optimizer._gradsync.strategy
         detach(self.optimizer, failed=failed)
         done("detach")
         try:
@@ -122,8 +123,8 @@ class Regrouping:
             broadcast_model(sync.model, runtime.current().transport, world=False, compare_first=False)
             done("model check and broadcast")
             reattach(self.optimizer, copy.deepcopy(sync.original))  # theirs; the hand-over switches all alike
-        else:
-            reattach(self.optimizer, copy.deepcopy(sync.template))
+        else:  # a shrink: the survivors' strategy keeps what the group does not change
+            reattach(self.optimizer, copy.deepcopy(sync.template), previous=None if failed else previous)
         if sync.observer is not None:
             for m in sync.observer:
                 m.attach(sync.params, sync.names, m.every)
@@ -155,9 +156,7 @@ class Regrouping:
         sync = self.optimizer._gradsync
         member = elastic.current()
         if src != 0 or not member.any_new:  # with new workers, distribute() just broadcast rank 0's model
-            with torch.no_grad():
-                for tensor in [*sync.model.parameters(), *sync.model.buffers()]:
-                    transport.broadcast(tensor.data, src, what="elastic: model")
+            transport.broadcast_tensors([*sync.model.parameters(), *sync.model.buffers()], src, what="elastic: model")
         extra = {"counters": self._counters(), "strategy": self.strategy_spec,
                  "policies": [p.state() for p in self.policies],
                  "monitors": [m.state() for m in (sync.observer or [])]}

@@ -275,7 +275,24 @@ class AllReduce(BucketedSync):
         self.divisor = ctx.topology.num_workers
         self.steps = 0
         self.arrival: list[int] = []
+        kept, self._kept = getattr(self, "_kept", None), None
+        if kept is not None:  # the buckets the survivors of a shrink agreed on: no learning again
+            self.steps = 1
+            self.codecs = {}
+            self.buckets, self.where, self.next_launch = kept, {}, 0
+            for bucket in kept:
+                bucket.reset()
+                self.where.update({i: (bucket, slot) for slot, i in enumerate(bucket.indices)})
+            return
         self._build(list(reversed(range(len(ctx.params)))))
+
+    def adopt(self, previous: Strategy) -> None:
+        """The previous buckets, in the order learned at their first step: the same on every
+        survivor, whatever the number of workers (the divisor is set anew at :meth:`attach`)."""
+        if (type(previous) is type(self) and getattr(previous, "steps", 0) > 0
+                and self.compression is None and previous.compression is None
+                and (self.cap_bytes, self.first_cap_bytes) == (previous.cap_bytes, previous.first_cap_bytes)):
+            self._kept = previous.buckets
 
     def _build(self, order: list[int]) -> None:
         self.codecs: dict = {}  # per bucket (compression=...): new buckets start with fresh state

@@ -120,6 +120,12 @@ class Strategy:
     def attach(self, ctx: SyncContext) -> None:
         self.ctx = ctx
 
+    def adopt(self, previous: "Strategy") -> None:
+        """Called before :meth:`attach` when this strategy replaces ``previous`` on the same
+        parameters after an elastic shrink (the survivors of one job, ``previous`` detached cleanly
+        from the old group, on every survivor alike): take over what does not depend on the group
+        (buffers, a learned order), so the regroup allocates nothing. By default nothing is kept."""
+
     def wrap_forward(self, forward: Callable) -> Callable | None:
         """Optionally return a replacement for the model's forward (used by ``ddp``)."""
         return None

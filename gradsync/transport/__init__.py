@@ -48,6 +48,19 @@ _BROKEN_PAIR = re.compile(r"pair|timeout|timed out|connection|closed", re.IGNORE
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
 
 
+def _consecutive(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """The flat tensor that ``tensors`` (contiguous) fill one after the other in one storage, or None."""
+    first = tensors[0]
+    at, size = first.data_ptr(), first.element_size()
+    for t in tensors:
+        if not t.is_contiguous() or t.data_ptr() != at or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr():
+            return None
+        at += t.numel() * size
+    if len(tensors) == 1:
+        return first.view(-1)
+    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (sum(t.numel() for t in tensors),))
+
+
 class Transport:
     """Collectives and point-to-point messages over the job's process groups."""
 
@@ -281,6 +294,43 @@ class Transport:
         work = self._issue(what, lambda: dist.broadcast(staged, src=src, group=self._group(world), async_op=True))
         Handle(work, self, what, record=record, chunked=self._chunked, landing=self._landing(staged, tensor)).wait()
         return tensor
+
+    @torch.no_grad()
+    def broadcast_tensors(self, tensors: list[torch.Tensor], src: int = 0, *, world: bool = False,
+                          what: str = "broadcast", chunk_bytes: int = 64 * 2**20) -> None:
+        """In-place broadcast of many tensors from global rank ``src`` (every rank passes tensors of
+        the same dtypes and shapes, in one order): grouped by dtype and device and packed into flat
+        chunks of at most ``chunk_bytes``, so a model's hundreds of tensors take a few messages, not
+        one each. Tensors that lie one after the other in one storage (a larger tensor alone, or
+        views of one flat buffer, as a receiver may allocate them) go as they are, uncopied."""
+        groups: dict[tuple, list[torch.Tensor]] = {}
+        for t in tensors:
+            if t.numel():
+                groups.setdefault((t.dtype, t.device), []).append(t)
+        sending = self.topology.rank == src
+        for group in groups.values():
+            chunks, size, limit = [[]], 0, max(1, chunk_bytes // group[0].element_size())
+            for t in group:
+                if chunks[-1] and size + t.numel() > limit:
+                    chunks.append([])
+                    size = 0
+                chunks[-1].append(t)
+                size += t.numel()
+            flat = [_consecutive(c) for c in chunks]
+            buffer = group[0].new_empty(max((sum(t.numel() for t in c) for c, f in zip(chunks, flat) if f is None),
+                                            default=0))
+            for chunk, covering in zip(chunks, flat):
+                if covering is not None:  # already one flat tensor: nothing to pack
+                    self.broadcast(covering, src, world=world, what=what)
+                    continue
+                counts = [t.numel() for t in chunk]
+                views = buffer[:sum(counts)].split(counts)
+                if sending:
+                    torch._foreach_copy_(list(views), [t.reshape(-1) for t in chunk])
+                self.broadcast(buffer[:sum(counts)], src, world=world, what=what)
+                if not sending:
+                    for t, view in zip(chunk, views):
+                        t.copy_(view.view(t.shape))
 
     def barrier(self, *, world: bool = True, what: str = "barrier") -> None:
         flag = torch.zeros(1, device=self.device)
