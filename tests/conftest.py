@@ -12,20 +12,6 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "alone: under pytest -n N, run while no other test runs (it asserts a time)")
 
 
-# The modules with the most test time (pytest --durations=0 on a 2-core machine: 137, 127, 87, 80,
-# 77, 75, 60, 54, 43, 43, 42, 36 s), longest first: ``pytest -n N --dist loadscope`` hands modules
-# out in collection order, so the last ones handed out are short and no worker waits long at the
-# end for the other's last module. Tests keep their order within a module.
-LONGEST_FIRST = ["test_elastic.py", "test_faults.py", "test_elastic_hosts.py", "test_parity.py", "test_bench.py",
-                 "test_integrations.py", "test_hybrid.py", "test_user_loop.py", "test_checkpoint.py",
-                 "test_cluster.py", "test_remote.py", "test_durable.py"]
-
-
-def pytest_collection_modifyitems(items):
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))
-
-
 _ALONE = None
 """The machine lock this worker holds exclusively while it runs ``alone`` tests in a row."""
 
