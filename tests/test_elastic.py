@@ -229,3 +229,45 @@ def test_stop_file_needs_a_path_and_one_worker_stops_at_the_step_it_appears(tmp_
     (tmp_path / "stop").touch()
     policy.after_step(ctl)
     assert ctl.stopped
+
+
+def _reattached_after_a_shrink():
+    import copy
+
+    import gradsync
+    from gradsync.optimizer import detach, reattach
+    from gradsync.strategies import resolve
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    opt = gradsync.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1), "allreduce", bucket_mb=1e-4)
+
+    def step():
+        opt.zero_grad()
+        model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+
+    step()
+    sync = opt._gradsync
+    old = sync.strategy
+    detach(opt)
+    new = copy.deepcopy(sync.template)
+    reattach(opt, new, previous=old)
+    kept = [a.buffer is b.buffer for a, b in zip(old.buckets, new.buckets)] + [len(old.buckets) == len(new.buckets)]
+    step()
+    other = resolve("allreduce", bucket_mb=1.0)  # other buckets: nothing to keep
+    detach(opt)
+    reattach(opt, other, previous=new)
+    step()
+    return {"kept": kept, "steps": new.steps, "other_shares": any(b.buffer is a.buffer for a in new.buckets
+                                                                   for b in other.buckets), "buckets": len(old.buckets)}
+
+
+def test_a_shrink_keeps_allreduces_buckets_and_their_order():
+    # What a regroup without new workers does (Regrouping._regroup): the fresh strategy adopts the
+    # old one's buckets, learned at its first step, instead of allocating and learning them again.
+    from multirank import run_ranks
+
+    [result] = run_ranks(_reattached_after_a_shrink, 1)
+    assert result["buckets"] > 1 and all(result["kept"]) and result["steps"] == 2, result
+    assert not result["other_shares"], result
