@@ -104,6 +104,8 @@ def main() -> None:
     parser.add_argument("--stop-file", default="", help="end after the first step at which this file exists (StopFile)")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
+    if args.compute != "real" and not args.model:
+        parser.error("--compute applies to --model (the least-squares model computes for real)")
 
     gradsync.init()
     me = int(os.environ.get("GRADSYNC_ELASTIC_ID", "0"))
