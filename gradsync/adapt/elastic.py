@@ -395,9 +395,15 @@ def _views_of_flat(shapes: list[tuple[torch.dtype, list[int]]]) -> list[torch.Te
     return views
 
 
-def share_state(optimizer, extra: dict, src: int) -> dict:
+TAG_STATE = 0x454C0001
+"""The point-to-point tag of a hand-over from several holders (no strategy receives on it)."""
+
+
+def share_state(optimizer, extra: dict, src: int, holders: list[int] | None = None) -> dict:
     """Broadcast ``optimizer``'s state and ``extra`` (JSON) from rank ``src``; load them everywhere.
-    Returns ``extra`` as ``src`` had it. Collective over the workers."""
+    Returns ``extra`` as ``src`` had it. Collective over the workers. ``holders``: the ranks that
+    hold ``src``'s very state (a strategy whose workers update alike): each sends it to a share of
+    the other ranks, point to point and in parallel, and only those others load it."""
     transport = runtime.current().transport
     me = runtime.current().topology.rank
     if me == src:
@@ -411,7 +417,9 @@ def share_state(optimizer, extra: dict, src: int) -> dict:
         blob = torch.empty(int(length), dtype=torch.uint8)
     transport.broadcast(blob, src, what="elastic state header")
     skeleton = json.loads(bytes(blob.tolist()).decode()) if me != src else skeleton
-    if me != src:
+    holders = holders if holders is not None and len(holders) > 1 else [src]
+    receiving = me not in holders
+    if receiving or (len(holders) == 1 and me != src):
         shapes = []
 
         def allocate(value):
@@ -426,8 +434,20 @@ def share_state(optimizer, extra: dict, src: int) -> dict:
 
         allocate(skeleton["optimizer"])
         tensors = _views_of_flat(shapes)  # received in place, a few messages, nothing to unpack
-    transport.broadcast_tensors(tensors, src, what="elastic optimizer state")
-    if me != src:
+    if len(holders) == 1:
+        transport.broadcast_tensors(tensors, src, what="elastic optimizer state")
+    else:
+        receivers = [r for r in range(runtime.current().topology.world_size) if r not in holders]
+        if receiving:
+            holder = holders[receivers.index(me) % len(holders)]
+            transport.recv_tensors(tensors, holder, TAG_STATE, what=f"elastic optimizer state from rank {holder}")
+        else:
+            if me != src:
+                tensors = _encode_state(optimizer, {})[1]
+            for k, r in enumerate(receivers):
+                if holders[k % len(holders)] == me:
+                    transport.send_tensors(tensors, r, TAG_STATE, what=f"elastic optimizer state to rank {r}")
+    if me != src and (receiving or len(holders) == 1):
         optimizer.load_state_dict(_decode_state(skeleton["optimizer"], tensors))
     return {k: v for k, v in skeleton.items() if k != "optimizer"}
 

@@ -147,12 +147,11 @@ class Regrouping:
         died in the job's first), the state is the start's, the same everywhere, and rank 0 sends it."""
         transport = runtime.current().transport
         newest = -1 if joining or self._commit is None else self.step
-        t = torch.tensor([newest], dtype=torch.int64)
-        transport.allreduce(t, op="max", what="elastic: newest state")
-        best = int(t)
-        t = torch.tensor([self.rank if newest == best else 1 << 40], dtype=torch.int64)
-        transport.allreduce(t, op="min", what="elastic: state source")
-        src = int(t)
+        seen = torch.full((runtime.current().topology.world_size,), -2, dtype=torch.int64)
+        seen[self.rank] = newest
+        transport.allreduce(seen, op="max", what="elastic: newest state")
+        holders = [r for r, step in enumerate(seen.tolist()) if step == int(seen.max())]
+        src = holders[0]
         sync = self.optimizer._gradsync
         member = elastic.current()
         if src != 0 or not member.any_new:  # with new workers, distribute() just broadcast rank 0's model
@@ -160,7 +159,10 @@ class Regrouping:
         extra = {"counters": self._counters(), "strategy": self.strategy_spec,
                  "policies": [p.state() for p in self.policies],
                  "monitors": [m.state() for m in (sync.observer or [])]}
-        got = elastic.share_state(self.optimizer, extra, src)
+        # Where every worker updates alike, every worker with the newest state holds the same one:
+        # they share the sending. (Averaging strategies' workers differ: all take src's.)
+        alike = sync.strategy.mean_over_workers and sync.strategy.state_location == "optimizer"
+        got = elastic.share_state(self.optimizer, extra, src, holders if alike else None)
         self._load_counters(got["counters"])
         for policy, state in zip(self.policies, got["policies"]):
             policy.load_state(state)

@@ -61,6 +61,40 @@ def _consecutive(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (sum(t.numel() for t in tensors),))
 
 
+@torch.no_grad()
+def _in_chunks(tensors: list[torch.Tensor], chunk_bytes: int, sending: bool, move: Callable[[torch.Tensor], Any]) -> None:
+    """``move`` each flat chunk of ``tensors`` (grouped by dtype and device, at most ``chunk_bytes``
+    each): packed first where ``sending``, unpacked after where not; tensors that already lie one
+    after the other in one storage go as they are. Every rank cuts the same chunks."""
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        if t.numel():
+            groups.setdefault((t.dtype, t.device), []).append(t)
+    for group in groups.values():
+        chunks, size, limit = [[]], 0, max(1, chunk_bytes // group[0].element_size())
+        for t in group:
+            if chunks[-1] and size + t.numel() > limit:
+                chunks.append([])
+                size = 0
+            chunks[-1].append(t)
+            size += t.numel()
+        flat = [_consecutive(c) for c in chunks]
+        buffer = group[0].new_empty(max((sum(t.numel() for t in c) for c, f in zip(chunks, flat) if f is None),
+                                        default=0))
+        for chunk, covering in zip(chunks, flat):
+            if covering is not None:  # already one flat tensor: nothing to pack
+                move(covering)
+                continue
+            counts = [t.numel() for t in chunk]
+            views = buffer[:sum(counts)].split(counts)
+            if sending:
+                torch._foreach_copy_(list(views), [t.reshape(-1) for t in chunk])
+            move(buffer[:sum(counts)])
+            if not sending:
+                for t, view in zip(chunk, views):
+                    t.copy_(view.view(t.shape))
+
+
 class Transport:
     """Collectives and point-to-point messages over the job's process groups."""
 
@@ -295,7 +329,6 @@ class Transport:
         Handle(work, self, what, record=record, chunked=self._chunked, landing=self._landing(staged, tensor)).wait()
         return tensor
 
-    @torch.no_grad()
     def broadcast_tensors(self, tensors: list[torch.Tensor], src: int = 0, *, world: bool = False,
                           what: str = "broadcast", chunk_bytes: int = 64 * 2**20) -> None:
         """In-place broadcast of many tensors from global rank ``src`` (every rank passes tensors of
@@ -303,34 +336,19 @@ class Transport:
         chunks of at most ``chunk_bytes``, so a model's hundreds of tensors take a few messages, not
         one each. Tensors that lie one after the other in one storage (a larger tensor alone, or
         views of one flat buffer, as a receiver may allocate them) go as they are, uncopied."""
-        groups: dict[tuple, list[torch.Tensor]] = {}
-        for t in tensors:
-            if t.numel():
-                groups.setdefault((t.dtype, t.device), []).append(t)
-        sending = self.topology.rank == src
-        for group in groups.values():
-            chunks, size, limit = [[]], 0, max(1, chunk_bytes // group[0].element_size())
-            for t in group:
-                if chunks[-1] and size + t.numel() > limit:
-                    chunks.append([])
-                    size = 0
-                chunks[-1].append(t)
-                size += t.numel()
-            flat = [_consecutive(c) for c in chunks]
-            buffer = group[0].new_empty(max((sum(t.numel() for t in c) for c, f in zip(chunks, flat) if f is None),
-                                            default=0))
-            for chunk, covering in zip(chunks, flat):
-                if covering is not None:  # already one flat tensor: nothing to pack
-                    self.broadcast(covering, src, world=world, what=what)
-                    continue
-                counts = [t.numel() for t in chunk]
-                views = buffer[:sum(counts)].split(counts)
-                if sending:
-                    torch._foreach_copy_(list(views), [t.reshape(-1) for t in chunk])
-                self.broadcast(buffer[:sum(counts)], src, world=world, what=what)
-                if not sending:
-                    for t, view in zip(chunk, views):
-                        t.copy_(view.view(t.shape))
+        _in_chunks(tensors, chunk_bytes, self.topology.rank == src,
+                   lambda flat: self.broadcast(flat, src, world=world, what=what))
+
+    def send_tensors(self, tensors: list[torch.Tensor], dst: int, tag: int, *, what: str,
+                     chunk_bytes: int = 64 * 2**20) -> None:
+        """:meth:`broadcast_tensors`' chunks, sent to ``dst`` alone (it calls :meth:`recv_tensors`)."""
+        _in_chunks(tensors, chunk_bytes, True,
+                   lambda flat: self.send_async(flat, dst, tag, what=what, counted=False).wait())
+
+    def recv_tensors(self, tensors: list[torch.Tensor], src: int, tag: int, *, what: str,
+                     chunk_bytes: int = 64 * 2**20) -> None:
+        """Receive into ``tensors`` what ``src`` sends with :meth:`send_tensors`."""
+        _in_chunks(tensors, chunk_bytes, False, lambda flat: self.recv_async(flat, src, tag, what=what).wait())
 
     def barrier(self, *, world: bool = True, what: str = "barrier") -> None:
         flag = torch.zeros(1, device=self.device)
