@@ -418,8 +418,8 @@ def share_state(optimizer, extra: dict, src: int, holders: list[int] | None = No
     transport.broadcast(blob, src, what="elastic state header")
     skeleton = json.loads(bytes(blob.tolist()).decode()) if me != src else skeleton
     holders = holders if holders is not None and len(holders) > 1 else [src]
-    receiving = me not in holders
-    if receiving or (len(holders) == 1 and me != src):
+    receiving = me not in holders  # with one holder, every rank but src
+    if receiving:
         shapes = []
 
         def allocate(value):
@@ -447,7 +447,7 @@ def share_state(optimizer, extra: dict, src: int, holders: list[int] | None = No
             for k, r in enumerate(receivers):
                 if holders[k % len(holders)] == me:
                     transport.send_tensors(tensors, r, TAG_STATE, what=f"elastic optimizer state to rank {r}")
-    if me != src and (receiving or len(holders) == 1):
+    if receiving:
         optimizer.load_state_dict(_decode_state(skeleton["optimizer"], tensors))
     return {k: v for k, v in skeleton.items() if k != "optimizer"}
 
