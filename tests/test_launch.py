@@ -580,3 +580,118 @@ def test_elastic_job_on_a_port_in_use_is_a_clear_error(capsys):
     finally:
         held.close()
     assert code == 2 and "the port is in use" in capsys.readouterr().err
+
+
+# --- the forkserver: training scripts start forked from a process that imported torch ------------
+
+# What a rank sees when it starts (the comment names torch: a training script is forked). Rank 1
+# waits for rank 0's line, then fails as FAIL says.
+FACTS = """\
+import json, os, random, signal, sys, time  # a training script: torch
+facts = {"argv": sys.argv, "name": __name__, "file": __file__, "path0": sys.path[0], "rank": os.environ["RANK"],
+         "own_session": os.getsid(0) == os.getpid(), "stdin": os.readlink("/proc/self/fd/0"),
+         "warm": "torch" in sys.modules, "gradsync_inherited": "gradsync" in sys.modules, "random": random.random()}
+print(json.dumps(facts), flush=True)
+if facts["rank"] == "1":
+    while not os.path.exists(os.path.join(os.environ["PIDDIR"], "printed")):
+        time.sleep(0.01)
+    if os.environ["FAIL"] == "raise":
+        raise ValueError("the rank's own error")
+    os.kill(os.getpid(), signal.SIGKILL)
+open(os.path.join(os.environ["PIDDIR"], "printed"), "w").close()
+"""
+
+
+def forkservers_of(pid: int) -> list[int]:
+    """This process's forkserver children that are still alive."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if b"forkserver import _serve" in f.read() and alive(int(entry)):
+                    with open(f"/proc/{entry}/stat") as f:
+                        if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                            found.append(int(entry))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.parametrize("forkserver", ["1", "0", "no torch"])
+def test_a_forked_rank_runs_its_script_as_python_would(forkserver, tmp_path, monkeypatch, capsys):
+    """Forked, started with exec (GRADSYNC_FORKSERVER=0), or with exec after the forkserver failed to
+    import torch: the same script sees the same."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PIDDIR", str(tmp_path))
+    monkeypatch.setenv("FAIL", "raise")
+    monkeypatch.setenv("GRADSYNC_FORKSERVER", "0" if forkserver == "0" else "1")
+    if forkserver == "no torch":
+        (tmp_path / "shadow" / "torch").mkdir(parents=True)
+        (tmp_path / "shadow" / "torch" / "__init__.py").write_text("raise ImportError('no torch here')\n")
+        monkeypatch.setenv("PYTHONPATH", str(tmp_path / "shadow"))
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "train.py").write_text(FACTS)
+    result = launch_local([PY, "scripts/train.py", "--lr", "0.1"], np=2)
+    out, err = capsys.readouterr()
+    facts = [json.loads(line.split("] ", 1)[1]) for line in out.splitlines()]
+    assert sorted(f["rank"] for f in facts) == ["0", "1"]
+    for f in facts:
+        assert f["argv"] == ["scripts/train.py", "--lr", "0.1"] and f["name"] == "__main__"
+        assert f["file"] == str(tmp_path / "scripts" / "train.py") and f["path0"] == str(tmp_path / "scripts")
+        assert f["own_session"] and f["stdin"] == "/dev/null" and not f["gradsync_inherited"]
+        assert f["warm"] == (forkserver == "1")  # forked: torch was imported before the script started
+    assert facts[0]["random"] != facts[1]["random"]  # each rank has its own seeds
+    # An uncaught exception: exit code 1, and the traceback holds the script's frames only.
+    assert result.returncode == 1 and result.failed.rank == 1
+    assert [line.strip() for line in result.message.splitlines()[2:]] == [
+        "Traceback (most recent call last):", f'File "{tmp_path / "scripts" / "train.py"}", line 10, in <module>',
+        'raise ValueError("the rank\'s own error")', "ValueError: the rank's own error"]
+    assert forkservers_of(os.getpid()) == []  # it ends with the job
+    if forkserver == "no torch":
+        assert "ranks start with exec, not forked: importing torch failed: ImportError: no torch here" in err
+
+
+def test_a_module_is_forked_and_a_rank_killed_by_a_signal_is_reported(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PIDDIR", str(tmp_path))
+    monkeypatch.setenv("FAIL", "kill")
+    (tmp_path / "trainer.py").write_text(FACTS)
+    result = launch_local([PY, "-m", "trainer", "x"], np=2, grace_s=1)
+    facts = [json.loads(line.split("] ", 1)[1]) for line in capsys.readouterr().out.splitlines()]
+    assert [f["argv"] for f in facts] == [[str(tmp_path / "trainer.py"), "x"]] * 2
+    assert all(f["warm"] and f["path0"] == str(tmp_path) and f["name"] == "__main__" for f in facts)
+    assert result.returncode == 128 + 9 and "worker 1 (rank 1) was killed by signal 9 (SIGKILL)" in result.message
+    assert forkservers_of(os.getpid()) == []
+
+
+def test_a_rank_stopped_before_it_is_forked_is_stopped(tmp_path):
+    """Stopping a job while the forkserver still imports torch: the rank is forked, then its group
+    gets the signal (the fork is reported only once the rank leads its own process group)."""
+    from gradsync.launch.forkserver import Forks
+    from gradsync.launch.processes import _spawn, _stop
+
+    script = tmp_path / "sleep.py"
+    script.write_text("import time  # torch\ntime.sleep(60)\n")
+    forks = Forks()
+    try:
+        rank = _spawn([PY, str(script)], RankSpec(0, "worker", 0, 0), dict(os.environ), None, forks)
+        assert rank.proc.poll() is None
+        _stop([rank], 0.5)
+        assert rank.proc.returncode == -signal.SIGTERM and wait_gone([rank.proc.pid], 1.0) == []
+    finally:
+        forks.close()
+    assert forkservers_of(os.getpid()) == []
+
+
+def test_which_commands_are_forked(tmp_path):
+    from gradsync.launch.forkserver import python_target
+
+    train, other = tmp_path / "train.py", tmp_path / "tool.py"
+    train.write_text("import torch\n")
+    other.write_text("print('no training here')\n")
+    assert python_target([PY, str(train), "--lr", "1"]) == {"script": str(train), "args": ["--lr", "1"]}
+    assert python_target([PY, "-u", str(train)]) == {"script": str(train), "args": []}
+    assert python_target([PY, "-m", "gradsync.demo", "--quick"]) == {"module": "gradsync.demo", "args": ["--quick"]}
+    for command in ([PY, str(other)], [PY, "-c", "import torch"], [PY, "-X", "dev", str(train)],
+                    [PY, str(tmp_path / "missing.py")], ["bash", str(train)], [PY, "-m", "json.tool"], []):
+        assert python_target(command) is None, command  # these start with exec

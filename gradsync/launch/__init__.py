@@ -22,7 +22,8 @@ Failure: when a rank exits non-zero or dies by a signal, every rank's process gr
 then SIGKILL after ``grace_s``; the job's exit code is the failed rank's (128 + signal number for
 a signal). SIGINT/SIGTERM to the launcher stop the job the same way (exit 130/143). Children run
 in their own session (so grandchildren are stopped too, also after a successful job) and get
-SIGKILL if the launcher dies.
+SIGKILL if the launcher dies. A rank that runs a training script with this Python is forked from a
+process that imported torch once (:mod:`gradsync.launch.forkserver`); others start with exec.
 
 This module must not import torch: the launcher has to start fast.
 """

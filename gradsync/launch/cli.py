@@ -10,6 +10,7 @@ from gradsync.argtypes import checked, output_dir, output_file
 from gradsync.errors import ConfigError
 from gradsync.emulate.slow import ENV as SLOW_ENV
 from gradsync.emulate.slow import SlowRanks
+from gradsync.launch.forkserver import ENV as FORKSERVER_ENV
 from gradsync.launch.hosts import detect_node_rank, parse_hosts, plan_ranks, read_hostfile
 from gradsync.launch.processes import launch_local
 
@@ -116,6 +117,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     torchrun.add_argument("--no-python", "--no_python", action="store_true",
                           help="run COMMAND as it is, even a .py script")
     parser.add_argument("--grace", type=_float_at_least(0), default=3.0, help="seconds between SIGTERM and SIGKILL (default 3)")
+    parser.add_argument("--no-forkserver", action="store_true",
+                        help="start every rank with exec; by default a process that imported torch once forks the ranks "
+                             "that run a training script with this Python (GRADSYNC_FORKSERVER=0 does the same)")
     parser.add_argument("--net", metavar="RATE[,rankN=RATE...]",
                         help="emulated hosts joined by links of RATE (e.g. 1gbit); rankN=RATE gives the host holding "
                              "rank N a link of its own (1gbit,rank3=250mbit: a slow link); needs root")
@@ -288,6 +292,8 @@ def _main(args: argparse.Namespace) -> int:
     parser = args.run_parser
     command = _command(args, parser)
     _rendezvous(args, parser)
+    if args.no_forkserver:  # read where the ranks start, by this launcher and the agents it starts
+        os.environ[FORKSERVER_ENV] = "0"
     if isinstance(args.nnodes, tuple):
         if not args.elastic:
             parser.error(f"--nnodes {args.nnodes[0]}:{args.nnodes[1]}: a range of machines is torchrun's elastic form: "

@@ -50,11 +50,12 @@ from datetime import timedelta
 from gradsync import flight
 from gradsync import store as stores
 from gradsync.errors import ConfigError, GradsyncError
+from gradsync.launch.forkserver import Forks
 from gradsync.launch.elastic_hosts import BEAT_S, CONNECT_S, HOST_LOST_S, RemoteHost, RemoteHosts
 from gradsync.launch.hosts import RankSpec
 from gradsync.launch.output import _Output, _start_pumps
 from gradsync.launch.processes import JobResult
-from gradsync.launch.spawn import _spawn, fault_handler_env
+from gradsync.launch.spawn import _die_with_parent_hook, _spawn, fault_handler_env
 from gradsync.launch.watch import _USR1, _exit_code, _stop, _trap_signals
 
 POLL_S = 0.02
@@ -109,6 +110,7 @@ class Agent:
             os.makedirs(logdir, exist_ok=True)
         self.flight_dir = os.path.abspath(logdir if logdir is not None else tempfile.mkdtemp(prefix="gradsync-flight-"))
         self.remote = None
+        self.forks = Forks(_die_with_parent_hook())
         if nproc is None:
             for _ in range(np):
                 self._start_worker()
@@ -118,6 +120,7 @@ class Agent:
         except BaseException:
             for rank in self.procs.values():
                 rank.proc.kill()
+            self.forks.close()
             with contextlib.suppress(OSError):
                 os.unlink(self.secret_path)
             raise
@@ -192,7 +195,7 @@ class Agent:
             env.pop(key, None)
         if standby:
             env[STANDBY_ENV] = "1"
-        rank = _spawn(list(self.command), RankSpec(wid, "worker", wid, wid), env, self.logdir)
+        rank = _spawn(list(self.command), RankSpec(wid, "worker", wid, wid), env, self.logdir, self.forks)
         _start_pumps(rank, self.out)
         self.procs[wid] = rank
         (self.standby if standby else self.pending).append(wid)
@@ -371,6 +374,7 @@ class Agent:
         finally:
             with contextlib.suppress(Exception):
                 self._farewell()
+            self.forks.close()
             with contextlib.suppress(OSError):
                 os.unlink(self.secret_path)
             if self.logdir is None and not os.path.exists(os.path.join(self.flight_dir, "flight-summary.json")):

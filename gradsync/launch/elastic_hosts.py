@@ -42,10 +42,11 @@ from datetime import timedelta
 from gradsync import flight
 from gradsync import store as stores
 from gradsync.errors import ConfigError, GradsyncError
+from gradsync.launch.forkserver import Forks
 from gradsync.launch.hosts import RankSpec
 from gradsync.launch.output import _Output, _start_pumps
 from gradsync.launch.processes import JobResult
-from gradsync.launch.spawn import _spawn, fault_handler_env
+from gradsync.launch.spawn import _die_with_parent_hook, _spawn, fault_handler_env
 from gradsync.launch.watch import _stop, _trap_signals
 
 BEAT_S = 0.5
@@ -177,6 +178,7 @@ class HostAgent:
         self.store.set(f"elastic/host/{self.index}", f"{nproc} {self.name}")
         self.out = _Output(prefix=True)
         self.procs: dict[int, object] = {}
+        self.forks = Forks(_die_with_parent_hook())
         self.started: set[int] = set()
         self.flight_dir = tempfile.mkdtemp(prefix="gradsync-flight-")
         self.answered = time.monotonic()
@@ -224,7 +226,7 @@ class HostAgent:
             env.pop(key, None)
         if standby:
             env["GRADSYNC_ELASTIC_STANDBY"] = "1"
-        rank = _spawn(list(self.command), RankSpec(wid, "worker", wid, wid), env, self.logdir)
+        rank = _spawn(list(self.command), RankSpec(wid, "worker", wid, wid), env, self.logdir, self.forks)
         _start_pumps(rank, self.out)
         self.procs[wid] = rank
         self.started.add(wid)
@@ -285,6 +287,7 @@ class HostAgent:
             while time.monotonic() < deadline and any(r.proc.poll() is None for r in self.procs.values()):
                 time.sleep(POLL_S)
         _stop(list(self.procs.values()), self.grace_s)
+        self.forks.close()
         shutil.rmtree(self.flight_dir, ignore_errors=True)
         return JobResult(code, None, f"gradsync run --elastic: host {self.index}: {message}" if message else "")
 

@@ -16,6 +16,7 @@ from typing import Callable
 
 from gradsync import flight
 from gradsync import store as stores
+from gradsync.launch.forkserver import Forks
 from gradsync.launch.hosts import DEFAULT_MULTI_HOST_PORT, RankSpec, _port_taken_message, find_free_port, plan_ranks
 from gradsync.launch.output import _close, _Output, _pump, _start_pumps
 from gradsync.launch.spawn import (_PR_SET_PDEATHSIG, TAIL_LINES, _die_with_parent_hook, _Rank, _rank_envs, _spawn,
@@ -41,13 +42,13 @@ class JobResult:
 
 
 def _run(commands, specs, envs, *, logdir, grace_s, prefix_output, flight_dir=None) -> JobResult:
-    out, ranks = _Output(prefix_output), []
+    out, ranks, forks = _Output(prefix_output), [], Forks(_die_with_parent_hook())
     on_usr1 = (lambda: _report_flight(flight_dir, ranks, "SIGUSR1", out)) if flight_dir else None
     with _trap_signals(usr1=on_usr1 is not None) as caught:
         try:
             try:
                 for command, spec, env in zip(commands, specs, envs):
-                    ranks.append(_spawn(command, spec, env, logdir))
+                    ranks.append(_spawn(command, spec, env, logdir, forks))
             except OSError as err:  # no such program, not executable, log not writable
                 _stop(ranks, 0)
                 spec = specs[len(ranks)]
@@ -61,6 +62,7 @@ def _run(commands, specs, envs, *, logdir, grace_s, prefix_output, flight_dir=No
         finally:
             _signal_groups(ranks, signal.SIGKILL)  # whatever went wrong above, leave nothing behind
             _close(ranks, timeout_s=max(1.0, grace_s))
+            forks.close()
     if failed is not None:
         return JobResult(_exit_code(failed.proc.returncode), failed.spec, _failure_message(failed))
     if caught:

@@ -15,6 +15,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from gradsync.launch.forkserver import ForkedProcess, Forks
 from gradsync.launch.hosts import RankSpec
 
 TAIL_LINES = 20
@@ -25,7 +26,7 @@ _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 @dataclass
 class _Rank:
     spec: RankSpec
-    proc: subprocess.Popen
+    proc: subprocess.Popen | ForkedProcess
     log: object = None
     tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
     pumps: list = field(default_factory=list)
@@ -50,10 +51,13 @@ def _die_with_parent_hook():
     return hook
 
 
-def _spawn(command: list[str], spec: RankSpec, env: dict[str, str], logdir: str | None) -> _Rank:
+def _spawn(command: list[str], spec: RankSpec, env: dict[str, str], logdir: str | None,
+           forks: Forks | None = None) -> _Rank:
+    """Start one rank: forked by the job's forkserver (``forks``) where it can be, else with ``exec``."""
     log = None if logdir is None else open(os.path.join(logdir, f"{spec.role}-{spec.role_rank}.log"), "wb")
     try:
-        proc = subprocess.Popen(
+        proc = None if forks is None else forks.start(command, env)
+        proc = proc or subprocess.Popen(
             command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             start_new_session=True,  # own process group: one killpg also reaches grandchildren
             preexec_fn=_die_with_parent_hook())

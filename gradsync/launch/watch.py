@@ -23,6 +23,8 @@ _POLL_S = 0.05
 
 def _signal_groups(ranks: list[_Rank], sig: int) -> None:
     for rank in ranks:
+        if rank.proc.pid is None:  # a forked rank that never started (gradsync.launch.forkserver)
+            continue
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(rank.proc.pid, sig)
 
@@ -69,7 +71,7 @@ def _stop(ranks: list[_Rank], grace_s: float) -> None:
     while time.monotonic() < deadline:
         for rank in ranks:
             rank.proc.poll()  # reap, so an exited rank's pid stops counting as a group member
-        if not _live_groups({rank.proc.pid for rank in ranks}):
+        if not _live_groups({rank.proc.pid for rank in ranks} - {None}):
             break
         time.sleep(_POLL_S)
     _signal_groups(ranks, signal.SIGKILL)
