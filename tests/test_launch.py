@@ -265,13 +265,20 @@ def test_signal_to_launcher_stops_children(sig, code):
     assert wait_gone(pids, timeout_s=0.5) == []
 
 
-@pytest.mark.timeout(20)
-def test_killed_launcher_leaves_no_orphans():
-    proc = launcher_process(["-np", "2", "--", *SLEEPER])
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("forked", [False, True])
+def test_killed_launcher_leaves_no_orphans(forked, tmp_path):
+    command = SLEEPER
+    if forked:  # a training script: forked by the forkserver, which dies with the launcher
+        (tmp_path / "train.py").write_text(f"# torch\nexec({SLEEPER[-1]!r})\n")
+        command = [PY, str(tmp_path / "train.py")]
+    proc = launcher_process(["-np", "2", "--", *command])
     pids = [int(proc.stdout.readline().split()[-1]) for _ in range(2)]
+    servers = forkservers_of(proc.pid)
+    assert len(servers) == int(forked)
     proc.kill()  # SIGKILL: no cleanup code runs; PR_SET_PDEATHSIG must do it
     proc.wait(timeout=10)
-    assert wait_gone(pids) == []
+    assert wait_gone(pids + servers) == []
 
 
 @pytest.mark.timeout(20)
