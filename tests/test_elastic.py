@@ -128,6 +128,32 @@ def test_a_worker_lost_in_the_first_commit_of_spread_optimizer_state(tmp_path):
     assert_matches_reference(result)
 
 
+DIES_IN_HAND_OVER = """
+import os, runpy, signal, sys
+from gradsync.transport import Transport
+if os.environ["GRADSYNC_ELASTIC_ID"] == "1":  # this worker dies as it starts sending its state to a joiner
+    Transport.send_tensors = lambda self, *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL)
+sys.argv[0] = {example!r}
+runpy.run_path({example!r}, run_name="__main__")
+"""
+
+
+def test_a_worker_lost_while_it_hands_its_state_to_a_joiner(tmp_path):
+    # allreduce's workers hold the same state: on a grow 2 -> 4 each sends it to one joiner. Worker
+    # 1 dies as it begins: its joiner (worker 3) regroups with the survivors instead of failing, and
+    # gets the state from the next generation's hand-over.
+    script = tmp_path / "dies_in_hand_over.py"
+    script.write_text(DIES_IN_HAND_OVER.format(example=EXAMPLE))
+    result, log = run_job(tmp_path, ["-np", "2", "--min-np", "2", "--max-np", "4"],
+                          ["--schedule", "2:4", "--steps", "5"], env={"GRADSYNC_TIMEOUT": "10"}, script=str(script))
+    assert "worker 1 failed with exit code 137; continuing without it" in log, log[-2000:]
+    assert "worker 3 failed" not in log and "worker 3] gradsync: elastic worker 3 joined generation 2" in log, log[-3000:]
+    assert [result["sizes"][str(s)] for s in range(5)] == [2, 2, 3, 3, 3]
+    grow, failure = result["resizes"]
+    assert (grow["from"], grow["to"], failure["to"], failure["step"]) == (2, 4, 3, 2), failure
+    assert_matches_reference(result)
+
+
 def test_below_min_np_the_job_fails_with_a_clear_message(tmp_path):
     proc = subprocess.run([*GRADSYNC, "run", "--elastic", "-np", "2", "--min-np", "2", "--", sys.executable, EXAMPLE,
                            "--die", "2:1", "--steps", "6"], capture_output=True, text=True, timeout=120, cwd=ROOT)

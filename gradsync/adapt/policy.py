@@ -38,7 +38,7 @@ from gradsync.adapt import durable, elastic
 from gradsync.adapt.commits import Commits
 from gradsync.adapt.data import GlobalBatches, split
 from gradsync.adapt.monitors import Monitors, NoiseScale, Throughput
-from gradsync.adapt.regroup import Regrouping
+from gradsync.adapt.regroup import Regrouping, _peer_failure
 from gradsync.errors import ConfigError
 
 
@@ -120,8 +120,15 @@ class Controller(Commits, Regrouping):
         if member is not None:
             self._check_elastic(optimizer.strategy)
             if elastic.joining():
-                self._hand_over(joining=True)  # the survivors do the same in _regroup
+                try:
+                    self._hand_over(joining=True)  # the survivors do the same in _regroup
+                except RuntimeError as exc:  # a worker sending the state died: regroup as the survivors do
+                    failure = _peer_failure(exc)
+                    if failure is None:
+                        raise
+                    self._recover(failure)  # no commit yet: the next generation's hand-over brings the state
                 self._resumed = True  # the job is mid-training: no before_train / before_epoch here
+                member = elastic.current() or self._member
                 print(f"gradsync: elastic worker {member.id} joined generation {member.gen} ({len(member.members)} "
                       f"workers) at step {self.step}", flush=True)
                 return

@@ -43,6 +43,8 @@ class Regrouping:
         try:
             if member is None:
                 return train(self)
+            if self.detached:  # a joiner whose first generation ended without it
+                return
             while True:
                 try:
                     if self._commit is None:
