@@ -104,23 +104,29 @@ def test_every_strategy_grows_and_survives_a_worker_killed_mid_step(tmp_path, st
     assert_matches_reference(result)
 
 
-DIES_IN_FIRST_COMMIT = """
+WORKER_1_DIES = """
 import os, runpy, signal, sys
-from gradsync.adapt.commits import Commits
-if os.environ["GRADSYNC_ELASTIC_ID"] == "1":  # this worker dies as its first commit begins
-    Commits.commit = lambda self: os.kill(os.getpid(), signal.SIGKILL)
+if os.environ["GRADSYNC_ELASTIC_ID"] == "1":
+    {patch} = lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL)
 sys.argv[0] = {example!r}
 runpy.run_path({example!r}, run_name="__main__")
 """
 
 
+def worker_1_dies_in(tmp_path, module: str, method: str) -> str:
+    """examples/elastic.py, but worker 1 kills itself (SIGKILL) as it calls ``method`` of ``module``."""
+    script = tmp_path / "worker_1_dies.py"
+    owner, name = method.split(".")
+    script.write_text(f"from {module} import {owner}\n" + WORKER_1_DIES.format(patch=f"{owner}.{name}", example=EXAMPLE))
+    return str(script)
+
+
 def test_a_worker_lost_in_the_first_commit_of_spread_optimizer_state(tmp_path):
     # ps's first commit gathers the optimizer state from the workers' servers, a collective: the
     # survivor's gather fails, it has no commit to restore, and the hand-over gives it the start.
-    script = tmp_path / "dies_in_first_commit.py"
-    script.write_text(DIES_IN_FIRST_COMMIT.format(example=EXAMPLE))
+    script = worker_1_dies_in(tmp_path, "gradsync.adapt.commits", "Commits.commit")
     result, log = run_job(tmp_path, ["-np", "2", "--min-np", "1", "--max-np", "2"],
-                          ["--strategy", "ps", "--steps", "4"], env={"GRADSYNC_TIMEOUT": "6"}, script=str(script))
+                          ["--strategy", "ps", "--steps", "4"], env={"GRADSYNC_TIMEOUT": "6"}, script=script)
     assert "worker 1 failed with exit code 137; continuing without it" in log, log[-2000:]
     [failure] = result["resizes"]
     assert failure["cause"].startswith("failure") and failure["step"] == 0 and failure["to"] == 1, failure
@@ -128,24 +134,13 @@ def test_a_worker_lost_in_the_first_commit_of_spread_optimizer_state(tmp_path):
     assert_matches_reference(result)
 
 
-DIES_IN_HAND_OVER = """
-import os, runpy, signal, sys
-from gradsync.transport import Transport
-if os.environ["GRADSYNC_ELASTIC_ID"] == "1":  # this worker dies as it starts sending its state to a joiner
-    Transport.send_tensors = lambda self, *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL)
-sys.argv[0] = {example!r}
-runpy.run_path({example!r}, run_name="__main__")
-"""
-
-
 def test_a_worker_lost_while_it_hands_its_state_to_a_joiner(tmp_path):
     # allreduce's workers hold the same state: on a grow 2 -> 4 each sends it to one joiner. Worker
     # 1 dies as it begins: its joiner (worker 3) regroups with the survivors instead of failing, and
     # gets the state from the next generation's hand-over.
-    script = tmp_path / "dies_in_hand_over.py"
-    script.write_text(DIES_IN_HAND_OVER.format(example=EXAMPLE))
+    script = worker_1_dies_in(tmp_path, "gradsync.transport", "Transport.send_tensors")
     result, log = run_job(tmp_path, ["-np", "2", "--min-np", "2", "--max-np", "4"],
-                          ["--schedule", "2:4", "--steps", "5"], env={"GRADSYNC_TIMEOUT": "10"}, script=str(script))
+                          ["--schedule", "2:4", "--steps", "5"], env={"GRADSYNC_TIMEOUT": "10"}, script=script)
     assert "worker 1 failed with exit code 137; continuing without it" in log, log[-2000:]
     assert "worker 3 failed" not in log and "worker 3] gradsync: elastic worker 3 joined generation 2" in log, log[-3000:]
     assert [result["sizes"][str(s)] for s in range(5)] == [2, 2, 3, 3, 3]
