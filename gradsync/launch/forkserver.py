@@ -242,7 +242,11 @@ class _Server:
                 data = b""
             if not data:
                 break
-            message = json.loads(data)
+            try:
+                message = json.loads(data)
+            except ValueError:  # not the forkserver's word: stop it, and its ranks end with it
+                self.proc.kill()
+                break
             with self._lock:
                 if "ready" in message:
                     self._ready = True
