@@ -214,7 +214,9 @@ class ForkedProcess:
 class _Server:
     """One forkserver process and the thread that reads its replies."""
 
-    def __init__(self, env: dict[str, str], hook):
+    def __init__(self, env: dict[str, str], hook, shown: list[str]):
+        """``shown``: the ranks' command, appended to the forkserver's own so that ``ps`` and
+        ``pgrep -f train.py`` find it and every rank it forks (they inherit its command line)."""
         self.refused = ""  # why the forkserver forks nothing (its imports failed, or it is gone)
         self._hook = hook
         self._lock = threading.Lock()
@@ -226,7 +228,8 @@ class _Server:
         self._sock = mine
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-c", "from gradsync.launch.forkserver import _serve; _serve()", str(theirs.fileno())],
+                [sys.executable, "-c", "from gradsync.launch.forkserver import _serve; _serve()", str(theirs.fileno()),
+                 *shown],
                 env=env, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                 start_new_session=True, preexec_fn=hook)
         finally:
@@ -328,7 +331,7 @@ class Forks:
         key = frozenset(startup.items())
         server = self._servers.get(key)
         if server is None:
-            server = self._servers[key] = _Server(startup, self._hook)
+            server = self._servers[key] = _Server(startup, self._hook, python[1:])
         return server.spawn(target, command, env)
 
     def close(self) -> None:
