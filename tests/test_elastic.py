@@ -149,6 +149,35 @@ def test_a_worker_lost_while_it_hands_its_state_to_a_joiner(tmp_path):
     assert_matches_reference(result)
 
 
+def test_a_store_that_stalls_for_seconds_costs_a_pause_not_the_job(tmp_path):
+    # The launcher holds the job's store: stopped (SIGSTOP) for 3 s while its workers train, their
+    # store calls wait and retry, and the job ends with every worker, the reference model, no regroup.
+    out = tmp_path / "result.json"
+    job = subprocess.Popen([*GRADSYNC, "run", "--elastic", "-np", "2", "--min-np", "1", "--max-np", "2", "--",
+                            sys.executable, EXAMPLE, "--sleep", "0.05", "--steps", "40", "--out", str(out)],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                           env={**os.environ, "GRADSYNC_TIMEOUT": "10"})
+    try:
+        log = []
+        for line in job.stdout:
+            log.append(line)
+            if "step 0: 2 workers" in line:
+                break
+        job.send_signal(signal.SIGSTOP)
+        time.sleep(3)
+        job.send_signal(signal.SIGCONT)
+        rest, _ = job.communicate(timeout=120)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    text = "".join(log) + rest
+    assert job.returncode == 0, text[-3000:]
+    result = json.loads(out.read_text())
+    assert set(result["sizes"].values()) == {2} and len(result["sizes"]) == 40 and result["resizes"] == [], result
+    assert_matches_reference(result)
+
+
 def test_below_min_np_the_job_fails_with_a_clear_message(tmp_path):
     proc = subprocess.run([*GRADSYNC, "run", "--elastic", "-np", "2", "--min-np", "2", "--", sys.executable, EXAMPLE,
                            "--die", "2:1", "--steps", "6"], capture_output=True, text=True, timeout=120, cwd=ROOT)
