@@ -276,6 +276,9 @@ def test_killed_launcher_leaves_no_orphans(forked, tmp_path):
     pids = [int(proc.stdout.readline().split()[-1]) for _ in range(2)]
     servers = forkservers_of(proc.pid)
     assert len(servers) == int(forked)
+    for pid in [*pids, *servers]:  # ps shows the script: pgrep -f train.py finds every forked rank
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            assert f.read().split(b"\0")[-2] == command[-1].encode()
     proc.kill()  # SIGKILL: no cleanup code runs; PR_SET_PDEATHSIG must do it
     proc.wait(timeout=10)
     assert wait_gone(pids + servers) == []
