@@ -50,8 +50,8 @@ from datetime import timedelta
 from gradsync import flight
 from gradsync import store as stores
 from gradsync.errors import ConfigError, GradsyncError
-from gradsync.launch.forkserver import Forks
 from gradsync.launch.elastic_hosts import BEAT_S, CONNECT_S, HOST_LOST_S, RemoteHost, RemoteHosts
+from gradsync.launch.forkserver import Forks
 from gradsync.launch.hosts import RankSpec
 from gradsync.launch.output import _Output, _start_pumps
 from gradsync.launch.processes import JobResult

@@ -6,8 +6,8 @@ rank of a job, and every worker an elastic job adds, pays it again; ranks sharin
 at the same moment. ``gradsync run`` therefore starts, once per job and machine, one process that
 imports both and then forks each rank whose command is this interpreter running a script
 (``python train.py ...``) or a module (``python -m pkg.train ...``). The forked rank runs the script
-as ``python`` would: ``__main__``, ``sys.argv``, ``sys.path[0]``, its own environment, session,
-pipes and exit code, its own random seeds, and no module of gradsync inherited (it imports its own).
+as ``python`` would: ``__main__``, ``sys.argv``, ``sys.path[0]``, its own environment, process
+group, pipes and exit code, its own random seeds, and no module of gradsync inherited (it imports its own).
 
 A rank on an emulated host (``ip netns exec HOST python train.py``, :mod:`gradsync.cluster`) is
 forked too and enters the host's network namespace itself. Any other command (another program,
@@ -111,8 +111,9 @@ def _startup_env(env: dict[str, str]) -> dict[str, str]:
             if key not in _VARYING and not key.startswith(_VARYING_PREFIXES)}
 
 
-def enabled(env: dict[str, str] | None = None) -> bool:
-    return (env or os.environ).get(ENV, os.environ.get(ENV, "1")) != "0"
+def enabled(env: dict[str, str]) -> bool:
+    """Whether a rank with environment ``env`` may be forked (``GRADSYNC_FORKSERVER`` is not ``0``)."""
+    return env.get(ENV, "1") != "0"
 
 
 class ForkedProcess:
