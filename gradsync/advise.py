@@ -29,7 +29,7 @@ from gradsync.simulate.compressed import COMPRESSED
 NEEDS_SERVERS = ("ps-async",)
 INEXACT = {"sma": "averages models, not gradients (not exact)",
            # local-sgd and diloco: their line gives the measured loss gap (loss_gap)
-           "pair-averaging": "averages with one random peer, no barrier (not exact)",
+           "pair-averaging": "averages with one peer a step (in turn), no barrier (not exact)",
            "ps-async": "asynchronous updates (not exact)"}
 DEFAULT_COMPRESSION = "onebit;fp16;topk:ratio=0.01"
 RARE = [("local-sgd H=10", "local-sgd", {"H": 10}), ("diloco H=50", "diloco", {"H": 50}),

@@ -220,50 +220,57 @@ def test_pair_averaging_simulates_every_worker_and_answers_pulls_one_at_a_time()
     """Every worker at its own pace; the step is the slowest worker's. A 1000 B model, a free host
     and wire latency, so one model takes 1 s through a link."""
     work = synthetic([(0.0, 0.0, [1000])])
-    # 2 workers pull from each other at once, each server taking the other's request at the same
-    # moment: both sides posted their sends first, and Gloo gives each direction half (2 s).
+    # 2 workers pull from each other at once: each model goes its own way at the link's rate (its
+    # receive's notice on a channel that carries no model that way), 1 s.
     blocking = {"overlap": False}  # the pull at the step, waited for
     assert simulate("pair-averaging", work, 2, NET, host=FREE_HOST, options=blocking, steps=4,
-                    warmup=1)["step_s"] == pytest.approx(2.0)
-    # The strategy's own generators pick the peers; seed 12 on 3 workers: 0 <- 1, 1 <- 2, 2 <- 0
-    # at the first step, a cycle: every link carries one model, nothing crosses (1 s).
-    once = dict(steps=1, warmup=0)
-    assert simulate("pair-averaging", work, 3, NET, host=FREE_HOST, options={"seed": 12, **blocking}, **once)["step_s"] == \
+                    warmup=1)["step_s"] == pytest.approx(1.0)
+    # At random, the strategy's own generators pick the peers; seed 12 on 3 workers: 0 <- 1, 1 <- 2,
+    # 2 <- 0 at the first step, a cycle: every link carries one model, nothing crosses (1 s).
+    once, drawn = dict(steps=1, warmup=0), {"peers": "random", **blocking}
+    assert simulate("pair-averaging", work, 3, NET, host=FREE_HOST, options={"seed": 12, **drawn}, **once)["step_s"] == \
         pytest.approx(1.0)
     # Seed 66 on 4 workers: workers 0 and 1 pull from 3, 2 from 1, 3 from 2. Worker 3's server
     # answers one, then the other: the second waits for the first (2 s).
-    assert simulate("pair-averaging", work, 4, NET, host=FREE_HOST, options={"seed": 66, **blocking}, **once)["step_s"] == \
+    assert simulate("pair-averaging", work, 4, NET, host=FREE_HOST, options={"seed": 66, **drawn}, **once)["step_s"] == \
         pytest.approx(2.0)
+    # In turn (the default), the first step's pulls are i <- i+1: each worker answers one (1 s).
+    assert simulate("pair-averaging", work, 4, NET, host=FREE_HOST, options=blocking, **once)["step_s"] == \
+        pytest.approx(1.0)
 
 
 def test_pair_averaging_receives_the_pulled_model_while_the_next_step_computes():
     """KungFu's form: the pull is sent at the end of a step and the model arrives during the next
-    step's computation. 2 workers, 1 s of compute, a 1000 B model takes 1 s through a link (2 s
-    when both pull from each other at once, as here): hidden behind 1.0 s of compute it is not
-    entirely, the step is the 2 s exchange; behind 2.5 s of compute it is."""
+    step's computation. 2 workers pull from each other; a 1000 B model takes 1 s through a link.
+    Behind 2.5 s of compute it is hidden (waited for at the step: 3.5 s); behind 0.5 s it is not
+    entirely, and the step is the 1 s exchange (1.5 s waited for)."""
     model = [1000]
     hidden = synthetic([(1.25, 1.25, model)])
     assert simulate("pair-averaging", hidden, 2, NET, host=FREE_HOST, steps=6, warmup=2)["step_s"] == pytest.approx(2.5)
     assert simulate("pair-averaging", hidden, 2, NET, host=FREE_HOST, options={"overlap": False}, steps=6,
-                    warmup=2)["step_s"] == pytest.approx(4.5)
-    exposed = synthetic([(0.5, 0.5, model)])
-    assert simulate("pair-averaging", exposed, 2, NET, host=FREE_HOST, steps=6, warmup=2)["step_s"] == pytest.approx(2.0)
+                    warmup=2)["step_s"] == pytest.approx(3.5)
+    exposed = synthetic([(0.25, 0.25, model)])
+    assert simulate("pair-averaging", exposed, 2, NET, host=FREE_HOST, steps=6, warmup=2)["step_s"] == pytest.approx(1.0)
+    assert simulate("pair-averaging", exposed, 2, NET, host=FREE_HOST, options={"overlap": False}, steps=6,
+                    warmup=2)["step_s"] == pytest.approx(1.5)
 
 
-def test_a_pair_averaging_request_waits_behind_a_model_its_sender_is_serving_to_that_peer():
-    """One connection per pair of ranks carries their messages in order (Gloo's pair), so a pull
-    request queues behind the model its sender's server is sending the same peer. Seed 19 on 3
-    workers picks 0 <- 2, 1 <- 0, 2 <- 0, then 0 <- 1, 1 <- 0, 2 <- 0; 0.5 s of compute, a 1000 B
-    model takes 1 s through a link, requests that arrive at once are answered in rank order."""
+def test_a_pair_averaging_request_goes_beside_the_models_and_a_refresh_waits_for_no_answer():
+    """Answers travel on a channel of their own, so a pull request never queues behind a model its
+    sender's server is sending the same peer, and the snapshot is double-buffered, so a worker's
+    refresh never waits for an answer. Seed 19 on 3 workers (at random) picks 0 <- 2, 1 <- 0,
+    2 <- 0, then 0 <- 1, 1 <- 0, 2 <- 0; 0.5 s of compute, a 1000 B model takes 1 s through a
+    link, requests that arrive at once are answered in rank order."""
     work = synthetic([(0.25, 0.25, [1000])])
     # Step 1: worker 2 answers 0 over [0.5, 1.5]; worker 0 answers 1 over [0.5, 1.5], then 2 over
-    # [1.5, 2.5], holding its snapshot, so 0 refreshes at 2.5 and 2 has 0's model at 2.5: 2.5 s.
-    # Step 2: 1 asks 0 at 2.0 and 0 answers over [2.5, 3.5]; 0 asks 1 at 3.0, but that request
-    # follows the model on 0's connection to 1 and arrives at 3.5, so 1's server answers over
-    # [3.5, 4.5] and 1's own refresh waits for it: 1's step takes 4.5 - 1.5 = 3 s (2.5 s if the
-    # request went beside the model: answered over [3.0, 4.0]). The median of 2.5 and 3 s:
-    assert simulate("pair-averaging", work, 3, NET, host=FREE_HOST, options={"seed": 19, "overlap": False}, steps=2,
-                    warmup=0)["step_s"] == pytest.approx(2.75)
+    # [1.5, 2.5]; 0 refreshes at 1.5 without waiting, and 2 has 0's model at 2.5: 2.5 s.
+    # Step 2: 0 asks 1 at 2.0 and 1 answers at once, over [2.0, 3.0] (a request behind the model on
+    # 0's pair with 1 would arrive at 3.5); 1 asks 0 at 2.0, answered over [2.5, 3.5] after 2's:
+    # 1's step 1.5 -> 3.5; 2 asks 0 at 3.0, answered over [3.5, 4.5]: 2.5 -> 4.5. Steps of 2.5 and
+    # 2 s, median 2.25 (2.75 with requests behind models and refreshes waiting for answers).
+    assert simulate("pair-averaging", work, 3, NET, host=FREE_HOST,
+                    options={"seed": 19, "overlap": False, "peers": "random"}, steps=2,
+                    warmup=0)["step_s"] == pytest.approx(2.25)
 
 
 def test_an_asynchronous_server_serves_workers_one_at_a_time():
@@ -1031,31 +1038,6 @@ def test_traced_ps_phases_refuses_a_trace_without_ps_steps_by_name(tmp_path):
                                                  "dur": 1e6}]}))
     with pytest.raises(ConfigError, match=r"p3\.json: no traced ps steps after 3 warm-up steps"):
         traced.ps_phases(str(path), 2.0, 3)
-
-
-def test_traced_pair_waits_finds_the_requests_queued_behind_a_model_on_their_connection(tmp_path, capsys):
-    """gradsync.simulate.traced's ``pairs`` on a trace made by hand at dilation 2: worker 0 asks
-    worker 1 for its model while its own server still sends worker 1 one, then asks worker 2 with
-    nothing in the way."""
-    from gradsync.simulate import traced
-
-    def pair(pid, ident, name, start, end):
-        return [{"ph": "b", "pid": pid, "tid": 3, "id": ident, "name": name, "ts": start * 1e6},
-                {"ph": "e", "pid": pid, "tid": 3, "id": ident, "name": name, "ts": end * 1e6}]
-
-    events = (pair(0, 1, "model for worker 1", 0.0, 1.0) + pair(0, 2, "pull request to worker 1", 0.4, 1.6)
-              + pair(0, 3, "pull request to worker 2", 2.0, 2.5) + pair(1, 1, "model for worker 0", 3.0, 4.0))
-    path = tmp_path / "t.json"
-    path.write_text(json.dumps({"traceEvents": events}))
-    behind, others = traced.pair_waits(str(path), 2.0)
-    assert behind == [pytest.approx((0.3, 0.6, 0, 1))]  # 0.6 s of wall time until the model was sent, 1.2 answered
-    assert others == pytest.approx([0.25])
-    assert traced.main(["pairs", str(path), "--dilation", "2"]) == 0
-    assert "2 pull requests; 1 posted while the requester's server was sending that peer a model" in capsys.readouterr().out
-    empty = tmp_path / "none.json"
-    empty.write_text(json.dumps({"traceEvents": []}))
-    assert traced.main(["pairs", str(empty)]) == 2
-    assert "none.json: no pair-averaging pull requests in this trace" in capsys.readouterr().err
 
 
 def test_a_traced_simulation_gives_its_step_ends():

@@ -80,6 +80,9 @@ GROUPS = [  # (model, workers, rate, dedicated servers, strategies[, compute[, r
     # whole periods of H = 10 (a round's mean step holds both synchronizations of every fragment).
     ("resnet50", 4, "1gbit", 0, RARE, "emulated", 1, {"steps": 20, "set": RARE_SET, "compression": "int4"}),
     ("resnet50", 4, "10gbit", 0, RARE, "emulated", 1, {"steps": 20, "set": RARE_SET, "compression": "int4"}),
+    # pair-averaging once its answers had a channel of their own, its snapshot two buffers and its
+    # peers came in turn: 3 rounds, replacing its records above.
+    *(("resnet50", np, rate, 0, "pair-averaging", "emulated", 3) for rate in ("1gbit", "10gbit") for np in (2, 4)),
 ]
 HELD_OUT_STRATEGIES = "allreduce,ps,p3"  # a ring, whole tensors through servers, slices by priority
 HELD_OUT = [  # cells the matrix was not fitted to: other models, worker counts and rates (``--held-out``)

@@ -4,13 +4,14 @@
   into one buffer and its all-reduce launched; it runs behind forward and backward. ``step()``
   waits for it, mixes the average in (a pass over the parameters) and runs the local optimizer.
 - ``pair-averaging`` (:mod:`gradsync.strategies.pair_averaging`): ``step()`` averages with the
-  model of one random peer, runs the local optimizer and refreshes the snapshot it serves; the
-  pull (a request, then the model back) is sent at the end of the step and received while the next
-  step computes (``overlap=False``: sent at the step and waited for). A worker answers pulls one after another, holding its
-  snapshot. A request travels behind any model its sender's server is still sending that peer
-  (Gloo sends one pair of ranks' messages in order). With no barrier the workers drift apart, so
-  every worker is simulated at its own pace, each picking its peers from the strategy's own
-  generators.
+  model of one peer (in turn, or at random), runs the local optimizer and refreshes the snapshot it
+  serves (double-buffered: no wait for an answer being sent); the pull (a request, then the model
+  back) is sent at the end of the step and received while the next step computes
+  (``overlap=False``: sent at the step and waited for). A worker answers pulls one after another.
+  Answers travel on channels of their own, one per direction, so neither a request nor a
+  receive's notice waits behind a model, and two workers pulling from each other move both
+  models at the link's rate. With no barrier the workers drift apart, so every worker is simulated
+  at its own pace, each picking its peers as the strategy does.
 - ``ps-async`` (:mod:`gradsync.strategies.ps`, ``mode="async"``, dedicated servers): a server
   serves one worker at a time (that worker's pushes in, one optimizer step over its share, the
   parameters back). In steady state the ``N`` workers' requests spread over the step, so the
@@ -63,34 +64,35 @@ class PairAveraging(StrategyModel):
     """Every worker simulated, each at its own pace (there is no barrier to keep them in step).
 
     A worker's step: its forward and backward, the wait for the model it asked for at the end of
-    its previous step, the average (a pass over the parameters), the local optimizer, the snapshot
-    it serves refreshed (a copy), and a pull request to the peer its generator picks (the
-    strategy's own seed and rank), answered while its next step computes (``overlap=False``: the
-    request and the peer's model before the average). Each worker's
-    server thread answers requests one at a time, in arrival order, each with the whole model
-    through its link, holding the snapshot's lock: a refresh waits for the answer being sent, and
-    an answer for the refresh. Each pair of workers' messages go one after another in each
-    direction, so a request waits for the model its sender is serving that peer. The step time
-    is ``gradsync bench``'s: per step, the slowest worker's."""
+    its previous step, the average (one ``lerp_`` pass over the parameters: a copy's time), the
+    local optimizer, the snapshot
+    it serves refreshed (a copy; double-buffered, so it never waits for an answer), and a pull
+    request to the next peer (in turn, or from the strategy's own generator: its seed and rank),
+    answered while its next step computes (``overlap=False``: the request and the peer's model
+    before the average). Each worker's server thread answers requests one at a time, in arrival
+    order, each with the whole model through its link, at the link's rate (the requester's receive
+    was posted first, and its notice goes on a channel that carries no model its way); requests,
+    on the default pairs, arrive after the wire's latency. The step time is ``gradsync bench``'s:
+    per step, the slowest worker's."""
 
     def bind(self, worker: Worker) -> None:
         import random
 
         super().bind(worker)
         n, seed, sim = worker.np, self.strategy.seed, worker.sim
+        from gradsync.strategies.pair_averaging import in_turn
+
         self.rngs = [random.Random(seed * 7919 + r) for r in range(n)]
         self.peers = [[p for p in range(n) if p != r] for r in range(n)]
+        self.turns = [in_turn(r, self.peers[r], n) for r in range(n)]
+        self.turn = [0] * n
         rate = worker.tx.rate
         self.tx = [worker.tx] + [Link(f"worker {r} tx", rate) for r in range(1, n)]
         self.rx = [worker.rx] + [Link(f"worker {r} rx", rate) for r in range(1, n)]
         self.hosts = [worker.host] + [Stream(sim, f"rank {r} host") for r in range(1, n)]
         self.servers = [Stream(sim, f"rank {r} server thread") for r in range(n)]
-        self.locks = [Stream(sim, f"rank {r} snapshot lock") for r in range(n)]
         self.starts: list[list[float]] = [[] for _ in range(n)]  # of the other workers' steps, after their batches
         self.ends: list[list[float]] = [[] for _ in range(n)]
-        self.pairs: dict[tuple[int, int], Link] = {}
-        self.connections: dict[tuple[int, int], Stream] = {}
-        self.serving: dict[tuple[int, int], float] = {}  # (from, to): when the last such answer began
         self.pulled: list[dict | None] = [None] * n  # overlapped: each worker's pull on its way
         for r in range(1, n):
             self._others_step(r)
@@ -148,57 +150,31 @@ class PairAveraging(StrategyModel):
             pulled["waiter"]()
 
     def _finish(self, r: int, averaged: bool, done: Callable[[], None]) -> None:
-        """The average (when a model came), the local optimizer, then the snapshot under its lock."""
+        """The average (when a model came), the local optimizer, then the snapshot's refresh."""
         wk, nbytes = self.wk, self.wk.w.nbytes
-        self.hosts[r].run((2 if averaged else 1) * wk.update_s(nbytes), lambda: self.locks[r].submit(
-            lambda unlock: self.hosts[r].run(wk.copy_s(nbytes), unlock, what="snapshot"), done,
-            what="refresh"), what="average and optimizer")
+        average = wk.copy_s(nbytes) if averaged else 0.0  # one lerp_ pass: as long as a copy
+        self.hosts[r].run(average + wk.update_s(nbytes), lambda: self.hosts[r].run(
+            wk.copy_s(nbytes), done, what="snapshot"), what="average and optimizer")
 
     def _request(self, r: int, arrived: Callable[[], None]) -> None:
         """Worker ``r`` asks the peer its generator picks for its model; ``arrived`` once it is in."""
         wk, nbytes = self.wk, self.wk.w.nbytes
-        peer = self.rngs[r].choice(self.peers[r])
+        if self.strategy.choice == "rotate":
+            turns = self.turns[r]
+            peer, self.turn[r] = turns[self.turn[r] % len(turns)], self.turn[r] + 1
+        else:
+            peer = self.rngs[r].choice(self.peers[r])
         if self.strategy.overlap:
             self.pulled[r] = {"arrived": False, "waiter": None}
 
-        def answer(finish: Callable[[], None]) -> None:  # on the peer's server thread, under its lock
-            def send(unlock: Callable[[], None]) -> None:
-                # The model moves once the requester, woken by its request's completion, posts its
-                # receive. Gloo moves a message both ways between two hosts at half the rate each
-                # way when each side posted its send before its receive (docs/mechanisms.md):
-                # here when the two workers' servers took each other's requests within that time.
-                # One link per pair of hosts then carries both. (The rendezvous lasts at least an
-                # instant, so that an answer beginning at this same moment is seen.)
-                start, rendezvous = wk.sim.now, 2 * wk.net.latency_s + wk.wake_s() + 1e-9
-                self.serving[(peer, r)] = start
+        def answer(finish: Callable[[], None]) -> None:  # on the peer's server thread, woken by the request
+            # The requester's receive was posted before its request, and its notice travels on a
+            # channel that carries no model that way: the model moves at once, at the link's rate.
+            wk.sim.after(wk.wake_s(), lambda: wk.message(nbytes, [(self.tx[peer], 1), (self.rx[r], 1)], finish,
+                                                         f"model {peer} -> {r}"))
 
-                def flow() -> None:
-                    other = self.serving.get((r, peer))
-                    uses = [(self.tx[peer], 1), (self.rx[r], 1)]
-                    if other is not None and abs(other - start) <= rendezvous:
-                        key = (min(r, peer), max(r, peer))
-                        if key not in self.pairs:
-                            self.pairs[key] = Link(f"workers {key[0]} and {key[1]}", self.tx[r].rate)
-                        uses.append((self.pairs[key], 1))
-                    wk.message(nbytes, uses, unlock, f"model {peer} -> {r}")
-
-                wk.sim.after(rendezvous, flow)
-
-            connection = self._connection(peer, r)
-            self.locks[peer].submit(lambda unlock: connection.submit(send, unlock, what=f"model {peer} -> {r}"),
-                                    finish, what=f"answer {r}")
-
-        # The request follows whatever this worker's server is still sending to that peer: one
-        # connection per pair of ranks carries their messages in order.
-        self._connection(r, peer).submit(lambda sent: wk.sim.after(wk.net.latency_s, sent), lambda: (
-            self.servers[peer].submit(answer, arrived, what=f"pull from {r}")), what=f"request {r} -> {peer}")
-
-    def _connection(self, src: int, dst: int) -> Stream:
-        """The messages from worker ``src`` to ``dst``, one after another (Gloo's pair of the two ranks
-        sends in order, so a pull request waits behind a model its sender is serving to that peer)."""
-        if (src, dst) not in self.connections:
-            self.connections[(src, dst)] = Stream(self.wk.sim, f"connection {src} -> {dst}")
-        return self.connections[(src, dst)]
+        # The request goes on the default pairs, which carry no models: it arrives after the wire's latency.
+        wk.sim.after(wk.net.latency_s, lambda: self.servers[peer].submit(answer, arrived, what=f"pull from {r}"))
 
     def step(self, step: int, go: Callable[[], None]) -> None:
         self._pull(0, go)

@@ -1,6 +1,6 @@
 """A traced emulated run's steps beside the simulator's cell: where the time of a step goes.
 
-Reads a ``gradsync bench --trace`` file and answers one of three questions, each beside the same
+Reads a ``gradsync bench --trace`` file and answers one of two questions, each beside the same
 cell simulated on the host of the validation matrix's record of it (where it has one):
 
 - ``link``: how busy a ``p3`` or ``ps-sliced`` run kept each worker's downlink through its step.
@@ -13,9 +13,6 @@ cell simulated on the host of the validation matrix's record of it (where it has
   of its share were all in, it posted its pulls' receives (its answers follow) and the step ended,
   as medians over every worker's measured steps; then per step how far apart the workers began
   the step and their answers, and the time from the latest answer to the step's last end.
-- ``pairs``: which of a ``pair-averaging`` run's pull requests were posted while the requester's
-  server was still sending that peer a model (one connection per pair carries their messages in
-  order), and how long each waited for it.
 
 The simulated workers are in lock step. Times are emulated: the trace's wall time over the run's
 ``--dilation``. Example (docs/mechanisms.md quotes what these commands give)::
@@ -169,37 +166,6 @@ def simulated_ps_phases(model: str, np: int, rate_bps: float, steps: int, warmup
     return dict(zip(PHASES, (last["backward"], last["push"], first_pull - a, b - a))), source
 
 
-def pair_waits(path: str, dilation: float) -> tuple[list[tuple], list[float]]:
-    """A traced ``pair-averaging`` run's pull requests: those posted while the requester's server
-    was sending that peer a model, each ``(seconds until that model was sent, seconds until
-    answered, worker, peer)``; and the others' seconds until answered."""
-    from gradsync.errors import ConfigError
-
-    began, mine = {}, defaultdict(list)
-    for e in _events(path):
-        if e.get("ph") == "b":
-            began[(e["pid"], e["id"])] = e
-        elif e.get("ph") == "e" and (e["pid"], e["id"]) in began:
-            b = began.pop((e["pid"], e["id"]))
-            mine[e["pid"]].append((b["ts"] / 1e6, e["ts"] / 1e6, b["name"]))
-    behind, others = [], []
-    for worker, spans in sorted(mine.items()):
-        serving = [(a, b, name.rsplit(" ", 1)[1]) for a, b, name in spans if name.startswith("model for worker ")]
-        for a, b, name in spans:
-            if not name.startswith("pull request to worker "):
-                continue
-            peer = name.rsplit(" ", 1)[1]
-            sending = [end for start, end, to in serving if to == peer and start <= a < end]
-            if sending:
-                behind.append(((sending[0] - a) / dilation, (b - a) / dilation, worker, int(peer)))
-            else:
-                others.append((b - a) / dilation)
-    if not behind and not others:
-        raise ConfigError(f"{path}: no pair-averaging pull requests in this trace (a --trace of gradsync bench "
-                          f"--strategies pair-averaging)")
-    return sorted(behind), others
-
-
 def _print_link(args, rate_bps: float) -> None:
     bin_s = args.bin_ms / 1e3
     *sim, source = simulated_slice_downlink(args.model, args.np, rate_bps, args.strategy, 15, args.warmup, bin_s)
@@ -233,17 +199,6 @@ def _print_phases(args, rate_bps: float) -> None:
               f"{max(values) * 1e3:.1f} over {len(values)} steps")
 
 
-def _print_pairs(args) -> None:
-    behind, others = pair_waits(args.trace, args.dilation)
-    print(f"{len(behind) + len(others)} pull requests; {len(behind)} posted while the requester's server "
-          "was sending that peer a model:")
-    for wait, took, worker, peer in behind:
-        print(f"  worker {worker} -> {peer}: {wait:.3f} s until that model was sent, {took:.3f} s until answered")
-    if others:
-        print(f"the other {len(others)}: answered after a median {statistics.median(others):.3f} s, "
-              f"at most {max(others):.3f} s")
-
-
 def main(argv: list[str] | None = None) -> int:
     from gradsync.errors import ConfigError
 
@@ -251,11 +206,9 @@ def main(argv: list[str] | None = None) -> int:
     questions = parser.add_subparsers(dest="question", required=True)
     link = questions.add_parser("link", help="a p3 or ps-sliced run's downlink through the step, beside the model")
     phases = questions.add_parser("phases", help="a co-located ps run's phases from each step's start, beside the model")
-    pairs = questions.add_parser("pairs", help="a pair-averaging run's pull requests queued behind a model")
-    for p in (link, phases, pairs):
+    for p in (link, phases):
         p.add_argument("trace", help="a gradsync bench --trace file")
         p.add_argument("--dilation", type=float, default=1.0, help="the run's --dilation (default 1)")
-    for p in (link, phases):
         p.add_argument("--model", default="resnet50", help="the run's model (default resnet50)")
         p.add_argument("--np", type=int, required=True, help="the run's workers")
         p.add_argument("--net", required=True, help="the run's link rate, e.g. 1gbit")
@@ -266,9 +219,6 @@ def main(argv: list[str] | None = None) -> int:
     if not args.dilation > 0 or not getattr(args, "bin_ms", 1.0) > 0:
         parser.error("--dilation and --bin-ms must be > 0")
     try:
-        if args.question == "pairs":
-            _print_pairs(args)
-            return 0
         from gradsync.cluster import parse_rate
 
         rate_bps = parse_rate(args.net)

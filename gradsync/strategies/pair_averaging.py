@@ -1,21 +1,31 @@
 """Asynchronous decentralized pair averaging, ``pair-averaging`` (AD-PSGD, Lian et al., ICML 2018;
 KungFu's ``PairAveragingOptimizer``).
 
-Every step a worker averages its model with the model of one peer chosen at random
-(``v <- (v + v_peer) / 2``) and applies its local gradient. ``peers="rotate"`` takes the peers in
-turn instead (at its t-th step a worker pulls from the (t mod (n-1) + 1)-th worker after it): where
-the workers step together each then answers one pull a step, where random choices leave some
-answering two or three while others answer none, and every answer shares its worker's link. As in KungFu, the pull is overlapped
-with computation: a worker asks for the peer's model at the end of its step, the model arrives
-while it computes the next step's gradient, and is averaged in at that next step
-(``overlap=False``: the pull at the step itself, waited for, as AD-PSGD's pseudo-code has it). There is no global barrier: a worker
-never waits for more than one peer, and that peer does not stop training to answer, since every
-worker runs a small server thread that answers pulls from a snapshot of its model (refreshed after
-each of its own steps). Workers may therefore average models from different steps.
+Every step a worker averages its model with the model of one peer (``v <- (v + v_peer) / 2``) and
+applies its local gradient. By default (``peers="rotate"``) it takes its peers in turn: at its t-th
+step it pulls from the (t mod (n-1) + 1)-th worker after it, so where the workers step together
+each answers one pull a step. ``peers="random"`` draws the peer at random, as AD-PSGD's analysis
+and KungFu's optimizer do; then some workers answer two or three pulls in a step while others
+answer none, and every answer shares its worker's link (measured in docs/bench-adaptive.md).
+As in KungFu, the pull is overlapped with computation: a worker asks for the peer's model at the
+end of its step, the model arrives while it computes the next step's gradient, and is averaged in
+at that next step (``overlap=False``: the pull at the step itself, waited for, as AD-PSGD's
+pseudo-code has it). There is no global barrier: a worker never waits for more than one peer, and
+that peer does not stop training to answer, since every worker runs a small server thread that
+answers pulls from a snapshot of its model. Workers may therefore average models from different
+steps. The snapshot is double-buffered: after its step a worker copies its model into the snapshot
+no answer is reading and publishes it, so a step never waits for an answer still on its way to a
+peer (on a slow link one answer takes most of a step); where both are being read, the answers go on
+with the published one, a step older.
 
 Wire (no pickle): a pull is an ``int64[2] = (op, rank)`` request on tag ``TAG_REQUEST`` (op 1 = pull,
 2 = this worker is leaving, 3 = a keep-alive ping, skipped: :mod:`gradsync.strategies.keepalive`),
-answered by the flat model (one buffer per dtype) on tag ``TAG_REPLY``.
+answered by the flat model (one buffer per dtype) on tag ``TAG_REPLY``. Gloo moves a message only
+once its receiver's notice that the receive is posted has arrived, and that notice travels on the
+same connection as the data going its way. So the answers travel on two channels of their own
+(:meth:`~gradsync.transport.Transport.new_channel`), one for each direction between two ranks
+(lower to higher, higher to lower): a request or a receive's notice never waits behind a whole
+model going the same way, where two workers pull from each other.
 At ``close`` a worker tells every peer it is leaving and keeps serving until every peer has said the
 same, so a peer's last pull is always answered; a peer from which nothing came for the timeout
 (``GRADSYNC_TIMEOUT``) while it had not left is named in the error.
@@ -50,12 +60,12 @@ OP_PULL, OP_LEAVE, OP_PING = 1, 2, 3
 class PairAveraging(Strategy):
     name = "pair-averaging"
     synchronous = False  # no barrier: a worker may be steps ahead of another
-    summary = "AD-PSGD: each step averages with one random peer's model, no barrier"
+    summary = "AD-PSGD: each step averages with one peer's model (peers in turn), no barrier"
     backends = ("gloo",)  # any-source receives
     grad_edits = "local"  # each worker steps with its own gradient; models are averaged in pairs
     exact = False
 
-    def __init__(self, seed: int = 0, overlap: bool = True, peers: str = "random"):
+    def __init__(self, seed: int = 0, overlap: bool = True, peers: str = "rotate"):
         if peers not in ("random", "rotate"):
             raise ConfigError(f"pair-averaging: peers must be 'random' or 'rotate', got {peers!r}")
         self.seed, self.overlap, self.choice = seed, overlap, peers
@@ -75,15 +85,19 @@ class PairAveraging(Strategy):
             groups.setdefault((p.dtype, p.device), []).append(p)
         self.groups = list(groups.values())
         flat = lambda g: torch.cat([p.detach().reshape(-1) for p in g])
-        self.snapshot = [flat(g) for g in self.groups]
-        self.inbox = [torch.empty_like(s) for s in self.snapshot]
-        self.lock = threading.Lock()
+        self.inbox = [flat(g) for g in self.groups]
+        # Two snapshots when this worker answers pulls: answers read the published one.
+        self.snapshots = [[b.clone() for b in self.inbox] for _ in range(2 if self.peers else 0)]
+        self.published, self.reading = 0, [0, 0]
+        self.answered = threading.Lock()  # guards published and reading
         self.failure: BaseException | None = None
         self.closed = False
         self.left: set[int] = set()
         self.heard = time.monotonic()  # the last request from a peer (pull or leave)
-        self.pulling: tuple | None = None  # (peer, receive handles): the model asked for at the last step
+        self.pulling: tuple | None = None  # (peer, [request sent, model received]): the last step's pull
         self.thread = self.keepalive = None
+        # The answers' channels, to a higher rank and to a lower one. Collective: every rank, serving or not.
+        self.channels = (ctx.transport.new_channel(), ctx.transport.new_channel())
         if self.peers:
             self.thread = threading.Thread(target=self._serve, name="gradsync-pair-averaging", daemon=True)
             self.thread.start()
@@ -112,9 +126,18 @@ class PairAveraging(Strategy):
                 if op == OP_LEAVE:
                     self.left.add(peer)
                     continue
-                with self.lock:
-                    for s in self.snapshot:
-                        transport.send_async(s, peer, TAG_REPLY, what=f"model for worker {peer}").wait(background=True)
+                with self.answered:
+                    which = self.published
+                    self.reading[which] += 1
+                try:
+                    sends = [transport.send_async(part, peer, TAG_REPLY, what=f"model for worker {peer}",
+                                                  channel=self._lane(self.me, peer))
+                             for part in self.snapshots[which]]
+                    for send in sends:
+                        send.wait(background=True)
+                finally:
+                    with self.answered:
+                        self.reading[which] -= 1
         except BaseException as exc:  # noqa: BLE001 - reported by the training thread
             self.failure = exc
 
@@ -129,15 +152,28 @@ class PairAveraging(Strategy):
         if self.hosts is not None:
             self._in_host("broadcast", "the pair's average to the host's workers")
         result = apply()
-        with self.lock, torch.no_grad():
-            for group, s in zip(self.groups, self.snapshot):
-                torch.cat([p.detach().reshape(-1) for p in group], out=s)
+        self._publish()
         if self.overlap:
             self._pull()
         return result
 
+    def _publish(self) -> None:
+        """Copy the model into the snapshot no answer reads, then let the next answers read it."""
+        if not self.snapshots:
+            return
+        with self.answered:
+            spare = 1 - self.published
+            if self.reading[spare]:  # an answer begun before the last refresh is still going out:
+                return  # the answers keep the published model, one step older, rather than this step wait
+        with torch.no_grad():
+            for group, s in zip(self.groups, self.snapshots[spare]):
+                torch.cat([p.detach().reshape(-1) for p in group], out=s)
+        with self.answered:
+            self.published = spare
+
     def _pull(self) -> None:
-        """Ask a random peer for its model; it arrives while this worker computes its next step."""
+        """Ask the next peer (in turn, or at random) for its model; it arrives while this worker
+        computes its next step."""
         if not self.peers:
             return
         transport = self.ctx.transport
@@ -145,12 +181,23 @@ class PairAveraging(Strategy):
             peer, self.turn = self.turns[self.turn % len(self.turns)], self.turn + 1
         else:
             peer = self.rng.choice(self.peers)
+        # The receives before the request, so that their notices are on their way before the answer.
+        models = [transport.recv_async(box, peer, TAG_REPLY, what=f"model of worker {peer}",
+                                       channel=self._lane(peer, self.me)) for box in self.inbox]
         with self.keepalive.sending(peer):
-            handle = transport.send_async(torch.tensor([OP_PULL, self.me]), peer, TAG_REQUEST,
-                                          what=f"pull request to worker {peer}")
-        handle.wait()
-        self.pulling = (peer, [transport.recv_async(box, peer, TAG_REPLY, what=f"model of worker {peer}")
-                               for box in self.inbox])
+            request = transport.send_async(torch.tensor([OP_PULL, self.me]), peer, TAG_REQUEST,
+                                           what=f"pull request to worker {peer}")
+        # Not waited for here: a Gloo send ends when the peer's server takes it, which may be after
+        # the server has answered another worker.
+        self.pulling = (peer, [request] + models)
+
+    def _lane(self, src: int, dst: int):
+        """The channel of the answers from ``src`` to ``dst``."""
+        return self.channels[int(src > dst)]
+
+    def _free_channels(self) -> None:
+        for channel in self.channels:
+            self.ctx.transport.free_group(channel)
 
     def _average_pulled(self) -> None:
         """``v <- (v + v_peer) / 2`` with the model pulled at the end of the previous step."""
@@ -164,7 +211,7 @@ class PairAveraging(Strategy):
             for group, box in zip(self.groups, self.inbox):
                 offset = 0
                 for p in group:
-                    p.add_(box[offset:offset + p.numel()].view_as(p)).mul_(0.5)
+                    p.lerp_(box[offset:offset + p.numel()].view_as(p), 0.5)
                     offset += p.numel()
 
     def flush(self) -> None:
@@ -190,7 +237,11 @@ class PairAveraging(Strategy):
                     offset += p.numel()
 
     def close(self) -> None:
-        if self.thread is None or self.closed:
+        if self.closed:
+            return
+        if self.thread is None:  # this worker answers no pulls
+            self.closed = True
+            self._free_channels()
             return
         if self.pulling is not None:  # the last step's pull: its answer must be received before leaving
             for handle in self.pulling[1]:
@@ -212,6 +263,8 @@ class PairAveraging(Strategy):
                     self.thread.join(min(left, 0.5))
         finally:
             self.closed = True
+        if not self.thread.is_alive():
+            self._free_channels()
         if self.failure is not None:
             raise self.failure
         if self.thread.is_alive():
@@ -222,7 +275,7 @@ class PairAveraging(Strategy):
 
     def describe(self) -> str:
         return ("pair-averaging" + (" (pull overlapped with the next step)" if self.overlap else "")
-                + (", peers in turn" if self.choice == "rotate" else "")
+                + (", peers in turn" if self.choice == "rotate" else ", peers at random")
                 + ("" if self.hosts is None else " (hosts pair up, models averaged in each host)"))
 
     def min_bytes_per_host(self, model_bytes: int) -> float:

@@ -186,6 +186,15 @@ class Transport:
         default is 30 minutes)."""
         return dist.new_group(self.topology.worker_ranks, timeout=gloo_timeout(self.timeout.total_seconds()))
 
+    def new_channel(self):
+        """A private copy of the world group for point-to-point messages (``channel=`` of
+        :meth:`send_async` and :meth:`recv_async`): Gloo sends one message after another on each
+        peer's pair, so a strategy that sends large messages on a channel keeps them from holding
+        up its small ones on the default pairs (a request behind a whole model). Ranks are the
+        world's. Collective: every rank calls it at the same point; :meth:`free_group` releases it."""
+        return dist.new_group(list(range(self.topology.world_size)),
+                              timeout=gloo_timeout(self.timeout.total_seconds()))
+
     def new_two_level(self) -> TwoLevel | None:
         """A private :class:`TwoLevel` (host groups of the strategy's own, as :meth:`new_worker_group`
         for a flat group) where the job's hosts run several workers on Gloo; else None.
@@ -364,9 +373,10 @@ class Transport:
     # Point-to-point messages go straight to the world process group: ``dist.isend``'s argument
     # checks cost more than the send itself for the hundreds of small messages a PS step makes.
     def send_async(self, tensor: torch.Tensor, dst: int, tag: int, *, what: str = "send",
-                   counted: bool = True) -> Handle:
-        """Send ``tensor`` to ``dst`` on ``tag``. ``counted=False``: traffic that is not part of a
-        training step (hybrid's whole-table flush) stays out of ``bytes_sent``."""
+                   counted: bool = True, channel=None) -> Handle:
+        """Send ``tensor`` to ``dst`` on ``tag`` (on ``channel``, from :meth:`new_channel`, else on
+        the world group). ``counted=False``: traffic that is not part of a training step (hybrid's
+        whole-table flush) stays out of ``bytes_sent``."""
         nbytes = tensor.numel() * tensor.element_size()
         if counted:
             self.bytes_sent += nbytes
@@ -374,7 +384,7 @@ class Transport:
         token = None if tracer is None else tracer.begin_async(what, "comm", bytes=nbytes, op="send", peer=dst)
         record = self._record(what, "send", nbytes, peer=dst)
         staged = self.staged(tensor)  # the work holds it until sent
-        work = self._issue(what, lambda: dist.group.WORLD.send([staged], dst, tag))
+        work = self._issue(what, lambda: (channel or dist.group.WORLD).send([staged], dst, tag))
         return Handle(work, self, what, token, record, local=True)
 
     def send_despite_failure(self, messages: list[tuple[torch.Tensor, int, int]]) -> None:
@@ -395,12 +405,13 @@ class Transport:
         threading.Thread(target=settle, name="gradsync-goodbye", daemon=True).start()
 
     def recv_async(self, tensor: torch.Tensor, src: Optional[int], tag: int, *,
-                   what: str = "receive", traced: bool = True) -> Handle:
-        """Receive into ``tensor`` from ``src`` (``None``: from whichever rank sends first).
+                   what: str = "receive", traced: bool = True, channel=None) -> Handle:
+        """Receive into ``tensor`` from ``src`` (``None``: from whichever rank sends first), on
+        ``channel`` (:meth:`new_channel`) or the world group.
 
         ``traced=False``: a receive posted ahead of its message, whose caller traces the arrival itself.
         """
-        world = dist.group.WORLD
+        world = channel or dist.group.WORLD
         staged = self.staged(tensor)
         work = self._issue(what, lambda: world.recv_anysource([staged], tag) if src is None
                            else world.recv([staged], src, tag))
