@@ -29,6 +29,8 @@ SCRIPT = textwrap.dedent("""
     speed, out, log = float(sys.argv[1]), sys.argv[2], sys.argv[3]
     with open(log, "a") as f:
         f.write(f"{speed}\\n")
+    with open(log + ".pids", "a") as f:
+        f.write(f"{os.getpid()}\\n")
     fail = os.environ.get("FAIL_SPEED")
     if fail is not None and float(fail) == speed:
         sys.exit("told to fail")
@@ -290,7 +292,8 @@ def test_a_failed_cell_is_resumed_alone(tmp_path):
     assert [r["status"] for r in s.runs("toy")] == ["done"] and len(s.cells(1)) == 3
 
 
-def test_an_interrupted_run_leaves_the_store_consistent_and_resumes(tmp_path):
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+def test_an_interrupted_run_leaves_the_store_consistent_and_resumes(tmp_path, how):
     path, store = write_spec(tmp_path, HOLDS), tmp_path / "results.sqlite"
     proc = subprocess.Popen([*GRADSYNC, "experiment", "run", path, "--target", "local", "--store", str(store)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -301,10 +304,19 @@ def test_an_interrupted_run_leaves_the_store_consistent_and_resumes(tmp_path):
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and (not log.exists() or len(log.read_text().split()) < 2):
         time.sleep(0.1)
-    os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in the terminal: the whole group
+    if how == "ctrl-c":
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in the terminal: the whole group
+    else:
+        os.kill(proc.pid, signal.SIGTERM)  # kill PID, timeout, a batch system's cancel: the runner alone
     out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130, (out, err)
+    assert proc.returncode == (130 if how == "ctrl-c" else 143), (out, err)
     assert "interrupted: run 1 keeps its 1 finished cells" in err
+    for pid in map(int, (tmp_path / "calls.log.pids").read_text().split()):  # the running cell ended too
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                assert f.read().split(") ")[1][0] == "Z", f"cell process {pid} outlived the run"
+        except FileNotFoundError:
+            pass
     s = Store(str(store))
     assert s.runs("toy")[0]["status"] == "interrupted" and len(s.done_keys(1)) == 1
     resumed = run(["run", path, "--target", "local"], store)

@@ -16,11 +16,21 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 
 from gradsync.argtypes import output_dir
 from gradsync.errors import ConfigError
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM during ``gradsync experiment run``: the running cell is ended and the run kept, as
+    Ctrl-C does (exit status 143)."""
+
+
+def _terminate(signum, frame) -> None:
+    raise Terminated()
 
 
 def add_parser(subparsers) -> None:
@@ -177,6 +187,7 @@ def _run(args) -> int:
             continue
         plans.append((s, todo))
     store = Store(args.store)
+    signal.signal(signal.SIGTERM, _terminate)  # kill, timeout, a batch system's cancel: as Ctrl-C
     print(f"gradsync experiment: results store {store.path}", flush=True)
     environment = None
     failures = 0
@@ -198,11 +209,11 @@ def _run(args) -> int:
             started = time.monotonic()
             try:
                 command, records, message = runner.run_cell(s, cell, target)
-            except KeyboardInterrupt:
+            except KeyboardInterrupt as exc:  # the cell's processes are ended (runner.run_cell)
                 store.finish_run(run_id, "interrupted")
                 print(f"\ninterrupted: run {run_id} keeps its {len(store.done_keys(run_id))} finished cells; "
                       "the same command resumes it", file=sys.stderr)
-                return 130
+                return 143 if isinstance(exc, Terminated) else 130
             store.save_cell(run_id, cell, command, records, time.monotonic() - started,
                             "done" if not message else "failed", message)
             if message:
