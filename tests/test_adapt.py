@@ -260,6 +260,14 @@ def test_pair_averaging_trains_without_a_barrier_and_ends_cleanly(options):
     assert spread < 0.5 * float((finals[0] - results[0][0][0]).abs().max())  # the models agree more than they moved
 
 
+def test_pair_averaging_beside_a_dedicated_server_rank():
+    # The server, which pair-averaging leaves idle, leaves at distribute: the answers' channels are
+    # the workers' alone (a group the server also had to join would wait for it forever).
+    results = run_ranks(averaging_job, 3, "pair-averaging", {"exit_servers": False}, 20, servers=1, timeout=60)
+    for before, grads, losses in results[:2]:  # the workers (the server trained alone, unsynchronized)
+        assert sum(losses[-5:]) < 0.5 * sum(losses[:5])
+
+
 def test_pair_averaging_in_turn_asks_each_peer_once_a_turn():
     from gradsync.errors import ConfigError
     from gradsync.strategies.pair_averaging import PairAveraging, in_turn

@@ -96,7 +96,7 @@ class PairAveraging(Strategy):
         self.heard = time.monotonic()  # the last request from a peer (pull or leave)
         self.pulling: tuple | None = None  # (peer, [request sent, model received]): the last step's pull
         self.thread = self.keepalive = None
-        # The answers' channels, to a higher rank and to a lower one. Collective: every rank, serving or not.
+        # The answers' channels, to a higher rank and to a lower one. Collective: every worker, serving or not.
         self.channels = (ctx.transport.new_channel(), ctx.transport.new_channel())
         if self.peers:
             self.thread = threading.Thread(target=self._serve, name="gradsync-pair-averaging", daemon=True)

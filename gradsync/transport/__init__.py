@@ -187,13 +187,14 @@ class Transport:
         return dist.new_group(self.topology.worker_ranks, timeout=gloo_timeout(self.timeout.total_seconds()))
 
     def new_channel(self):
-        """A private copy of the world group for point-to-point messages (``channel=`` of
-        :meth:`send_async` and :meth:`recv_async`): Gloo sends one message after another on each
-        peer's pair, so a strategy that sends large messages on a channel keeps them from holding
-        up its small ones on the default pairs (a request behind a whole model). Ranks are the
-        world's. Collective: every rank calls it at the same point; :meth:`free_group` releases it."""
-        return dist.new_group(list(range(self.topology.world_size)),
-                              timeout=gloo_timeout(self.timeout.total_seconds()))
+        """A private group of the workers for point-to-point messages (``channel=`` of
+        :meth:`send_async` and :meth:`recv_async`, which take world ranks): Gloo sends one message
+        after another on each peer's pair, notices that a receive is posted included, so a strategy
+        that sends large messages on a channel keeps them from holding up its small ones on the
+        default pairs (a request, or a notice, behind a whole model). Collective over the workers
+        (dedicated servers need not call it); :meth:`free_group` releases it."""
+        return dist.new_group(self.topology.worker_ranks, timeout=gloo_timeout(self.timeout.total_seconds()),
+                              use_local_synchronization=True)
 
     def new_two_level(self) -> TwoLevel | None:
         """A private :class:`TwoLevel` (host groups of the strategy's own, as :meth:`new_worker_group`
@@ -384,7 +385,10 @@ class Transport:
         token = None if tracer is None else tracer.begin_async(what, "comm", bytes=nbytes, op="send", peer=dst)
         record = self._record(what, "send", nbytes, peer=dst)
         staged = self.staged(tensor)  # the work holds it until sent
-        work = self._issue(what, lambda: (channel or dist.group.WORLD).send([staged], dst, tag))
+        if channel is None:
+            work = self._issue(what, lambda: dist.group.WORLD.send([staged], dst, tag))
+        else:
+            work = self._issue(what, lambda: channel.send([staged], dist.get_group_rank(channel, dst), tag))
         return Handle(work, self, what, token, record, local=True)
 
     def send_despite_failure(self, messages: list[tuple[torch.Tensor, int, int]]) -> None:
@@ -406,15 +410,17 @@ class Transport:
 
     def recv_async(self, tensor: torch.Tensor, src: Optional[int], tag: int, *,
                    what: str = "receive", traced: bool = True, channel=None) -> Handle:
-        """Receive into ``tensor`` from ``src`` (``None``: from whichever rank sends first), on
-        ``channel`` (:meth:`new_channel`) or the world group.
+        """Receive into ``tensor`` from ``src`` (``None``: from whichever rank sends first, on the
+        world group), on ``channel`` (:meth:`new_channel`) or the world group.
 
         ``traced=False``: a receive posted ahead of its message, whose caller traces the arrival itself.
         """
-        world = channel or dist.group.WORLD
+        if channel is not None and src is None:
+            raise ValueError("recv_async: a receive from any rank goes on the world group, not a channel")
+        group, peer = (dist.group.WORLD, src) if channel is None else (channel, dist.get_group_rank(channel, src))
         staged = self.staged(tensor)
-        work = self._issue(what, lambda: world.recv_anysource([staged], tag) if src is None
-                           else world.recv([staged], src, tag))
+        work = self._issue(what, lambda: group.recv_anysource([staged], tag) if src is None
+                           else group.recv([staged], peer, tag))
         tracer = trace.current() if traced else None
         nbytes = tensor.numel() * tensor.element_size()
         token = None if tracer is None else tracer.begin_async(what, "comm", bytes=nbytes, op="receive", peer=src)
