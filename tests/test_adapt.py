@@ -210,9 +210,10 @@ def test_switching_strategies_keeps_parameters_and_optimizer_state_exact():
                         ("after_train", "a", 9)]
 
 
-def averaging_job(strategy, options, steps, extra_per_rank=0, lr=0.05):
+def averaging_job(strategy, options, steps, extra_per_rank=0, lr=0.05, close=False):
     """Train a least-squares toy with plain SGD; record every step's parameters before it and the
-    local gradient (computed here, before the strategy touches anything)."""
+    local gradient (computed here, before the strategy touches anything). ``close``: close the
+    optimizer at the end (the strategy lets go of the job)."""
     import gradsync
 
     topo = gradsync.topology()
@@ -232,6 +233,8 @@ def averaging_job(strategy, options, steps, extra_per_rank=0, lr=0.05):
         loss.backward()
         opt.step()
         opt.zero_grad()
+    if close and hasattr(opt, "close"):  # a server left with exit_servers=False holds the bare optimizer
+        opt.close()
     return before, grads, losses
 
 
@@ -260,12 +263,20 @@ def test_pair_averaging_trains_without_a_barrier_and_ends_cleanly(options):
     assert spread < 0.5 * float((finals[0] - results[0][0][0]).abs().max())  # the models agree more than they moved
 
 
-def test_pair_averaging_beside_a_dedicated_server_rank():
+def averaging_twice(strategy, options, steps):
+    """:func:`averaging_job` twice in one job, the first optimizer closed in between (as the bench's
+    rounds attach a strategy again)."""
+    return averaging_job(strategy, options, steps, close=True), averaging_job(strategy, options, steps)
+
+
+def test_pair_averaging_beside_a_dedicated_server_rank_and_attached_again():
     # The server, which pair-averaging leaves idle, leaves at distribute: the answers' channels are
-    # the workers' alone (a group the server also had to join would wait for it forever).
-    results = run_ranks(averaging_job, 3, "pair-averaging", {"exit_servers": False}, 20, servers=1, timeout=60)
-    for before, grads, losses in results[:2]:  # the workers (the server trained alone, unsynchronized)
-        assert sum(losses[-5:]) < 0.5 * sum(losses[:5])
+    # the workers' alone (a group the server also had to join would wait for it forever), and a
+    # second attach in the same job reuses them.
+    results = run_ranks(averaging_twice, 3, "pair-averaging", {"exit_servers": False}, 20, servers=1, timeout=90)
+    for runs in results[:2]:  # the workers (the server trained alone, unsynchronized)
+        for before, grads, losses in runs:
+            assert sum(losses[-5:]) < 0.5 * sum(losses[:5])
 
 
 def test_pair_averaging_in_turn_asks_each_peer_once_a_turn():

@@ -23,7 +23,7 @@ Wire (no pickle): a pull is an ``int64[2] = (op, rank)`` request on tag ``TAG_RE
 answered by the flat model (one buffer per dtype) on tag ``TAG_REPLY``. Gloo moves a message only
 once its receiver's notice that the receive is posted has arrived, and that notice travels on the
 same connection as the data going its way. So the answers travel on two channels of their own
-(:meth:`~gradsync.transport.Transport.new_channel`), one for each direction between two ranks
+(:meth:`~gradsync.transport.Transport.channel`), one for each direction between two ranks
 (lower to higher, higher to lower): a request or a receive's notice never waits behind a whole
 model going the same way, where two workers pull from each other.
 At ``close`` a worker tells every peer it is leaving and keeps serving until every peer has said the
@@ -96,8 +96,9 @@ class PairAveraging(Strategy):
         self.heard = time.monotonic()  # the last request from a peer (pull or leave)
         self.pulling: tuple | None = None  # (peer, [request sent, model received]): the last step's pull
         self.thread = self.keepalive = None
-        # The answers' channels, to a higher rank and to a lower one. Collective: every worker, serving or not.
-        self.channels = (ctx.transport.new_channel(), ctx.transport.new_channel())
+        # The answers' channels, to a higher rank and to a lower one (the first use is collective:
+        # every worker, serving or not).
+        self.channels = (ctx.transport.channel(0), ctx.transport.channel(1))
         if self.peers:
             self.thread = threading.Thread(target=self._serve, name="gradsync-pair-averaging", daemon=True)
             self.thread.start()
@@ -195,10 +196,6 @@ class PairAveraging(Strategy):
         """The channel of the answers from ``src`` to ``dst``."""
         return self.channels[int(src > dst)]
 
-    def _free_channels(self) -> None:
-        for channel in self.channels:
-            self.ctx.transport.free_group(channel)
-
     def _average_pulled(self) -> None:
         """``v <- (v + v_peer) / 2`` with the model pulled at the end of the previous step."""
         if self.pulling is None:
@@ -241,7 +238,6 @@ class PairAveraging(Strategy):
             return
         if self.thread is None:  # this worker answers no pulls
             self.closed = True
-            self._free_channels()
             return
         if self.pulling is not None:  # the last step's pull: its answer must be received before leaving
             for handle in self.pulling[1]:
@@ -263,8 +259,6 @@ class PairAveraging(Strategy):
                     self.thread.join(min(left, 0.5))
         finally:
             self.closed = True
-        if not self.thread.is_alive():
-            self._free_channels()
         if self.failure is not None:
             raise self.failure
         if self.thread.is_alive():

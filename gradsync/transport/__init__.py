@@ -124,6 +124,7 @@ class Transport:
         """Where the training thread's point-to-point waits block (Gloo only; :class:`Waiter`)."""
         self.two_level = two_level
         """The job's host groups when its hosts run several workers on Gloo (:mod:`.twolevel`), else None."""
+        self._channels: list = []  # :meth:`channel`'s groups
 
     def until_overdue(self) -> float:
         """Seconds until the timeout, less :data:`REPORT_S`, has passed since this rank's last
@@ -186,15 +187,19 @@ class Transport:
         default is 30 minutes)."""
         return dist.new_group(self.topology.worker_ranks, timeout=gloo_timeout(self.timeout.total_seconds()))
 
-    def new_channel(self):
-        """A private group of the workers for point-to-point messages (``channel=`` of
-        :meth:`send_async` and :meth:`recv_async`, which take world ranks): Gloo sends one message
-        after another on each peer's pair, notices that a receive is posted included, so a strategy
-        that sends large messages on a channel keeps them from holding up its small ones on the
-        default pairs (a request, or a notice, behind a whole model). Collective over the workers
-        (dedicated servers need not call it); :meth:`free_group` releases it."""
-        return dist.new_group(self.topology.worker_ranks, timeout=gloo_timeout(self.timeout.total_seconds()),
-                              use_local_synchronization=True)
+    def channel(self, index: int):
+        """The ``index``-th private group of the workers for point-to-point messages (``channel=``
+        of :meth:`send_async` and :meth:`recv_async`, which take world ranks): Gloo sends one
+        message after another on each peer's pair, notices that a receive is posted included, so a
+        strategy that sends large messages on a channel keeps them from holding up its small ones
+        on the default pairs (a request, or a notice, behind a whole model). Made at its first use,
+        collectively over the workers (dedicated servers need not call it), and kept for the
+        transport's life: a strategy attached again reuses it (a group freed and made again over
+        the same ranks would read its predecessor's addresses from the store)."""
+        while len(self._channels) <= index:
+            self._channels.append(dist.new_group(self.topology.worker_ranks, use_local_synchronization=True,
+                                                 timeout=gloo_timeout(self.timeout.total_seconds())))
+        return self._channels[index]
 
     def new_two_level(self) -> TwoLevel | None:
         """A private :class:`TwoLevel` (host groups of the strategy's own, as :meth:`new_worker_group`
@@ -375,8 +380,8 @@ class Transport:
     # checks cost more than the send itself for the hundreds of small messages a PS step makes.
     def send_async(self, tensor: torch.Tensor, dst: int, tag: int, *, what: str = "send",
                    counted: bool = True, channel=None) -> Handle:
-        """Send ``tensor`` to ``dst`` on ``tag`` (on ``channel``, from :meth:`new_channel`, else on
-        the world group). ``counted=False``: traffic that is not part of a training step (hybrid's
+        """Send ``tensor`` to ``dst`` on ``tag`` (on ``channel``, from :meth:`channel`, else on the
+        world group). ``counted=False``: traffic that is not part of a training step (hybrid's
         whole-table flush) stays out of ``bytes_sent``."""
         nbytes = tensor.numel() * tensor.element_size()
         if counted:
@@ -411,7 +416,7 @@ class Transport:
     def recv_async(self, tensor: torch.Tensor, src: Optional[int], tag: int, *,
                    what: str = "receive", traced: bool = True, channel=None) -> Handle:
         """Receive into ``tensor`` from ``src`` (``None``: from whichever rank sends first, on the
-        world group), on ``channel`` (:meth:`new_channel`) or the world group.
+        world group), on ``channel`` (:meth:`channel`) or the world group.
 
         ``traced=False``: a receive posted ahead of its message, whose caller traces the arrival itself.
         """
