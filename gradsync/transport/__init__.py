@@ -415,8 +415,8 @@ class Transport:
 
     def recv_async(self, tensor: torch.Tensor, src: Optional[int], tag: int, *,
                    what: str = "receive", traced: bool = True, channel=None) -> Handle:
-        """Receive into ``tensor`` from ``src`` (``None``: from whichever rank sends first, on the
-        world group), on ``channel`` (:meth:`channel`) or the world group.
+        """Receive into ``tensor`` from ``src`` on the world group, or on ``channel``
+        (:meth:`channel`); ``src=None`` (world group only): from whichever rank sends first.
 
         ``traced=False``: a receive posted ahead of its message, whose caller traces the arrival itself.
         """
