@@ -13,6 +13,7 @@ import gradsync
 from gradsync.bench.workload import Workload, compare, reference, train_step
 from gradsync.errors import GradsyncError
 from multirank import run_ranks
+from test_parity import CUT
 
 BEFORE, AFTER = 2, 2
 
@@ -94,12 +95,12 @@ def _check_resumed(results, work, workers):
 CASES = [  # (strategy, workers, options, when the resumed run loads)
     ("allreduce", 2, {}, "before"), ("ddp", 2, {"find_unused_parameters": True}, "after"),
     ("ps", 2, {}, "before"), ("ps", 2, {}, "after"),  # at one worker the state is whole: nothing to consolidate
-    ("p3", 2, {"slice_params": 7}, "before"), ("p3", 2, {"slice_params": 7}, "after"),
-    ("allreduce-priority", 2, {"partition_params": 7}, "before"),
-    ("allreduce-priority", 2, {"partition_params": 7}, "after"),
+    ("p3", 2, {"slice_params": CUT}, "before"), ("p3", 2, {"slice_params": CUT}, "after"),
+    ("allreduce-priority", 2, {"partition_params": CUT}, "before"),
+    ("allreduce-priority", 2, {"partition_params": CUT}, "after"),
 ]
 CASES = [c + (None,) for c in CASES] + [  # hosts of 2 and 1 workers: the state on the hosts' leaders
-    ("p3", 3, {"slice_params": 7}, "after", (0, 0, 1)),
+    ("p3", 3, {"slice_params": CUT}, "after", (0, 0, 1)),
 ]
 
 
@@ -129,7 +130,7 @@ def test_hybrid_gathers_the_tables_state_from_the_workers_servers(optimizer, loa
 
 
 @pytest.mark.parametrize("strategy,options,model", [
-    ("p3", {"slice_params": 7}, "toy"), ("allreduce-priority", {"partition_params": 7}, "toy"),
+    ("p3", {"slice_params": CUT}, "toy"), ("allreduce-priority", {"partition_params": CUT}, "toy"),
     ("hybrid", {"sparse": ["embedding.weight"]}, "lstm-lm:tiny")])
 def test_loading_into_a_running_strategy_rolls_back(strategy, options, model):
     work = Workload(model=model, batch_size=6, optimizer="adam")

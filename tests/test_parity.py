@@ -13,6 +13,10 @@ from gradsync.bench.workload import Workload, compare, reference, train_step
 from multirank import DEVICE, run_ranks
 
 STEPS = 4
+CUT = 37
+"""Elements in a small slice or partition: it cuts through most of the toy's tensors (2770 elements
+in all) and spans its small ones, in about 70 pieces. Smaller pieces take no other path, and each
+piece costs an operation a step."""
 
 
 def train(strategy: str, work: Workload, steps: int, options: dict, close: bool = False):
@@ -44,12 +48,12 @@ CASES = [  # (strategy, workers, servers, options)
     ("ps", 2, 0, {"fuse_kb": 0}), ("ps", 2, 1, {"fuse_kb": 0}), ("ps", 4, 2, {"fuse_kb": 1}),
     ("ddp", 1, 0, {"find_unused_parameters": True}), ("ddp", 2, 0, {"find_unused_parameters": True}),
     ("p3", 1, 0, {}), ("p3", 2, 0, {}), ("p3", 4, 2, {}),  # one dedicated server: the Adam case below
-    ("p3", 2, 0, {"slice_params": 7}),  # slices cut through tensors and span several
+    ("p3", 2, 0, {"slice_params": CUT}),  # slices cut through tensors and span several
     ("p3", 4, 0, {"slice_params": 50, "credit_mb": 0.001}),  # one slice in flight at a time
     ("allreduce-priority", 1, 0, {}), ("allreduce-priority", 2, 0, {}),
-    ("allreduce-priority", 4, 0, {"partition_params": 9, "credit_mb": 0.0001}),  # one tiny partition at a time
+    ("allreduce-priority", 4, 0, {"partition_params": CUT, "credit_mb": 0.0002}),  # one partition at a time
     ("allreduce-priority", 2, 1, {"partition_params": 50}),  # a server rank present: it only leaves
-    ("ps-sliced", 1, 0, {}), ("ps-sliced", 2, 0, {"slice_params": 7}), ("ps-sliced", 4, 2, {"slice_params": 50}),
+    ("ps-sliced", 1, 0, {}), ("ps-sliced", 2, 0, {"slice_params": CUT}), ("ps-sliced", 4, 2, {"slice_params": 50}),
     # Compressed strategies with lossless codecs, one case per code path: payloads all-reduced ("none"
     # is summable), decode-merge-encode around the ring and at PS aggregators (top-k keeping every
     # element is lossless but not summable), PS payload sums, and the all-gather baseline.
@@ -61,7 +65,7 @@ CASES = [  # (strategy, workers, servers, options)
     ("compressed-allgather", 3, 0, {"compression": "topk:ratio=1"}),
     # Parameter servers whose pushes are encoded (lossless top-k), with a residual per slice or group.
     ("ps", 2, 0, {"compression": "topk:ratio=1", "error_feedback": True}),
-    ("p3", 3, 0, {"compression": "topk:ratio=1", "slice_params": 7, "error_feedback": True}),
+    ("p3", 3, 0, {"compression": "topk:ratio=1", "slice_params": CUT, "error_feedback": True}),
     ("p3", 2, 1, {"compression": "topk:ratio=1"}), ("ps-sliced", 2, 0, {"compression": "none"}),
     # hybrid on the toy: its one embedding is tied to the output layer, so it is measured as mixed
     # and all-reduced (tests/test_hybrid.py has the tables that go to servers); a server rank idles.
@@ -70,9 +74,9 @@ CASES = [  # (strategy, workers, servers, options)
 CASES = [c + ("sgd",) for c in CASES] + [  # Adam: per-parameter state, at 2 workers
     ("allreduce", 2, 0, {}, "adam"), ("ps", 2, 0, {}, "adam"), ("ps", 2, 1, {}, "adam"),
     ("ddp", 2, 0, {"find_unused_parameters": True}, "adam"),
-    ("p3", 2, 0, {"slice_params": 7}, "adam"), ("p3", 2, 1, {}, "adam"),
-    ("p3", 2, 0, {"slice_params": 7, "compression": "topk:ratio=1"}, "adam"),
-    ("allreduce-priority", 2, 0, {"partition_params": 7}, "adam"),
+    ("p3", 2, 0, {"slice_params": CUT}, "adam"), ("p3", 2, 1, {}, "adam"),
+    ("p3", 2, 0, {"slice_params": CUT, "compression": "topk:ratio=1"}, "adam"),
+    ("allreduce-priority", 2, 0, {"partition_params": CUT}, "adam"),
 ]
 
 
@@ -130,17 +134,17 @@ def test_co_located_ps_posts_its_pull_receives_before_its_answers():
 
 
 HOST_STRATEGIES = [("allreduce", {}), ("allreduce", {"bucket_mb": 0.001}), ("allreduce", {"hosts": "flat"}),
-                   ("allreduce-priority", {"partition_params": 9}), ("ps", {}),
+                   ("allreduce-priority", {"partition_params": CUT}), ("ps", {}),
                    # Compressed, lossless: shards summed in the host, exchanged across hosts by their owners.
                    ("casync-ring", {"compression": "topk:ratio=1"}),
                    ("casync-ps", {"compression": "topk:ratio=1", "partition_mb": 0.0001}),
                    ("compressed-allgather", {"compression": "topk:ratio=1"}),
                    # Sliced servers: slices summed by each host's leader, which alone pushes and forwards answers.
-                   ("p3", {"slice_params": 7}), ("ps-sliced", {"slice_params": 7}),
+                   ("p3", {"slice_params": CUT}), ("ps-sliced", {"slice_params": CUT}),
                    # the toy's one table is tied (dense); tests/test_hybrid.py has tables on hosts
                    ("hybrid", {}),
                    # Encoded pushes: the host sums exactly, its leader encodes the host's sum.
-                   ("ps", {"compression": "topk:ratio=1"}), ("p3", {"slice_params": 7, "compression": "topk:ratio=1"})]
+                   ("ps", {"compression": "topk:ratio=1"}), ("p3", {"slice_params": CUT, "compression": "topk:ratio=1"})]
 UNEVEN_HOST_STRATEGIES = [HOST_STRATEGIES[i] for i in (0, 4, 6, 7, 8, 9, 12)]
 """Hosts of unequal size (2+1): the strategies whose shards, partitions or slices follow the hosts."""
 RELAYED = ("p3", "ps-sliced")
