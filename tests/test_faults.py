@@ -713,3 +713,25 @@ def test_an_operation_that_cannot_start_on_a_broken_pair_names_the_peer(monkeypa
     with pytest.raises(RuntimeError, match="contiguous") as raised:
         tr.recv_async(torch.zeros(2), 1, 0, what="rows from rank 1")
     assert not isinstance(raised.value, gradsync.PeerFailureError) and explained == ["slice 3 to rank 1"]
+
+
+def test_a_channel_takes_world_ranks_and_refuses_a_receive_from_any_rank(monkeypatch):
+    """A channel (Transport.channel) is a group of the workers: messages name world ranks, mapped to
+    the channel's own; a receive from whichever rank sends first exists on the world group only."""
+    from types import SimpleNamespace
+
+    from gradsync import transport as module
+    from gradsync.topology import Topology
+
+    calls = []
+    channel = SimpleNamespace(send=lambda t, dst, tag: calls.append(("send", dst)) or "work",
+                              recv=lambda t, src, tag: calls.append(("recv", src)) or "work")
+    ranks = {2: 7}  # a made-up answer of the group: world rank 2 is its rank 7
+    monkeypatch.setattr(module, "dist", SimpleNamespace(group=SimpleNamespace(WORLD=None),
+                                                        get_group_rank=lambda group, rank: ranks[rank]))
+    tr = module.Transport(Topology(world_size=3, rank=0, num_servers=0), None, torch.device("cpu"), None)
+    tr.send_async(torch.zeros(2), 2, 0, channel=channel)
+    tr.recv_async(torch.zeros(2), 2, 0, channel=channel)
+    assert calls == [("send", 7), ("recv", 7)]
+    with pytest.raises(ValueError, match="any rank goes on the world group"):
+        tr.recv_async(torch.zeros(2), None, 0, channel=channel)
