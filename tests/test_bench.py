@@ -133,6 +133,9 @@ def test_the_check_catches_a_wrong_model():
     (["--net", "1gbit", "--ranks-per-host", "0"], "--ranks-per-host must be >= 1"),
     (["--net", "1gbit", "--server-hosts", "shared"], "--server-hosts places dedicated servers: it needs --servers"),
     (["--servers", "1", "--server-hosts", "own"], "--server-hosts places ranks on emulated hosts: it needs --net"),
+    (["--strategies", "sma@balance"], "sma@balance: BalanceBatches needs a strategy that averages gradients"),
+    (["--strategies", "ddp@balance"], "ddp is not one"),  # its reducer waits where gradsync cannot time it
+    (["--strategies", "casync-ring@balance", "--compression", "onebit"], "add --balance"),
 ])
 def test_bad_arguments_are_argument_errors(cli, args, message):
     code, _, err = cli("bench", *args, cwd=TESTS)
@@ -154,6 +157,57 @@ def test_compression_specs_expand_per_strategy_and_skip_refused_pairs(capsys):
         _with_compression(["casync-ring"], "zip", fail)
     with pytest.raises(AssertionError, match="none of --strategies casync-ps takes"):
         _with_compression(["casync-ps"], "powersgd", fail)  # not casync-ps with its default onebit
+
+
+def test_balance_gives_the_slow_worker_less_and_stays_exact(tmp_path):
+    """``STRATEGY@balance`` on emulated compute with worker 1 three times as slow: BalanceBatches
+    moves samples to worker 0, and the run equals the reference replaying the same shares, in fp32
+    over the timed run and in float64 over the replay."""
+    out = tmp_path / "records.json"
+    proc = bench("--model", "toy", "--compute", "emulated:flops:0.00001", "--np", "2", "--slow", "1:3",
+                 "--batch-size", "8", "--strategies", "allreduce", "--balance", "--steps", "8", "--warmup", "2",
+                 "--rounds", "2", "--check-steps", "2", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    records = {r["strategy"]: r for r in json.loads(out.read_text())}
+    assert list(records) == ["allreduce", "allreduce@balance"]
+    balanced = records["allreduce@balance"]
+    assert sum(balanced["shares"]) == 16 and balanced["shares"][0] > balanced["shares"][1] >= 1, balanced["shares"]
+    assert "shares" not in records["allreduce"]
+    assert balanced["correct"] is True and balanced["fp32_max_abs_diff"] < 1e-5, balanced
+    assert balanced["samples_per_s"] > records["allreduce"]["samples_per_s"], records
+    assert "allreduce@balance: BalanceBatches' shares of the global batch at the end" in proc.stdout
+
+
+def test_a_worker_share_is_its_slice_of_the_equal_batches_end_to_end():
+    work = Workload(model="toy", batch_size=4)
+    spec = work.spec()
+    equal = [work.batch(spec, 3, w, 2) for w in range(2)]
+    parts = [work.batch(spec, 3, w, 2, shares=[1, 7]) for w in range(2)]
+    assert [p[0][0].shape[0] for p in parts] == [1, 7]
+    assert torch.equal(torch.cat([p[0][0] for p in parts]), torch.cat([e[0][0] for e in equal]))
+    assert torch.equal(torch.cat([p[1] for p in parts]), torch.cat([e[1] for e in equal]))
+
+
+def test_reference_weights_unequal_shares_by_their_samples():
+    """Shares weighted by samples: a model whose loss is a mean over samples without batch statistics
+    (toy's BatchNorm has them) trains as with equal shares, whatever the split."""
+    from gradsync.bench.workload import shares_at
+
+    assert shares_at([[0, [4, 4]], [2, [5, 3]], [4, [4, 4]]], 1) is None
+    assert shares_at([[0, [4, 4]], [2, [5, 3]], [4, [4, 4]]], 3) == [5, 3]
+    assert shares_at([[0, [4, 4]], [2, [5, 3]], [4, [4, 4]]], 4) is None
+    work = Workload(model="user_models:mlp", batch_size=4, dtype="float64")
+    sys.path.insert(0, TESTS)
+    try:
+        equal = reference(work, 2, 3)
+        split = reference(work, 2, 3, shares=[[0, [1, 7]], [1, [6, 2]]])
+    finally:
+        sys.path.remove(TESTS)
+    for a, b in zip(equal.parameters(), split.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    toy = Workload(model="toy", batch_size=4, dtype="float64")  # per-worker BatchNorm: the split shows
+    assert any(not torch.equal(a, b) for a, b in zip(reference(toy, 2, 2).parameters(),
+                                                       reference(toy, 2, 2, shares=[[0, [3, 5]]]).parameters()))
 
 
 def test_reference_averages_per_worker_batches():

@@ -42,6 +42,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--monitors", metavar="NAME[,NAME...]",
                    help="also run every strategy with each monitor attached, as STRATEGY@NAME, to measure its cost: "
                         "noise-scale, variance (exact) or variance-sampled (gradsync.adapt)")
+    p.add_argument("--balance", action="store_true",
+                   help="also run every strategy that averages gradients over workers under BalanceBatches, as "
+                        "STRATEGY@balance: each worker's share of the global batch follows its measured speed "
+                        "(gradsync.adapt; --strategies allreduce@balance names one directly)")
     p.add_argument("--set", action="append", default=[], metavar="STRATEGY.KEY=VALUE",
                    help="a strategy option, e.g. ps.fuse_kb=0 or allreduce.bucket_mb=4 (repeatable)")
     p.add_argument("--json", metavar="FILE", type=output_file, help="write one record per strategy to FILE")
@@ -215,7 +219,7 @@ def _validate(args, parser_error) -> list[str]:
         if max(args.np_list) > slots:
             parser_error(f"--np {max(args.np_list)} exceeds the {slots} slots of machine {args.machine!r}")
     names = [s.strip() for s in args.strategies.split(",") if s.strip()]
-    unknown = [s for s in names if s.removesuffix(":flat") not in STRATEGIES]
+    unknown = [s for s in names if s.removesuffix("@balance").removesuffix(":flat") not in STRATEGIES]
     if unknown or not names:
         parser_error(f"unknown strategy {', '.join(unknown) or '(none)'}; valid strategies: {', '.join(strategy_names())}")
     if args.optimizer not in OPTIMIZERS:
@@ -233,6 +237,7 @@ def _validate(args, parser_error) -> list[str]:
         names = _with_compression(names, args.compression, parser_error)
     if args.monitors:
         names = _with_monitors(names, args.monitors, parser_error)
+    names = _with_balance(names, args.balance, parser_error)
     flat = [n for n in names if n.endswith(":flat")]
     if flat and getattr(args, "ranks_per_host", 1) == 1:
         print(f"note: {', '.join(flat)} run as their plain forms: with one worker per host every strategy is flat",
@@ -277,6 +282,9 @@ def _with_compression(names: list[str], specs: str, parser_error) -> list[str]:
 
     out = []
     for name in names:
+        if "@" in name:
+            parser_error(f"--compression with {name}: name the strategy alone and add --balance (it runs "
+                         "STRATEGY+SPEC@balance)")
         known, rest = accepted_options(STRATEGIES[name.removesuffix(":flat")])
         labels = []
         plain = any(p.name == "compression" and p.default is None for p in known)  # also uncompressed: the baseline
@@ -311,10 +319,41 @@ def _with_monitors(names: list[str], monitors: str, parser_error) -> list[str]:
     out = []
     for name in names:
         out.append(name)
+        if "@" in name:
+            continue  # already a STRATEGY@balance
         if not getattr(STRATEGIES[strategy_of(name)], "mean_grads_at_apply", False):
             print(f"note: {name} runs without monitors: they read synchronized gradients, which it does not produce")
             continue
         out += [f"{name}@{m}" for m in wanted]
+    return out
+
+
+def _with_balance(names: list[str], every: bool, parser_error) -> list[str]:
+    """``--balance``: each label, then ``LABEL@balance`` for strategies that can take unequal shares;
+    a ``STRATEGY@balance`` given directly must be one of them."""
+    from gradsync.bench.worker import BALANCE, balanced, strategy_of
+    from gradsync.strategies import STRATEGIES
+
+    def can(name: str) -> bool:
+        made = STRATEGIES[strategy_of(name)]
+        return made.mean_over_workers and made.waits_recorded
+
+    for name in names:
+        if balanced(name) and not can(name):
+            parser_error(f"{name}: BalanceBatches needs a strategy that averages gradients over workers and whose "
+                         f"waits gradsync times (allreduce, ps, p3, casync-*, hybrid, ...); {strategy_of(name)} is not one")
+    if not every:
+        return names
+    out = []
+    for name in names:
+        out.append(name)
+        if "@" in name:
+            continue
+        if can(name):
+            out.append(f"{name}@{BALANCE}")
+        else:
+            print(f"note: {name} runs without BalanceBatches: it does not average gradients over workers, or waits "
+                  "where gradsync cannot time it")
     return out
 
 

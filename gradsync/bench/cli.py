@@ -112,7 +112,8 @@ def _records(config: dict, run_dir: str) -> list[dict]:
     torch.set_num_threads(config["threads"])
     with open(os.path.join(run_dir, "results.json")) as f:
         results = json.load(f)
-    fp32_ref = reference(work, config["np"], config["warmup"] + config["per_round"])
+    steps = config["warmup"] + config["per_round"]
+    fp32_ref = reference(work, config["np"], steps)
     ref_loss = eval_loss(work, dict(fp32_ref.named_parameters()))
     check = check_workload(config["workload"])
     check_ref = reference(check, config["np"], config["check_steps"]) if config["check_steps"] else None
@@ -120,10 +121,14 @@ def _records(config: dict, run_dir: str) -> list[dict]:
     for name in config["strategies"]:
         raw = results["records"][name]
         final = torch.load(os.path.join(run_dir, f"{name}.pt"), weights_only=True)
-        fp32 = compare(final, fp32_ref, work.tolerance)
+        history = raw.get("share_history")  # a @balance label: the reference splits each batch as it did
+        fp32 = compare(final, reference(work, config["np"], steps, shares=history) if history else fp32_ref,
+                       work.tolerance)
         result = None
         if check_ref is not None:
-            result = compare(torch.load(os.path.join(run_dir, f"{name}.check.pt"), weights_only=True), check_ref, check.tolerance)
+            ref = reference(check, config["np"], config["check_steps"], shares=[[0, history[-1][1]]]) \
+                if history else check_ref
+            result = compare(torch.load(os.path.join(run_dir, f"{name}.check.pt"), weights_only=True), ref, check.tolerance)
         records.append(summarize(raw, results["compute"], config, result, fp32["max_abs_diff"]))
         if not raw["exact"] and work.compute == "real":  # not the reference's model: how good is it?
             # (an emulated model's loss is a stand-in, not a measure of its parameters)
@@ -235,6 +240,10 @@ def _report(records: list[dict], args) -> int:
             if stats.get("steps"):
                 print(f"  rows per step and worker: pushed {stats['pushed_rows'] / stats['steps']:.0f}, "
                       f"pulled from other servers {stats['pulled_rows'] / stats['steps']:.0f}")
+    for r in records:
+        if r.get("shares"):
+            print(f"{r['strategy']}: BalanceBatches' shares of the global batch at the end, by worker: "
+                  f"{', '.join(map(str, r['shares']))}")
     for slow in sorted({r["slow"] for r in records if r.get("slow")}):
         print(f"slowed (--slow {slow}): {slow_note(slow).removeprefix(', ')}")
     for note in (cpu_bound_note(records), None if args.machine_hosts else shared_cores_note(records)):

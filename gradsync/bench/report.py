@@ -126,6 +126,8 @@ def summarize(raw: dict, compute_times: list[float], config: dict, check: dict |
         record["batch_s"] = statistics.median(t / k for t in raw["batch_times"])
     if raw.get("host_links"):
         record.update(link_bytes_per_step(raw["host_links"]))
+    if raw.get("share_history"):  # a @balance label: the shares BalanceBatches ended the last round with
+        record["shares"] = raw["share_history"][-1][1]
     record.update(straggler_verdict(raw.get("stragglers", [])))
     if raw.get("paces"):  # every worker's pace at the end of each round, from which the verdicts came
         record["paces"] = raw["paces"]

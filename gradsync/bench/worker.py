@@ -16,6 +16,7 @@ Server ranks only take part in the strategies that use servers.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import json
@@ -137,7 +138,8 @@ def host_links(config: dict) -> HostLinks | None:
 
 def timed_steps(model, optimizer, work: Workload, total: int, label: str = "compute only",
                 cpu: list | None = None, updates: list | None = None, host_work: list | None = None,
-                batches: list | None = None, links: HostLinks | None = None, sent: list | None = None) -> list[float]:
+                batches: list | None = None, links: HostLinks | None = None, sent: list | None = None,
+                ctl=None) -> list[float]:
     """Run ``total`` training steps; per-step seconds. ``cpu``: gets each step's host CPU ticks
     ``[busy, total]`` appended (an emulated cluster shares this machine's cores: a run that keeps
     them busy measures the host, not the emulated cluster). ``updates``: gets each step's
@@ -145,7 +147,10 @@ def timed_steps(model, optimizer, work: Workload, total: int, label: str = "comp
     strategy appended (:meth:`~gradsync.strategies.base.Strategy.host_work`, that step's part).
     ``batches``: gets the seconds each step's batch took to make appended (before the step's
     timer starts, and so not in its time). ``links``: closes a step of its counters at each step's end.
-    ``sent``: gets the transport's bytes sent so far appended after each step."""
+    ``sent``: gets the transport's bytes sent so far appended after each step. ``ctl``: a
+    :class:`~gradsync.adapt.Controller` whose policies run around each step, as in a user's loop
+    (its ``steps`` drive the loop, each worker trains on its share of the global batch, and the
+    policies' work between two steps counts in the second one's time)."""
     topo = gradsync.topology()
     spec = work.spec()
     tracer = trace.current()
@@ -153,9 +158,13 @@ def timed_steps(model, optimizer, work: Workload, total: int, label: str = "comp
     done = optimizer.strategy.host_work() if host_work is not None else None
     if links is not None:
         links.start()
-    for step in range(total):
+    between, ended = 0.0, None
+    for step in (range(total) if ctl is None else ctl.steps(total)):
         made = time.perf_counter()
-        inputs, target = work.batch(spec, step, topo.rank, topo.num_workers)
+        if ended is not None:
+            between = made - ended  # the controller's policies, after the last step and before this one
+        shares = None if ctl is None else ctl.step_sizes
+        inputs, target = work.batch(spec, step, topo.rank, topo.num_workers, shares if shares and len(set(shares)) > 1 else None)
         if batches is not None:
             batches.append(time.perf_counter() - made)
         before = host_cpu() if cpu is not None else None
@@ -168,7 +177,7 @@ def timed_steps(model, optimizer, work: Workload, total: int, label: str = "comp
         stepped = time.perf_counter()
         optimizer.zero_grad()
         end = time.perf_counter()
-        times.append(end - start)
+        times.append(end - start + between)
         if links is not None:
             links.step()
         if sent is not None:
@@ -188,6 +197,7 @@ def timed_steps(model, optimizer, work: Workload, total: int, label: str = "comp
             for name, a, b in (("forward + loss", start, forward), ("backward()", forward, backward),
                                ("optimizer.step()", backward, stepped), ("zero_grad()", stepped, end)):
                 tracer.span(name, "step", a, b)
+        ended = time.perf_counter()
     return times
 
 
@@ -261,9 +271,23 @@ MONITORS = {
 """``--monitors`` names: the monitor a ``STRATEGY@NAME`` label attaches (gradsync.adapt)."""
 
 
+BALANCE = "balance"
+"""``STRATEGY@balance`` (``--balance``): the strategy under :class:`gradsync.adapt.BalanceBatches`,
+driven by a :class:`~gradsync.adapt.Controller` as in a user's loop. Each round starts from the
+shares the previous round ended with, as a long job would hold them."""
+
+BALANCE_EVERY, BALANCE_WARMUP = 5, 2
+"""``BalanceBatches(every=, warmup=)`` of a ``@balance`` label: a round is tens of steps."""
+
+
+def balanced(label: str) -> bool:
+    """Whether a bench label runs its strategy under ``BalanceBatches``."""
+    return label.partition("@")[2] == BALANCE
+
+
 def attach_monitor(label: str, optimizer, work: Workload) -> None:
     name = label.partition("@")[2]
-    if name:
+    if name and name != BALANCE:
         from gradsync.adapt import monitor
 
         monitor(optimizer, MONITORS[name](work))
@@ -276,8 +300,23 @@ def peaks(transport, worker: float = 0.0, server: float = 0.0) -> tuple[float, f
     return float(mem[0]), float(mem[1])
 
 
+def balancer(name: str, optimizer, work: Workload, shares: list[int] | None):
+    """A ``@balance`` label's :class:`~gradsync.adapt.Controller` and its ``BalanceBatches``,
+    starting from ``shares`` (None: equal); ``(None, None)`` for any other label."""
+    if not balanced(name):
+        return None, None
+    from gradsync.adapt import BalanceBatches, Controller
+
+    policy = BalanceBatches(every=BALANCE_EVERY, warmup=BALANCE_WARMUP)
+    ctl = Controller(optimizer, [policy], batch_size=work.batch_size)
+    ctl.set_shares(shares)
+    return ctl, policy
+
+
 def run_strategy(name: str, options: dict, work: Workload, total: int, run_dir: str,
-                 links: HostLinks | None = None) -> dict | None:
+                 links: HostLinks | None = None, shares: list[int] | None = None) -> dict | None:
+    """One round of ``name``: its record (None on a dedicated server). ``shares``: where a
+    ``@balance`` label's shares start."""
     topo = gradsync.topology()
     transport = runtime.current().transport
     gc.collect()  # the previous strategy's model, held in reference cycles by its hooks and threads
@@ -298,8 +337,13 @@ def run_strategy(name: str, options: dict, work: Workload, total: int, run_dir: 
         recorder = flight.current()
         recorder.pace = stragglers.Pace()  # this strategy's steps alone
         counted: list[int] = []
-        times = timed_steps(model, optimizer, work, total, label=name, cpu=cpu, updates=updates, host_work=work_done,
-                            batches=batches, links=links, sent=counted)
+        ctl, policy = balancer(name, optimizer, work, shares)
+        with ctl.train() if ctl is not None else contextlib.nullcontext():
+            times = timed_steps(model, optimizer, work, total, label=name, cpu=cpu, updates=updates,
+                                host_work=work_done, batches=batches, links=links, sent=counted, ctl=ctl)
+        # The round's shares by step, as the reference replays them: where it began, then each change.
+        start_shares = shares or [work.batch_size] * topo.num_workers
+        share_history = None if policy is None else [[0, start_shares], *[[s, list(v)] for s, v in policy.history]]
         readings = stragglers.gather(transport, topo, recorder.pace)
         slow = stragglers.verdict(readings)
         optimizer.flush()  # the last step's lazily finished pulls (p3) count toward its bytes
@@ -325,7 +369,8 @@ def run_strategy(name: str, options: dict, work: Workload, total: int, run_dir: 
             "host_cpu": cpu,
             "host_links": None if links is None else links.steps,
             "min_bytes_per_host": optimizer.strategy.min_bytes_per_host(model_bytes),
-            "stragglers": [[[s.rank, s.cause, s.ratio, s.held_s] for s in slow]], "paces": [readings]}
+            "stragglers": [[[s.rank, s.cause, s.ratio, s.held_s] for s in slow]], "paces": [readings],
+            "share_history": share_history}
 
 
 def merge(into: dict | None, record: dict, warmup: int) -> dict:
@@ -358,16 +403,26 @@ def merge(into: dict | None, record: dict, warmup: int) -> dict:
     into["workers_max_diff"] = max(into["workers_max_diff"], record["workers_max_diff"])
     into["stragglers"] = into.get("stragglers", []) + record.get("stragglers", [])
     into["paces"] = into.get("paces", []) + record.get("paces", [])
+    into["share_history"] = record.get("share_history")  # the last round's: its parameters are the ones saved
     return into
 
 
-def run_check(name: str, options: dict, work: Workload, steps: int, run_dir: str) -> None:
-    """Replay ``name`` in float64 for ``steps`` steps; rank 0 saves the parameters to compare."""
+def run_check(name: str, options: dict, work: Workload, steps: int, run_dir: str,
+              shares: list[int] | None = None) -> None:
+    """Replay ``name`` in float64 for ``steps`` steps; rank 0 saves the parameters to compare.
+    ``shares``: the workers' fixed shares of each global batch (a ``@balance`` label's last ones)."""
     model, optimizer = work.build()
     optimizer = gradsync.distribute(model, optimizer, strategy_of(name), exit_servers=False, **options)
     if gradsync.topology().is_server:
         return
-    timed_steps(model, optimizer, work, steps)
+    ctl = None
+    if shares is not None:
+        from gradsync.adapt import Controller
+
+        ctl = Controller(optimizer, [], batch_size=work.batch_size)
+        ctl.set_shares(shares)
+    with ctl.train() if ctl is not None else contextlib.nullcontext():
+        timed_steps(model, optimizer, work, steps, ctl=ctl)
     optimizer.close()
     if gradsync.topology().rank == 0:
         torch.save({n: p.detach() for n, p in model.named_parameters()}, os.path.join(run_dir, f"{name}.check.pt"))
@@ -420,7 +475,7 @@ def main(run_dir: str) -> int:
     # Rounds interleave the strategies (compute-only, a, b, c; compute-only, b, c, a; ...), so drift
     # on a shared machine falls on every strategy alike instead of on whichever ran last, and each
     # takes every place in the order (following compute-only, following another strategy) in turn.
-    warmup, records, compute = config["warmup"], {}, []
+    warmup, records, compute, shares = config["warmup"], {}, [], {}
     links = host_links(config)  # rank 0's, on an emulated cluster
     tuning = tune_strategies(config, work, run_dir) if config.get("tune") else {}
     for r in range(config["rounds"]):
@@ -432,9 +487,12 @@ def main(run_dir: str) -> int:
             del model, optimizer  # not alive beside the strategies' models (VGG-19: 1.7 GB a worker)
         for name in rotated(config["strategies"], r):
             start = time.perf_counter()
-            record = run_strategy(name, config["options"].get(name, {}), work, total, run_dir, links)
+            record = run_strategy(name, config["options"].get(name, {}), work, total, run_dir, links,
+                                  shares=shares.get(name))
             if record is not None:
                 records[name] = merge(records.get(name), record, warmup)
+                if record["share_history"]:
+                    shares[name] = record["share_history"][-1][1]
             runtime.current().transport.barrier(what=f"end of {name}")
             say(f"  round {r + 1}/{config['rounds']}  {name:<18} {total} steps in "
                 f"{time.perf_counter() - start:.1f} s", flush=True)
@@ -447,7 +505,8 @@ def main(run_dir: str) -> int:
     if config["check_steps"]:
         check = check_workload(config["workload"])
         for name in config["strategies"]:
-            run_check(name, config["options"].get(name, {}), check, config["check_steps"], run_dir)
+            run_check(name, config["options"].get(name, {}), check, config["check_steps"], run_dir,
+                      shares=shares.get(name))
             runtime.current().transport.barrier(what=f"end of the {name} check")
         say(f"  float64 replay of every strategy, {config['check_steps']} steps: done", flush=True)
     gradsync.shutdown()

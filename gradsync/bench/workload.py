@@ -77,14 +77,33 @@ class Workload:
             return 1e-8, 1e-6
         return OPTIMIZERS[self.optimizer][1:]
 
-    def batch(self, spec: ModelSpec, step: int, worker: int, num_workers: int):
-        inputs, target = spec.batch(self.batch_size, batch_seed(self.seed, step, worker, num_workers))
+    def batch(self, spec: ModelSpec, step: int, worker: int, num_workers: int, shares: list[int] | None = None):
+        """Worker ``worker``'s batch at ``step``. ``shares`` (samples per worker, summing to the global
+        batch): its slice of the global batch, the workers' equal batches end to end, as a
+        :class:`~gradsync.adapt.Controller` with ``set_shares`` hands them out."""
+        if shares is None:
+            inputs, target = spec.batch(self.batch_size, batch_seed(self.seed, step, worker, num_workers))
+        else:
+            inputs, target = self._share(spec, step, worker, num_workers, shares)
         if self.dtype != "float32":
             dtype = getattr(torch, self.dtype)
             inputs = tuple(x.to(dtype) if x.is_floating_point() else x for x in inputs)
         if self.device != "cpu":
             inputs, target = tuple(x.to(self.device) for x in inputs), target.to(self.device)
         return inputs, target
+
+    def _share(self, spec: ModelSpec, step: int, worker: int, num_workers: int, shares: list[int]):
+        if len(shares) != num_workers or sum(shares) != self.batch_size * num_workers:
+            raise ConfigError(f"shares {shares} do not split the global batch of {num_workers} x {self.batch_size}")
+        parts = [spec.batch(self.batch_size, batch_seed(self.seed, step, w, num_workers)) for w in range(num_workers)]
+        start = sum(shares[:worker])
+        end = start + shares[worker]
+
+        def cut(tensors):
+            return torch.cat(tensors)[start:end] if tensors[0].dim() else tensors[0]  # a 0-d target: the same for all
+
+        inputs = tuple(cut([p[0][k] for p in parts]) for k in range(len(parts[0][0])))
+        return inputs, cut([p[1] for p in parts])
 
 
 @functools.lru_cache(maxsize=8)
@@ -113,22 +132,40 @@ def train_step(model: nn.Module, optimizer, spec: ModelSpec, inputs, target) -> 
     return float(loss.detach())
 
 
-def reference(work: Workload, num_workers: int, steps: int, *, with_optimizer: bool = False):
+def shares_at(history: list | None, step: int) -> list[int] | None:
+    """The shares in force at ``step`` from ``BalanceBatches.history`` (``(step, shares)`` pairs, each
+    taking effect at its step); None (equal shares) before the first or for no history."""
+    now = None
+    for since, shares in history or []:
+        if since <= step:
+            now = None if len(set(shares)) == 1 else list(shares)
+    return now
+
+
+def reference(work: Workload, num_workers: int, steps: int, *, with_optimizer: bool = False,
+              shares: list | None = None):
     """Train the single-process data-parallel reference for ``steps`` steps: the model (and its
-    optimizer, with ``with_optimizer``)."""
+    optimizer, with ``with_optimizer``). ``shares``: the workers' shares of each global batch as a
+    ``BalanceBatches.history`` (:func:`shares_at`); each worker's gradient then counts by its samples,
+    the update a single process makes on the whole global batch."""
     spec = work.spec()
     model, optimizer = work.build()
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     for step in range(steps):
         totals: list[torch.Tensor | None] = [None] * len(params)
+        split = shares_at(shares, step)
         for w in range(num_workers):
-            inputs, target = work.batch(spec, step, w, num_workers)
+            if split is not None and not split[w]:
+                continue  # no samples: no gradient
+            inputs, target = work.batch(spec, step, w, num_workers, split)
+            weight = 1.0 if split is None else num_workers * split[w] / sum(split)
             optimizer.zero_grad()
             spec.loss(model(*inputs), target).backward()
             for k, p in enumerate(params):
                 if p.grad is not None:
-                    totals[k] = p.grad.clone() if totals[k] is None else totals[k] + p.grad
+                    grad = p.grad if weight == 1.0 else p.grad * weight
+                    totals[k] = grad.clone() if totals[k] is None else totals[k] + grad
         for p, total in zip(params, totals):
             p.grad = None if total is None else total / num_workers
         optimizer.step()

@@ -17,6 +17,8 @@ its single-process reference run it unchanged. What happens inside:
   before the host reaches it, so a strategy blocking in a forward hook delays the accelerator as
   it would on a GPU. Backward sleeps until each layer's end. ``dilation`` multiplies every time,
   and so does this rank's straggler factor (``--slow RANK:FACTOR``, :mod:`gradsync.emulate.slow`).
+  A batch of another size than the profile's scales every layer's time linearly (a worker given a
+  smaller share of the global batch computes for less time, as under ``BalanceBatches``).
 - Gradients are deterministic functions of the batch (one number per sample, drawn from the batch
   seed) and the parameter: a fixed pseudo-random pattern, shifted and scaled by the batch. So the
   data-parallel reference is well defined, and workers with different batches send different,
@@ -53,13 +55,15 @@ class AcceleratorClock:
 
     def __init__(self, dilation: float = 1.0, busy: bool = False):
         self.dilation = dilation
+        self.scale = 1.0
+        """This pass's batch over the profile's: every layer's time is multiplied by it."""
         self.busy = busy
         self.free = 0.0
         self.in_backward = False
 
     def forward(self, ms: float) -> tuple[float, float]:
         start = max(self.free, time.perf_counter())
-        self.free = start + ms * self.dilation / 1e3
+        self.free = start + ms * self.scale * self.dilation / 1e3
         self.in_backward = False
         if self.busy:
             self.sleep_until(self.free)
@@ -69,7 +73,7 @@ class AcceleratorClock:
         # The first backward layer waits for the host to call backward(); the rest follow at once.
         start = self.free if self.in_backward else max(self.free, time.perf_counter())
         self.in_backward = True
-        self.free = start + ms * self.dilation / 1e3
+        self.free = start + ms * self.scale * self.dilation / 1e3
         return start, self.free
 
     def sleep_until(self, deadline: float) -> None:
@@ -220,6 +224,7 @@ class EmulatedModel(nn.Module):
         super().__init__()
         self.slowdown = rank_factor() if slowdown is None else slowdown
         self.clock = AcceleratorClock(dilation * self.slowdown, busy=profile.on_host)
+        self.batch_size = profile.batch_size
         self.lookups = dict(lookups or {})
         check_covers(profile, real)
         owned = layer_modules(real)
@@ -269,6 +274,7 @@ class EmulatedModel(nn.Module):
             x, = inputs
             value = x.double().mean().reshape(())
             token = torch.zeros((), dtype=x.dtype)
+        self.clock.scale = inputs[0].shape[0] / self.batch_size  # backward runs at the same batch
         for layer in self.order:
             if isinstance(layer, EmulatedEmbedding):
                 token = layer(self.lookups[layer.layer_name](inputs), token, value)

@@ -78,7 +78,8 @@ def _bench(spec: Spec, cell: dict, target: str, out: str) -> list[str]:
             raise ConfigError(f"experiment {spec.name} runs on loopback: the simulator needs link rates "
                               "(use --target local or emulated)")
         if any("@" in s for s in strategies.split(",")) or cell.get("monitors"):
-            raise ConfigError(f"experiment {spec.name} measures monitors, which the simulator does not model "
+            raise ConfigError(f"experiment {spec.name} measures monitors or BalanceBatches (STRATEGY@NAME), which "
+                              "the simulator does not model "
                               "(use --target local or emulated)")
         args = [*GRADSYNC, "simulate", "--strategies", strategies, "--json", out]
         flags = _SIM_FLAGS
