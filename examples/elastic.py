@@ -19,6 +19,10 @@ profiled GPU's time, so several workers share a few cores as they would share a 
 
 ``--die STEP:ID`` kills worker ID (SIGKILL, no clean-up) in the middle of step STEP's backward:
 the survivors restore their last commit and continue without it.
+
+``--balance`` adds :class:`gradsync.adapt.BalanceBatches`: with ``--sample-ms 2 --slow-worker 1:3``
+each worker "computes" 2 ms per sample of its share and worker 1 three times that, and the shares
+follow (recorded per step in ``--out``); after every resize they start equal again.
 """
 from __future__ import annotations
 
@@ -31,7 +35,7 @@ import time
 import torch
 
 import gradsync
-from gradsync.adapt import Controller, NoiseScale, ScheduledResize, StopFile, StrategySwitch, monitor
+from gradsync.adapt import BalanceBatches, Controller, NoiseScale, ScheduledResize, StopFile, StrategySwitch, monitor
 
 DIM, DATA = 8, 1024
 
@@ -70,8 +74,8 @@ def loss_of(model, x, y, idx=None):
 
 def replay(batches: dict, table: bool = False) -> list[torch.Tensor]:
     """The reference for a run's ``--out``: one process, one model, each step's gradient over
-    that step's whole global batch (``batches``: step -> sample indices). Every worker had an
-    equal share of it, so the mean of the workers' means is this mean."""
+    that step's whole global batch (``batches``: step -> sample indices). Each worker's gradient
+    counted by its share of the samples, so the workers' weighted mean is this mean."""
     x, y = dataset()
     model, opt = build(table)
     for step in sorted(batches, key=int):
@@ -102,6 +106,11 @@ def main() -> None:
     parser.add_argument("--commit-every", type=int, default=1, help="steps between commits (a failure redoes at "
                         "most this many); under ps, p3 and hybrid each commit gathers the optimizer state")
     parser.add_argument("--stop-file", default="", help="end after the first step at which this file exists (StopFile)")
+    parser.add_argument("--balance", action="store_true", help="BalanceBatches: shares of the global batch follow "
+                        "the workers' speeds (with --sample-ms and --slow-worker)")
+    parser.add_argument("--sample-ms", type=float, default=0.0, help="milliseconds of 'compute' per sample of a "
+                        "worker's share, each step")
+    parser.add_argument("--slow-worker", default="", help="ID:FACTOR: worker ID's --sample-ms is FACTOR times as long")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     if args.compute != "real" and not args.model:
@@ -124,6 +133,10 @@ def main() -> None:
     if me == die_id:
         next(model.parameters()).register_hook(lambda g: os.kill(os.getpid(), signal.SIGKILL) if ctl.step == die_step else g)
     policies = [ScheduledResize(schedule)] + ([StopFile(args.stop_file)] if args.stop_file else [])
+    if args.balance:
+        policies.append(BalanceBatches(every=2, warmup=1))
+    slow_id, slow_factor = args.slow_worker.split(":") if args.slow_worker else (-1, 1)
+    per_sample = args.sample_ms / 1e3 * (float(slow_factor) if me == int(slow_id) else 1.0)
     noise = None
     if args.adapt:
         noise = NoiseScale(args.batch)
@@ -133,6 +146,7 @@ def main() -> None:
     ctl = Controller(opt, policies, batch_size=args.batch, dataset_size=DATA, commit_every=args.commit_every)
     batches: dict[int, list[int]] = {}
     sizes: dict[int, int] = {}
+    shares: dict[int, list[int]] = {}  # every worker's samples in each step
     began: dict[int, float] = {}  # when each step began (a redone step: its last start)
     layouts: list[tuple[int, str]] = []  # (step, what the strategy says of itself: its hosts, say) as it changes
 
@@ -146,11 +160,12 @@ def main() -> None:
                 if gradsync.topology().rank == 0 and sizes.get(step - 1) != ctl.num_workers:
                     print(f"step {step}: {ctl.num_workers} workers", flush=True)
                 sizes[step] = ctl.num_workers
+                shares[step] = list(ctl.step_sizes)
                 if not layouts or layouts[-1][1] != opt.strategy.describe():
                     layouts.append((step, opt.strategy.describe()))
                 began[step] = time.perf_counter()
                 idx = ctl.batch_indices()  # may be empty in an epoch's last step: then no gradient
-                time.sleep(args.sleep)
+                time.sleep(args.sleep + per_sample * len(idx))
                 if args.model:
                     inputs, target = spec.batch(len(idx), step * 1000 + gradsync.topology().rank)
                     spec.loss(model(*inputs), target).backward()
@@ -174,7 +189,8 @@ def main() -> None:
     elif gradsync.topology().rank == 0 and args.out:
         with open(args.out, "w") as f:
             json.dump({"params": params,
-                       "batches": batches, "sizes": sizes, "resizes": ctl.resizes, "id": me, "table": args.table,
+                       "batches": batches, "sizes": sizes, "shares": shares, "resizes": ctl.resizes, "id": me,
+                       "table": args.table,
                        "described": layouts,
                        "step_seconds": {s: began[s + 1] - began[s] for s in began if s + 1 in began}}, f)
     gradsync.shutdown()

@@ -321,3 +321,19 @@ def test_a_shrink_keeps_allreduces_buckets_and_their_order():
     [result] = run_ranks(_reattached_after_a_shrink, 1)
     assert result["buckets"] > 1 and all(result["kept"]) and result["steps"] == 2, result
     assert not result["other_shares"], result
+
+
+def test_balance_batches_in_an_elastic_job_rebalances_after_each_resize(tmp_path):
+    """BalanceBatches with worker 1 three times as slow per sample: it gets fewer samples, the shares
+    start equal again at every new size (the joiner has no speed yet), the job is rebalanced, and the
+    weighted updates still equal one process on the same global batches."""
+    result, _ = run_job(tmp_path, ["-np", "2", "--min-np", "1", "--max-np", "3"],
+                        ["--schedule", "6:3,12:2", "--steps", "16", "--balance", "--sample-ms", "3",
+                         "--slow-worker", "1:3"])
+    shares = [result["shares"][str(s)] for s in range(16)]
+    assert [len(s) for s in shares] == [2] * 6 + [3] * 6 + [2] * 4
+    assert all(sum(s) == 4 * len(s) for s in shares), shares  # the global batch never changes with the shares
+    for first, last in ((0, 5), (6, 11), (12, 15)):  # each size starts equal and ends with worker 1 lighter
+        assert len(set(shares[first])) == 1, shares
+        assert shares[last][1] < min(s for r, s in enumerate(shares[last]) if r != 1), shares
+    assert_matches_reference(result)
