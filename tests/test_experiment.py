@@ -281,8 +281,10 @@ def test_run_report_validate_and_rerun_compares(tmp_path):
 
 def test_a_failed_cell_is_resumed_alone(tmp_path):
     path, store = write_spec(tmp_path, HOLDS), tmp_path / "results.sqlite"
+    caller = signal.getsignal(signal.SIGTERM)
     first = run(["run", path, "--target", "local"], store, FAIL_SPEED="2")
     assert first.returncode == 1 and "cell failed: exit status 1" in first.stderr and "told to fail" in first.stderr
+    assert signal.getsignal(signal.SIGTERM) is caller  # the runner's own handler lasts as long as its cells
     second = run(["run", path, "--target", "local"], store)
     assert second.returncode == 0, second.stderr
     assert "2 already done" in second.stdout

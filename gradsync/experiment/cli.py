@@ -163,8 +163,7 @@ def _target(name: str) -> str:
 
 def _run(args) -> int:
     from gradsync.experiment import cells as runner
-    from gradsync.experiment.report import verdicts
-    from gradsync.experiment.store import Store, cell_key
+    from gradsync.experiment.store import Store
 
     specs = _specs(args)
     target = _target(args.target)
@@ -187,7 +186,18 @@ def _run(args) -> int:
             continue
         plans.append((s, todo))
     store = Store(args.store)
-    signal.signal(signal.SIGTERM, _terminate)  # kill, timeout, a batch system's cancel: as Ctrl-C
+    previous = signal.signal(signal.SIGTERM, _terminate)  # kill, timeout, a batch system's cancel: as Ctrl-C
+    try:
+        return _run_plans(args, plans, store, target, overrides)
+    finally:
+        signal.signal(signal.SIGTERM, previous)  # the caller's again once the cells are over
+
+
+def _run_plans(args, plans, store, target: str, overrides: dict) -> int:
+    """Run each experiment's cells not yet in ``store``, then print its relations' verdicts."""
+    from gradsync.experiment import cells as runner
+    from gradsync.experiment.report import verdicts
+    from gradsync.experiment.store import cell_key
     print(f"gradsync experiment: results store {store.path}", flush=True)
     environment = None
     failures = 0
