@@ -184,6 +184,16 @@ def shares_job(plan, steps_balanced):
                 opt.step()
                 opt.zero_grad()
     balanced = ([p.detach().clone() for p in model.parameters()], batches, ctl.policies[0].history)
+    fixed = Controller(opt, batch_size=4)
+    fixed.set_shares([3, 5])
+    try:  # a loop of fixed batches (a DataLoader's) that never asks for its share: stopped, not wrong
+        for _ in fixed.steps(1):
+            (0.5 * (model(x[:4]).squeeze(1) - y[:4]).pow(2).mean()).backward()
+            opt.step()
+            opt.zero_grad()
+    except ConfigError as exc:
+        errors.append(str(exc))
+    assert fixed.share() == ((0, 3) if rank == 0 else (3, 5))
     try:
         ctl.switch_strategy("sma")
     except ConfigError as exc:
@@ -226,5 +236,7 @@ def test_unequal_shares_train_exactly_as_one_process_and_balance_batches_follows
         torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
     expected = ["must sum to the global batch 16", "2 integers >= 0", "2 integers >= 0", "2 integers >= 0",
                 "finite number >= 0", "finite number >= 0", "commit_every must be an integer >= 1",
+                "worker 0: step 0 split the global batch into unequal shares [3, 5]",
                 "does not average gradients over workers"]
     assert len(errors) == len(expected) and all(e in err for e, err in zip(expected, errors)), errors
+    assert "the training loop did not ask for its part" in errors[-2]

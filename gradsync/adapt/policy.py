@@ -101,6 +101,7 @@ class Controller(Commits, Regrouping):
         self.step_sizes: list[int] = []
         """Every worker's samples in the step under way, fixed when it began (fewer than the shares at
         an epoch's end; shares set during the step apply from the next one)."""
+        self._asked = False  # this step: whether the loop asked for this worker's share
         self.data = GlobalBatches(dataset_size, seed) if dataset_size else None
         self.step = 0
         self.epoch = 0
@@ -163,7 +164,20 @@ class Controller(Commits, Regrouping):
     @property
     def local_batch_size(self) -> int:
         """This worker's samples in a whole step: its share, or ``batch_size``."""
+        self._asked = True
         return self.shares[self.rank] if self.shares is not None else self.batch_size
+
+    def share(self) -> tuple[int, int]:
+        """This worker's part of the step under way's global batch, ``(first, count)``: for a loop
+        that makes its own batches (a stream, a generator) instead of taking :meth:`batch_indices`.
+
+        Under unequal shares a loop must ask for its part every step, through this,
+        :meth:`batch_indices` or :attr:`local_batch_size`, or the step ends with a ConfigError.
+        A DataLoader of fixed batch size would otherwise train on other samples than the shares
+        say, under the shares' gradient weights: a wrong update, silently."""
+        self._asked = True
+        sizes = self.step_sizes or [self.batch_size] * self.num_workers
+        return sum(sizes[:self.rank]), sizes[self.rank]
 
     def values(self) -> dict[str, float]:
         return self.monitors.values() if self.monitors is not None else {}
@@ -204,6 +218,7 @@ class Controller(Commits, Regrouping):
             self._call("before_step")
             self._begin_step()
             yield self.step
+            self._check_asked()
             self._weigh(None)
             if self.data is not None:
                 self.data.advance(self.global_batch_size)
@@ -220,7 +235,20 @@ class Controller(Commits, Regrouping):
         """This worker's sample indices for the current step (its slice of the global batch)."""
         if self.data is None:
             raise ConfigError("batch_indices needs Controller(dataset_size=...)")
+        self._asked = True
         return self.data.share(self.global_batch_size, self.rank, self.num_workers, self.step_sizes or self.shares)
+
+    def _check_asked(self) -> None:
+        """ConfigError after a step of unequal shares whose loop never asked for this worker's part."""
+        asked, self._asked = self._asked, False
+        if asked or len(set(self.step_sizes)) <= 1:
+            return
+        raise ConfigError(
+            f"worker {self.rank}: step {self.step} split the global batch into unequal shares {self.step_sizes} "
+            f"(this worker's gradient counted as {self.step_sizes[self.rank]} samples), but the training loop did "
+            "not ask for its part: take each step's samples from ctl.batch_indices(), ctl.share() or "
+            "ctl.local_batch_size. A DataLoader of fixed batch size cannot follow the shares (BalanceBatches, "
+            "set_shares); use it with equal shares only")
 
     def _begin_step(self) -> None:
         """Every worker's samples this step, and this worker's gradient weight for them."""

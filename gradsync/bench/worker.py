@@ -163,8 +163,11 @@ def timed_steps(model, optimizer, work: Workload, total: int, label: str = "comp
         made = time.perf_counter()
         if ended is not None:
             between = made - ended  # the controller's policies, after the last step and before this one
-        shares = None if ctl is None else ctl.step_sizes
-        inputs, target = work.batch(spec, step, topo.rank, topo.num_workers, shares if shares and len(set(shares)) > 1 else None)
+        shares = None
+        if ctl is not None:
+            ctl.share()  # this worker's part of the step's global batch, which the loop slices below
+            shares = ctl.step_sizes if len(set(ctl.step_sizes)) > 1 else None
+        inputs, target = work.batch(spec, step, topo.rank, topo.num_workers, shares)
         if batches is not None:
             batches.append(time.perf_counter() - made)
         before = host_cpu() if cpu is not None else None
