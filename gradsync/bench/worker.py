@@ -161,7 +161,7 @@ def timed_steps(model, optimizer, work: Workload, total: int, label: str = "comp
     between, ended = 0.0, None
     for step in (range(total) if ctl is None else ctl.steps(total)):
         made = time.perf_counter()
-        if ended is not None:
+        if ctl is not None and ended is not None:
             between = made - ended  # the controller's policies, after the last step and before this one
         shares = None
         if ctl is not None:
