@@ -328,7 +328,7 @@ def _with_monitors(names: list[str], monitors: str, parser_error) -> list[str]:
     return out
 
 
-def _with_balance(names: list[str], every: bool, parser_error) -> list[str]:
+def _with_balance(names: list[str], wanted: bool, parser_error) -> list[str]:
     """``--balance``: each label, then ``LABEL@balance`` for strategies that can take unequal shares;
     a ``STRATEGY@balance`` given directly must be one of them."""
     from gradsync.bench.worker import BALANCE, balanced, strategy_of
@@ -342,7 +342,7 @@ def _with_balance(names: list[str], every: bool, parser_error) -> list[str]:
         if balanced(name) and not can(name):
             parser_error(f"{name}: BalanceBatches needs a strategy that averages gradients over workers and whose "
                          f"waits gradsync times (allreduce, ps, p3, casync-*, hybrid, ...); {strategy_of(name)} is not one")
-    if not every:
+    if not wanted:
         return names
     out = []
     for name in names:
