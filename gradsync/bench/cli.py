@@ -143,11 +143,12 @@ def _records(config: dict, run_dir: str) -> list[dict]:
 def _print_tuning(name: str, tuning: dict, config: dict) -> None:
     samples, k = config["np"] * config["workload"]["batch_size"], config["dilation"]
     print(f"  tuning {name} ({len(tuning['probes'])} probes of {config['tune_steps']} steps):", flush=True)
-    for probe in tuning["probes"]:
+    lines = [", ".join(f"{key}={value:g}" if isinstance(value, float) else f"{key}={value}"
+                       for key, value in probe["options"].items()) for probe in tuning["probes"]]
+    width = max(map(len, lines), default=0)
+    for options, probe in zip(lines, tuning["probes"]):
         chosen = " <- chosen" if probe["options"] == tuning["chosen"] else ""
-        options = ", ".join(f"{key}={value:g}" if isinstance(value, float) else f"{key}={value}"
-                            for key, value in probe["options"].items())
-        print(f"    {options:<45} {samples * k / probe['step_s']:10.1f} samples/s{chosen}", flush=True)
+        print(f"    {options:<{width}} {samples * k / probe['step_s']:10.1f} samples/s{chosen}", flush=True)
 
 
 def main(args) -> int:

@@ -53,7 +53,7 @@ class P3(SlicedServer):
 
     name = "p3"
     summary = "P3: slices pushed in forward-pass priority under a credit, next forward starts per layer"
-    tune_space = {"credit_mb": [1.0, 4.0, 16.0], "slice_params": [12_500, 50_000, 200_000],
+    tune_space = {"credit_mb": [0.5, 1.0, 4.0, 16.0], "slice_params": [12_500, 50_000, 100_000],
                   "overlap": [True, False]}
     """What ``gradsync bench --tune`` searches (gradsync.bench.tune). Forward overlap is a cost where
     communication is already hidden (docs/bench-priority.md, loopback overhead), so it is tuned too."""
