@@ -122,6 +122,54 @@ def signed(store, secret: str | None, prefix: str = ""):
     return store
 
 
+class Answered:
+    """A store client each of whose calls must be answered within ``seconds``, else it raises
+    :class:`TimeoutError` (and so does every later call). TCPStore's own timeout covers waits for
+    keys, not a server that goes silent: over a cut link, an ``add`` or ``check`` waits for ever.
+    The calls run one at a time on a daemon thread; one left waiting on a silent server stays
+    there, and the caller, told, goes on without this client."""
+
+    def __init__(self, store, seconds: float, what: str):
+        import queue
+        import threading
+
+        self.store, self.seconds, self.what, self.silent = store, seconds, what, False
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._serve, daemon=True, name="gradsync-store-client").start()
+
+    def _serve(self) -> None:
+        while True:
+            method, args, box, done = self._calls.get()
+            try:
+                box.append((True, method(*args)))
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                box.append((False, exc))
+            done.set()
+
+    def __getattr__(self, name: str):
+        import threading
+
+        method = getattr(self.store, name)
+        if not callable(method):
+            return method
+
+        def call(*args):
+            if self.silent:
+                raise TimeoutError(f"{self.what} stopped answering")
+            box: list = []
+            done = threading.Event()
+            self._calls.put((method, args, box, done))
+            if not done.wait(self.seconds):
+                self.silent = True
+                raise TimeoutError(f"{self.what} did not answer a call ({name}) within {self.seconds:g} s")
+            ok, value = box[0]
+            if ok:
+                return value
+            raise value
+
+        return call
+
+
 def secret_file(port: int) -> str:
     """Where an elastic job on ``port`` keeps its secret for ``gradsync resize`` (``GRADSYNC_STATE_DIR``,
     else ``~/.gradsync``)."""

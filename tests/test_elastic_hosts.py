@@ -14,7 +14,7 @@ import time
 import pytest
 
 from gradsync.cluster import EmulatedCluster, leftovers
-from test_elastic import EXAMPLE, GRADSYNC, ROOT, assert_matches_reference
+from test_elastic import EXAMPLE, GRADSYNC, ROOT, assert_matches_reference, example
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="creating network namespaces and qdiscs needs root")
 PORT = 29411
@@ -205,7 +205,7 @@ def test_an_agent_without_the_jobs_secret_stops_at_once():
 
 
 @needs_root
-def test_when_the_store_host_dies_the_other_agents_stop_their_workers_and_say_how_to_resume(tmp_path):
+def test_without_a_checkpoint_dir_the_store_hosts_death_ends_the_job_and_the_agents_say_so(tmp_path):
     with EmulatedCluster(2, 10e9) as cluster:
         env = {**os.environ, **cluster.env(), "GRADSYNC_JOB_SECRET": SECRET, "GRADSYNC_TIMEOUT": "6",
                "GRADSYNC_STORE_LOST_S": "2"}
@@ -233,5 +233,74 @@ def test_when_the_store_host_dies_the_other_agents_stop_their_workers_and_say_ho
                     log.proc.wait()
         text = other.text()
         assert re.search(r"the job's store at [\d.]+:\d+ has not answered for 2 s", text), text[-3000:]
-        assert "start it again with gradsync run --resume DIR" in text, text[-3000:]
+        assert "the job goes on under another host's agent from the newest commit" in text, text[-3000:]
+    assert leftovers() == []
+
+
+@needs_root
+def test_when_the_lead_host_dies_the_others_go_on_from_the_newest_commit(tmp_path):
+    # Three emulated hosts of one worker each, commits on a folder they share. The lead's host dies
+    # whole (link down, agent killed): the others find its beat in the folder standing still, the
+    # first of them to have registered leads from the newest commit, the other registers with it.
+    # The job ends with the model of one process that starts from that commit and takes the same
+    # global batches.
+    import torch
+
+    from gradsync.adapt import durable
+
+    out, stop, folder = tmp_path / "result.json", tmp_path / "stop", tmp_path / "ckpt"
+    with EmulatedCluster(3, 10e9) as cluster:
+        env = {**os.environ, **cluster.env(), "GRADSYNC_JOB_SECRET": SECRET, "GRADSYNC_TIMEOUT": "6",
+               "GRADSYNC_STORE_LOST_S": "2", "GRADSYNC_HOST_LOST_S": "2"}
+
+        def agent(host: int) -> Log:
+            return Log(subprocess.Popen(
+                [*cluster.exec_prefix(host), *GRADSYNC, "run", "--elastic", "--nnodes", "1:3", "--nproc-per-node", "1",
+                 "--rdzv-endpoint", f"{cluster.address(0)}:{PORT + 2}", "--checkpoint-dir", str(folder),
+                 "--checkpoint-every", "1", "--", sys.executable, EXAMPLE, "--sleep", "0.05", "--steps", "100000",
+                 "--stop-file", str(stop), "--out", str(out)],
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, start_new_session=True,
+                env={**env, "GRADSYNC_HOST": f"emulated host {host}"}))
+
+        agents = [agent(host) for host in range(3)]
+        try:
+            lead = agents[0]
+            lead.wait_for(r"step \d+: 3 workers")
+            first = int(re.search(r"host 1 \(emulated host (\d)\) registered", lead.text()).group(1))
+            other = 3 - first
+            time.sleep(1)  # commits of three workers' steps
+            cluster.link_down(0)
+            os.killpg(lead.proc.pid, signal.SIGKILL)
+            lead.proc.wait()
+            time.sleep(0.5)  # the killed worker's last write, if any, is whole or a wreck by now
+            start = durable.latest(str(folder))  # where the next lead resumes: no one writes until it does
+            agents[first].wait_for(r"this host leads the job now")
+            agents[other].wait_for(r"the job goes on under")
+            agents[first].wait_for(r"step \d+: 2 workers")
+            stop.touch()
+            assert agents[first].proc.wait(timeout=60) == 0, agents[first].text()[-4000:]
+            assert agents[other].proc.wait(timeout=30) == 0, agents[other].text()[-4000:]
+        finally:
+            for log in agents:
+                if log.proc.poll() is None:
+                    os.killpg(log.proc.pid, signal.SIGKILL)
+                    log.proc.wait()
+        assert "the lead's beat stands still" in agents[first].text()
+        texts = "\n=====\n".join(log.text()[-3000:] for log in agents)
+    result = json.loads(out.read_text())
+    steps = sorted(map(int, result["batches"]))
+    assert steps[0] == start["counters"]["step"] > 0, (steps[:3], start["counters"], texts)
+    x, y = example().dataset()
+    model, opt = example().build()
+    with torch.no_grad():
+        for p, saved in zip(model.parameters(), start["params"]):
+            p.copy_(saved.view_as(p))
+    opt.load_state_dict(start["optimizer"])
+    for step in steps:
+        idx = torch.tensor(result["batches"][str(step)])
+        example().loss_of(model, x[idx], y[idx]).backward()
+        opt.step()
+        opt.zero_grad()
+    for got, want in zip(result["params"], model.parameters()):
+        assert torch.allclose(torch.tensor(got), want.detach().reshape(-1), atol=1e-5), (got, want)
     assert leftovers() == []

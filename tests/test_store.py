@@ -1,4 +1,5 @@
-"""Where gradsync's stores listen: one address, never every interface (they take no credentials)."""
+"""Where gradsync's stores listen: one address, never every interface (they take no credentials);
+and a store client that a silent server cannot hold for ever."""
 import os
 import socket
 
@@ -116,3 +117,31 @@ def test_the_secret_file_is_private_and_a_missing_one_is_a_clear_error(tmp_path,
     assert stores.read_secret(path) == "again"
     with pytest.raises(ConfigError, match="cannot read the job's secret"):
         stores.read_secret(str(tmp_path / "missing"))
+
+
+def test_a_silent_store_is_reported_within_its_deadline_not_waited_for_for_ever():
+    import threading
+    import time
+
+    class Store:  # answers until the link goes silent, as a TCPStore whose peer's link was cut
+        silent = threading.Event()
+
+        def add(self, key, amount):
+            if self.silent.is_set():
+                threading.Event().wait()  # never answered
+            return amount
+
+        def check(self, keys):
+            raise RuntimeError("connection reset")
+
+    client = stores.Answered(Store(), 0.2, "the job's store at 10.0.0.1:29400")
+    assert client.add("beat", 3) == 3
+    with pytest.raises(RuntimeError, match="connection reset"):  # the store's own errors pass through
+        client.check(["beat"])
+    Store.silent.set()
+    began = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"10.0.0.1:29400 did not answer a call \(add\) within 0.2 s"):
+        client.add("beat", 1)
+    assert time.monotonic() - began < 2
+    with pytest.raises(TimeoutError, match="stopped answering"):  # and every later call, at once
+        client.add("beat", 1)

@@ -132,6 +132,10 @@ class Controller(Commits, Regrouping):
                 member = elastic.current() or self._member
                 print(f"gradsync: elastic worker {member.id} joined generation {member.gen} ({len(member.members)} "
                       f"workers) at step {self.step}", flush=True)
+                if self.step == 0 and self.checkpoint_dir is not None and os.environ.get(durable.RESUME_ENV) == "1":
+                    # The job grew before any worker trained (hosts registering as a resumed job
+                    # starts): every member is new, and every one starts from the newest commit.
+                    self._resume()
                 return
         if self.checkpoint_dir is not None and os.environ.get(durable.RESUME_ENV) == "1":
             self._resume()

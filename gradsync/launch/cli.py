@@ -298,6 +298,7 @@ def _main(args: argparse.Namespace) -> int:
         if not args.elastic:
             parser.error(f"--nnodes {args.nnodes[0]}:{args.nnodes[1]}: a range of machines is torchrun's elastic form: "
                          "add --elastic (one agent per machine, --rdzv-endpoint the first's address)")
+        _checkpoints(args, parser)  # every host's workers write (and, with --resume, restore) the commits
         return _run_elastic_hosts(args, command, parser)
     _workers(args, parser)
     if args.delay and args.net is None:

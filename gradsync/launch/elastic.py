@@ -50,7 +50,8 @@ from datetime import timedelta
 from gradsync import flight
 from gradsync import store as stores
 from gradsync.errors import ConfigError, GradsyncError
-from gradsync.launch.elastic_hosts import BEAT_S, CONNECT_S, HOST_LOST_S, RemoteHost, RemoteHosts
+from gradsync.adapt.durable import DIR_ENV
+from gradsync.launch.elastic_hosts import BEAT_S, CONNECT_S, HOST_LOST_S, Lease, RemoteHost, RemoteHosts
 from gradsync.launch.forkserver import Forks
 from gradsync.launch.hosts import RankSpec
 from gradsync.launch.output import _Output, _start_pumps
@@ -124,7 +125,10 @@ class Agent:
             with contextlib.suppress(OSError):
                 os.unlink(self.secret_path)
             raise
+        self.lease = None
         if nproc is not None:
+            folder = os.environ.get(DIR_ENV)  # the hosts' shared --checkpoint-dir: the lead beats there
+            self.lease = Lease(folder, f"{addr}:{self.port}") if folder else None
             self.remote = RemoteHosts(self.store, self._keep)
             self._keep("elastic/job", f"{min_np} {max_np}")
             self.store.add("elastic/hosts", 1)  # host 0: this one
@@ -139,6 +143,8 @@ class Agent:
         """Wait until ``count`` hosts (this one included) have registered."""
         deadline = time.monotonic() + 5 * CONNECT_S
         while len(self.remote.hosts) + 1 < count:
+            if self.lease is not None:
+                self.lease.beat()
             for host in self.remote.arrivals():
                 self._say(f"host {host.index} ({host.name}) registered with {host.slots} slots")
             if time.monotonic() > deadline:
@@ -416,6 +422,8 @@ class Agent:
                 if _USR1.is_set():
                     _USR1.clear()
                     self._where("SIGUSR1", self.members)
+                if self.lease is not None:
+                    self.lease.beat()
                 self._handle_requests()
                 self._repair()
                 self._check_pending()

@@ -23,9 +23,18 @@ code), and counts ``elastic/hosts`` (its index) and ``elastic/beat/<h>``, and sa
 ends.
 
 When the lead's host dies, the store dies with it: every host agent stops its workers after
-:data:`STORE_LOST_S` (``GRADSYNC_STORE_LOST_S``) without an answer and says so. With ``--checkpoint-dir`` on storage the hosts
-share, ``gradsync run --resume DIR`` on any host starts the job again from the newest commit, with
-that host as the new lead.
+:data:`STORE_LOST_S` (``GRADSYNC_STORE_LOST_S``) without an answer. Without ``--checkpoint-dir``
+the job ends there, and each agent says so. With ``--checkpoint-dir`` on storage the hosts share,
+the job goes on under a new lead (:class:`Lease`): the lead beats in that folder
+(``.gradsync-lead``: a count and its endpoint) as it beats nowhere else, so an agent that lost the
+store can tell a dead lead (its beat stands still) from its own cut link (the beat goes on: it
+stops, as without the folder, rather than start a second job on the same commits). The hosts that
+survive agree on the one that registered first (the lowest host index the store gave out; every
+agent keeps the others' addresses, ``elastic/addr/<h>``): its agent becomes the lead, on its own
+address and the same port, and its workers resume from the newest commit; the others register
+with it, as with the first lead, following its beat where they find it there. Each take-over
+costs the steps since the newest commit and a process start. ``gradsync run --resume DIR`` on any
+host starts a job that ended from the newest commit, with that host as the new lead.
 """
 from __future__ import annotations
 
@@ -41,6 +50,7 @@ from datetime import timedelta
 
 from gradsync import flight
 from gradsync import store as stores
+from gradsync.adapt.durable import DIR_ENV, RESUME_ENV
 from gradsync.errors import ConfigError, GradsyncError
 from gradsync.launch.forkserver import Forks
 from gradsync.launch.hosts import RankSpec
@@ -61,6 +71,49 @@ STORE_LOST_S = float(os.environ.get("GRADSYNC_STORE_LOST_S", "10"))
 CONNECT_S = 60.0
 """How long a host agent tries to reach the store before it gives up."""
 POLL_S = 0.05
+LEASE_FILE = ".gradsync-lead"
+"""The lead's beat in the job's ``--checkpoint-dir`` (:class:`Lease`)."""
+
+
+class Lease:
+    """The lead's beat on the storage every host shares (the ``--checkpoint-dir``): ``COUNT
+    ADDR:PORT`` in :data:`LEASE_FILE`, rewritten whole every :data:`BEAT_S`. Only counts are
+    compared, never clocks: hosts' clocks and a file server's need not agree."""
+
+    def __init__(self, folder: str, endpoint: str):
+        self.path, self.endpoint, self.count, self.at, self.failed = os.path.join(folder, LEASE_FILE), endpoint, 0, 0.0, False
+
+    def beat(self) -> None:
+        if time.monotonic() - self.at < BEAT_S:
+            return
+        self.at, self.count = time.monotonic(), self.count + 1
+        tmp = f"{self.path}.{os.getpid()}.tmp"
+        try:
+            with open(tmp, "w") as f:
+                f.write(f"{self.count} {self.endpoint}\n")
+            os.replace(tmp, self.path)
+        except OSError as exc:  # the job goes on; only a take-over after this lead's death is lost
+            if not self.failed:
+                self.failed = True
+                print(f"gradsync run --elastic: cannot write the lead's beat {self.path} ({exc}): if this host "
+                      "dies, the other hosts cannot go on without it", file=sys.stderr, flush=True)
+
+    @staticmethod
+    def read(folder: str) -> tuple[int, str] | None:
+        """The beat's ``(count, endpoint)``, or None where no lead wrote one."""
+        try:
+            with open(os.path.join(folder, LEASE_FILE)) as f:
+                count, endpoint = f.read().split()
+            return int(count), endpoint
+        except (OSError, ValueError):
+            return None
+
+
+def local_address(addr: str, port: int) -> str:
+    """This host's address on the route to ``addr`` (where the other hosts reach it)."""
+    with socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.connect((addr, port))  # a datagram socket sends nothing: the kernel picks the route
+        return sock.getsockname()[0]
 
 
 # -- the lead's view of the other hosts ---------------------------------------------------------------
@@ -175,7 +228,14 @@ class HostAgent:
                                 f"within {CONNECT_S:g} s (is --rdzv-endpoint the lead's?)")
         self.min_np, self.max_np = (int(x) for x in job.split()[:2])
         self.index = self.store.add("elastic/hosts", 1) - 1
+        self.store.set(f"elastic/addr/{self.index}", local_address(addr, port))
         self.store.set(f"elastic/host/{self.index}", f"{nproc} {self.name}")
+        # With a shared --checkpoint-dir the job outlives its lead: every agent keeps the other
+        # hosts' addresses, to agree on the next lead without the store (Lease).
+        self.folder = os.environ.get(DIR_ENV) or None
+        self.peers: dict[int, str] = {}  # host index -> address, host 0 (the lead) excluded
+        self.dropped: set[int] = set()  # hosts the lead dropped
+        self.peers_at = 0.0
         self.out = _Output(prefix=True)
         self.procs: dict[int, object] = {}
         self.forks = Forks(_die_with_parent_hook())
@@ -189,9 +249,10 @@ class HostAgent:
 
         deadline = time.monotonic() + CONNECT_S
         while True:
-            try:
-                return stores.signed(dist.TCPStore(self.addr, self.port, is_master=False, timeout=timedelta(seconds=10),
-                                                   wait_for_workers=False), self.secret)
+            try:  # every call answered within STORE_LOST_S, or the store is lost (a cut link is silent)
+                store = stores.signed(dist.TCPStore(self.addr, self.port, is_master=False, timeout=timedelta(seconds=10),
+                                                    wait_for_workers=False), self.secret)
+                return stores.Answered(store, STORE_LOST_S, f"the job's store at {self.addr}:{self.port}")
             except Exception as exc:  # noqa: BLE001 - TCPStore raises plain RuntimeErrors
                 if time.monotonic() > deadline:
                     raise GradsyncError(f"host {self.name}: cannot reach the elastic job's store at {self.addr}:"
@@ -243,17 +304,77 @@ class HostAgent:
                     self.answered = time.monotonic()
                 except Exception as exc:  # noqa: BLE001 - the store's host died or is cut off
                     if time.monotonic() - self.answered > STORE_LOST_S:
-                        return self._end(1, f"the job's store at {self.addr}:{self.port} has not answered for "
-                                            f"{STORE_LOST_S:g} s ({str(exc).splitlines()[0][:120]}): its host is gone, "
-                                            "and the job with it; with --checkpoint-dir on shared storage, start it "
-                                            "again with gradsync run --resume DIR")
+                        why = (f"the job's store at {self.addr}:{self.port} has not answered for {STORE_LOST_S:g} s "
+                               f"({str(exc).splitlines()[0][:120]})")
+                        if self.folder is not None:
+                            return self._take_over(why)
+                        return self._end(1, f"{why}: its host is gone, and the job with it (with --checkpoint-dir "
+                                            "on storage every host shares, the job goes on under another host's "
+                                            "agent from the newest commit)")
                     result = None
                 if result is not None:
                     return result
                 time.sleep(POLL_S)
         return self._end(130 if caught and caught[0] == 2 else 143, "interrupted")
 
+    def _take_over(self, why: str) -> JobResult:
+        """The store is gone and the commits are on shared storage: stop this host's workers, then
+        go on under the next lead (the module docstring), or stop where the lead still beats."""
+        lost = f"{self.addr}:{self.port}"
+        self._say(f"host {self.index}: {why}; stopping this host's workers, reading the lead's beat in {self.folder}")
+        _stop(list(self.procs.values()), self.grace_s)
+        self.procs.clear()
+        self.forks.close()
+        shutil.rmtree(self.flight_dir, ignore_errors=True)
+        beat = Lease.read(self.folder)
+        if beat is not None and beat[1] == lost:  # the lost lead's: does it stand still?
+            time.sleep(3 * BEAT_S)
+            again = Lease.read(self.folder)
+            if again == beat:
+                beat = None
+            elif again is not None and again[1] == lost:
+                return JobResult(1, None, f"gradsync run --elastic: host {self.index}: {why}, but the lead at {lost} "
+                                          f"still beats in {self.folder}: this host is cut off from it (its "
+                                          "workers are stopped; the job goes on without it)")
+            else:
+                beat = again
+        os.environ[RESUME_ENV] = "1"  # every next worker of this agent starts from the newest commit
+        if beat is not None and beat[1] != lost:  # another host leads already
+            addr, _, port = beat[1].rpartition(":")
+            self._say(f"host {self.index}: the job goes on under the lead at {beat[1]}")
+            return launch_host(self.command, addr=addr, port=int(port), nproc=self.nproc, logdir=self.logdir,
+                               grace_s=self.grace_s)
+        alive = sorted([i for i in self.peers if i not in self.dropped] + [self.index])
+        if alive[0] != self.index:
+            addr = self.peers[alive[0]]
+            self._say(f"host {self.index}: the lead's beat stands still; the job goes on under host {alive[0]} "
+                      f"({addr}:{self.port})")
+            return launch_host(self.command, addr=addr, port=self.port, nproc=self.nproc, logdir=self.logdir,
+                               grace_s=self.grace_s)
+        from gradsync.launch.elastic import launch_elastic
+
+        me = local_address(self.addr, self.port)
+        self._say(f"host {self.index}: the lead's beat stands still; this host leads the job now, at {me}:{self.port}, "
+                  f"from the newest commit in {self.folder}")
+        return launch_elastic(self.command, np=self.min_np, min_np=self.min_np, max_np=self.max_np, port=self.port,
+                              logdir=self.logdir, grace_s=self.grace_s, addr=me, nproc=self.nproc,
+                              min_hosts=-(-self.min_np // self.nproc))
+
+    def _refresh_peers(self) -> None:
+        """The other hosts' addresses and which of them the lead dropped (every second)."""
+        if self.folder is None or time.monotonic() - self.peers_at < 1.0:
+            return
+        self.peers_at = time.monotonic()
+        count = self.store.add("elastic/hosts", 0)
+        for index in range(1, count):
+            if index != self.index and index not in self.peers:
+                addr = self._signed(f"elastic/addr/{index}")
+                if addr is not None:
+                    self.peers[index] = addr
+        self.dropped |= {i for i in self.peers if self._signed(f"elastic/lost/{i}") is not None}
+
     def _step(self) -> JobResult | None:
+        self._refresh_peers()
         if self._signed("elastic/done") is not None:
             return self._end(0, "", grace=True)
         failed = self._signed("elastic/failed")
