@@ -304,3 +304,52 @@ def test_when_the_lead_host_dies_the_others_go_on_from_the_newest_commit(tmp_pat
     for got, want in zip(result["params"], model.parameters()):
         assert torch.allclose(torch.tensor(got), want.detach().reshape(-1), atol=1e-5), (got, want)
     assert leftovers() == []
+
+
+def test_an_agent_that_lost_the_store_follows_the_beat_in_the_shared_folder(tmp_path, monkeypatch):
+    # The decision alone, without hosts: who leads next, or whether this host is the one cut off.
+    from gradsync.adapt import durable
+    from gradsync.launch import elastic, elastic_hosts
+
+    followed, led = [], []
+    monkeypatch.setattr(elastic_hosts, "launch_host", lambda command, **kw: followed.append(kw) or "followed")
+    monkeypatch.setattr(elastic, "launch_elastic", lambda command, **kw: led.append(kw) or "led")
+    monkeypatch.setenv(durable.RESUME_ENV, "0")
+
+    def agent(index: int, peers: dict, dropped=()) -> elastic_hosts.HostAgent:
+        a = object.__new__(elastic_hosts.HostAgent)
+        a.command, a.addr, a.port, a.nproc, a.logdir, a.grace_s = ["train.py"], "127.0.0.1", 29400, 2, None, 1.0
+        a.min_np, a.max_np, a.index, a.folder = 2, 8, index, str(tmp_path)
+        a.peers, a.dropped, a.procs, a.flight_dir = peers, set(dropped), {}, str(tmp_path / "flight")
+        a.forks = type("Forks", (), {"close": lambda self: None})()
+        return a
+
+    def beat(count: int, endpoint: str = "127.0.0.1:29400") -> None:
+        (tmp_path / elastic_hosts.LEASE_FILE).write_text(f"{count} {endpoint}\n")
+
+    # The lost lead's beat goes on: the lead lives, this host is the one cut off; nobody takes over.
+    beat(1)
+    beating = threading.Event()
+
+    def go_on():
+        count = 2
+        while not beating.wait(0.1):
+            beat(count)
+            count += 1
+
+    threading.Thread(target=go_on, daemon=True).start()
+    result = agent(1, {2: "10.0.0.3"})._take_over("silent")
+    beating.set()
+    assert result.returncode == 1 and "still beats" in result.message and "cut off" in result.message
+    assert followed == led == []
+    # It stands still: the first registered of the survivors leads, and the others follow it ...
+    beat(7)
+    assert agent(3, {1: "10.0.0.2", 2: "10.0.0.3"}, dropped={1})._take_over("silent") == "followed"
+    assert followed[-1]["addr"] == "10.0.0.3" and followed[-1]["port"] == 29400
+    assert os.environ[durable.RESUME_ENV] == "1"  # the workers it starts next resume from the newest commit
+    assert agent(2, {3: "10.0.0.4"})._take_over("silent") == "led"
+    assert led[-1]["addr"] == "127.0.0.1" and led[-1]["min_np"] == 2 and led[-1]["nproc"] == 2
+    # ... or the beat names the new lead already: follow it at once.
+    beat(1, "10.0.0.9:29411")
+    assert agent(4, {1: "10.0.0.2"})._take_over("silent") == "followed"
+    assert (followed[-1]["addr"], followed[-1]["port"]) == ("10.0.0.9", 29411)
