@@ -327,6 +327,9 @@ def test_an_agent_that_lost_the_store_follows_the_beat_in_the_shared_folder(tmp_
     def beat(count: int, endpoint: str = "127.0.0.1:29400") -> None:
         (tmp_path / elastic_hosts.LEASE_FILE).write_text(f"{count} {endpoint}\n")
 
+    # No beat at all: a dead lead cannot be told from a cut link; nobody takes over.
+    result = agent(1, {2: "10.0.0.3"})._take_over("silent")
+    assert result.returncode == 1 and "no lead beats in" in result.message, result.message
     # The lost lead's beat goes on: the lead lives, this host is the one cut off; nobody takes over.
     beat(1)
     beating = threading.Event()

@@ -330,16 +330,17 @@ class HostAgent:
         if beat is not None and beat[1] == lost:  # the lost lead's: does it stand still?
             time.sleep(3 * BEAT_S)
             again = Lease.read(self.folder)
-            if again == beat:
-                beat = None
-            elif again is not None and again[1] == lost:
+            beat = None if again == beat else (again or beat)
+            if beat is not None and beat[1] == lost:
                 return JobResult(1, None, f"gradsync run --elastic: host {self.index}: {why}, but the lead at {lost} "
                                           f"still beats in {self.folder}: this host is cut off from it (its "
                                           "workers are stopped; the job goes on without it)")
-            else:
-                beat = again
+        elif beat is None:
+            return JobResult(1, None, f"gradsync run --elastic: host {self.index}: {why}, and no lead beats in "
+                                      f"{self.folder}, so a dead lead cannot be told from a cut link: this host's "
+                                      "workers are stopped (was every agent given the same --checkpoint-dir?)")
         os.environ[RESUME_ENV] = "1"  # every next worker of this agent starts from the newest commit
-        if beat is not None and beat[1] != lost:  # another host leads already
+        if beat is not None:  # another host leads already
             addr, _, port = beat[1].rpartition(":")
             self._say(f"host {self.index}: the job goes on under the lead at {beat[1]}")
             return launch_host(self.command, addr=addr, port=int(port), nproc=self.nproc, logdir=self.logdir,
