@@ -286,6 +286,7 @@ def test_when_the_lead_host_dies_the_others_go_on_from_the_newest_commit(tmp_pat
                     os.killpg(log.proc.pid, signal.SIGKILL)
                     log.proc.wait()
         assert "the lead's beat stands still" in agents[first].text()
+        assert not (folder / ".gradsync-lead").exists()  # the job ended: no beat left to follow
         texts = "\n=====\n".join(log.text()[-3000:] for log in agents)
     result = json.loads(out.read_text())
     steps = sorted(map(int, result["batches"]))
@@ -309,11 +310,9 @@ def test_when_the_lead_host_dies_the_others_go_on_from_the_newest_commit(tmp_pat
 def test_an_agent_that_lost_the_store_follows_the_beat_in_the_shared_folder(tmp_path, monkeypatch):
     # The decision alone, without hosts: who leads next, or whether this host is the one cut off.
     from gradsync.adapt import durable
-    from gradsync.launch import elastic, elastic_hosts
+    from gradsync.launch import elastic_hosts
+    from gradsync.launch.elastic_hosts import NextLead
 
-    followed, led = [], []
-    monkeypatch.setattr(elastic_hosts, "launch_host", lambda command, **kw: followed.append(kw) or "followed")
-    monkeypatch.setattr(elastic, "launch_elastic", lambda command, **kw: led.append(kw) or "led")
     monkeypatch.setenv(durable.RESUME_ENV, "0")
 
     def agent(index: int, peers: dict, dropped=()) -> elastic_hosts.HostAgent:
@@ -344,15 +343,12 @@ def test_an_agent_that_lost_the_store_follows_the_beat_in_the_shared_folder(tmp_
     result = agent(1, {2: "10.0.0.3"})._take_over("silent")
     beating.set()
     assert result.returncode == 1 and "still beats" in result.message and "cut off" in result.message
-    assert followed == led == []
+    assert os.environ[durable.RESUME_ENV] == "0"
     # It stands still: the first registered of the survivors leads, and the others follow it ...
     beat(7)
-    assert agent(3, {1: "10.0.0.2", 2: "10.0.0.3"}, dropped={1})._take_over("silent") == "followed"
-    assert followed[-1]["addr"] == "10.0.0.3" and followed[-1]["port"] == 29400
+    assert agent(3, {1: "10.0.0.2", 2: "10.0.0.3"}, dropped={1})._take_over("silent") == NextLead("10.0.0.3", 29400, False, 2, 8)
     assert os.environ[durable.RESUME_ENV] == "1"  # the workers it starts next resume from the newest commit
-    assert agent(2, {3: "10.0.0.4"})._take_over("silent") == "led"
-    assert led[-1]["addr"] == "127.0.0.1" and led[-1]["min_np"] == 2 and led[-1]["nproc"] == 2
+    assert agent(2, {3: "10.0.0.4"})._take_over("silent") == NextLead("127.0.0.1", 29400, True, 2, 8)
     # ... or the beat names the new lead already: follow it at once.
     beat(1, "10.0.0.9:29411")
-    assert agent(4, {1: "10.0.0.2"})._take_over("silent") == "followed"
-    assert (followed[-1]["addr"], followed[-1]["port"]) == ("10.0.0.9", 29411)
+    assert agent(4, {1: "10.0.0.2"})._take_over("silent") == NextLead("10.0.0.9", 29411, False, 2, 8)

@@ -430,8 +430,7 @@ def _run_elastic_hosts(args, command: list[str], parser) -> int:
         parser.error("--nnodes MIN:MAX sets the workers already (MIN and MAX times --nproc-per-node): drop --min-np/--max-np")
     if args.hosts or args.hostfile or args.net or args.servers or args.slow:
         parser.error("--elastic --nnodes runs one agent per machine: no -H, --hostfile, --net, --servers or --slow")
-    from gradsync.launch.elastic import launch_elastic
-    from gradsync.launch.elastic_hosts import launch_host
+    from gradsync.launch.elastic import launch_elastic, run_host
     from gradsync.launch.hosts import _is_local_address
 
     low, high = args.nnodes
@@ -444,8 +443,8 @@ def _run_elastic_hosts(args, command: list[str], parser) -> int:
         else:
             if args.standby:
                 parser.error("--standby is the lead's (the agent on the --rdzv-endpoint machine): give it there")
-            result = launch_host(command, addr=args.master_addr, port=args.port, nproc=k, logdir=args.logdir,
-                                 grace_s=args.grace)
+            result = run_host(command, addr=args.master_addr, port=args.port, nproc=k, logdir=args.logdir,
+                              grace_s=args.grace)
     except ConfigError as exc:
         print(f"gradsync run --elastic: {exc}", file=sys.stderr, flush=True)
         return 2

@@ -51,7 +51,8 @@ from gradsync import flight
 from gradsync import store as stores
 from gradsync.errors import ConfigError, GradsyncError
 from gradsync.adapt.durable import DIR_ENV
-from gradsync.launch.elastic_hosts import BEAT_S, CONNECT_S, HOST_LOST_S, Lease, RemoteHost, RemoteHosts
+from gradsync.launch.elastic_hosts import (BEAT_S, CONNECT_S, HOST_LOST_S, Lease, NextLead, RemoteHost, RemoteHosts,
+                                          launch_host)
 from gradsync.launch.forkserver import Forks
 from gradsync.launch.hosts import RankSpec
 from gradsync.launch.output import _Output, _start_pumps
@@ -380,6 +381,8 @@ class Agent:
         finally:
             with contextlib.suppress(Exception):
                 self._farewell()
+            if self.lease is not None:
+                self.lease.end()
             self.forks.close()
             with contextlib.suppress(OSError):
                 os.unlink(self.secret_path)
@@ -494,6 +497,20 @@ def launch_elastic(command: list[str], *, np: int, min_np: int, max_np: int, por
     agent._say(f"store on {where}; resize with: gradsync resize N --port {agent.port}"
                + (f" --addr {addr}" if nproc is not None else ""))
     return agent.run()
+
+
+def run_host(command: list[str], *, addr: str, port: int, nproc: int, logdir: str | None = None,
+             grace_s: float = 3.0) -> JobResult:
+    """The agent of a host that is not the lead's, for the job's whole life: when the lead dies
+    (gradsync.launch.elastic_hosts, the take-over), it registers with the next lead or becomes it."""
+    result = launch_host(command, addr=addr, port=port, nproc=nproc, logdir=logdir, grace_s=grace_s)
+    while isinstance(result, NextLead):
+        if result.lead:
+            return launch_elastic(command, np=result.min_np, min_np=result.min_np, max_np=result.max_np,
+                                  port=result.port, logdir=logdir, grace_s=grace_s, addr=result.addr, nproc=nproc,
+                                  min_hosts=-(-result.min_np // nproc))
+        result = launch_host(command, addr=result.addr, port=result.port, nproc=nproc, logdir=logdir, grace_s=grace_s)
+    return result
 
 
 def resize(size: int, port: int, addr: str = "127.0.0.1", timeout_s: float = 120.0,

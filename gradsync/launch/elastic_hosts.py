@@ -98,6 +98,11 @@ class Lease:
                 print(f"gradsync run --elastic: cannot write the lead's beat {self.path} ({exc}): if this host "
                       "dies, the other hosts cannot go on without it", file=sys.stderr, flush=True)
 
+    def end(self) -> None:
+        """The job ended (or was stopped): no beat is left for an agent to follow."""
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+
     @staticmethod
     def read(folder: str) -> tuple[int, str] | None:
         """The beat's ``(count, endpoint)``, or None where no lead wrote one."""
@@ -204,6 +209,17 @@ class RemoteHosts:
 
 
 # -- the agent of every other host ---------------------------------------------------------------------
+@dataclass
+class NextLead:
+    """What an agent whose lead died does next (:func:`gradsync.launch.elastic.run_host`): lead the
+    job itself at ``addr:port`` (``lead``), or register with the agent that leads there."""
+    addr: str
+    port: int
+    lead: bool
+    min_np: int
+    max_np: int
+
+
 class HostAgent:
     """One host of a multi-host elastic job, not the lead: registers, starts what the lead assigns,
     reports exits, beats; ends when the job ends, fails, drops this host, or its store is gone."""
@@ -292,7 +308,7 @@ class HostAgent:
         self.procs[wid] = rank
         self.started.add(wid)
 
-    def run(self) -> JobResult:
+    def run(self) -> JobResult | NextLead:
         beat_at = 0.0
         with _trap_signals() as caught:
             while not caught:
@@ -317,7 +333,7 @@ class HostAgent:
                 time.sleep(POLL_S)
         return self._end(130 if caught and caught[0] == 2 else 143, "interrupted")
 
-    def _take_over(self, why: str) -> JobResult:
+    def _take_over(self, why: str) -> JobResult | NextLead:
         """The store is gone and the commits are on shared storage: stop this host's workers, then
         go on under the next lead (the module docstring), or stop where the lead still beats."""
         lost = f"{self.addr}:{self.port}"
@@ -343,23 +359,17 @@ class HostAgent:
         if beat is not None:  # another host leads already
             addr, _, port = beat[1].rpartition(":")
             self._say(f"host {self.index}: the job goes on under the lead at {beat[1]}")
-            return launch_host(self.command, addr=addr, port=int(port), nproc=self.nproc, logdir=self.logdir,
-                               grace_s=self.grace_s)
+            return NextLead(addr, int(port), False, self.min_np, self.max_np)
         alive = sorted([i for i in self.peers if i not in self.dropped] + [self.index])
         if alive[0] != self.index:
             addr = self.peers[alive[0]]
             self._say(f"host {self.index}: the lead's beat stands still; the job goes on under host {alive[0]} "
                       f"({addr}:{self.port})")
-            return launch_host(self.command, addr=addr, port=self.port, nproc=self.nproc, logdir=self.logdir,
-                               grace_s=self.grace_s)
-        from gradsync.launch.elastic import launch_elastic
-
+            return NextLead(addr, self.port, False, self.min_np, self.max_np)
         me = local_address(self.addr, self.port)
         self._say(f"host {self.index}: the lead's beat stands still; this host leads the job now, at {me}:{self.port}, "
                   f"from the newest commit in {self.folder}")
-        return launch_elastic(self.command, np=self.min_np, min_np=self.min_np, max_np=self.max_np, port=self.port,
-                              logdir=self.logdir, grace_s=self.grace_s, addr=me, nproc=self.nproc,
-                              min_hosts=-(-self.min_np // self.nproc))
+        return NextLead(me, self.port, True, self.min_np, self.max_np)
 
     def _refresh_peers(self) -> None:
         """The other hosts' addresses and which of them the lead dropped (every second)."""
@@ -415,8 +425,9 @@ class HostAgent:
 
 
 def launch_host(command: list[str], *, addr: str, port: int, nproc: int, logdir: str | None = None,
-                grace_s: float = 3.0) -> JobResult:
-    """``gradsync run --elastic --nnodes MIN:MAX`` on a host that is not the rendezvous endpoint's."""
+                grace_s: float = 3.0) -> JobResult | NextLead:
+    """``gradsync run --elastic --nnodes MIN:MAX`` on a host that is not the rendezvous endpoint's,
+    until the job ends or its lead dies (then :class:`NextLead`)."""
     try:
         agent = HostAgent(command, addr, port, nproc, logdir, grace_s)
     except GradsyncError as exc:
