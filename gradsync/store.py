@@ -22,8 +22,10 @@ import functools
 import hashlib
 import hmac
 import os
+import queue
 import secrets
 import socket
+import threading
 from datetime import timedelta
 
 from gradsync.errors import ConfigError, GradsyncError
@@ -130,9 +132,6 @@ class Answered:
     there, and the caller, told, goes on without this client."""
 
     def __init__(self, store, seconds: float, what: str):
-        import queue
-        import threading
-
         self.store, self.seconds, self.what, self.silent = store, seconds, what, False
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
         threading.Thread(target=self._serve, daemon=True, name="gradsync-store-client").start()
@@ -147,8 +146,6 @@ class Answered:
             done.set()
 
     def __getattr__(self, name: str):
-        import threading
-
         method = getattr(self.store, name)
         if not callable(method):
             return method
