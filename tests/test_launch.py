@@ -627,10 +627,17 @@ def forkservers_of(pid: int) -> list[int]:
     return found
 
 
-@pytest.mark.parametrize("forkserver", ["1", "0", "no torch"])
+@pytest.mark.parametrize("forkserver", ["1", "0", "no torch", "no torch, read late"])
 def test_a_forked_rank_runs_its_script_as_python_would(forkserver, tmp_path, monkeypatch, capsys):
     """Forked, started with exec (GRADSYNC_FORKSERVER=0), or with exec after the forkserver failed to
-    import torch: the same script sees the same."""
+    import torch: the same script sees the same. "read late": the launcher reads the refusal only after
+    the forkserver exited with the ranks' requests unread (a busy machine), which Linux reports as a
+    reset ahead of the refusal."""
+    if forkserver == "no torch, read late":
+        from gradsync.launch import forkserver as module
+        read = module._Server._read
+        monkeypatch.setattr(module._Server, "_read", lambda server: (server.proc.wait(), read(server)))
+        forkserver = "no torch"
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("PIDDIR", str(tmp_path))
     monkeypatch.setenv("FAIL", "raise")

@@ -242,6 +242,10 @@ class _Server:
         while True:
             try:
                 data = self._sock.recv(_MAX_MESSAGE)
+            except ConnectionResetError:
+                # It exited with requests unread (a refusal, a crash): Linux reports that once, ahead
+                # of what it sent before, which is still queued and read next.
+                continue
             except OSError:
                 data = b""
             if not data:
@@ -382,7 +386,10 @@ def _fork_per_request(sock: socket.socket) -> dict:
             _reap(sock)
         if sock not in ready:
             continue
-        data, fds, _, _ = socket.recv_fds(sock, _MAX_MESSAGE, 2)
+        try:
+            data, fds, _, _ = socket.recv_fds(sock, _MAX_MESSAGE, 2)
+        except ConnectionResetError:  # the launcher closed with replies unread: it is done all the same
+            data = b""
         if not data:  # the launcher is done; any child left gets SIGKILL as this process exits
             os._exit(0)  # now: unwinding the interpreter with torch loaded takes a second
         request = json.loads(data)
