@@ -318,7 +318,7 @@ def test_an_agent_that_lost_the_store_follows_the_beat_in_the_shared_folder(tmp_
     def agent(index: int, peers: dict, dropped=()) -> elastic_hosts.HostAgent:
         a = object.__new__(elastic_hosts.HostAgent)
         a.command, a.addr, a.port, a.nproc, a.logdir, a.grace_s = ["train.py"], "127.0.0.1", 29400, 2, None, 1.0
-        a.min_np, a.max_np, a.index, a.folder = 2, 8, index, str(tmp_path)
+        a.min_np, a.max_np, a.standby, a.index, a.folder = 2, 8, 1, index, str(tmp_path)
         a.peers, a.dropped, a.procs, a.flight_dir = peers, set(dropped), {}, str(tmp_path / "flight")
         a.forks = type("Forks", (), {"close": lambda self: None})()
         return a
@@ -346,9 +346,9 @@ def test_an_agent_that_lost_the_store_follows_the_beat_in_the_shared_folder(tmp_
     assert os.environ[durable.RESUME_ENV] == "0"
     # It stands still: the first registered of the survivors leads, and the others follow it ...
     beat(7)
-    assert agent(3, {1: "10.0.0.2", 2: "10.0.0.3"}, dropped={1})._take_over("silent") == NextLead("10.0.0.3", 29400, False, 2, 8)
+    assert agent(3, {1: "10.0.0.2", 2: "10.0.0.3"}, dropped={1})._take_over("silent") == NextLead("10.0.0.3", 29400, False, 2, 8, 1)
     assert os.environ[durable.RESUME_ENV] == "1"  # the workers it starts next resume from the newest commit
-    assert agent(2, {3: "10.0.0.4"})._take_over("silent") == NextLead("127.0.0.1", 29400, True, 2, 8)
+    assert agent(2, {3: "10.0.0.4"})._take_over("silent") == NextLead("127.0.0.1", 29400, True, 2, 8, 1)  # --standby 1 as before
     # ... or the beat names the new lead already: follow it at once.
     beat(1, "10.0.0.9:29411")
-    assert agent(4, {1: "10.0.0.2"})._take_over("silent") == NextLead("10.0.0.9", 29411, False, 2, 8)
+    assert agent(4, {1: "10.0.0.2"})._take_over("silent") == NextLead("10.0.0.9", 29411, False, 2, 8, 1)

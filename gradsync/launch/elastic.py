@@ -131,7 +131,7 @@ class Agent:
             folder = os.environ.get(DIR_ENV)  # the hosts' shared --checkpoint-dir: the lead beats there
             self.lease = Lease(folder, f"{addr}:{self.port}") if folder else None
             self.remote = RemoteHosts(self.store, self._keep)
-            self._keep("elastic/job", f"{min_np} {max_np}")
+            self._keep("elastic/job", f"{min_np} {max_np} {standby}")  # a next lead keeps the standbys too
             self.store.add("elastic/hosts", 1)  # host 0: this one
             self._gather_hosts(min_hosts)
             for _ in range(np):
@@ -507,8 +507,8 @@ def run_host(command: list[str], *, addr: str, port: int, nproc: int, logdir: st
     while isinstance(result, NextLead):
         if result.lead:
             return launch_elastic(command, np=result.min_np, min_np=result.min_np, max_np=result.max_np,
-                                  port=result.port, logdir=logdir, grace_s=grace_s, addr=result.addr, nproc=nproc,
-                                  min_hosts=-(-result.min_np // nproc))
+                                  port=result.port, logdir=logdir, grace_s=grace_s, standby=result.standby,
+                                  addr=result.addr, nproc=nproc, min_hosts=-(-result.min_np // nproc))
         result = launch_host(command, addr=result.addr, port=result.port, nproc=nproc, logdir=logdir, grace_s=grace_s)
     return result
 

@@ -218,6 +218,7 @@ class NextLead:
     lead: bool
     min_np: int
     max_np: int
+    standby: int = 0  # the lost lead's --standby: a new lead keeps as many
 
 
 class HostAgent:
@@ -242,7 +243,7 @@ class HostAgent:
         if job is None:
             raise GradsyncError(f"host {self.name}: {addr}:{port} answers, but no elastic job has started there "
                                 f"within {CONNECT_S:g} s (is --rdzv-endpoint the lead's?)")
-        self.min_np, self.max_np = (int(x) for x in job.split()[:2])
+        self.min_np, self.max_np, self.standby = ([int(x) for x in job.split()] + [0])[:3]
         self.index = self.store.add("elastic/hosts", 1) - 1
         self.store.set(f"elastic/addr/{self.index}", local_address(addr, port))
         self.store.set(f"elastic/host/{self.index}", f"{nproc} {self.name}")
@@ -359,17 +360,17 @@ class HostAgent:
         if beat is not None:  # another host leads already
             addr, _, port = beat[1].rpartition(":")
             self._say(f"host {self.index}: the job goes on under the lead at {beat[1]}")
-            return NextLead(addr, int(port), False, self.min_np, self.max_np)
+            return NextLead(addr, int(port), False, self.min_np, self.max_np, self.standby)
         alive = sorted([i for i in self.peers if i not in self.dropped] + [self.index])
         if alive[0] != self.index:
             addr = self.peers[alive[0]]
             self._say(f"host {self.index}: the lead's beat stands still; the job goes on under host {alive[0]} "
                       f"({addr}:{self.port})")
-            return NextLead(addr, self.port, False, self.min_np, self.max_np)
+            return NextLead(addr, self.port, False, self.min_np, self.max_np, self.standby)
         me = local_address(self.addr, self.port)
         self._say(f"host {self.index}: the lead's beat stands still; this host leads the job now, at {me}:{self.port}, "
                   f"from the newest commit in {self.folder}")
-        return NextLead(me, self.port, True, self.min_np, self.max_np)
+        return NextLead(me, self.port, True, self.min_np, self.max_np, self.standby)
 
     def _refresh_peers(self) -> None:
         """The other hosts' addresses and which of them the lead dropped (every second)."""
