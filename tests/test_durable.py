@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -49,10 +50,10 @@ def test_bad_schedules_are_refused():
         durable.Schedule(every_steps=5, every_s=float("nan"))
 
 
-def run_example(tmp_path, name, launcher_args, timeout=120):
+def run_example(tmp_path, name, launcher_args, steps=24):
     out = tmp_path / f"{name}.json"
     command = [*GRADSYNC, "run", "--elastic", "-np", "2", *launcher_args, "--", sys.executable, EXAMPLE,
-               "--steps", "24", "--sleep", "0.03", "--out", str(out)]
+               "--steps", str(steps), "--sleep", "0.03", "--out", str(out)]
     return out, subprocess.Popen(command, cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                  env={**os.environ, "GRADSYNC_TIMEOUT": "20"}, start_new_session=True)
 
@@ -110,3 +111,56 @@ def test_a_plain_p3_job_writes_its_spread_optimizer_state_whole(tmp_path):
     for i, p in enumerate(model.parameters()):
         torch.testing.assert_close(commit["optimizer"]["state"][i]["momentum_buffer"], opt.state[p]["momentum_buffer"],
                                    rtol=0, atol=1e-5)
+
+
+WORKER_0_LATE = """
+import os, runpy, sys, time
+if os.environ["GRADSYNC_ELASTIC_ID"] == "0":  # it starts after the grow was decided
+    from gradsync.adapt.elastic import _client
+    store = _client(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), 60)
+    while int(store.get("elastic/gen").decode()) < 1:
+        time.sleep(0.05)
+sys.argv[0] = {example!r}
+runpy.run_path({example!r}, run_name="__main__")
+"""
+
+
+def test_a_resumed_job_that_grows_before_anyone_trained_starts_from_the_commit(tmp_path):
+    # Hosts registering as a resumed job starts: the grow is decided before the first worker entered
+    # the job, so every member of the first generation that trains is new, a joiner at step 0 with
+    # no one to hand it a trained state. Each loads the newest commit instead; the job ends with
+    # the model of a job never interrupted.
+    folder, out = tmp_path / "ckpt", tmp_path / "resumed.json"
+    first, job = run_example(tmp_path, "first", ["--checkpoint-dir", str(folder), "--checkpoint-every", "1"], steps=6)
+    _, stderr = job.communicate(timeout=120)
+    assert job.returncode == 0, stderr[-3000:]
+    script = tmp_path / "worker_0_late.py"
+    script.write_text(WORKER_0_LATE.format(example=EXAMPLE))
+    env = {**os.environ, "GRADSYNC_TIMEOUT": "20"}
+    job = subprocess.Popen([*GRADSYNC, "run", "--elastic", "-np", "1", "--max-np", "2", "--resume", str(folder), "--",
+                            sys.executable, str(script), "--steps", "10", "--sleep", "0.03", "--out", str(out)],
+                           cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                           start_new_session=True)
+    try:
+        port = None
+        for line in job.stderr:
+            found = re.search(r"gradsync resize N --port (\d+)", line)
+            if found:
+                port = found.group(1)
+                break
+        grow = subprocess.run([*GRADSYNC, "resize", "2", "--port", port], capture_output=True, text=True,
+                              timeout=60, env=env)
+        assert grow.returncode == 0, grow.stderr
+        stdout, stderr = job.communicate(timeout=120)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+    assert job.returncode == 0, stderr[-3000:]
+    assert re.search(r"worker 0 joined generation 1 \(2 workers\) at step 0", stdout), stdout[-3000:]
+    result = json.loads(out.read_text())
+    assert sorted(map(int, result["batches"])) == [6, 7, 8, 9], result["batches"].keys()  # from the commit
+    assert {result["sizes"][str(s)] for s in range(6, 10)} == {2}
+    batches = {**json.loads(first.read_text())["batches"], **result["batches"]}
+    for got, want in zip(result["params"], replay({"batches": batches})):
+        assert torch.allclose(torch.tensor(got), want, atol=1e-5), (got, want)
