@@ -83,6 +83,12 @@ GROUPS = [  # (model, workers, rate, dedicated servers, strategies[, compute[, r
     # pair-averaging once its answers had a channel of their own, its snapshot two buffers and its
     # peers came in turn: 3 rounds, replacing its records above.
     *(("resnet50", np, rate, 0, "pair-averaging", "emulated", 3) for rate in ("1gbit", "10gbit") for np in (2, 4)),
+    # p3 on hosts of two at 1 Gbit/s over 3 rounds, replacing its one-round records of the hosts'
+    # group: a round is 4 steps, and p3's threads meet the other ranks' on two cores.
+    ("resnet50", 4, "1gbit", 0, "p3,p3:flat", "emulated", 3, {"ranks_per_host": 2, "steps": 4, "warmup": 2}),
+    # diloco at 4 workers and 1 Gbit/s over 3 rounds, replacing its one-round records of the
+    # rare-communication group (its int4 encodes meet the other ranks' work on two cores)
+    ("resnet50", 4, "1gbit", 0, "diloco", "emulated", 3, {"steps": 20, "set": RARE_SET[1:], "compression": "int4"}),
 ]
 HELD_OUT_STRATEGIES = "allreduce,ps,p3"  # a ring, whole tensors through servers, slices by priority
 HELD_OUT = [  # cells the matrix was not fitted to: other models, worker counts and rates (``--held-out``)
