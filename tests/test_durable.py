@@ -16,7 +16,7 @@ import torch
 from gradsync.adapt import GlobalBatches, durable
 from gradsync.errors import ConfigError
 
-from test_elastic import example, replay
+from test_elastic import example, printed_port, replay
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "elastic.py")
@@ -142,13 +142,7 @@ def test_a_resumed_job_that_grows_before_anyone_trained_starts_from_the_commit(t
                            cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
                            start_new_session=True)
     try:
-        port = None
-        for line in job.stderr:
-            found = re.search(r"gradsync resize N --port (\d+)", line)
-            if found:
-                port = found.group(1)
-                break
-        grow = subprocess.run([*GRADSYNC, "resize", "2", "--port", port], capture_output=True, text=True,
+        grow = subprocess.run([*GRADSYNC, "resize", "2", "--port", printed_port(job)], capture_output=True, text=True,
                               timeout=60, env=env)
         assert grow.returncode == 0, grow.stderr
         stdout, stderr = job.communicate(timeout=120)

@@ -28,6 +28,15 @@ def run_job(tmp_path, launcher_args, example_args, timeout=120, env=None, script
     return json.loads(out.read_text()), proc.stderr + proc.stdout
 
 
+def printed_port(job: subprocess.Popen) -> str:
+    """The store's port, read from the elastic launcher's stderr (the line it prints first)."""
+    for line in job.stderr:
+        found = re.search(r"gradsync resize N --port (\d+)", line)
+        if found:
+            return found.group(1)
+    raise AssertionError("the launcher ended without printing its port")
+
+
 def example():
     """examples/elastic.py as a module."""
     sys.path.insert(0, os.path.join(ROOT, "examples"))
@@ -197,13 +206,7 @@ def test_gradsync_resize_from_another_shell_and_hostile_writes_to_the_store(tmp_
                             "--steps", "2000", "--sleep", "0.05", "--out", str(out), "--stop-file", str(stop)],
                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, cwd=ROOT, env=env)
     try:
-        port = None
-        for line in job.stderr:
-            found = re.search(r"gradsync resize N --port (\d+)", line)
-            if found:
-                port = found.group(1)
-                break
-        assert port is not None
+        port = printed_port(job)
         secret = tmp_path / "state" / "jobs" / f"elastic-{port}.key"
         assert secret.exists() and (secret.stat().st_mode & 0o777) == 0o600
         time.sleep(0.5)
