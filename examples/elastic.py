@@ -111,6 +111,9 @@ def main() -> None:
     parser.add_argument("--sample-ms", type=float, default=0.0, help="milliseconds of 'compute' per sample of a "
                         "worker's share, each step")
     parser.add_argument("--slow-worker", default="", help="ID:FACTOR: worker ID's --sample-ms is FACTOR times as long")
+    parser.add_argument("--loader-workers", type=int, default=-1, help="N >= 0: take each step's part through "
+                        "ctl.loader (a DataLoader of N worker processes that follows the shares) instead of "
+                        "ctl.batch_indices()")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     if args.compute != "real" and not args.model:
@@ -144,6 +147,11 @@ def main() -> None:
         policies.append(StrategySwitch(["allreduce", ("casync-ring", {"compression": "none"})], probe_steps=2,
                                        check_every=4, tolerance=0.5))
     ctl = Controller(opt, policies, batch_size=args.batch, dataset_size=DATA, commit_every=args.commit_every)
+    loader = None
+    if args.loader_workers >= 0:
+        samples = torch.utils.data.TensorDataset(torch.arange(DATA), x, y)
+        loader = ctl.loader(samples, num_workers=args.loader_workers,
+                            **({"prefetch_factor": 4} if args.loader_workers else {}))
     batches: dict[int, list[int]] = {}
     sizes: dict[int, int] = {}
     shares: dict[int, list[int]] = {}  # every worker's samples in each step
@@ -165,12 +173,18 @@ def main() -> None:
                     layouts.append((step, opt.strategy.describe()))
                 began[step] = time.perf_counter()
                 idx = ctl.batch_indices()  # may be empty in an epoch's last step: then no gradient
+                xs, ys = x[idx], y[idx]
+                if loader is not None:
+                    loaded = next(loader)  # None where this worker has no samples
+                    if loaded is not None:
+                        idx, xs, ys = loaded
+                    assert idx.tolist() == ctl.batch_indices().tolist(), (step, idx)
                 time.sleep(args.sleep + per_sample * len(idx))
                 if args.model:
                     inputs, target = spec.batch(len(idx), step * 1000 + gradsync.topology().rank)
                     spec.loss(model(*inputs), target).backward()
                 elif len(idx):
-                    loss_of(model, x[idx], y[idx], idx).backward()
+                    loss_of(model, xs, ys, idx).backward()
                 opt.step()
                 opt.zero_grad()
 
@@ -190,7 +204,7 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump({"params": params,
                        "batches": batches, "sizes": sizes, "shares": shares, "resizes": ctl.resizes, "id": me,
-                       "table": args.table,
+                       "table": args.table, "loader_restarts": loader.restarts if loader is not None else None,
                        "described": layouts,
                        "step_seconds": {s: began[s + 1] - began[s] for s in began if s + 1 in began}}, f)
     gradsync.shutdown()

@@ -86,6 +86,50 @@ class FakeController:
         self.shares = shares
 
 
+@pytest.mark.parametrize("processes", [0, 2])
+def test_ctl_loader_loads_each_steps_part_ahead_and_plans_again_when_the_shares_change(processes):
+    """Controller.loader on worker 1 of 3, driven as Controller.steps drives it (the step's part,
+    then the position advanced by the global batch): every batch is the step's part, across new
+    shares, a new batch size, a step with no part for this worker and the next epoch; a plan is
+    dropped once per change, not per step."""
+    from gradsync.adapt.data import GlobalBatches, StepLoader
+    from gradsync.errors import ConfigError
+
+    ctl = FakeController(4, 3, rank=1)
+    ctl.data = GlobalBatches(60, seed=3)
+    ctl.batch_indices = lambda: ctl.data.share(ctl.global_batch_size, ctl.rank, ctl.num_workers, ctl.shares)
+    samples = torch.utils.data.TensorDataset(torch.arange(60), torch.arange(60) * 10)
+    loader = StepLoader(ctl, samples, num_workers=processes, **({"prefetch_factor": 3} if processes else {}))
+    changes = {2: {"shares": [6, 2, 4]}, 5: {"batch_size": 5, "shares": [8, 2, 5]}, 7: {"shares": [9, 0, 6]},
+               8: {"shares": [5, 5, 5]}}
+    step = 0
+    for epoch in range(2):
+        ctl.data.next_epoch(epoch)
+        while not ctl.data.epoch_done:
+            for name, value in changes.get(step, {}).items():
+                setattr(ctl, name, value)
+            want = ctl.batch_indices().tolist()
+            got = next(loader)
+            if want:
+                assert got[0].tolist() == want and got[1].tolist() == [10 * i for i in want], (step, got, want)
+            else:
+                assert got is None and step == 7  # no part this step: no batch, and the plan is not used up
+            ctl.data.advance(ctl.global_batch_size)
+            step += 1
+    assert step == 9  # 5 steps of 12 samples, then 4 of 15
+    # Plans dropped: at the new shares (step 2), the end of the epoch with the new batch (5), and
+    # at the shares after the step without a part (8, whose plan held step 7's part).
+    assert loader.restarts == 3, loader.restarts
+    for options, message in (({"batch_size": 4}, "drop batch_size"), ({"shuffle": True}, "drop shuffle")):
+        with pytest.raises(ConfigError, match=message):
+            StepLoader(ctl, samples, **options)
+    with pytest.raises(ConfigError, match="the dataset has 44 samples, the controller's dataset_size is 60"):
+        StepLoader(ctl, torch.utils.data.TensorDataset(torch.arange(44)))
+    ctl.data = None
+    with pytest.raises(ConfigError, match="needs Controller"):
+        StepLoader(ctl, samples)
+
+
 def test_balance_batches_follows_the_speeds_it_gathers():
     from gradsync.adapt import BalanceBatches
 

@@ -326,13 +326,18 @@ def test_a_shrink_keeps_allreduces_buckets_and_their_order():
     assert not result["other_shares"], result
 
 
-def test_balance_batches_in_an_elastic_job_rebalances_after_each_resize(tmp_path):
+@pytest.mark.parametrize("loader", [None, 2], ids=["batch_indices", "ctl.loader"])
+def test_balance_batches_in_an_elastic_job_rebalances_after_each_resize(tmp_path, loader):
     """BalanceBatches with worker 1 three times as slow per sample: it gets fewer samples, the shares
     start equal again at every new size (the joiner has no speed yet), the job is rebalanced, and the
-    weighted updates still equal one process on the same global batches."""
+    weighted updates still equal one process on the same global batches. Also with each step's part
+    loaded by ctl.loader, a DataLoader of 2 processes loading 8 batches ahead: every batch is the
+    step's part (the example checks), the plans dropped at each new share and size."""
     result, _ = run_job(tmp_path, ["-np", "2", "--min-np", "1", "--max-np", "3"],
                         ["--schedule", "6:3,12:2", "--steps", "16", "--balance", "--sample-ms", "3",
-                         "--slow-worker", "1:3"])
+                         "--slow-worker", "1:3", *(["--loader-workers", str(loader)] if loader else [])])
+    if loader:
+        assert result["loader_restarts"] >= 3, result["loader_restarts"]  # at least one per size
     shares = [result["shares"][str(s)] for s in range(16)]
     assert [len(s) for s in shares] == [2] * 6 + [3] * 6 + [2] * 4
     assert all(sum(s) == 4 * len(s) for s in shares), shares  # the global batch never changes with the shares

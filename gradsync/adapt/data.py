@@ -10,10 +10,22 @@ epoch take consecutive, disjoint stretches of one permutation: no sample is skip
 within an epoch. The state is two integers (epoch, position), which the elastic runtime hands to
 new workers. The last step of an epoch takes what is left, split in proportion to the shares
 (:func:`split`: fewer samples each; a worker may get none).
+
+:class:`StepLoader` (``Controller.loader``) is a torch ``DataLoader`` over those parts: its
+``batch_sampler`` plans the coming steps' parts from the controller's state (the shares, the
+global batch, the position), so its worker processes load ahead as usual, and each step's batch is
+checked against the part the controller gives that step. Where the plan no longer holds (new
+shares, a new batch size, a resize, an epoch's end, a step redone after a failure), the loaded
+batches are dropped and the loader starts again from the step under way: exact always, and a
+refill of the loader's prefetch at each change.
 """
 from __future__ import annotations
 
+import collections
+
 import torch
+
+from gradsync.errors import ConfigError
 
 
 def split(total: int, shares: list[int]) -> list[int]:
@@ -79,3 +91,84 @@ class GlobalBatches:
         if epoch != self.epoch:
             self._order = None
         self.epoch, self.position = epoch, position
+
+
+class StepLoader:
+    """This worker's part of each step, loaded by a torch ``DataLoader`` (:meth:`Controller.loader`).
+
+    ``next(loader)`` (or ``loader.next()``) in the step under way returns the loader's batch of
+    exactly ``ctl.batch_indices()``'s samples, or None where this worker has none that step (an
+    epoch's short last step under unequal shares: skip the forward and backward, still call
+    ``opt.step()``). ``options`` are the ``DataLoader``'s (``num_workers``, ``collate_fn``,
+    ``pin_memory``, ``persistent_workers``, ``prefetch_factor``, ...) but for the batching, which
+    the shares decide. :attr:`restarts` counts the times a plan was dropped."""
+
+    _BATCHING = ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last")
+
+    def __init__(self, ctl, dataset, **options):
+        from torch.utils.data import DataLoader
+
+        given = [key for key in self._BATCHING if key in options]
+        if given:
+            raise ConfigError(f"ctl.loader batches each step by the controller's shares: drop {', '.join(given)} "
+                              "(the global batch is Controller(batch_size=...) times the workers)")
+        if ctl.data is None:
+            raise ConfigError("ctl.loader needs Controller(dataset_size=len(dataset)): the steps take their "
+                              "samples from one order of the dataset's indices")
+        if len(dataset) != ctl.data.size:
+            raise ConfigError(f"ctl.loader: the dataset has {len(dataset)} samples, the controller's "
+                              f"dataset_size is {ctl.data.size}: give Controller(dataset_size=len(dataset))")
+        self._ctl = ctl
+        self._plans: collections.deque[list[int]] = collections.deque()  # each planned batch, in the loader's order
+        self._batches = None  # the DataLoader's iterator, while its plan holds
+        self.restarts = 0
+        self.loader = DataLoader(dataset, batch_sampler=_Planned(self), **options)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        want = self._ctl.batch_indices().tolist()
+        if not want:
+            return None  # the plan skips empty parts too
+        for _ in range(2):
+            if self._batches is None:
+                self._plans.clear()
+                self._batches = iter(self.loader)
+            try:
+                batch = next(self._batches)
+            except StopIteration:  # the plan ended with the epoch it was made in
+                batch = None
+            if batch is not None and self._plans.popleft() == want:
+                return batch
+            self._batches = None  # the shares, the batch, the workers or the position changed: plan again
+            self.restarts += 1
+        raise AssertionError(f"ctl.loader: a fresh plan does not begin with this step's part {want[:8]}...")
+
+    next = __next__
+
+    def _plan(self):
+        """The parts of this worker in the steps from the one under way to the end of its epoch, as
+        the controller's state today says they will be."""
+        ctl, data = self._ctl, self._ctl.data
+        order, position, whole = data.order, data.position, ctl.global_batch_size
+        shares = ctl.shares if ctl.shares is not None else [1] * ctl.num_workers
+        rank = ctl.rank
+        while position < data.size:
+            sizes = split(min(whole, data.size - position), shares)
+            first = position + sum(sizes[:rank])
+            part = order[first:first + sizes[rank]].tolist()
+            if part:
+                self._plans.append(part)
+                yield part
+            position += whole
+
+
+class _Planned:
+    """A ``batch_sampler``: the owner's plan, made anew each time the DataLoader iterates it."""
+
+    def __init__(self, owner: StepLoader):
+        self._owner = owner
+
+    def __iter__(self):
+        return self._owner._plan()

@@ -36,7 +36,7 @@ import torch
 from gradsync import runtime
 from gradsync.adapt import durable, elastic
 from gradsync.adapt.commits import Commits
-from gradsync.adapt.data import GlobalBatches, split
+from gradsync.adapt.data import GlobalBatches, StepLoader, split
 from gradsync.adapt.monitors import Monitors, NoiseScale, Throughput
 from gradsync.adapt.regroup import Regrouping, _peer_failure
 from gradsync.errors import ConfigError
@@ -178,10 +178,18 @@ class Controller(Commits, Regrouping):
         Under unequal shares a loop must ask for its part every step, through this,
         :meth:`batch_indices` or :attr:`local_batch_size`, or the step ends with a ConfigError.
         A DataLoader of fixed batch size would otherwise train on other samples than the shares
-        say, under the shares' gradient weights: a wrong update, silently."""
+        say, under the shares' gradient weights: a wrong update, silently (:meth:`loader` is one
+        that follows them)."""
         self._asked = True
         sizes = self.step_sizes or [self.batch_size] * self.num_workers
         return sum(sizes[:self.rank]), sizes[self.rank]
+
+    def loader(self, dataset, **options):
+        """A torch ``DataLoader`` of ``dataset`` that follows the shares: ``next(loader)`` in each step
+        is this worker's part of it, ``batch_indices()``'s samples, loaded ahead by the loader's
+        worker processes (``options``: the DataLoader's, but for the batching). See
+        :class:`gradsync.adapt.data.StepLoader`."""
+        return StepLoader(self, dataset, **options)
 
     def values(self) -> dict[str, float]:
         return self.monitors.values() if self.monitors is not None else {}
@@ -251,8 +259,9 @@ class Controller(Commits, Regrouping):
             f"worker {self.rank}: step {self.step} split the global batch into unequal shares {self.step_sizes} "
             f"(this worker's gradient counted as {self.step_sizes[self.rank]} samples), but the training loop did "
             "not ask for its part: take each step's samples from ctl.batch_indices(), ctl.share() or "
-            "ctl.local_batch_size. A DataLoader of fixed batch size cannot follow the shares (BalanceBatches, "
-            "set_shares); use it with equal shares only")
+            "ctl.local_batch_size, or load them with ctl.loader(dataset, num_workers=...), a DataLoader that "
+            "follows the shares. A DataLoader of fixed batch size cannot follow them (BalanceBatches, set_shares); "
+            "use it with equal shares only")
 
     def _begin_step(self) -> None:
         """Every worker's samples this step, and this worker's gradient weight for them."""
