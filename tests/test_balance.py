@@ -86,8 +86,8 @@ class FakeController:
         self.shares = shares
 
 
-@pytest.mark.parametrize("processes", [0, 2])
-def test_ctl_loader_loads_each_steps_part_ahead_and_plans_again_when_the_shares_change(processes):
+@pytest.mark.parametrize("processes,persistent", [(0, False), (2, False), (2, True)])
+def test_ctl_loader_loads_each_steps_part_ahead_and_plans_again_when_the_shares_change(processes, persistent):
     """Controller.loader on worker 1 of 3, driven as Controller.steps drives it (the step's part,
     then the position advanced by the global batch): every batch is the step's part, across new
     shares, a new batch size, a step with no part for this worker and the next epoch; a plan is
@@ -99,7 +99,8 @@ def test_ctl_loader_loads_each_steps_part_ahead_and_plans_again_when_the_shares_
     ctl.data = GlobalBatches(60, seed=3)
     ctl.batch_indices = lambda: ctl.data.share(ctl.global_batch_size, ctl.rank, ctl.num_workers, ctl.shares)
     samples = torch.utils.data.TensorDataset(torch.arange(60), torch.arange(60) * 10)
-    loader = StepLoader(ctl, samples, num_workers=processes, **({"prefetch_factor": 3} if processes else {}))
+    loader = StepLoader(ctl, samples, num_workers=processes,
+                        **({"prefetch_factor": 3, "persistent_workers": persistent} if processes else {}))
     changes = {2: {"shares": [6, 2, 4]}, 5: {"batch_size": 5, "shares": [8, 2, 5]}, 7: {"shares": [9, 0, 6]},
                8: {"shares": [5, 5, 5]}}
     step = 0
