@@ -13,7 +13,9 @@ window that may block (:meth:`Watchdog.enter`, e.g. a forward) and when it left 
 for the timeout, less the time to report, and the heartbeat saw a peer stand still) the watchdog
 prints the error, dumps the flight record, and ends the process with status 1, as PyTorch's NCCL
 watchdog tears down a process whose collective hung. Outside a window (evaluation, checkpointing,
-the end of training) it never acts.
+the end of training) it never acts. In an elastic job the launcher's word that a member is gone
+ends gradsync's own waits at once, but not the window: PyTorch's call fails on its own there (the
+lost member's connections reset), and the watchdog acts only once the timeout has passed.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ import threading
 import time
 
 from gradsync import flight, runtime
-from gradsync.transport import RECHECK_S
+from gradsync.transport import RECHECK_S, REPORT_S
 
 IDLE_S = 0.5
 """How often the watchdog looks again while no window is open."""
@@ -114,6 +116,12 @@ class Watchdog:
             if self._closed:
                 return
             if not self.open or current is None:
+                continue
+            if current.peer_lost and current.transport is not None and current.transport.until_overdue() > -REPORT_S:
+                # The launcher's word that a member is gone: the call inside PyTorch fails on its own
+                # (a connection reset at once, else Gloo's timeout), and the rank regroups. Only a
+                # call still blocked past the timeout ends the process: a survivor ended here would
+                # leave its job a member short.
                 continue
             error = current.overdue(self.what)
             if error is not None and self.open:

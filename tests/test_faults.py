@@ -464,7 +464,8 @@ def test_the_watchdog_acts_only_inside_a_window(monkeypatch):
 
     error = gradsync.PeerFailureError("rank 1 stopped responding")
     transport = SimpleNamespace(progress=0.0, until_overdue=lambda: 0.0)
-    monkeypatch.setattr(runtime, "_RUNTIME", SimpleNamespace(transport=transport, overdue=lambda what: error))
+    monkeypatch.setattr(runtime, "_RUNTIME", SimpleNamespace(transport=transport, overdue=lambda what: error,
+                                                             peer_lost=None))
     ended = []
     monkeypatch.setattr(watchdog, "_end_process", ended.append)
     monkeypatch.setattr(watchdog, "IDLE_S", 0.01)
@@ -474,6 +475,39 @@ def test_the_watchdog_acts_only_inside_a_window(monkeypatch):
     time.sleep(0.3)
     assert ended == []
     dog.enter()
+    deadline = time.monotonic() + 5
+    while not ended and time.monotonic() < deadline:
+        time.sleep(0.01)
+    dog.close()
+    assert ended and ended[0] is error
+
+
+def test_the_launchers_notice_leaves_a_call_inside_pytorch_to_fail_on_its_own(monkeypatch):
+    """In an elastic job the launcher's word that a member is gone ends gradsync's own waits at once.
+    A watchdog's window (DDP's reducer) is left to fail on its own, as it does when the lost
+    member's connections reset, and the process is ended only once nothing completed for the whole
+    timeout: a survivor ended at the notice would leave its job a member short."""
+    from types import SimpleNamespace
+
+    from gradsync import runtime, watchdog
+    from gradsync.transport import REPORT_S
+
+    error = gradsync.PeerFailureError("DDP's all-reduce failed on worker 2: the elastic launcher lost a member")
+    left = [5.0]  # seconds until the timeout, less REPORT_S, since the last completed operation
+    transport = SimpleNamespace(progress=0.0, until_overdue=lambda: left[0])
+    monkeypatch.setattr(runtime, "_RUNTIME", SimpleNamespace(transport=transport, overdue=lambda what: error,
+                                                             peer_lost="the elastic launcher lost a member"))
+    ended = []
+    monkeypatch.setattr(watchdog, "_end_process", ended.append)
+    dog = watchdog.Watchdog("DDP's all-reduce")
+    dog.enter()
+    for seconds_left in (5.0, 0.0, -REPORT_S + 0.05):  # before the deadline, at it, within REPORT_S after
+        left[0] = seconds_left
+        dog._wake.set()  # look again now
+        time.sleep(0.3)
+        assert ended == [], seconds_left
+    left[0] = -REPORT_S - 0.05  # the whole timeout has passed: PyTorch's call did not fail on its own
+    dog._wake.set()
     deadline = time.monotonic() + 5
     while not ended and time.monotonic() < deadline:
         time.sleep(0.01)
