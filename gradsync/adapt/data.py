@@ -25,7 +25,7 @@ import collections
 
 import torch
 
-from gradsync.errors import ConfigError
+from gradsync.errors import ConfigError, GradsyncError
 
 
 def split(total: int, shares: list[int]) -> list[int]:
@@ -137,13 +137,15 @@ class StepLoader:
                 self._batches = iter(self.loader)
             try:
                 batch = next(self._batches)
+                planned = self._plans.popleft()
             except StopIteration:  # the plan ended with the epoch it was made in
-                batch = None
-            if batch is not None and self._plans.popleft() == want:
+                planned = None
+            if planned == want:
                 return batch
             self._batches = None  # the shares, the batch, the workers or the position changed: plan again
             self.restarts += 1
-        raise AssertionError(f"ctl.loader: a fresh plan does not begin with this step's part {want[:8]}...")
+        raise GradsyncError(f"worker {self._ctl.rank}: ctl.loader's new plan does not begin with step "
+                            f"{self._ctl.step}'s part ({len(want)} samples); please report this")
 
     next = __next__
 
