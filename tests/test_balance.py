@@ -124,6 +124,12 @@ def test_ctl_loader_loads_each_steps_part_ahead_and_plans_again_when_the_shares_
     for options, message in (({"batch_size": 4}, "drop batch_size"), ({"shuffle": True}, "drop shuffle")):
         with pytest.raises(ConfigError, match=message):
             StepLoader(ctl, samples, **options)
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(range(60))
+
+    with pytest.raises(ConfigError, match="needs a dataset of indexed samples .* not a Stream"):
+        StepLoader(ctl, Stream())
     with pytest.raises(ConfigError, match="the dataset has 44 samples, the controller's dataset_size is 60"):
         StepLoader(ctl, torch.utils.data.TensorDataset(torch.arange(44)))
     ctl.data = None

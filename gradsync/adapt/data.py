@@ -112,6 +112,10 @@ class StepLoader:
         if given:
             raise ConfigError(f"ctl.loader batches each step by the controller's shares: drop {', '.join(given)} "
                               "(the global batch is Controller(batch_size=...) times the workers)")
+        if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__"):
+            raise ConfigError(f"ctl.loader needs a dataset of indexed samples (a map-style Dataset, with __len__ "
+                              f"and __getitem__), not a {type(dataset).__name__}: for a stream, draw "
+                              "ctl.share()'s count of samples each step")
         if ctl.data is None:
             raise ConfigError("ctl.loader needs Controller(dataset_size=len(dataset)): the steps take their "
                               "samples from one order of the dataset's indices")
