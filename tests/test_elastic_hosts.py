@@ -307,6 +307,30 @@ def test_when_the_lead_host_dies_the_others_go_on_from_the_newest_commit(tmp_pat
     assert leftovers() == []
 
 
+def test_a_lead_whose_beat_another_lead_replaced_stops_and_leaves_that_beat(tmp_path, monkeypatch):
+    # A lead taken for dead (its storage stalled while its link was cut) finds, once it can read
+    # the folder again, the beat of the lead that took over: it stops rather than go on writing
+    # commits beside it, and leaves that beat for the other hosts to follow.
+    from gradsync.launch import elastic_hosts
+    from gradsync.launch.elastic_hosts import LEASE_FILE, Lease
+
+    monkeypatch.setattr(elastic_hosts, "BEAT_S", 0.0)
+    folder = str(tmp_path)
+    (tmp_path / LEASE_FILE).write_text("41 10.0.0.7:29400\n")  # an earlier job's lead, killed: left behind
+    lease = Lease(folder, "10.0.0.1:29400")
+    assert lease.beat() and Lease.read(folder) == (1, "10.0.0.1:29400")  # its first beat replaces it
+    assert lease.beat() and Lease.read(folder) == (2, "10.0.0.1:29400")
+    (tmp_path / LEASE_FILE).write_text("1 10.0.0.2:29400\n")  # host 1 took over
+    assert not lease.beat() and lease.deposed == "10.0.0.2:29400"
+    assert not lease.beat()  # for good
+    lease.end()
+    assert Lease.read(folder) == (1, "10.0.0.2:29400")  # the new lead's beat is kept
+    new = Lease(folder, "10.0.0.2:29400")
+    assert new.beat() and Lease.read(folder) == (1, "10.0.0.2:29400")
+    new.end()
+    assert Lease.read(folder) is None  # its own beat goes with its job
+
+
 def test_an_agent_that_lost_the_store_follows_the_beat_in_the_shared_folder(tmp_path, monkeypatch):
     # The decision alone, without hosts: who leads next, or whether this host is the one cut off.
     from gradsync.adapt import durable

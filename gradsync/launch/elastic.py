@@ -425,8 +425,10 @@ class Agent:
                 if _USR1.is_set():
                     _USR1.clear()
                     self._where("SIGUSR1", self.members)
-                if self.lease is not None:
-                    self.lease.beat()
+                if self.lease is not None and not self.lease.beat():
+                    return self._fail(f"the lead at {self.lease.deposed} beats in {self.lease.folder} now: the other "
+                                      "hosts took this one for dead (its beat stood still there) and went on from "
+                                      "the newest commit; this host's workers are stopped", 1)
                 self._handle_requests()
                 self._repair()
                 self._check_pending()

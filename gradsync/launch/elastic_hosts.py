@@ -81,11 +81,24 @@ class Lease:
     compared, never clocks: hosts' clocks and a file server's need not agree."""
 
     def __init__(self, folder: str, endpoint: str):
-        self.path, self.endpoint, self.count, self.at, self.failed = os.path.join(folder, LEASE_FILE), endpoint, 0, 0.0, False
+        self.folder, self.endpoint, self.count, self.at, self.failed = folder, endpoint, 0, 0.0, False
+        self.path = os.path.join(folder, LEASE_FILE)
+        self.deposed: str | None = None  # the endpoint of the lead whose beat replaced this one's
 
-    def beat(self) -> None:
+    def beat(self) -> bool:
+        """Rewrite the beat (every BEAT_S). False once another lead's beat has replaced this one's:
+        the other hosts took this lead for dead (its storage stalled while its link was cut) and
+        one of them leads the job now, from the newest commit; this one must stop, not go on
+        writing commits beside it. Its first beat replaces whatever an earlier lead left."""
+        if self.deposed is not None:
+            return False
         if time.monotonic() - self.at < BEAT_S:
-            return
+            return True
+        if self.count:
+            found = Lease.read(self.folder)
+            if found is not None and found[1] != self.endpoint:
+                self.deposed = found[1]
+                return False
         self.at, self.count = time.monotonic(), self.count + 1
         tmp = f"{self.path}.{os.getpid()}.tmp"
         try:
@@ -97,11 +110,15 @@ class Lease:
                 self.failed = True
                 print(f"gradsync run --elastic: cannot write the lead's beat {self.path} ({exc}): if this host "
                       "dies, the other hosts cannot go on without it", file=sys.stderr, flush=True)
+        return True
 
     def end(self) -> None:
-        """The job ended (or was stopped): no beat is left for an agent to follow."""
-        with contextlib.suppress(OSError):
-            os.unlink(self.path)
+        """The job ended (or was stopped): no beat of this lead's is left for an agent to follow
+        (another lead's is kept)."""
+        found = Lease.read(self.folder)
+        if found is None or found[1] == self.endpoint:
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
 
     @staticmethod
     def read(folder: str) -> tuple[int, str] | None:
