@@ -146,6 +146,18 @@ def test_the_p3_spec_becomes_bench_and_simulate_commands():
     assert paper_settings["np"] == 4 and len(paper_vary["net"]) == 9
 
 
+def test_a_script_argument_written_with_a_star_becomes_the_cells_flags():
+    s = specs.load("elastic-standby")
+    vary, settings = s.scaled("default", {})
+    todo = {c["hosts"]: c for c in s.cells(vary, settings)}
+    two = cells.command(s, todo["two"], "emulated", "o.json")
+    at = two.index("--elastic")
+    assert two[at:at + 9] == ["--elastic", "--net", "10gbit", "--ranks-per-host", "2", "-np", "4", "--min-np", "2"]
+    one = cells.command(s, todo["one"], "emulated", "o.json")
+    assert "--net" not in one and one[one.index("--elastic") + 1:][:2] == ["-np", "1"]
+    assert one[one.index("--schedule") + 1] == "3:2,6:4,9:2,12:1" and one[-2:] == ["--out", "o.json"]
+
+
 def test_bad_specs_and_overrides_are_refused_with_the_reason(tmp_path):
     with pytest.raises(ConfigError, match="unknown experiment 'nope'"):
         specs.load("nope")

@@ -334,7 +334,9 @@ def request_resize(size: int, timeout_s: float = 120.0, timings: dict | None = N
     if runtime.current().topology.rank == 0:
         seq[0] = request_size(member.store, size)
     asked = time.perf_counter()
-    runtime.current().transport.broadcast(seq, 0, what="elastic resize request")
+    # An all-reduce, not rank 0's broadcast: it ends only when every worker has arrived, so the
+    # wait for the others' step is all here and the phases after it are the resize's own.
+    runtime.current().transport.allreduce(seq, op="max", what="elastic resize request")
     agreed = time.perf_counter()
     reply = answer(member.store, int(seq), timeout_s)
     if timings is not None:

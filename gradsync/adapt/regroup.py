@@ -135,8 +135,12 @@ class Regrouping:
             self._hand_over(joining=False)
             done("state hand-over")
         self._regrouped_at = self.step
+        seconds = time.perf_counter() - start
+        # The job stands still from the moment the last worker asked: before it, the others were
+        # ending their step, as the next step's first collective would have waited for them.
         self.resizes.append({"generation": gen, "from": before, "to": len(member.members), "cause": cause,
-                             "step": self.step, "seconds": time.perf_counter() - start, "phases": phases})
+                             "step": self.step, "seconds": seconds,
+                             "pause": seconds - phases.get("the others end their step", 0.0), "phases": phases})
         if runtime.current().topology.rank == 0:
             print(f"gradsync: generation {gen} regrouped, {before} -> {len(member.members)} workers after step "
                   f"{self.step}, in {self.resizes[-1]['seconds']:.2f} s ({cause.split(':')[0]})", flush=True)

@@ -9,7 +9,8 @@ Each cell runs as one ``gradsync`` command (or one script), in a process of its 
   The strategies of a cell run side by side in one call.
 - ``codecs``: ``gradsync codecs --json`` (this machine's CPU, whatever the target).
 - ``script``: the spec's command, run from the gradsync checkout (``{out}`` is a JSON file it
-  writes; ``{KEY}`` a cell value); its records are a list in that file (``records = "KEY"``) or the
+  writes; ``{KEY}`` a cell value; an argument ``{*KEY}`` the value split as a shell would, for
+  flags that differ by cell); its records are a list in that file (``records = "KEY"``) or the
   last JSON line it prints (``records = "stdout"``).
 """
 from __future__ import annotations
@@ -58,7 +59,12 @@ def command(spec: Spec, cell: dict, target: str, out: str) -> list[str]:
         return args
     values = {k: (",".join(map(str, v)) if isinstance(v, list) else str(v)) for k, v in cell.items()}
     try:
-        args = [part.format(out=out, python=sys.executable, **values) for part in spec.script["command"]]
+        args = []
+        for part in spec.script["command"]:
+            if part.startswith("{*") and part.endswith("}"):  # a cell's value as several arguments
+                args += shlex.split(values[part[2:-1]])
+            else:
+                args.append(part.format(out=out, python=sys.executable, **values))
     except KeyError as exc:
         raise ConfigError(f"{spec.path}: the script command names {exc}, which the cell does not have") from None
     if args and args[0] == "gradsync":
