@@ -331,6 +331,36 @@ def test_a_lead_whose_beat_another_lead_replaced_stops_and_leaves_that_beat(tmp_
     assert Lease.read(folder) is None  # its own beat goes with its job
 
 
+def test_a_running_lead_that_finds_another_leads_beat_stops_its_workers_and_names_it(tmp_path):
+    # The agent's side of the above, in a real job (one host; loopback; the folder does not exist
+    # yet, as on a first start): the folder's beat names
+    # another lead, as after a take-over that took this lead for dead. Its agent stops its workers
+    # and fails with that lead's endpoint; the other lead's beat stays for the other hosts.
+    from gradsync.launch.elastic_hosts import LEASE_FILE, Lease
+
+    folder = tmp_path / "ckpt"
+    lead = Log(subprocess.Popen(
+        [*GRADSYNC, "run", "--elastic", "--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-endpoint",
+         f"127.0.0.1:{PORT + 3}", "--checkpoint-dir", str(folder), "--", sys.executable, EXAMPLE, "--sleep", "0.05",
+         "--steps", "100000"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+        start_new_session=True, env={**os.environ, "GRADSYNC_JOB_SECRET": SECRET}))
+    try:
+        lead.wait_for(r"step \d+: 1 workers")
+        assert Lease.read(str(folder))[1] == f"127.0.0.1:{PORT + 3}"
+        (folder / LEASE_FILE).write_text("1 10.0.0.2:29400\n")  # host 1 took over
+        assert lead.proc.wait(timeout=30) == 1, lead.text()[-3000:]
+        time.sleep(0.5)
+        with pytest.raises(ProcessLookupError):  # its worker was stopped with it
+            os.killpg(lead.proc.pid, 0)
+    finally:
+        if lead.proc.poll() is None:
+            os.killpg(lead.proc.pid, signal.SIGKILL)
+            lead.proc.wait()
+    assert f"the lead at 10.0.0.2:29400 beats in {folder} now" in lead.text(), lead.text()[-3000:]
+    assert "cannot write the lead's beat" not in lead.text()  # its first beat made the folder
+    assert Lease.read(str(folder)) == (1, "10.0.0.2:29400")
+
+
 def test_an_agent_that_lost_the_store_follows_the_beat_in_the_shared_folder(tmp_path, monkeypatch):
     # The decision alone, without hosts: who leads next, or whether this host is the one cut off.
     from gradsync.adapt import durable

@@ -102,6 +102,7 @@ class Lease:
         self.at, self.count = time.monotonic(), self.count + 1
         tmp = f"{self.path}.{os.getpid()}.tmp"
         try:
+            os.makedirs(self.folder, exist_ok=True)  # the workers make it too, but may not have yet
             with open(tmp, "w") as f:
                 f.write(f"{self.count} {self.endpoint}\n")
             os.replace(tmp, self.path)
