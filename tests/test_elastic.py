@@ -75,6 +75,10 @@ def test_grow_and_shrink_1_2_4_2_while_training_matches_the_reference(tmp_path):
     sizes = [result["sizes"][str(s)] for s in range(14)]
     assert sizes == [1] * 3 + [2] * 3 + [4] * 4 + [2] * 4
     assert [(r["from"], r["to"]) for r in result["resizes"]] == [(1, 2), (2, 4), (4, 2)]
+    for r in result["resizes"]:  # the pause: what the resize cost once every worker had asked
+        waited = r["phases"]["the others end their step"]
+        assert r["pause"] == pytest.approx(r["seconds"] - waited) and 0 < r["pause"] <= r["seconds"], r
+        assert sum(v for k, v in r["phases"].items() if k != "the others end their step") <= r["pause"], r
     assert "refused" in log and "'9' is outside --min-np 1 .. --max-np 4" in log  # 12:9, and training went on
     # One global order per epoch: the 14 global batches are disjoint stretches of it.
     seen = [i for s in range(14) for i in result["batches"][str(s)]]
