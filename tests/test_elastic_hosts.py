@@ -204,6 +204,33 @@ def test_an_agent_without_the_jobs_secret_stops_at_once():
     assert none.returncode == 2 and "needs the job's secret on every host" in none.stderr, none.stderr
 
 
+def test_an_agent_that_cannot_reach_the_store_or_finds_no_job_there_says_so_naming_its_host(monkeypatch):
+    # Nothing listens at the endpoint; then a store listens, but no lead's agent started a job on it.
+    # Each ends after CONNECT_S (here 1 s, not a connection attempt's own 10 s) with the host's name.
+    import socket
+
+    import torch.distributed as dist
+
+    from gradsync.errors import GradsyncError
+    from gradsync.launch import elastic_hosts
+
+    monkeypatch.setattr(elastic_hosts, "CONNECT_S", 1.0)
+    monkeypatch.setenv("GRADSYNC_JOB_SECRET", SECRET)
+    monkeypatch.setenv("GRADSYNC_HOST", "emulated host 2")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    start = time.monotonic()
+    with pytest.raises(GradsyncError, match=rf"host emulated host 2: cannot reach the elastic job's store at "
+                                            rf"127.0.0.1:{port} within 1 s .*is the lead's agent running"):
+        elastic_hosts.HostAgent(["true"], "127.0.0.1", port, 1, None, 1.0)
+    assert time.monotonic() - start < 8
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    with pytest.raises(GradsyncError, match=rf"host emulated host 2: 127.0.0.1:{server.port} answers, but no elastic "
+                                            r"job has started there within 1 s \(is --rdzv-endpoint the lead's\?\)"):
+        elastic_hosts.HostAgent(["true"], "127.0.0.1", server.port, 1, None, 1.0)
+
+
 @needs_root
 def test_without_a_checkpoint_dir_the_store_hosts_death_ends_the_job_and_the_agents_say_so(tmp_path):
     with EmulatedCluster(2, 10e9) as cluster:

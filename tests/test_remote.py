@@ -6,6 +6,8 @@ also mounts an empty tmpfs over the temporary folder, so the "other host" has it
 """
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -21,6 +23,9 @@ FAKE_SSH = textwrap.dedent("""\
     host, command = sys.argv[1], " ".join(sys.argv[2:])
     with open(os.environ["FAKE_SSH_LOG"], "a") as f:
         f.write(host + "\\n")
+    if os.environ.get("FAKE_SSH_COMMANDS"):  # the command lines, to see what ps on a host would show
+        with open(os.environ["FAKE_SSH_COMMANDS"], "a") as f:
+            f.write(command + "\\n")
     if host.endswith(".down"):
         print(f"ssh: connect to host {host} port 22: Connection refused", file=sys.stderr)
         sys.exit(255)
@@ -136,3 +141,67 @@ def test_an_experiment_on_a_machine_runs_at_the_machines_own_rate(tmp_path):
     script = subprocess.run([*GRADSYNC, "experiment", "run", "kungfu-resize", "--target", "lab", "--store", str(store)],
                             capture_output=True, text=True, env=env)
     assert script.returncode == 2 and "use --target local on one of machine 'lab''s hosts" in script.stderr
+
+
+def test_gradsync_run_over_a_machines_hosts_and_an_elastic_job_with_an_agent_on_each(tmp_path):
+    """``gradsync run --machine``: a fixed job's ranks on both hosts; then an elastic job, an agent
+    on each host (the second's over ssh, the secret in its stdin), shrinking to the first host's
+    worker and growing back onto the second, ending with the one-process replay's model."""
+    from test_elastic import EXAMPLE, assert_matches_reference
+    from test_elastic_hosts import Log
+
+    env = machine(tmp_path)
+    script = tmp_path / "hello.py"
+    script.write_text("import os, torch, torch.distributed as dist, gradsync\n"
+                      "topo = gradsync.init()\n"
+                      "t = torch.tensor([float(topo.rank + 1)])\n"
+                      "dist.all_reduce(t)\n"
+                      "print(f'rank {topo.rank} of {topo.world_size}: sum {t.item():g}', flush=True)\n"
+                      "gradsync.shutdown()\n")
+    fixed = subprocess.run([*GRADSYNC, "run", "--machine", "lab", "-np", "2", "--", str(script)],
+                           capture_output=True, text=True, env=env, timeout=120)
+    assert fixed.returncode == 0, fixed.stdout + fixed.stderr
+    assert "rank 0 of 2: sum 3" in fixed.stdout and "rank 1 of 2: sum 3" in fixed.stdout, fixed.stdout
+    assert (tmp_path / "ssh.log").read_text().split() == ["nodeb"]
+
+    out, commands, stop = tmp_path / "result.json", tmp_path / "commands.log", tmp_path / "stop"
+    secret = "5ec7e7" * 5 + "ab"
+    env = {**env, "GRADSYNC_JOB_SECRET": secret, "FAKE_SSH_COMMANDS": str(commands)}
+    lead = Log(subprocess.Popen([*GRADSYNC, "run", "--elastic", "--machine", "lab", "--min-np", "1", "--", EXAMPLE,
+                                 "--sleep", "0.05", "--steps", "100000", "--stop-file", str(stop), "--out", str(out)],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                start_new_session=True))
+    try:  # it starts on this host's worker and grows onto the second host's as that agent registers
+        lead.wait_for(r"host 1 \(nodeb\) registered with 1 slots")
+        lead.wait_for(r"step \d+: 2 workers")
+        port = re.search(r"gradsync resize N --port (\d+)", lead.text()).group(1)
+        for size, says in ((1, r"regrouped, 2 -> 1 workers"), (2, r"regrouped, 1 -> 2 workers after step [1-9]")):
+            asked = subprocess.run([*GRADSYNC, "resize", str(size), "--port", port], capture_output=True, text=True,
+                                   env=env, timeout=60)
+            assert asked.returncode == 0, asked.stderr
+            lead.wait_for(says)
+        stop.touch()
+        assert lead.proc.wait(timeout=60) == 0, lead.text()[-4000:]
+    finally:
+        if lead.proc.poll() is None:
+            os.killpg(lead.proc.pid, signal.SIGKILL)
+            lead.proc.wait()
+    assert (tmp_path / "ssh.log").read_text().split() == ["nodeb", "nodeb"]  # the second host's agent
+    assert "gradsync.launch.remote" in commands.read_text() and secret not in commands.read_text()
+    result = json.loads(out.read_text())
+    assert [(r["from"], r["to"]) for r in result["resizes"]][-2:] == [(2, 1), (1, 2)], result["resizes"]
+    assert_matches_reference(result)
+
+
+def test_an_elastic_job_on_a_machine_whose_host_ssh_cannot_reach_fails_naming_it(tmp_path):
+    env = machine(tmp_path, second="nodeb.down")
+    started = time.monotonic()
+    job = subprocess.run([*GRADSYNC, "run", "--elastic", "--machine", "lab", "--", "true"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert job.returncode == 255, job.stdout + job.stderr
+    assert "the agent of host 1 (nodeb.down) failed with exit status 255 before it joined the job" in job.stderr
+    assert "Connection refused" in job.stderr
+    assert time.monotonic() - started < 30  # not the lead waiting out the hosts' registration
+    refused = subprocess.run([*GRADSYNC, "run", "--elastic", "--machine", "lab", "-np", "2", "--", "true"],
+                             capture_output=True, text=True, env=env, timeout=60)
+    assert refused.returncode == 2 and "no -np, --max-np" in refused.stderr, refused.stderr

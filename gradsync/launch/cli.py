@@ -94,6 +94,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     hosts = parser.add_mutually_exclusive_group()
     hosts.add_argument("-H", "--hosts", help="host1:slots,host2:slots (workers fill hosts in order)")
     hosts.add_argument("--hostfile", help="lines of 'host slots=N' or 'host:N'; '#' comments")
+    hosts.add_argument("--machine", metavar="NAME",
+                       help="a registered machine's hosts (gradsync machine add), each started over its ssh from "
+                            "this host, its first; with --elastic an agent on each")
     parser.add_argument("--node-rank", "--node_rank", type=_int_in(0), help="this host's index in the host list")
     parser.add_argument("--master-addr", "--master_addr",
                         help="rendezvous address (default: first host, or 127.0.0.1)")
@@ -294,6 +297,8 @@ def _main(args: argparse.Namespace) -> int:
     _rendezvous(args, parser)
     if args.no_forkserver:  # read where the ranks start, by this launcher and the agents it starts
         os.environ[FORKSERVER_ENV] = "0"
+    if args.machine is not None:
+        return _run_machine(args, command, parser)
     if isinstance(args.nnodes, tuple):
         if not args.elastic:
             parser.error(f"--nnodes {args.nnodes[0]}:{args.nnodes[1]}: a range of machines is torchrun's elastic form: "
@@ -321,6 +326,53 @@ def _main(args: argparse.Namespace) -> int:
     result = launch_local(command, np=args.np, servers=args.servers, port=args.port,
                           logdir=args.logdir, grace_s=args.grace, hosts=hosts, env=env,
                           node_rank=node_rank, master_addr=args.master_addr, say_threads=True)
+    if result.message:
+        print(result.message, file=sys.stderr, flush=True)
+    return result.returncode
+
+
+def _run_machine(args, command: list[str], parser) -> int:
+    """``--machine NAME``: the job over a registered machine's hosts, from its first host; each
+    other host's part (its ranks, or with ``--elastic`` its agent) started over the machine's ssh
+    (:mod:`gradsync.launch.remote`)."""
+    from gradsync.launch import machines, remote
+
+    if args.nnodes is not None or args.nproc_per_node is not None or args.master_addr or args.net is not None:
+        parser.error("--machine names the hosts and their slots: no --nnodes, --nproc-per-node, --master-addr, "
+                     "--rdzv-endpoint or --net")
+    try:
+        machine = machines.get(args.machine)
+    except ConfigError as exc:
+        parser.error(str(exc))
+    # The interpreter that runs a .py script is each host's own (the machine's "python").
+    command = [remote.PYTHON if word == sys.executable else word for word in command]
+    try:
+        if args.elastic:
+            if args.np is not None or args.max_np is not None or args.servers or args.slow:
+                parser.error("--elastic --machine runs every host's slots, growing onto each as its agent registers: "
+                             "no -np, --max-np, --servers or --slow (--min-np: the fewest workers it starts with)")
+            agent_args = [*(["--checkpoint-dir", os.path.abspath(args.checkpoint_dir)] if args.checkpoint_dir else []),
+                          *(["--resume", os.path.abspath(args.resume)] if args.resume else []),
+                          *(["--checkpoint-every", str(args.checkpoint_every)] if args.checkpoint_every else []),
+                          *(["--checkpoint-seconds", f"{args.checkpoint_seconds:g}"] if args.checkpoint_seconds else []),
+                          *(["--no-forkserver"] if args.no_forkserver else [])]
+            result = remote.launch_elastic_machine(command, machine=machine, agent_args=agent_args,
+                                                   min_np=args.min_np, standby=args.standby, port=args.port,
+                                                   logdir=args.logdir, grace_s=args.grace)
+        else:
+            _workers(args, parser)
+            if args.min_np is not None or args.max_np is not None or args.standby:
+                parser.error("--min-np, --max-np and --standby need --elastic")
+            from gradsync.adapt import durable
+
+            _checkpoints(args, parser)  # as environment variables, which every host's ranks get
+            env = {name: os.environ[name] for name in (durable.DIR_ENV, durable.EVERY_ENV, durable.SECONDS_ENV,
+                                                       durable.RESUME_ENV) if name in os.environ}
+            result = remote.launch_hosts(command, machine=machine, np=args.np, servers=args.servers,
+                                         env={**env, **_slow_env(args, parser)}, grace_s=args.grace)
+    except ConfigError as exc:
+        print(f"gradsync run: {exc}", file=sys.stderr, flush=True)
+        return 2
     if result.message:
         print(result.message, file=sys.stderr, flush=True)
     return result.returncode
@@ -431,12 +483,15 @@ def _run_elastic_hosts(args, command: list[str], parser) -> int:
     if args.hosts or args.hostfile or args.net or args.servers or args.slow:
         parser.error("--elastic --nnodes runs one agent per machine: no -H, --hostfile, --net, --servers or --slow")
     from gradsync.launch.elastic import launch_elastic, run_host
+    from gradsync.launch.elastic_hosts import LEAD_ENV
     from gradsync.launch.hosts import _is_local_address
 
     low, high = args.nnodes
     k = args.nproc_per_node
     try:
-        if _is_local_address(args.master_addr):  # this machine owns the endpoint: its agent leads
+        # This machine owns the endpoint: its agent leads (gradsync run --elastic --machine says which does).
+        role = os.environ.pop(LEAD_ENV, None)
+        if _is_local_address(args.master_addr) if role is None else role == "1":
             result = launch_elastic(command, np=low * k, min_np=low * k, max_np=high * k, port=args.port,
                                     logdir=args.logdir, grace_s=args.grace, standby=args.standby,
                                     addr=args.master_addr, nproc=k, min_hosts=low)

@@ -71,6 +71,10 @@ STORE_LOST_S = float(os.environ.get("GRADSYNC_STORE_LOST_S", "10"))
 CONNECT_S = 60.0
 """How long a host agent tries to reach the store before it gives up."""
 POLL_S = 0.05
+LEAD_ENV = "GRADSYNC_ELASTIC_LEAD"
+"""``1`` or ``0`` in an agent's environment: whether it leads, whatever addresses its host owns
+(``gradsync run --elastic --machine`` knows which host is the first; two hosts may both own an
+address such as 127.0.0.1)."""
 LEASE_FILE = ".gradsync-lead"
 """The lead's beat in the job's ``--checkpoint-dir`` (:class:`Lease`)."""
 
@@ -285,8 +289,11 @@ class HostAgent:
         deadline = time.monotonic() + CONNECT_S
         while True:
             try:  # every call answered within STORE_LOST_S, or the store is lost (a cut link is silent)
-                store = stores.signed(dist.TCPStore(self.addr, self.port, is_master=False, timeout=timedelta(seconds=10),
-                                                    wait_for_workers=False), self.secret)
+                left = min(10.0, max(0.5, deadline - time.monotonic()))  # a connection's tries end by the deadline
+                client = dist.TCPStore(self.addr, self.port, is_master=False, timeout=timedelta(seconds=left),
+                                       wait_for_workers=False)
+                client.set_timeout(timedelta(seconds=10))
+                store = stores.signed(client, self.secret)
                 return stores.Answered(store, STORE_LOST_S, f"the job's store at {self.addr}:{self.port}")
             except Exception as exc:  # noqa: BLE001 - TCPStore raises plain RuntimeErrors
                 if time.monotonic() > deadline:

@@ -12,6 +12,10 @@ on a command line.
 The first node to fail ends the others (their launchers stop their ranks), and the message names
 the node, its host and its last lines of output: a host that ssh cannot reach fails at once instead
 of leaving node 0 waiting at the rendezvous.
+
+:func:`launch_elastic_machine` (``gradsync run --elastic --machine NAME``) starts an elastic job's
+agent on every host the same way: the JSON object names the agent's flags and its environment
+(the secret), and the node process becomes that agent.
 """
 from __future__ import annotations
 
@@ -22,10 +26,12 @@ import os
 import shlex
 import subprocess
 import sys
+import time
 
 from gradsync import store as stores
 from gradsync.errors import ConfigError
 from gradsync.launch import machines
+from gradsync.launch.elastic_hosts import LEAD_ENV
 from gradsync.launch.hosts import RankSpec, find_free_port
 from gradsync.launch.output import _close, _Output, _start_pumps
 from gradsync.launch.processes import JobResult
@@ -99,6 +105,85 @@ def launch_hosts(command: list[str], *, machine: dict, np: int, servers: int = 0
     return JobResult(0, None, "")
 
 
+def launch_elastic_machine(command: list[str], *, machine: dict, agent_args: list[str], min_np: int | None,
+                           standby: int = 0, port: int | None = None, logdir: str | None = None,
+                           grace_s: float = 3.0) -> JobResult:
+    """An elastic job over ``machine``'s hosts: on each an agent, as if ``gradsync run --elastic
+    --nnodes MIN:N --nproc-per-node K --rdzv-endpoint FIRST:PORT`` ran there (docs/launcher.md,
+    several machines): this host's (the machine's first) leads and keeps the ``standby`` workers,
+    every other host's starts through the machine's ssh. MIN is the hosts ``min_np`` workers fill
+    (default every host), so the job starts on them and grows onto the rest as they register.
+    ``agent_args``: the agents' further flags (checkpoints). The job's secret travels in each
+    agent's standard input, never on a command line. Returns when the lead's agent ends, the
+    others given ``grace_s`` + 10 s to end with it; an agent that fails while the lead waits for
+    its host ends the job with its host named and its last lines."""
+    hosts = machine["hosts"]
+    k = hosts[0]["slots"]
+    if any(h["slots"] != k for h in hosts):
+        raise ConfigError("an elastic job over a machine's hosts runs the same workers on each (torchrun's "
+                          "--nproc-per-node); its hosts have " + ", ".join(f"{h['host']}:{h['slots']}" for h in hosts)
+                          + " slots: register a machine of equal hosts")
+    if min_np is not None and not 1 <= min_np <= k * len(hosts):
+        raise ConfigError(f"--min-np {min_np}: the machine's {len(hosts)} hosts hold 1 to {k * len(hosts)} workers")
+    machines.require_first_host_here(machine)
+    low = len(hosts) if min_np is None else -(-min_np // k)
+    addr, port = machines.master_addr(machine), port or find_free_port()
+    secret = stores.job_secret() or stores.new_secret()
+    common = ["run", "--elastic", "--nnodes", f"{low}:{len(hosts)}", "--nproc-per-node", str(k),
+              "--rdzv-endpoint", f"{addr}:{port}", "--grace", f"{grace_s:g}", *agent_args]
+    agents: list[_Rank] = []
+    out = _AgentOutput()
+    with _trap_signals() as caught:
+        try:
+            for i, host in enumerate(hosts):
+                argv = [*common, *(["--standby", str(standby)] if i == 0 and standby else []),
+                        *(["--logdir", os.path.join(logdir, f"host-{i}")] if logdir else []), "--", *command]
+                spec = RankSpec(i, "node", i, i)
+                args = [sys.executable, "-m", "gradsync.launch.remote"] if i == 0 else _node_command(machine, i)
+                try:
+                    proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                            stderr=subprocess.PIPE, start_new_session=True)
+                except OSError as err:
+                    _stop(agents, 0)
+                    return JobResult(127, spec, f"gradsync: cannot start the agent of host {i} ({host['host']}): "
+                                                f"{shlex.join(args[:1])}: {err.strerror}")
+                job = {"agent": argv, "env": {stores.SECRET_ENV: secret, "GRADSYNC_HOST": host["host"],
+                                              LEAD_ENV: str(int(i == 0))}}
+                with contextlib.suppress(BrokenPipeError):
+                    proc.stdin.write(json.dumps(job).encode())
+                with contextlib.suppress(BrokenPipeError):
+                    proc.stdin.close()
+                agents.append(_Rank(spec, proc))
+                _start_pumps(agents[-1], out)
+            failed = None
+            while agents[0].proc.poll() is None and not caught:
+                # An agent that failed before it joined (ssh could not reach its host, no gradsync
+                # there): the lead would wait for its host until the registration timeout. One that
+                # failed later is the job's business (its host is dropped; the job goes on).
+                failed = next((a for a in agents[1:] if a.proc.poll() not in (None, 0)
+                               and a.spec.rank not in out.joined), None)
+                if failed is not None:
+                    break
+                time.sleep(0.1)
+            if failed is None and not caught:
+                deadline = time.monotonic() + grace_s + 10
+                for agent in agents[1:]:
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        agent.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        finally:
+            _stop([a for a in agents if a.proc.poll() is None], grace_s)
+            _close(agents, timeout_s=max(1.0, grace_s))
+    if failed is not None:
+        code = _exit_code(failed.proc.returncode)
+        lines = "\n".join(f"    {line}" for line in failed.tail) or "    (nothing on stderr)"
+        return JobResult(code, failed.spec, f"gradsync run --elastic: the agent of host {failed.spec.rank} "
+                                            f"({hosts[failed.spec.rank]['host']}) failed with exit status {code} "
+                                            f"before it joined the job; its last lines:\n{lines}")
+    if caught:
+        return JobResult(128 + caught[0], None, "gradsync: interrupted; stopped every host's agent")
+    return JobResult(_exit_code(agents[0].proc.returncode), None, "")
+
+
 def _node_command(machine: dict, k: int) -> list[str]:
     """Node ``k``'s process: here for node 0, else the machine's ssh command and the host."""
     python = machine.get("python") or sys.executable
@@ -128,6 +213,19 @@ class _NodeOutput(_Output):
                 stream.write(line.decode("utf-8", "replace"))
                 stream.flush()
             return
+        super().emit(rank, line, is_err)
+
+
+class _AgentOutput(_NodeOutput):
+    """The agents' lines (the lead's as they are, the others' prefixed), noting which joined the job."""
+
+    def __init__(self):
+        super().__init__()
+        self.joined: set[int] = set()
+
+    def emit(self, rank: _Rank, line: bytes, is_err: bool) -> None:
+        if b"joined the job at" in line:
+            self.joined.add(rank.spec.rank)
         super().emit(rank, line, is_err)
 
 
@@ -176,6 +274,9 @@ def node_main() -> int:
     from gradsync.launch.processes import launch_local
 
     job = json.loads(sys.stdin.read())
+    if "agent" in job:  # an elastic job's agent on this host: it becomes that agent
+        argv = [sys.executable if word == PYTHON else word for word in job["agent"]]
+        os.execve(sys.executable, [sys.executable, "-m", "gradsync.cli", *argv], {**os.environ, **job["env"]})
     command = [sys.executable if word == PYTHON else word for word in job["command"]]
     made = _write_files(job["files"])
     try:
