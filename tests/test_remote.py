@@ -158,11 +158,16 @@ def test_gradsync_run_over_a_machines_hosts_and_an_elastic_job_with_an_agent_on_
                       "dist.all_reduce(t)\n"
                       "print(f'rank {topo.rank} of {topo.world_size}: sum {t.item():g}', flush=True)\n"
                       "gradsync.shutdown()\n")
-    fixed = subprocess.run([*GRADSYNC, "run", "--machine", "lab", "-np", "2", "--", str(script)],
+    trace = tmp_path / "traces" / "job.json"
+    trace.parent.mkdir()
+    fixed = subprocess.run([*GRADSYNC, "run", "--machine", "lab", "-np", "2", "--trace", str(trace), "--", str(script)],
                            capture_output=True, text=True, env=env, timeout=120)
     assert fixed.returncode == 0, fixed.stdout + fixed.stderr
     assert "rank 0 of 2: sum 3" in fixed.stdout and "rank 1 of 2: sum 3" in fixed.stdout, fixed.stdout
     assert (tmp_path / "ssh.log").read_text().split() == ["nodeb"]
+    events = json.loads(trace.read_text())["traceEvents"]  # both hosts' ranks, merged
+    assert {e["pid"] for e in events if e.get("name") == "process_name"} == {0, 1}, fixed.stderr
+    assert sorted(os.listdir(trace.parent)) == ["job.json"]  # the parts merged and removed, nothing else left
 
     out, commands, stop = tmp_path / "result.json", tmp_path / "commands.log", tmp_path / "stop"
     secret = "5ec7e7" * 5 + "ab"

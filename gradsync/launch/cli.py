@@ -363,13 +363,20 @@ def _run_machine(args, command: list[str], parser) -> int:
             _workers(args, parser)
             if args.min_np is not None or args.max_np is not None or args.standby:
                 parser.error("--min-np, --max-np and --standby need --elastic")
+            from gradsync import trace
             from gradsync.adapt import durable
 
             _checkpoints(args, parser)  # as environment variables, which every host's ranks get
             env = {name: os.environ[name] for name in (durable.DIR_ENV, durable.EVERY_ENV, durable.SECONDS_ENV,
-                                                       durable.RESUME_ENV) if name in os.environ}
+                                                       durable.RESUME_ENV, trace.ENV) if name in os.environ}
+            files, collect = {}, None
+            if trace.ENV in env:  # each host's ranks write their parts there; they come back to be merged
+                path = env[trace.ENV]
+                files = {f"{path}.hosts": "gradsync run --machine: the ranks' traces are written beside this file\n"}
+                collect = (os.path.dirname(path), glob.escape(os.path.basename(path)) + ".rank-*.json")
             result = remote.launch_hosts(command, machine=machine, np=args.np, servers=args.servers,
-                                         env={**env, **_slow_env(args, parser)}, grace_s=args.grace)
+                                         env={**env, **_slow_env(args, parser)}, files=files, collect=collect,
+                                         grace_s=args.grace)
     except ConfigError as exc:
         print(f"gradsync run: {exc}", file=sys.stderr, flush=True)
         return 2
