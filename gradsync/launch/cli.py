@@ -326,9 +326,7 @@ def _main(args: argparse.Namespace) -> int:
     result = launch_local(command, np=args.np, servers=args.servers, port=args.port,
                           logdir=args.logdir, grace_s=args.grace, hosts=hosts, env=env,
                           node_rank=node_rank, master_addr=args.master_addr, say_threads=True)
-    if result.message:
-        print(result.message, file=sys.stderr, flush=True)
-    return result.returncode
+    return _reported(result)
 
 
 def _run_machine(args, command: list[str], parser) -> int:
@@ -380,6 +378,11 @@ def _run_machine(args, command: list[str], parser) -> int:
     except ConfigError as exc:
         print(f"gradsync run: {exc}", file=sys.stderr, flush=True)
         return 2
+    return _reported(result)
+
+
+def _reported(result) -> int:
+    """A job's exit status, its message (if any) printed."""
     if result.message:
         print(result.message, file=sys.stderr, flush=True)
     return result.returncode
@@ -439,9 +442,7 @@ def _run_elastic(args, command: list[str], parser) -> int:
     except ConfigError as exc:  # its store cannot listen (a port in use): nothing was started
         print(f"gradsync run --elastic: {exc}", file=sys.stderr, flush=True)
         return 2
-    if result.message:
-        print(result.message, file=sys.stderr, flush=True)
-    return result.returncode
+    return _reported(result)
 
 
 def _run_elastic_emulated(args, command: list[str], parser) -> int:
@@ -510,9 +511,7 @@ def _run_elastic_hosts(args, command: list[str], parser) -> int:
     except ConfigError as exc:
         print(f"gradsync run --elastic: {exc}", file=sys.stderr, flush=True)
         return 2
-    if result.message:
-        print(result.message, file=sys.stderr, flush=True)
-    return result.returncode
+    return _reported(result)
 
 
 def _run_emulated(args, command: list[str], parser, env: dict[str, str]) -> int:
@@ -535,6 +534,4 @@ def _run_emulated(args, command: list[str], parser, env: dict[str, str]) -> int:
                                  port=args.port, logdir=args.logdir, grace_s=args.grace)
     except ConfigError as exc:
         parser.error(str(exc))
-    if result.message:
-        print(result.message, file=sys.stderr, flush=True)
-    return result.returncode
+    return _reported(result)

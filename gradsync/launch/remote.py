@@ -75,17 +75,11 @@ def launch_hosts(command: list[str], *, machine: dict, np: int, servers: int = 0
             for k, args in enumerate(nodes):
                 spec = RankSpec(k, "node", k, k)
                 try:
-                    proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                            stderr=subprocess.PIPE, start_new_session=True)
+                    started.append(_start_node(args, {**job, "node_rank": k, "prefix": k > 0}, spec))
                 except OSError as err:
                     _stop(started, 0)
                     return JobResult(127, spec, f"gradsync: cannot start node {k} ({hosts[k][0]}): "
                                                 f"{shlex.join(args[:1])}: {err.strerror}")
-                with contextlib.suppress(BrokenPipeError):  # it failed already; its exit status says why
-                    proc.stdin.write(json.dumps({**job, "node_rank": k, "prefix": k > 0}).encode())
-                with contextlib.suppress(BrokenPipeError):
-                    proc.stdin.close()
-                started.append(_Rank(spec, proc))
             for node in started:
                 _start_pumps(node, out)
             failed = _wait_for_failure(started, caught)
@@ -138,22 +132,15 @@ def launch_elastic_machine(command: list[str], *, machine: dict, agent_args: lis
             for i, host in enumerate(hosts):
                 argv = [*common, *(["--standby", str(standby)] if i == 0 and standby else []),
                         *(["--logdir", os.path.join(logdir, f"host-{i}")] if logdir else []), "--", *command]
-                spec = RankSpec(i, "node", i, i)
-                args = [sys.executable, "-m", "gradsync.launch.remote"] if i == 0 else _node_command(machine, i)
+                spec, args = RankSpec(i, "node", i, i), _node_command(machine, i)
+                job = {"agent": argv, "env": {stores.SECRET_ENV: secret, "GRADSYNC_HOST": host["host"],
+                                              LEAD_ENV: str(int(i == 0))}}
                 try:
-                    proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                            stderr=subprocess.PIPE, start_new_session=True)
+                    agents.append(_start_node(args, job, spec))
                 except OSError as err:
                     _stop(agents, 0)
                     return JobResult(127, spec, f"gradsync: cannot start the agent of host {i} ({host['host']}): "
                                                 f"{shlex.join(args[:1])}: {err.strerror}")
-                job = {"agent": argv, "env": {stores.SECRET_ENV: secret, "GRADSYNC_HOST": host["host"],
-                                              LEAD_ENV: str(int(i == 0))}}
-                with contextlib.suppress(BrokenPipeError):
-                    proc.stdin.write(json.dumps(job).encode())
-                with contextlib.suppress(BrokenPipeError):
-                    proc.stdin.close()
-                agents.append(_Rank(spec, proc))
                 _start_pumps(agents[-1], out)
             failed = None
             while agents[0].proc.poll() is None and not caught:
@@ -182,6 +169,17 @@ def launch_elastic_machine(command: list[str], *, machine: dict, agent_args: lis
     if caught:
         return JobResult(128 + caught[0], None, "gradsync: interrupted; stopped every host's agent")
     return JobResult(_exit_code(agents[0].proc.returncode), None, "")
+
+
+def _start_node(args: list[str], job: dict, spec: RankSpec) -> _Rank:
+    """Start one node's process (OSError where it cannot start) and hand it ``job`` on its standard input."""
+    proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    with contextlib.suppress(BrokenPipeError):  # it failed already; its exit status says why
+        proc.stdin.write(json.dumps(job).encode())
+    with contextlib.suppress(BrokenPipeError):
+        proc.stdin.close()
+    return _Rank(spec, proc)
 
 
 def _node_command(machine: dict, k: int) -> list[str]:
