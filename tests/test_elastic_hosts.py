@@ -43,6 +43,24 @@ class Log:
             time.sleep(0.05)
 
 
+def processes_with(marker: str, wait_s: float = 5.0) -> list[int]:
+    """Live processes whose command line holds ``marker`` (a path of one test's), once none is left
+    or after ``wait_s``: workers run in sessions of their own, out of their agent's group."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        found = []
+        for entry in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if marker.encode() in f.read():
+                        found.append(int(entry))
+            except OSError:
+                continue  # gone meanwhile
+        if not found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.1)
+
+
 @needs_root
 def test_hosts_join_one_is_lost_and_another_resizes_the_job(tmp_path):
     # Three emulated hosts, one agent each, started together, the first with two workers: 2 -> 4
@@ -233,6 +251,7 @@ def test_an_agent_that_cannot_reach_the_store_or_finds_no_job_there_says_so_nami
 
 @needs_root
 def test_without_a_checkpoint_dir_the_store_hosts_death_ends_the_job_and_the_agents_say_so(tmp_path):
+    marker = str(tmp_path / "never")  # on the workers' command lines: to find them
     with EmulatedCluster(2, 10e9) as cluster:
         env = {**os.environ, **cluster.env(), "GRADSYNC_JOB_SECRET": SECRET, "GRADSYNC_TIMEOUT": "6",
                "GRADSYNC_STORE_LOST_S": "2"}
@@ -241,18 +260,17 @@ def test_without_a_checkpoint_dir_the_store_hosts_death_ends_the_job_and_the_age
             return Log(subprocess.Popen(
                 [*cluster.exec_prefix(host), *GRADSYNC, "run", "--elastic", "--nnodes", "2:2", "--nproc-per-node", "1",
                  "--rdzv-endpoint", f"{cluster.address(0)}:{PORT + 1}", "--", sys.executable, EXAMPLE, "--sleep", "0.05",
-                 "--steps", "100000"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                 "--steps", "100000", "--stop-file", marker], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
                 start_new_session=True, env={**env, "GRADSYNC_HOST": f"emulated host {host}"}))
 
         lead, other = agent(0), agent(1)
         try:
             lead.wait_for(r"generation \d: 2 workers \[0, 1\]")
             time.sleep(2)  # both train
+            assert len(processes_with(marker, wait_s=0)) >= 4  # the two agents and their workers (and forkservers)
             os.killpg(lead.proc.pid, signal.SIGKILL)  # the lead's agent, its store and its worker
             assert other.proc.wait(timeout=60) == 1, other.text()[-4000:]
-            time.sleep(0.5)
-            with pytest.raises(ProcessLookupError):  # its worker was stopped with it: nothing left in its group
-                os.killpg(other.proc.pid, 0)
+            assert processes_with(marker) == []  # its worker was stopped with it, and the lead's died with it
         finally:
             for log in (lead, other):
                 if log.proc.poll() is None:
@@ -369,16 +387,15 @@ def test_a_running_lead_that_finds_another_leads_beat_stops_its_workers_and_name
     lead = Log(subprocess.Popen(
         [*GRADSYNC, "run", "--elastic", "--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-endpoint",
          f"127.0.0.1:{PORT + 3}", "--checkpoint-dir", str(folder), "--", sys.executable, EXAMPLE, "--sleep", "0.05",
-         "--steps", "100000"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+         "--steps", "100000", "--stop-file", str(tmp_path / "never")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
         start_new_session=True, env={**os.environ, "GRADSYNC_JOB_SECRET": SECRET}))
     try:
         lead.wait_for(r"step \d+: 1 workers")
         assert Lease.read(str(folder))[1] == f"127.0.0.1:{PORT + 3}"
+        assert len(processes_with(str(tmp_path / "never"), wait_s=0)) >= 2  # the agent and its worker (and forkserver)
         (folder / LEASE_FILE).write_text("1 10.0.0.2:29400\n")  # host 1 took over
         assert lead.proc.wait(timeout=30) == 1, lead.text()[-3000:]
-        time.sleep(0.5)
-        with pytest.raises(ProcessLookupError):  # its worker was stopped with it
-            os.killpg(lead.proc.pid, 0)
+        assert processes_with(str(tmp_path / "never")) == []  # its worker was stopped with it
     finally:
         if lead.proc.poll() is None:
             os.killpg(lead.proc.pid, signal.SIGKILL)

@@ -156,6 +156,8 @@ def test_a_script_argument_written_with_a_star_becomes_the_cells_flags():
     one = cells.command(s, todo["one"], "emulated", "o.json")
     assert "--net" not in one and one[one.index("--elastic") + 1:][:2] == ["-np", "1"]
     assert one[one.index("--schedule") + 1] == "3:2,6:4,9:2,12:1" and one[-2:] == ["--out", "o.json"]
+    with pytest.raises(ConfigError, match="launch = '-np \"1' does not split into arguments"):
+        cells.command(s, {**todo["one"], "launch": '-np "1'}, "emulated", "o.json")
 
 
 def test_bad_specs_and_overrides_are_refused_with_the_reason(tmp_path):

@@ -37,15 +37,15 @@ FAKE_SSH = textwrap.dedent("""\
     """)
 
 
-def machine(tmp_path, second="nodeb", **extra):
-    """Register ``lab``: this host and ``second``, one slot each, reached through the stand-in ssh."""
+def machine(tmp_path, second="nodeb", more=(), name="lab", **extra):
+    """Register ``name``: this host, ``second`` and ``more``, one slot each, reached through the stand-in ssh."""
     ssh = tmp_path / "fake_ssh.py"
     ssh.write_text(FAKE_SSH)
-    hosts = tmp_path / "hosts.json"
-    hosts.write_text(json.dumps({"hosts": [{"host": "localhost", "slots": 1}, {"host": second, "slots": 1}],
+    hosts = tmp_path / f"{name}.json"
+    hosts.write_text(json.dumps({"hosts": [{"host": h, "slots": 1} for h in ("localhost", second, *more)],
                                  "master_addr": "127.0.0.1", "ssh": [sys.executable, str(ssh)], **extra}))
     env = {**os.environ, "XDG_DATA_HOME": str(tmp_path / "data"), "FAKE_SSH_LOG": str(tmp_path / "ssh.log")}
-    done = subprocess.run([*GRADSYNC, "machine", "add", "lab", "--hosts", str(hosts), "--no-check"],
+    done = subprocess.run([*GRADSYNC, "machine", "add", name, "--hosts", str(hosts), "--no-check"],
                           capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr
     return env
@@ -169,10 +169,13 @@ def test_gradsync_run_over_a_machines_hosts_and_an_elastic_job_with_an_agent_on_
     assert {e["pid"] for e in events if e.get("name") == "process_name"} == {0, 1}, fixed.stderr
     assert sorted(os.listdir(trace.parent)) == ["job.json"]  # the parts merged and removed, nothing else left
 
+    # The elastic job on "lab3": this host, nodeb, and nodec, which ssh cannot reach; with --min-np 1
+    # the job goes on without nodec, saying so.
+    machine(tmp_path, more=["nodec.down"], name="lab3")
     out, commands, stop = tmp_path / "result.json", tmp_path / "commands.log", tmp_path / "stop"
     secret = "5ec7e7" * 5 + "ab"
     env = {**env, "GRADSYNC_JOB_SECRET": secret, "FAKE_SSH_COMMANDS": str(commands)}
-    lead = Log(subprocess.Popen([*GRADSYNC, "run", "--elastic", "--machine", "lab", "--min-np", "1", "--", EXAMPLE,
+    lead = Log(subprocess.Popen([*GRADSYNC, "run", "--elastic", "--machine", "lab3", "--min-np", "1", "--", EXAMPLE,
                                  "--sleep", "0.05", "--steps", "100000", "--stop-file", str(stop), "--out", str(out)],
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                                 start_new_session=True))
@@ -191,7 +194,9 @@ def test_gradsync_run_over_a_machines_hosts_and_an_elastic_job_with_an_agent_on_
         if lead.proc.poll() is None:
             os.killpg(lead.proc.pid, signal.SIGKILL)
             lead.proc.wait()
-    assert (tmp_path / "ssh.log").read_text().split() == ["nodeb", "nodeb"]  # the second host's agent
+    assert sorted((tmp_path / "ssh.log").read_text().split()) == ["nodeb", "nodeb", "nodec.down"]  # the agents
+    assert "the agent of host 2 (nodec.down) failed with exit status 255 before it joined the job; the job goes " \
+           "on without it" in lead.text(), lead.text()[-4000:]
     assert "gradsync.launch.remote" in commands.read_text() and secret not in commands.read_text()
     result = json.loads(out.read_text())
     assert [(r["from"], r["to"]) for r in result["resizes"]][-2:] == [(2, 1), (1, 2)], result["resizes"]
@@ -207,6 +212,11 @@ def test_an_elastic_job_on_a_machine_whose_host_ssh_cannot_reach_fails_naming_it
     assert "the agent of host 1 (nodeb.down) failed with exit status 255 before it joined the job" in job.stderr
     assert "Connection refused" in job.stderr
     assert time.monotonic() - started < 30  # not the lead waiting out the hosts' registration
-    refused = subprocess.run([*GRADSYNC, "run", "--elastic", "--machine", "lab", "-np", "2", "--", "true"],
-                             capture_output=True, text=True, env=env, timeout=60)
-    assert refused.returncode == 2 and "no -np, --max-np" in refused.stderr, refused.stderr
+    assert "1 of the machine's 2 hosts failed before they joined, and the job needs 2 (--min-np)" in job.stderr
+    for args, says in [(["--elastic", "-np", "2"], "no -np, --max-np"),
+                       (["--elastic", "--trace", str(tmp_path / "t.json")], "--trace with --elastic --machine"),
+                       (["-np", "2", "--logdir", str(tmp_path / "logs")], "no --logdir or --port"),
+                       (["-np", "2", "--bind", "0.0.0.0"], "no --bind, --delay or --loss")]:
+        refused = subprocess.run([*GRADSYNC, "run", "--machine", "lab", *args, "--", "true"],
+                                 capture_output=True, text=True, env=env, timeout=60)
+        assert refused.returncode == 2 and says in refused.stderr, (args, refused.stderr)

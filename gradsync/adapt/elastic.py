@@ -320,10 +320,16 @@ def current() -> Membership | None:
     return runtime.current().elastic if runtime.is_initialized() else None
 
 
+OTHERS_STEP = "the others end their step"
+"""The phase of a resize record (``ctl.resizes``) spent waiting for the other workers to ask: the
+end of their step, which the next step's first collective would wait for anyway."""
+
+
 def request_resize(size: int, timeout_s: float = 120.0, timings: dict | None = None) -> int:
     """Ask for ``size`` workers and wait for the launcher's answer. Collective: every worker calls it
-    after the same step; rank 0 asks and tells the others the request's number, then every worker
-    reads the answer from the store (none waits in a collective meanwhile). Returns the generation to
+    after the same step; rank 0 asks and tells the others the request's number in an all-reduce
+    that ends once every worker has arrived (a barrier), then every worker reads the answer from
+    the store (none waits in a collective meanwhile). Returns the generation to
     enter, or -1 when the launcher refused (it says why, and so does worker 0). ``timings`` gets the
     seconds spent waiting for the other workers to reach the request (the end of their step, as the
     next step's first collective would wait) and for the launcher's answer."""
@@ -334,13 +340,13 @@ def request_resize(size: int, timeout_s: float = 120.0, timings: dict | None = N
     if runtime.current().topology.rank == 0:
         seq[0] = request_size(member.store, size)
     asked = time.perf_counter()
-    # An all-reduce, not rank 0's broadcast: it ends only when every worker has arrived, so the
-    # wait for the others' step is all here and the phases after it are the resize's own.
+    # It ends only when every worker has arrived, so the wait for the others' step is all here
+    # and the phases after it are the resize's own.
     runtime.current().transport.allreduce(seq, op="max", what="elastic resize request")
     agreed = time.perf_counter()
     reply = answer(member.store, int(seq), timeout_s)
     if timings is not None:
-        timings.update({"the others end their step": agreed - asked,
+        timings.update({OTHERS_STEP: agreed - asked,
                         "request (new workers start)": time.perf_counter() - agreed})
     if isinstance(reply, str):
         if runtime.current().topology.rank == 0:

@@ -114,7 +114,8 @@ class Controller(Commits, Regrouping):
         self.resizes: list[dict] = []
         """Elastic: one record per change of generation: ``from``, ``to``, ``cause``, ``step``,
         ``seconds`` (from this worker's request, or its failure, to the regrouped job), ``pause``
-        (the part after every worker asked: what the resize itself cost) and ``phases``."""
+        (a resize's part after every worker asked: what it cost the job; after a failure, all of
+        ``seconds``) and ``phases``."""
         self.strategy_spec: list | None = None  # [name, options] after ctl.switch_strategy; None: the script's
         self._resumed = False
         self._where = (0, 1)  # (rank, workers) when this worker last left a generation

@@ -140,7 +140,7 @@ class Regrouping:
         # ending their step, as the next step's first collective would have waited for them.
         self.resizes.append({"generation": gen, "from": before, "to": len(member.members), "cause": cause,
                              "step": self.step, "seconds": seconds,
-                             "pause": seconds - phases.get("the others end their step", 0.0), "phases": phases})
+                             "pause": seconds - phases.get(elastic.OTHERS_STEP, 0.0), "phases": phases})
         if runtime.current().topology.rank == 0:
             print(f"gradsync: generation {gen} regrouped, {before} -> {len(member.members)} workers after step "
                   f"{self.step}, in {self.resizes[-1]['seconds']:.2f} s ({cause.split(':')[0]})", flush=True)

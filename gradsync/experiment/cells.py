@@ -62,7 +62,11 @@ def command(spec: Spec, cell: dict, target: str, out: str) -> list[str]:
         args = []
         for part in spec.script["command"]:
             if part.startswith("{*") and part.endswith("}"):  # a cell's value as several arguments
-                args += shlex.split(values[part[2:-1]])
+                try:
+                    args += shlex.split(values[part[2:-1]])
+                except ValueError as exc:  # an unclosed quote
+                    raise ConfigError(f"{spec.path}: {part[2:-1]} = {values[part[2:-1]]!r} does not split into "
+                                      f"arguments: {exc}") from None
             else:
                 args.append(part.format(out=out, python=sys.executable, **values))
     except KeyError as exc:

@@ -333,11 +333,20 @@ def _run_machine(args, command: list[str], parser) -> int:
     """``--machine NAME``: the job over a registered machine's hosts, from its first host; each
     other host's part (its ranks, or with ``--elastic`` its agent) started over the machine's ssh
     (:mod:`gradsync.launch.remote`)."""
+    from gradsync import trace
     from gradsync.launch import machines, remote
 
     if args.nnodes is not None or args.nproc_per_node is not None or args.master_addr or args.net is not None:
         parser.error("--machine names the hosts and their slots: no --nnodes, --nproc-per-node, --master-addr, "
                      "--rdzv-endpoint or --net")
+    if args.bind or args.delay or args.loss:
+        parser.error("--machine runs on the machine's own network: no --bind, --delay or --loss")
+    if not args.elastic and (args.logdir or args.port):
+        parser.error("--machine starts each host's launcher on a free port and passes its output through: "
+                     "no --logdir or --port (with --elastic, --port is the store's and --logdir each host's folder)")
+    if args.elastic and os.environ.get(trace.ENV):
+        parser.error("--trace with --elastic --machine: the workers of the other hosts come and go and their "
+                     "traces stay there; trace a fixed job (gradsync run --machine NAME -np N --trace FILE)")
     try:
         machine = machines.get(args.machine)
     except ConfigError as exc:
@@ -356,12 +365,12 @@ def _run_machine(args, command: list[str], parser) -> int:
                           *(["--no-forkserver"] if args.no_forkserver else [])]
             result = remote.launch_elastic_machine(command, machine=machine, agent_args=agent_args,
                                                    min_np=args.min_np, standby=args.standby, port=args.port,
-                                                   logdir=args.logdir, grace_s=args.grace)
+                                                   logdir=args.logdir and os.path.abspath(args.logdir),
+                                                   grace_s=args.grace)
         else:
             _workers(args, parser)
             if args.min_np is not None or args.max_np is not None or args.standby:
                 parser.error("--min-np, --max-np and --standby need --elastic")
-            from gradsync import trace
             from gradsync.adapt import durable
 
             _checkpoints(args, parser)  # as environment variables, which every host's ranks get

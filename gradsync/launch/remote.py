@@ -91,9 +91,8 @@ def launch_hosts(command: list[str], *, machine: dict, np: int, servers: int = 0
     if failed is not None:
         code = _exit_code(failed.proc.returncode)
         host = hosts[failed.spec.rank][0]
-        lines = "\n".join(f"    {line}" for line in failed.tail) or "    (nothing on stderr)"
         return JobResult(code, failed.spec, f"gradsync: node {failed.spec.rank} ({host}) failed with exit "
-                                            f"status {code}; its last lines:\n{lines}")
+                                            f"status {code}; its last lines:\n{_last_lines(failed)}")
     if caught:
         return JobResult(128 + caught[0], None, "gradsync: interrupted; stopped every node")
     return JobResult(0, None, "")
@@ -142,14 +141,23 @@ def launch_elastic_machine(command: list[str], *, machine: dict, agent_args: lis
                     return JobResult(127, spec, f"gradsync: cannot start the agent of host {i} ({host['host']}): "
                                                 f"{shlex.join(args[:1])}: {err.strerror}")
                 _start_pumps(agents[-1], out)
-            failed = None
+            failed, lost = None, []
             while agents[0].proc.poll() is None and not caught:
                 # An agent that failed before it joined (ssh could not reach its host, no gradsync
-                # there): the lead would wait for its host until the registration timeout. One that
-                # failed later is the job's business (its host is dropped; the job goes on).
-                failed = next((a for a in agents[1:] if a.proc.poll() not in (None, 0)
-                               and a.spec.rank not in out.joined), None)
-                if failed is not None:
+                # there): where the hosts left cannot make the MIN the lead waits for, the job ends
+                # now, not at the registration timeout; else it goes on without that host. One
+                # that failed after joining is the job's business (its host is dropped).
+                for agent in agents[1:]:
+                    if agent in lost or agent.proc.poll() in (None, 0):
+                        continue
+                    for pump in agent.pumps:  # its last lines read, "joined" among them
+                        pump.join(2.0)
+                    if agent.spec.rank not in out.joined:
+                        lost.append(agent)
+                        print(_failed_agent(agent, hosts, "; the job goes on without it"
+                                            if len(hosts) - len(lost) >= low else ""), file=sys.stderr, flush=True)
+                if len(hosts) - len(lost) < low:
+                    failed = lost[-1]
                     break
                 time.sleep(0.1)
             if failed is None and not caught:
@@ -161,14 +169,22 @@ def launch_elastic_machine(command: list[str], *, machine: dict, agent_args: lis
             _stop([a for a in agents if a.proc.poll() is None], grace_s)
             _close(agents, timeout_s=max(1.0, grace_s))
     if failed is not None:
-        code = _exit_code(failed.proc.returncode)
-        lines = "\n".join(f"    {line}" for line in failed.tail) or "    (nothing on stderr)"
-        return JobResult(code, failed.spec, f"gradsync run --elastic: the agent of host {failed.spec.rank} "
-                                            f"({hosts[failed.spec.rank]['host']}) failed with exit status {code} "
-                                            f"before it joined the job; its last lines:\n{lines}")
+        return JobResult(_exit_code(failed.proc.returncode), failed.spec,
+                         f"gradsync run --elastic: {len(lost)} of the machine's {len(hosts)} hosts failed before they "
+                         f"joined, and the job needs {low} (--min-np): stopped")
     if caught:
         return JobResult(128 + caught[0], None, "gradsync: interrupted; stopped every host's agent")
     return JobResult(_exit_code(agents[0].proc.returncode), None, "")
+
+
+def _last_lines(node: _Rank) -> str:
+    return "\n".join(f"    {line}" for line in node.tail) or "    (nothing on stderr)"
+
+
+def _failed_agent(agent: _Rank, hosts: list[dict], then: str) -> str:
+    return (f"gradsync run --elastic: the agent of host {agent.spec.rank} ({hosts[agent.spec.rank]['host']}) failed "
+            f"with exit status {_exit_code(agent.proc.returncode)} before it joined the job{then}; its last "
+            f"lines:\n{_last_lines(agent)}")
 
 
 def _start_node(args: list[str], job: dict, spec: RankSpec) -> _Rank:
@@ -277,6 +293,12 @@ def node_main() -> int:
         os.execve(sys.executable, [sys.executable, "-m", "gradsync.cli", *argv], {**os.environ, **job["env"]})
     command = [sys.executable if word == PYTHON else word for word in job["command"]]
     made = _write_files(job["files"])
+    # The files to send back: none left from an earlier job (they would come back as this one's);
+    # those sent are removed (on storage node 0 shares, node 0 writes them back where missing).
+    collect = os.path.join(*job["collect"]) if job["collect"] and job["node_rank"] > 0 else None
+    for path in glob.glob(collect) if collect else ():
+        with contextlib.suppress(OSError):
+            os.remove(path)
     try:
         result = launch_local(command, np=job["np"], servers=job["servers"],
                               hosts=[tuple(h) for h in job["hosts"]], node_rank=job["node_rank"],
@@ -284,13 +306,15 @@ def node_main() -> int:
                               prefix_output=job["prefix"])
         if result.message:
             print(result.message, file=sys.stderr, flush=True)
-        if job["collect"] and job["node_rank"] > 0:
-            folder, pattern = job["collect"]
+        if collect:
             found = {}
-            for path in sorted(glob.glob(os.path.join(folder, pattern))):
+            for path in sorted(glob.glob(collect)):
                 with open(path) as f:
                     found[os.path.basename(path)] = f.read()
             print(FILES_LINE + json.dumps(found), flush=True)
+            for name in found:
+                with contextlib.suppress(OSError):
+                    os.remove(os.path.join(job["collect"][0], name))
         return result.returncode
     finally:
         _remove(made)
