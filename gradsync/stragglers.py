@@ -37,6 +37,10 @@ WINDOW = 64
 last ``WINDOW`` steps. On a shared host one worker's step strays by a fifth now and then; a median
 over a window ignores such strays (an average over a few steps follows them), so a 10 % straggler
 stands out. After a change of pace the median follows once half the window has turned over."""
+WARMUP_STEPS = 3
+"""A worker's first steps in a job (or in each generation of an elastic one) are not in its pace:
+a process that has just started or joined pays there for its caches, its allocator and lazy
+initialisation (ResNet-50's first step after a grow: twice the others'), and would be named for it."""
 THRESHOLD = 0.05
 """A worker is slow when its busy time (compute and between steps) exceeds the median of the
 others' by this share of it."""
@@ -75,8 +79,9 @@ class Pace:
     its last :data:`WINDOW` steps), the bytes it sent a step (their mean over the window), and the
     rate (Gbit/s) at which its ring neighbours' probes last reached it."""
 
-    def __init__(self, window: int = WINDOW):
+    def __init__(self, window: int = WINDOW, warmup: int = WARMUP_STEPS):
         self._steps: deque[tuple[float, float, float]] = deque(maxlen=window)  # (compute, between, wait)
+        self._warmup = warmup  # measured steps still to leave out
         self._sent: deque[int] = deque(maxlen=window)
         self._lock = threading.Lock()  # the heartbeat's thread reads what the training thread appends
         self._sent_end: int | None = None
@@ -126,8 +131,11 @@ class Pace:
         if self._step_end is not None and self._forward is not None:
             between = max(0.0, self._forward - self._step_end - (self._waited_forward - self._waited_end))
             compute = max(0.0, now - self._forward - (waited - self._waited_forward))
-            with self._lock:
-                self._steps.append((compute, between, waited - self._waited_end))
+            if self._warmup:
+                self._warmup -= 1
+            else:
+                with self._lock:
+                    self._steps.append((compute, between, waited - self._waited_end))
             tracer = trace.current()
             if tracer is not None and tracer.path is not None:  # a user's job tracing itself
                 tracer.span(f"step {self.steps}", "step", self._step_end, now)

@@ -109,7 +109,7 @@ def test_a_slow_link_is_named_when_the_job_waits():
 
 
 def test_pace_counts_compute_between_and_wait():
-    p = stragglers.Pace(window=1)  # the last step alone
+    p = stragglers.Pace(window=1, warmup=0)  # the last step alone
     waited = 0.0
     p.end_step(waited, sent=1000)  # the first step ends: nothing to measure yet
     assert p.as_dict() is None and p.line() == ""
@@ -136,7 +136,7 @@ def test_pace_is_the_median_of_its_window(monkeypatch):
     # window has turned over.
     clock = [0.0]
     monkeypatch.setattr(stragglers.time, "perf_counter", lambda: clock[0])
-    p = stragglers.Pace(window=20)
+    p = stragglers.Pace(window=20, warmup=0)
     p.end_step(0.0)
     for step in range(40):
         p.forward(0.0)
@@ -153,6 +153,21 @@ def test_pace_is_the_median_of_its_window(monkeypatch):
         clock[0] += 0.11
         p.end_step(0.0)
     assert p.compute == pytest.approx(0.11)
+
+
+def test_a_workers_first_steps_are_not_in_its_pace(monkeypatch):
+    # A process that just started or joined: its first steps take twice as long (caches, the
+    # allocator, lazy initialisation). They are left out; the pace is its usual step.
+    clock = [0.0]
+    monkeypatch.setattr(stragglers.time, "perf_counter", lambda: clock[0])
+    p = stragglers.Pace()
+    p.end_step(0.0)
+    for step in range(stragglers.WARMUP_STEPS + 2):
+        p.forward(0.0)
+        clock[0] += 0.2 if step < stragglers.WARMUP_STEPS else 0.1
+        p.end_step(0.0)
+        assert (p.as_dict() is None) == (step < stragglers.WARMUP_STEPS), step
+    assert p.compute == pytest.approx(0.1)
 
 
 def test_bench_reports_the_verdict_of_most_rounds():

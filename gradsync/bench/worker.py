@@ -338,7 +338,7 @@ def run_strategy(name: str, options: dict, work: Workload, total: int, run_dir: 
         work_done: list[dict] = []  # this rank's (rank 0 writes the record)
         batches: list[float] = []
         recorder = flight.current()
-        recorder.pace = stragglers.Pace()  # this strategy's steps alone
+        recorder.pace = stragglers.Pace(warmup=0)  # this strategy's steps alone (its warm-up steps are the bench's)
         counted: list[int] = []
         ctl, policy = balancer(name, optimizer, work, shares)
         with ctl.train() if ctl is not None else contextlib.nullcontext():
