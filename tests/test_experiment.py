@@ -160,6 +160,19 @@ def test_a_script_argument_written_with_a_star_becomes_the_cells_flags():
         cells.command(s, {**todo["one"], "launch": '-np "1'}, "emulated", "o.json")
 
 
+def test_the_results_table_gives_each_varied_key_its_rows_and_the_median_of_repeated_runs():
+    from gradsync.experiment import report
+
+    s = specs.load("hosts-two-level")  # x = series = strategy, panel = net, and model varied too
+    records = [{"cell": {"model": m, "net": "1gbit", "strategy": "p3"}, "strategy": "p3", "samples_per_s": v}
+               for m, v in (("resnet50", 140.0), ("vgg19", 25.0))]
+    assert report.table(s, records).splitlines()[2:] == ["| 1gbit | resnet50 | 140 |", "| 1gbit | vgg19 | 25 |"]
+    s = specs.load("elastic-standby")  # run = [1, 2, 3]: the same cell three times, records of each
+    records = [{"cell": {"hosts": "one", "run": run}, "from": 4, "to": 2, "seconds": v}
+               for run, v in ((1, 0.05), (2, 0.04), (3, 0.3))]
+    assert report.table(s, records).splitlines()[2:] == ["| one | 2 | 0.05 (0.04-0.3, 3) |"]
+
+
 def test_bad_specs_and_overrides_are_refused_with_the_reason(tmp_path):
     with pytest.raises(ConfigError, match="unknown experiment 'nope'"):
         specs.load("nope")

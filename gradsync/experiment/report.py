@@ -4,6 +4,7 @@ and with ``--all`` an index page of every experiment."""
 from __future__ import annotations
 
 import os
+import statistics
 import time
 
 from gradsync.experiment import relations as rel
@@ -124,20 +125,33 @@ def curves(spec: Spec, records: list[dict], path: str, subtitle: str) -> bool:
 
 
 def table(spec: Spec, records: list[dict], metric: str | None = None) -> str:
-    """The metric (or ``metric``) by ``x`` (rows) and ``series`` (columns), within each panel."""
+    """The metric (or ``metric``) by ``x`` (rows) and ``series`` (columns), within each panel, a row
+    for each value of the other varied keys too; a place that several records share (a varied
+    ``run``: the cells repeated, or a script's repeated records) shows their median, range and count."""
     metric = metric or spec.metric
     rows_key = [k for k in (spec.panel, spec.x) if k and k != spec.series]  # x = series: one row per panel
+    rows_key += [k for k in spec.vary if k not in (spec.series, spec.x, spec.panel, "run")]
     series = list(dict.fromkeys(_label(rel.field(r, spec.series)) for r in records)) if spec.series else [spec.metric]
-    groups: dict[tuple, dict[str, str]] = {}  # rows in the order the records came
+    groups: dict[tuple, dict[str, list]] = {}  # rows in the order the records came
     for r in records:
         key = tuple(_label(rel.field(r, k)) for k in rows_key)
         name = _label(rel.field(r, spec.series)) if spec.series else spec.metric
-        groups.setdefault(key, {})[name] = _fmt(rel.field(r, metric))
+        groups.setdefault(key, {}).setdefault(name, []).append(rel.field(r, metric))
     head = "| " + " | ".join(rows_key + series) + " |"
     lines = [head, "|" + "---|" * (len(rows_key) + len(series))]
     for key, values in groups.items():
-        lines.append("| " + " | ".join(list(key) + [values.get(s, "-") for s in series]) + " |")
+        lines.append("| " + " | ".join(list(key) + [_cell(values.get(s)) for s in series]) + " |")
     return "\n".join(lines)
+
+
+def _cell(values: list | None) -> str:
+    """One value as it is; several numbers as ``median (min-max, n)``."""
+    if not values:
+        return "-"
+    numbers = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    if len(values) == 1 or len(numbers) != len(values):
+        return _fmt(values[-1])
+    return f"{_fmt(float(statistics.median(numbers)))} ({_fmt(float(min(numbers)))}-{_fmt(float(max(numbers)))}, {len(numbers)})"
 
 
 def page(spec: Spec, run: dict, cells: list[dict], records: list[dict], previous: dict | None,

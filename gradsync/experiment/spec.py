@@ -10,7 +10,8 @@ an experiment is adding one file. The fields::
     metric                           the record field the figure plots (e.g. samples_per_s)
     also                             more record fields, each tabled like the metric (e.g. bytes_sent)
     x, series, panel                 the chart: x axis, one line per series value, one panel per panel value
-    [vary]                           lists, crossed into cells (bench: "strategy" runs side by side in each)
+    [vary]                           lists, crossed into cells (bench: "strategy" runs side by side in each;
+                                     "run" = [1, 2, ...] repeats every cell, and tables give the median)
     [settings]                       fixed values; ``--set KEY=VALUE`` overrides a setting or a varied key
     [paper_scale]                    the paper's cluster shape, replacing vary/settings keys (``--scale paper``)
     [[adjust]]                       settings for some cells only: where = {varied key = value}, then keys
