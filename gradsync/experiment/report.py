@@ -38,14 +38,19 @@ def chart(spec: Spec, records: list[dict], path: str, subtitle: str) -> None:
 
     from gradsync.bench.report import COLOURS, LINES
 
-    panels = list(dict.fromkeys(_label(rel.field(r, spec.panel)) for r in records)) if spec.panel else [None]
+    panel_keys = [k for k in (spec.panel,) if k] + _other_keys(spec)  # a panel for each of their values
+
+    def panel_of(record) -> str | None:
+        return ", ".join(_label(rel.field(record, k)) for k in panel_keys) if panel_keys else None
+
+    panels = list(dict.fromkeys(panel_of(r) for r in records))
     xs = list(dict.fromkeys(_label(rel.field(r, spec.x)) for r in records)) if spec.x else [""]
     series = list(dict.fromkeys(_label(rel.field(r, spec.series)) for r in records)) if spec.series else [spec.metric]
     published = [p for p in spec.published if "value" in p]
     ncols = len(panels) + (1 if published else 0)
     fig, axes = plt.subplots(1, ncols, figsize=(4.2 * ncols, 3.6), squeeze=False)
     for ax, panel in zip(axes[0], panels):
-        chosen = [r for r in records if panel is None or _label(rel.field(r, spec.panel)) == panel]
+        chosen = [r for r in records if panel_of(r) == panel]
         for i, name in enumerate(series):
             ys = []
             for x in xs:
@@ -53,7 +58,7 @@ def chart(spec: Spec, records: list[dict], path: str, subtitle: str) -> None:
                          and (not spec.series or _label(rel.field(r, spec.series)) == name)]
                 values = [rel.field(r, spec.metric) for r in match]
                 values = [v for v in values if isinstance(v, (int, float))]
-                ys.append(max(values) if values else float("nan"))
+                ys.append(statistics.median(values) if values else float("nan"))  # repeated runs: their median
             base = name.split("+")[0].split("@")[0]
             colour = COLOURS.get(base, f"C{i % 10}")
             ax.plot(range(len(xs)), ys, marker="o", color=colour, linestyle=LINES[i % len(LINES)], label=name)
@@ -130,7 +135,7 @@ def table(spec: Spec, records: list[dict], metric: str | None = None) -> str:
     ``run``: the cells repeated, or a script's repeated records) shows their median, range and count."""
     metric = metric or spec.metric
     rows_key = [k for k in (spec.panel, spec.x) if k and k != spec.series]  # x = series: one row per panel
-    rows_key += [k for k in spec.vary if k not in (spec.series, spec.x, spec.panel, "run")]
+    rows_key += _other_keys(spec)
     series = list(dict.fromkeys(_label(rel.field(r, spec.series)) for r in records)) if spec.series else [spec.metric]
     groups: dict[tuple, dict[str, list]] = {}  # rows in the order the records came
     for r in records:
@@ -142,6 +147,12 @@ def table(spec: Spec, records: list[dict], metric: str | None = None) -> str:
     for key, values in groups.items():
         lines.append("| " + " | ".join(list(key) + [_cell(values.get(s)) for s in series]) + " |")
     return "\n".join(lines)
+
+
+def _other_keys(spec: Spec) -> list[str]:
+    """The varied keys the chart's axes, series and panel leave out (but ``run``, which repeats
+    cells): each of their values gets panels and rows of its own, never merged with another's."""
+    return [k for k in spec.vary if k not in (spec.series, spec.x, spec.panel, "run")]
 
 
 def _cell(values: list | None) -> str:
