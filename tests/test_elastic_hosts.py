@@ -45,8 +45,8 @@ class Log:
 
 def processes_with(marker: str, wait_s: float = 5.0) -> list[int]:
     """Live processes whose command line holds ``marker`` (a path of one test's), once none is left
-    or after ``wait_s``. Workers run in sessions of their own, so their agent's process group does
-    not hold them: this finds them wherever they run."""
+    or after ``wait_s``. A worker leads its own session, outside its agent's process group, so
+    this looks in /proc rather than at the agent's group."""
     deadline = time.monotonic() + wait_s
     while True:
         found = []
