@@ -44,9 +44,9 @@ class Log:
 
 
 def processes_with(marker: str, wait_s: float = 5.0) -> list[int]:
-    """Live processes whose command line holds ``marker`` (a path of one test's), once none is left
-    or after ``wait_s``. A worker leads its own session, outside its agent's process group, so
-    this looks in /proc rather than at the agent's group."""
+    """Live processes whose command line holds ``marker`` (a path of one test's), read from /proc
+    until none is left or ``wait_s`` has passed (workers are session leaders, not in their
+    agent's process group)."""
     deadline = time.monotonic() + wait_s
     while True:
         found = []

@@ -216,7 +216,16 @@ def test_an_elastic_job_on_a_machine_whose_host_ssh_cannot_reach_fails_naming_it
     for args, says in [(["--elastic", "-np", "2"], "no -np, --max-np"),
                        (["--elastic", "--trace", str(tmp_path / "t.json")], "--trace with --elastic --machine"),
                        (["-np", "2", "--logdir", str(tmp_path / "logs")], "no --logdir or --port"),
-                       (["-np", "2", "--bind", "0.0.0.0"], "no --bind, --delay or --loss")]:
+                       (["-np", "2", "--bind", "0.0.0.0"], "no --bind, --delay or --loss"),
+                       (["--elastic", "--min-np", "3"], "--min-np 3: the machine's 2 hosts hold 1 to 2 workers")]:
         refused = subprocess.run([*GRADSYNC, "run", "--machine", "lab", *args, "--", "true"],
                                  capture_output=True, text=True, env=env, timeout=60)
         assert refused.returncode == 2 and says in refused.stderr, (args, refused.stderr)
+    uneven = tmp_path / "uneven.json"  # hosts of 2 and 1 slots: --nproc-per-node is one number
+    uneven.write_text(json.dumps({"hosts": [{"host": "localhost", "slots": 2}, {"host": "nodeb", "slots": 1}],
+                                  "master_addr": "127.0.0.1"}))
+    assert subprocess.run([*GRADSYNC, "machine", "add", "uneven", "--hosts", str(uneven), "--no-check"],
+                          env=env, capture_output=True).returncode == 0
+    refused = subprocess.run([*GRADSYNC, "run", "--elastic", "--machine", "uneven", "--", "true"],
+                             capture_output=True, text=True, env=env, timeout=60)
+    assert refused.returncode == 2 and "its hosts have localhost:2, nodeb:1 slots" in refused.stderr, refused.stderr

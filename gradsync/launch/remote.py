@@ -108,8 +108,8 @@ def launch_elastic_machine(command: list[str], *, machine: dict, agent_args: lis
     (default every host), so the job starts on them and grows onto the rest as they register.
     ``agent_args``: the agents' further flags (checkpoints). The job's secret travels in each
     agent's standard input, never on a command line. Returns when the lead's agent ends, the
-    others given ``grace_s`` + 10 s to end with it; an agent that fails while the lead waits for
-    its host ends the job with its host named and its last lines."""
+    others given ``grace_s`` + 10 s to end with it. An agent that fails before it joins is named
+    with its last lines; the job goes on without its host while the others make MIN, else ends."""
     hosts = machine["hosts"]
     k = hosts[0]["slots"]
     if any(h["slots"] != k for h in hosts):
