@@ -45,7 +45,7 @@ class Log:
 
 def processes_with(marker: str, wait_s: float = 5.0) -> list[int]:
     """Live processes whose command line holds ``marker`` (a path of one test's), read from /proc
-    until none is left or ``wait_s`` has passed (workers are session leaders, not in their
+    until none is left, for at most ``wait_s`` (workers are session leaders, not in their
     agent's process group)."""
     deadline = time.monotonic() + wait_s
     while True:
