@@ -45,8 +45,7 @@ class Log:
 
 def processes_with(marker: str, wait_s: float = 5.0) -> list[int]:
     """Live processes whose command line holds ``marker`` (a path of one test's), read from /proc
-    until none is left, for at most ``wait_s`` (workers are session leaders, not in their
-    agent's process group)."""
+    until none is left, for at most ``wait_s`` (a worker is not in its agent's process group)."""
     deadline = time.monotonic() + wait_s
     while True:
         found = []
