@@ -52,6 +52,13 @@ difference longer than it does. Where every step ends at one barrier the others'
 its extra time, so this only keeps a worker nobody waits for from being named; it is no more,
 because a worker's wait also holds the collectives' own time, and their medians stray a few
 percent from round to round (as much as half a 10 % straggler's excess)."""
+HELD_OF_WAIT = 0.04
+"""...and only when that extra wait is at least this share of the others' wait. Where the step is
+mostly waiting for the network, the workers' waits differ by a few percent whoever computes
+longest (ResNet-50 at 1 Gbit/s: balanced workers named in 4 of 6 rounds, each "held" 0.7-2.7 % of
+a 2.4 s wait; BERT-base at 10 Gbit/s: 3.3 %), while a worker the others do wait for holds 5-24 %
+of their wait (10 % to 2x stragglers, ResNet-50 and BERT-base at 10 Gbit/s, ResNet-50 2x at
+1 Gbit/s: 8.6 %). A worker below it costs the job about that share of its step, or less."""
 WAIT_SHARE = 0.05
 """Links are only blamed when the workers spend at least this share of a step waiting."""
 PROBE_EVERY = 100
@@ -201,8 +208,8 @@ def verdict(paces: dict[int, dict], threshold: float = THRESHOLD, link_threshold
     link (needs three workers: with two, one link joins both). Otherwise the worker that arrives last is named for
     its time: its busy time (compute and its code between steps) exceeds the median of the
     others' by ``threshold`` of it, it waits least of all, and the others wait at least
-    :data:`HELD` of the difference longer than it does; the cause is the part (compute, between
-    steps) that differs more.
+    :data:`HELD` of the difference and :data:`HELD_OF_WAIT` of their wait longer than it does; the
+    cause is the part (compute, between steps) that differs more.
     """
     paces = {r: p for r, p in paces.items() if p is not None}
     if len(paces) < 2 or not all(p.get("synchronous", True) for p in paces.values()):
@@ -215,9 +222,10 @@ def verdict(paces: dict[int, dict], threshold: float = THRESHOLD, link_threshold
         others = [q for r, q in paces.items() if r != rank]
         busy = statistics.median(q["compute"] + q["between"] for q in others)
         excess = p["compute"] + p["between"] - busy
-        held = statistics.median(q["wait"] for q in others) - p["wait"]
+        wait = statistics.median(q["wait"] for q in others)
+        held = wait - p["wait"]
         last = p["wait"] < min(q["wait"] for q in others)
-        if last and excess > threshold * max(busy, 1e-4) and held >= HELD * excess:
+        if last and excess > threshold * max(busy, 1e-4) and held >= max(HELD * excess, HELD_OF_WAIT * wait):
             parts = {key: p[key] - statistics.median(q[key] for q in others) for key in ("compute", "between")}
             key = max(parts, key=parts.get)
             base = statistics.median(q[key] for q in others)

@@ -39,6 +39,17 @@ def test_a_10_percent_straggler_is_named_through_noisy_waits():
     assert [(s.rank, s.cause) for s in stragglers.verdict(paces)] == [(1, "compute")]
 
 
+def test_where_the_job_waits_for_the_network_only_a_real_share_of_the_wait_names_a_worker():
+    # ResNet-50, 4 workers at 1 Gbit/s, dilated 2x (measured): a step is mostly a 2.4 s wait for
+    # the network. Balanced workers' busy times differ by 10 % and rank 3 waits least, but what the
+    # others wait longer (0.07 s) is 2.7 % of their wait: noise, no one is named.
+    balanced = {0: pace(0.373, 2.393), 1: pace(0.417, 2.339), 2: pace(0.388, 2.407), 3: pace(0.427, 2.328)}
+    assert stragglers.verdict(balanced) == []
+    # Rank 1 at 2x compute: the others wait 0.21 s longer, 8.6 % of their wait.
+    slowed = {0: pace(0.382, 2.440), 1: pace(0.592, 2.226), 2: pace(0.395, 2.435), 3: pace(0.366, 2.405)}
+    assert [(s.rank, s.cause) for s in stragglers.verdict(slowed)] == [(1, "compute")]
+
+
 def test_the_probe_reads_no_link_faster_than_its_train_arrived():
     bits, gap = 8 << 20, 0.0034  # 1 MB every 3.4 ms: a 2.5 Gbit/s link
     steady = [0.0002 + gap * (i + 1) for i in range(16)]  # and 0.2 ms on the way
