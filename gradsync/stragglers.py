@@ -55,10 +55,11 @@ percent from round to round (as much as half a 10 % straggler's excess)."""
 HELD_OF_WAIT = 0.04
 """...and only when that extra wait is at least this share of the others' wait. Where the step is
 mostly waiting for the network, the workers' waits differ by a few percent whoever computes
-longest (ResNet-50 at 1 Gbit/s: balanced workers named in 4 of 6 rounds, each "held" 0.7-2.7 % of
-a 2.4 s wait; BERT-base at 10 Gbit/s: 3.3 %), while a worker the others do wait for holds 5-24 %
-of their wait (10 % to 2x stragglers, ResNet-50 and BERT-base at 10 Gbit/s, ResNet-50 2x at
-1 Gbit/s: 8.6 %). A worker below it costs the job about that share of its step, or less."""
+longest (ResNet-50 at 1 Gbit/s: balanced workers that read 1.07-1.13x busier "held" 0.3-2.7 % of a
+2.4 s wait; BERT-base at 10 Gbit/s: 3.3 %), while a straggler the others do wait for holds more
+(ResNet-50 at 10 Gbit/s, 1.1x to 2x: 16-79 %; BERT-base 1.1x: 5 %; ResNet-50 2x at 1 Gbit/s: 9 %).
+A worker below it costs the job at most about that share of its step (a 1.1x worker at 1 Gbit/s,
+holding 0.3-2.2 %: 0.1 % of the throughput)."""
 WAIT_SHARE = 0.05
 """Links are only blamed when the workers spend at least this share of a step waiting."""
 PROBE_EVERY = 100
