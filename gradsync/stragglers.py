@@ -58,8 +58,8 @@ mostly waiting for the network, the workers' waits differ by a few percent whoev
 longest (ResNet-50 at 1 Gbit/s: balanced workers that read 1.07-1.13x busier "held" 0.3-2.7 % of a
 2.4 s wait; BERT-base at 10 Gbit/s: 3.3 %), while a straggler the others do wait for holds more
 (ResNet-50 at 10 Gbit/s, 1.1x to 2x: 16-79 %; BERT-base 1.1x: 5 %; ResNet-50 2x at 1 Gbit/s: 9 %).
-A worker below it costs the job at most about that share of its step (a 1.1x worker at 1 Gbit/s,
-holding 0.3-2.2 %: 0.1 % of the throughput)."""
+A worker below it cost its job less than that share of a step in every run measured (a 1.1x
+worker at 1 Gbit/s, holding 0.3-2.2 %: 0.1 % of the throughput)."""
 WAIT_SHARE = 0.05
 """Links are only blamed when the workers spend at least this share of a step waiting."""
 PROBE_EVERY = 100
