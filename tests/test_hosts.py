@@ -167,7 +167,16 @@ def two_level_sums(sizes):
         x = torch.arange(size, dtype=torch.float64) * (rank + 1)
         transport.allreduce_async(x, group=transport.two_level, what="test sum").wait()
         out.append(x)
-    return out
+    # All in flight at once, a host sum among them: the all-reduces' step 3 runs on its own thread
+    # and group while the next ones (and the host sum) go on, in one order on every rank.
+    streamed = [torch.arange(size, dtype=torch.float64) * (rank + 1) for size in sizes * 2]
+    handles = [transport.allreduce_async(x, group=transport.two_level, what="test sum") for x in streamed[:4]]
+    host = torch.ones(3, dtype=torch.float64)
+    handles.append(transport._two_level(transport.two_level, "host-all-reduce", host, "test host sum"))
+    handles += [transport.allreduce_async(x, group=transport.two_level, what="test sum") for x in streamed[4:]]
+    for handle in handles:
+        handle.wait()
+    return out, streamed, host
 
 
 @pytest.mark.parametrize("hosts", [(0, 0, 1, 1), (0, 0, 1)], ids=["2x2", "2+1"])
@@ -177,6 +186,59 @@ def test_the_two_level_all_reduce_sums_exactly_in_one_part_and_in_a_pipeline_of_
     sizes = [1, 5, 4099, 3 * PIPELINE_BYTES // 8 + 7]  # the last: three parts of a pipeline, padded
     env = [{"GRADSYNC_HOST": f"h{h}", "LOCAL_WORLD_SIZE": str(hosts.count(h))} for h in hosts]
     total = sum(range(1, len(hosts) + 1))
-    for sums in run_ranks(two_level_sums, len(hosts), sizes, env=env, timeout=60):
-        for x, size in zip(sums, sizes):
+    for rank, (sums, streamed, host) in enumerate(run_ranks(two_level_sums, len(hosts), sizes, env=env, timeout=60)):
+        for x, size in zip(sums + streamed, sizes * 3):
             assert torch.equal(x, torch.arange(size, dtype=torch.float64) * total), size
+        assert host.tolist() == [hosts.count(hosts[rank])] * 3
+
+
+def test_a_failed_part_of_a_two_level_all_reduce_fails_it_and_the_operations_after_it():
+    # Step 2 of the first part fails (a peer lost): the all-reduce's waiters get that error, not a
+    # hang, and an operation queued after it fails at once without communicating.
+    from datetime import timedelta
+
+    from gradsync.transport.twolevel import TwoLevel
+
+    class Lost:
+        def wait(self):
+            raise RuntimeError("Connection reset by peer")
+
+    two = TwoLevel(Topology(4, 0, 0, 0), None, [0], 1, {})
+    two._cross_async = lambda parts: [Lost()]
+    failed = two.submit("all-reduce", torch.zeros(5))
+    with pytest.raises(RuntimeError, match="Connection reset by peer"):
+        failed.wait(timedelta(seconds=10))
+    two.local = object()  # an operation that tried to communicate would fail differently
+    after = two.submit("reduce", torch.zeros(2))
+    with pytest.raises(RuntimeError, match="not run, an earlier two-level operation on these groups failed"):
+        after.wait(timedelta(seconds=10))
+    two.close()
+
+
+def test_the_next_two_level_all_reduce_enters_the_host_while_the_last_one_is_gathered():
+    # A stream of small buffers (allreduce-priority's partitions) keeps the NIC busy only if the
+    # next buffer's step 1 need not wait for the previous buffer's step 3: here step 3 of the first
+    # can finish only once step 1 of the second has begun.
+    import threading
+    from datetime import timedelta
+
+    from gradsync.transport.twolevel import TwoLevel
+
+    two = TwoLevel(Topology(4, 0, 0, 0), None, [0], 1, {})
+    second_entered, overlapped, scattered = threading.Event(), [], []
+
+    def scatter(padded):
+        scattered.append(padded)
+        if len(scattered) == 2:
+            second_entered.set()
+
+    def gather(padded, group):
+        if not overlapped:
+            overlapped.append(second_entered.wait(5))
+
+    two._scatter, two._gather, two._cross_async = scatter, gather, lambda parts: []
+    first, second = two.submit("all-reduce", torch.zeros(4)), two.submit("all-reduce", torch.zeros(4))
+    first.wait(timedelta(seconds=10))
+    second.wait(timedelta(seconds=10))
+    two.close()
+    assert overlapped == [True]

@@ -11,8 +11,12 @@ most workers any host runs):
    host NIC in all (H hosts), what one rank per host would send;
 3. all-gather inside the host.
 
-A buffer of more than ``PIPELINE_BYTES`` runs as parts in a pipeline: one part's step 2 is on the
-network while the next part's step 1 and the previous part's step 3 run inside the host.
+All-reduces run as a pipeline, within a buffer and from one buffer to the next: a buffer of more
+than ``PIPELINE_BYTES`` is cut into parts, and while one part's step 2 is on the network the next
+part's (or the next buffer's) step 1 and the previous part's step 3 run inside the host. Steps 1
+and 3 use two groups of the host's workers, each with its own thread, so each group's operations
+keep one order on every rank; a stream of small buffers (``allreduce-priority``'s partitions)
+keeps the NIC busy as one large buffer does.
 
 A host with fewer workers than S (an uneven layout: two hosts of 2 and 1) gives its worker ``j``
 every shard ``s`` with ``s % L == j`` (L: its workers); inside it the sum is an all-reduce and the
@@ -23,9 +27,10 @@ Intra-host traffic runs on Gloo's TCP loopback (it costs the host's CPU, not its
 crosses hosts and only it counts in ``Transport.bytes_sent``. Under NCCL, whose rings and trees already follow the
 machine's topology, gradsync keeps NCCL's own all-reduce.
 
-All collectives of one :class:`TwoLevel` run on its own thread in the order they were issued (the
-same on every rank, as Gloo matches collectives by their order on a group); the issuing thread
-gets a :class:`~gradsync.transport.waits.Handle` and waits on it as on any collective.
+The collectives of one :class:`TwoLevel` run on its own threads in the order they were issued (the
+same on every rank, as Gloo matches collectives by their order on a group): every operation's
+first part on one, the all-reduces' step 3 on another; the issuing thread gets a
+:class:`~gradsync.transport.waits.Handle` and waits on it as on any collective.
 """
 from __future__ import annotations
 
@@ -82,16 +87,19 @@ class TwoLevel:
     _OPS = ("all-reduce", "reduce", "broadcast", "host-all-reduce", "reduce-scatter", "all-gather", "all-gather-bytes")
 
     def __init__(self, topology: Topology, local, local_ranks: list[int], shards: int,
-                 cross: dict[int, tuple[list[int], object]]):
+                 cross: dict[int, tuple[list[int], object]], local_gather=None):
         self.topology = topology
         self.local = local
         """This host's workers' group (None: the host runs one worker)."""
+        self.local_gather = local_gather if local_gather is not None else local
+        """The same workers' second group: the all-reduces' step 3, on its own thread."""
         self.local_ranks = local_ranks
         self.shards = shards
         """S: the most workers any host runs; buffers are cut into S shards."""
         self.cross = cross
         """Shard -> (the ranks that own it, one per host; their group), for the shards this rank owns."""
         self._thread = JobThread("gradsync-two-level", self._run)
+        self._gathers = JobThread("gradsync-two-level-gather", self._finish_part)
         self._failed: BaseException | None = None
         """The first operation's failure: the operations queued after it fail at once, without a
         collective (each would block on the broken groups until their timeout)."""
@@ -111,11 +119,15 @@ class TwoLevel:
         rank in the same order (``dist.new_group`` is collective over the whole job)."""
         hosts, shards, owners = cls.plan(topology)
         me = topology.rank
-        local, local_ranks = None, []
+        local, local_gather, local_ranks = None, None, []
         for ranks in hosts:
             group = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
             if me in ranks:
                 local, local_ranks = group, ranks
+        for ranks in hosts:
+            group = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
+            if me in ranks:
+                local_gather = group
         made: dict[tuple[int, ...], object] = {}
         cross = {}
         for s, ranks in enumerate(owners):
@@ -124,7 +136,7 @@ class TwoLevel:
                 made[key] = dist.new_group(ranks, timeout=timeout)
             if me in ranks:
                 cross[s] = (ranks, made[key])
-        return cls(topology, local, local_ranks, shards, cross)
+        return cls(topology, local, local_ranks, shards, cross, local_gather)
 
     def network_bytes(self, nbytes: int) -> int:
         """Bytes this rank sends across hosts for an all-reduce of ``nbytes``: its shards' rings."""
@@ -158,32 +170,45 @@ class TwoLevel:
 
     def groups(self) -> list:
         """This rank's process groups here (to release a private one)."""
-        found = [self.local] if self.local is not None else []
-        for _, group in self.cross.values():
-            if all(group is not g for g in found):
+        found = []
+        for group in [self.local, self.local_gather] + [g for _, g in self.cross.values()]:
+            if group is not None and all(group is not g for g in found):
                 found.append(group)
         return found
 
     def close(self) -> None:
-        """Let the thread end after the jobs queued so far."""
+        """Let the threads end after the jobs queued so far."""
         self._thread.close()
+        self._gathers.close()
+
+    def _check(self, op: str) -> None:
+        if self._failed is not None:
+            first = (str(self._failed).splitlines() or [repr(self._failed)])[0]
+            raise RuntimeError(f"two-level {op}: not run, an earlier two-level operation on these groups "
+                               f"failed: {first}")
+
+    def _fail(self, done: _Done, on_done, exc: BaseException) -> None:
+        done.error = exc
+        if self._failed is None:
+            self._failed = exc
+        done.event.set()
+        if on_done is not None:
+            on_done()
 
     def _run(self, job) -> None:
         op, tensor, done, on_done, then = job
+        if op == "all-reduce":
+            self._start_allreduce(tensor.view(-1), done, on_done, then)
+            return
         result = ()
         try:
-            if self._failed is not None:
-                first = (str(self._failed).splitlines() or [repr(self._failed)])[0]
-                raise RuntimeError(f"two-level {op}: not run, an earlier two-level operation on these groups "
-                                   f"failed: {first}")
+            self._check(op)
             if op == "all-gather-bytes":
                 result = self._gather_bytes(*tensor)
-            elif op == "all-reduce":
-                self._allreduce(tensor.view(-1))
             elif op == "reduce-scatter":
                 self._scatter(tensor.view(-1))
             elif op == "all-gather":
-                self._gather(tensor.view(-1))
+                self._gather(tensor.view(-1), self.local)
             elif self.local is not None and op == "reduce":
                 dist.reduce(tensor, dst=self.leader, group=self.local)
             elif self.local is not None and op == "host-all-reduce":
@@ -193,9 +218,8 @@ class TwoLevel:
             if then is not None:
                 then(*result)
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
-            done.error = exc
-            if self._failed is None:
-                self._failed = exc
+            self._fail(done, on_done, exc)
+            return
         done.event.set()
         if on_done is not None:
             on_done()
@@ -207,34 +231,55 @@ class TwoLevel:
             return [message], [tuple(info)]
         return allgather_with_info(message, info, self.local, limit=limit, what=what)
 
-    def _allreduce(self, flat: torch.Tensor) -> None:
-        """Steps 1-3 on consecutive parts of ``flat``, pipelined: a part's all-reduce across hosts
-        runs while the next part is summed inside the host and the previous one gathered. Every rank
-        cuts the same parts and issues each group's operations in the same order."""
+    def _start_allreduce(self, flat: torch.Tensor, done: _Done, on_done, then) -> None:
+        """Steps 1 and 2 of each part of ``flat``, the part then handed to the gather thread, which
+        waits for its step 2 and runs its step 3 (:meth:`_finish_part`) while this thread goes on
+        to the next part or the next operation. Every rank cuts the same parts and issues each
+        group's operations in the same order."""
         n = flat.numel()
         parts = max(1, min(PIPELINE_PARTS, n * flat.element_size() // PIPELINE_BYTES))
         bounds = [n * i // parts for i in range(parts + 1)]
-        pending = None
         for i in range(parts):
             view = flat[bounds[i]:bounds[i + 1]]
-            padded = view
-            if view.numel() % self.shards:  # shards of one length on every rank: pad with zeros
-                padded = view.new_zeros(math.ceil(view.numel() / self.shards) * self.shards)
-                padded[:view.numel()] = view
-            self._scatter(padded)
-            shard = self._shards(padded)
-            works = self._cross_async({k: shard[k] for k in self.cross})
-            if pending is not None:
-                self._finish(*pending)
-            pending = (view, padded, works)
-        self._finish(*pending)
+            last = i == parts - 1
+            try:
+                self._check("all-reduce")
+                padded = view
+                if view.numel() % self.shards:  # shards of one length on every rank: pad with zeros
+                    padded = view.new_zeros(math.ceil(view.numel() / self.shards) * self.shards)
+                    padded[:view.numel()] = view
+                self._scatter(padded)
+                shard = self._shards(padded)
+                works = self._cross_async({k: shard[k] for k in self.cross})
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread, after the parts before it
+                self._gathers.put((None, None, exc, True, done, on_done, then))
+                return
+            self._gathers.put((view, padded, works, last, done, on_done, then))
 
-    def _finish(self, view: torch.Tensor, padded: torch.Tensor, works: list) -> None:
-        for work in works:
-            work.wait()
-        self._gather(padded)
-        if padded is not view:
-            view.copy_(padded[:view.numel()])
+    def _finish_part(self, job) -> None:
+        """Step 3 of one part, once its step 2 is done; after an all-reduce's last part, its
+        ``then`` and its waiters."""
+        view, padded, works, last, done, on_done, then = job
+        if done.event.is_set():  # an earlier part of this all-reduce failed
+            return
+        try:
+            if isinstance(works, BaseException):
+                raise works
+            for work in works:
+                work.wait()
+            self._gather(padded, self.local_gather)
+            if padded is not view:
+                view.copy_(padded[:view.numel()])
+            if not last:
+                return
+            if then is not None:
+                then()
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+            self._fail(done, on_done, exc)
+            return
+        done.event.set()
+        if on_done is not None:
+            on_done()
 
     def _shards(self, padded: torch.Tensor) -> list[torch.Tensor]:
         if padded.numel() % self.shards:
@@ -255,17 +300,18 @@ class TwoLevel:
         else:  # an uneven host: sum it whole
             dist.all_reduce(padded, group=self.local)
 
-    def _gather(self, padded: torch.Tensor) -> None:
-        """Step 3: each shard from its local owner to the host's other workers."""
+    def _gather(self, padded: torch.Tensor, group) -> None:
+        """Step 3 on ``group`` (one of this host's two): each shard from its local owner to the
+        host's other workers."""
         shard = self._shards(padded)
         size = len(self.local_ranks)
-        if self.local is None:
+        if group is None:
             return
         if size == self.shards:
-            _all_gather(padded, shard[self.local_ranks.index(self.topology.rank)].clone(), group=self.local)
+            _all_gather(padded, shard[self.local_ranks.index(self.topology.rank)].clone(), group=group)
         else:
             for k in range(self.shards):
-                dist.broadcast(shard[k], src=self.local_ranks[k % size], group=self.local)
+                dist.broadcast(shard[k], src=self.local_ranks[k % size], group=group)
 
     def _cross_async(self, parts: dict[int, torch.Tensor]) -> list:
         return [dist.all_reduce(part, group=self.cross[s_][1], async_op=True)
