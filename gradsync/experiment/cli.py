@@ -10,7 +10,8 @@
 Runs are kept in the results store (gradsync.experiment.store; ``--store FILE``). A run that is
 interrupted (Ctrl-C, a crash) resumes cell by cell when the same command runs again (``--fresh``
 starts over). Each experiment's default scale finishes on a 2-core machine in 15 minutes or less,
-except hosts-two-level's (35 minutes: VGG-19 on two emulated hosts, seven strategies a cell).
+except those of hosts-two-level and the stragglers family (20-60 minutes: docs/experiments.md says
+which takes how long).
 """
 from __future__ import annotations
 
