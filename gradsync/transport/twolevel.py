@@ -187,10 +187,12 @@ class TwoLevel:
             raise RuntimeError(f"two-level {op}: not run, an earlier two-level operation on these groups "
                                f"failed: {first}")
 
-    def _fail(self, done: _Done, on_done, exc: BaseException) -> None:
-        done.error = exc
-        if self._failed is None:
-            self._failed = exc
+    def _end(self, done: _Done, on_done, exc: BaseException | None = None) -> None:
+        """An operation is over (failed with ``exc``): wake its waiters, then run ``on_done``."""
+        if exc is not None:
+            done.error = exc
+            if self._failed is None:
+                self._failed = exc
         done.event.set()
         if on_done is not None:
             on_done()
@@ -218,11 +220,9 @@ class TwoLevel:
             if then is not None:
                 then(*result)
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
-            self._fail(done, on_done, exc)
+            self._end(done, on_done, exc)
             return
-        done.event.set()
-        if on_done is not None:
-            on_done()
+        self._end(done, on_done)
 
     def _gather_bytes(self, message: torch.Tensor, info: tuple[int, int, int], limit: int,
                       what: str) -> tuple[list[torch.Tensor], list[tuple[int, int, int]]]:
@@ -275,11 +275,9 @@ class TwoLevel:
             if then is not None:
                 then()
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
-            self._fail(done, on_done, exc)
+            self._end(done, on_done, exc)
             return
-        done.event.set()
-        if on_done is not None:
-            on_done()
+        self._end(done, on_done)
 
     def _shards(self, padded: torch.Tensor) -> list[torch.Tensor]:
         if padded.numel() % self.shards:
