@@ -67,7 +67,7 @@ def close(runtime) -> BaseException | None:
 def stop_threads(runtime) -> None:
     """Stop ``runtime``'s threads: its stoppers (a watchdog's), the heartbeat, the flight responder,
     the transport's waiter (at once where the group failed: it is blocked for good) and its
-    two-level all-reduce's thread."""
+    two-level all-reduce's threads."""
     stoppers = getattr(runtime, "stoppers", [])
     while stoppers:
         stoppers.pop()()

@@ -237,7 +237,9 @@ class Worker:
         the all-reduce of each rank's ``1/R`` shard across the hosts (the R ranks through the NIC at
         once: a ring over the hosts of all the part's bytes), and an all-gather inside the host;
         the host's thread sums part ``i+1`` in the host while part ``i`` crosses the network, then
-        gathers part ``i`` (:meth:`_two_level`)."""
+        gathers part ``i`` (:meth:`_two_level`). The code gathers on a second thread and group, so
+        it may sum the next part (or the next buffer) before the last one is gathered: this
+        schedule is the one-thread order, which the code never falls behind."""
         r = self.per_host if self.hosts == "ring" else 1
         if r == 1:
             self._across(nbytes, done, name)
