@@ -357,25 +357,28 @@ def test_rounds_rotate_the_order_of_the_strategies():
 
 def test_host_links_count_per_step_from_the_device_counters():
     from gradsync.bench.report import link_bytes_per_step
-    from gradsync.bench.worker import HostLinks
+    from gradsync.bench.worker import HostLinks, link_sum
     from gradsync.cluster.counters import dev_bytes
 
     text = ("Inter-|   Receive |  Transmit\n face |bytes packets errs drop fifo frame compressed multicast|bytes ...\n"
             "    lo:  900 9 0 0 0 0 0 0  900 9 0 0 0 0 0 0\n"
             "  eth0: 5000 40 0 0 0 0 0 0 7000 50 0 0 0 0 0 0\n")
     assert dev_bytes(text) == (7000, 5000)  # (tx, rx)
-    readings = iter([[(0, 0), (10, 5)], [(100, 40), (10, 5)], [(300, 90), (20, 5)], [(310, 95), (20, 5)],
-                     [(310, 95), (20, 5)]])
+    readings = iter([[(0, 0), (10, 5)], [(310, 95), (20, 5)], [(400, 100), (20, 5)], [(490, 100), (22, 7)]])
     links = HostLinks([1, 2])
     links.read = lambda: next(readings)
     links.start()
     links.step()
     links.step()
-    links.skip()  # a flush's tail: the first window already holds one of the same size
-    assert links.steps == [[[100, 40], [0, 0]], [[200, 50], [10, 0]]]
+    links.end()  # after the flush: the last step's tail is in
+    assert links.total == [[310, 95], [10, 0]] and links.steps == 2
+    first = {"total": links.total, "steps": links.steps}
+    links.start()  # a second round counts from its own start
     links.step()
-    assert links.steps[-1] == [[0, 0], [0, 0]]  # counting resumes from the skipped reading
-    got = link_bytes_per_step(links.steps[:2])
+    links.end()
+    assert links.total == [[90, 0], [2, 2]] and links.steps == 1
+    assert link_sum(first, {"total": links.total, "steps": 1}) == {"total": [[400, 95], [12, 2]], "steps": 3}
+    got = link_bytes_per_step({"total": [[300, 90], [10, 0]], "steps": 2})
     assert got == {"host_tx_bytes_per_step": 150.0, "host_rx_bytes_per_step": 45.0,
                    "hosts_tx_bytes_per_step": [150.0, 5.0], "hosts_rx_bytes_per_step": [45.0, 0.0]}
 

@@ -239,6 +239,8 @@ def test_bench_on_an_emulated_cluster_records_the_bound_and_a_trace(tmp_path):
     # ps: the workers' host pushes the model to the server's host at least once a step, and pulls it back
     model = served["min_bytes_per_host"]
     assert model > 0 and served["hosts_rx_bytes_per_step"][1] >= model and served["hosts_rx_bytes_per_step"][0] >= model
+    busier = max(served["host_tx_bytes_per_step"], served["host_rx_bytes_per_step"])
+    assert served["host_link_over_min"] == pytest.approx(busier / model) and "host_link_over_min" not in ring
     events = json.loads(trace.read_text())["traceEvents"]
     for rank in (0, 1):
         names = {e["name"].split()[0] for e in events if e.get("pid") == rank and e["ph"] in "Xb"}

@@ -35,12 +35,13 @@ the rate the run's codecs met, and with the host's rates the memory rate the ser
 (``gradsync simulate --validate`` replays both).
 
 ``host_tx_bytes_per_step`` and ``host_rx_bytes_per_step``: on an emulated cluster, the bytes each
-host's link sent and received per measured step, from the link's own device counters (Ethernet
-frames: headers, acknowledgements and the job's small control messages included), the busiest
+host's link sent and received per step, from the link's own device counters (Ethernet frames:
+headers, acknowledgements and the job's small control messages included) over each round's every
+step, warm-up included, from a quiet start to a flushed end (no step's tail left out), the busiest
 host's, and per host (``hosts_tx_bytes_per_step``, ``hosts_rx_bytes_per_step``; hosts in order, a
 host of servers alone included). Beside ``min_bytes_per_host`` they show how close a strategy's
-traffic comes to its pattern's minimum; ``bytes_per_step`` is what the strategy itself counts
-sending, per worker.
+traffic comes to its pattern's minimum (``host_link_over_min``: the busiest host's busier direction
+over it); ``bytes_per_step`` is what the strategy itself counts sending, per worker.
 
 ``slow``: the stragglers of the run (``--slow``), as ``RANK:FACTOR,...`` (empty for none): those
 workers' emulated compute took FACTOR times as long. ``rank_rates_bps``: the ranks whose host had a
@@ -126,6 +127,9 @@ def summarize(raw: dict, compute_times: list[float], config: dict, check: dict |
         record["batch_s"] = statistics.median(t / k for t in raw["batch_times"])
     if raw.get("host_links"):
         record.update(link_bytes_per_step(raw["host_links"]))
+        if record["min_bytes_per_host"]:
+            record["host_link_over_min"] = (max(record["host_tx_bytes_per_step"], record["host_rx_bytes_per_step"])
+                                            / record["min_bytes_per_host"])
     if raw.get("share_history"):  # a @balance label: the shares BalanceBatches ended the last round with
         record["shares"] = raw["share_history"][-1][1]
     record.update(straggler_verdict(raw.get("stragglers", [])))
@@ -145,11 +149,12 @@ def summarize(raw: dict, compute_times: list[float], config: dict, check: dict |
     return record
 
 
-def link_bytes_per_step(steps: list) -> dict:
-    """From each measured step's ``[tx, rx]`` bytes per host: the mean per step of each host's
+def link_bytes_per_step(links: dict) -> dict:
+    """From each host's ``[tx, rx]`` bytes over the rounds (``total``) and their ``steps``
+    (:class:`gradsync.bench.worker.HostLinks`): the mean per step of each host's
     (``hosts_tx_bytes_per_step``, ``hosts_rx_bytes_per_step``) and of the busiest host's."""
-    tx = [sum(step[h][0] for step in steps) / len(steps) for h in range(len(steps[0]))]
-    rx = [sum(step[h][1] for step in steps) / len(steps) for h in range(len(steps[0]))]
+    tx = [host[0] / links["steps"] for host in links["total"]]
+    rx = [host[1] / links["steps"] for host in links["total"]]
     return {"host_tx_bytes_per_step": max(tx), "host_rx_bytes_per_step": max(rx),
             "hosts_tx_bytes_per_step": tx, "hosts_rx_bytes_per_step": rx}
 

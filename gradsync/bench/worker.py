@@ -95,12 +95,18 @@ def host_cpu() -> tuple[int, int] | None:
 
 class HostLinks:
     """Each emulated host's link counters (:func:`gradsync.cluster.counters.link_bytes`), read by
-    one rank through ``/proc/PID/net/dev`` of a rank on each host, at every step's end: ``steps``
-    gets each step's ``[tx, rx]`` bytes per host appended, what crossed the links since the
-    previous read (the step, and anything still in flight from the one before)."""
+    one rank through ``/proc/PID/net/dev`` of a rank on each host: a round's count runs from the
+    start of its first step, when nothing is in flight, to the end of its last, after a flush, so
+    that no step's traffic falls outside it. A strategy whose step returns before its traffic is
+    done (``p3``, ``allreduce-priority``) carries most of a step's bytes into the next step, and its
+    first step's, while it learns the order, whole: counted step by step, the windows after a
+    warm-up would hold the warm-up's tail in place of the last step's and overstate a few measured
+    steps by up to a step's bytes over their number. ``total``: each host's ``[tx, rx]`` bytes over
+    the round; ``steps``: the steps in it (warm-up included), each of which sends the same bytes in
+    every strategy measured on hosts (the strategy's own count, ``step_bytes``, shows where not)."""
 
     def __init__(self, pids: list[int]):
-        self.pids, self.steps, self.last = pids, [], None
+        self.pids, self.first, self.total, self.steps = pids, None, None, 0
 
     def read(self) -> list[tuple[int, int]]:
         from gradsync.cluster.counters import link_bytes
@@ -108,20 +114,14 @@ class HostLinks:
         return [link_bytes(pid) for pid in self.pids]
 
     def start(self) -> None:
-        self.steps, self.last = [], self.read()
+        self.first, self.total, self.steps = self.read(), None, 0
 
     def step(self) -> None:
-        """Close a step: what crossed since the previous read."""
-        now = self.read()
-        self.steps.append([[a - b for a, b in zip(n, m)] for n, m in zip(now, self.last)])
-        self.last = now
+        self.steps += 1
 
-    def skip(self) -> None:
-        """Pass over what crossed since the previous read (the last step's tail, finished by a
-        flush): a strategy whose step returns before its traffic is done (``p3``) carries one
-        step's tail into the next step's window, so each window after the warm-up holds one step's
-        bytes, the first one the warm-up's tail in place of the last one's."""
-        self.last = self.read()
+    def end(self) -> None:
+        """Close the round, after the strategy's flush: what crossed each link since ``start``."""
+        self.total = [[a - b for a, b in zip(n, m)] for n, m in zip(self.read(), self.first)]
 
 
 def host_links(config: dict) -> HostLinks | None:
@@ -352,7 +352,7 @@ def run_strategy(name: str, options: dict, work: Workload, total: int, run_dir: 
         optimizer.flush()  # the last step's lazily finished pulls (p3) count toward its bytes
         sent = transport.bytes_sent - sent_before
         if links is not None:
-            links.skip()  # counted in the first measured window instead, as the warm-up's tail
+            links.end()
         for hook in hooks:
             hook.remove()
     optimizer.close()  # dedicated servers leave their loop; the model can be freed before the next strategy
@@ -370,7 +370,7 @@ def run_strategy(name: str, options: dict, work: Workload, total: int, run_dir: 
             "workers_max_diff": agree, "stats": {k: v for k, v in getattr(optimizer.strategy, "stats", {}).items() if isinstance(v, (int, float))},
             "exact": bool(optimizer.strategy.exact), "period": optimizer.strategy.period, "model_bytes": model_bytes,
             "host_cpu": cpu,
-            "host_links": None if links is None else links.steps,
+            "host_links": None if links is None else {"total": links.total, "steps": links.steps},
             "min_bytes_per_host": optimizer.strategy.min_bytes_per_host(model_bytes),
             "stragglers": [[[s.rank, s.cause, s.ratio, s.held_s] for s in slow]], "paces": [readings],
             "share_history": share_history}
@@ -381,7 +381,7 @@ def merge(into: dict | None, record: dict, warmup: int) -> dict:
     times, updates = record["times"][warmup:], record["optimizer_times"][warmup:]
     batches, means = record.get("batch_times", [])[warmup:], record.get("mean_times", [])[warmup:]
     cpu = None if record["host_cpu"] is None else record["host_cpu"][warmup:]
-    links = None if record.get("host_links") is None else record["host_links"][warmup:]
+    links = record.get("host_links")  # the whole round's: see HostLinks
     work = record.get("host_work", [])[warmup:]
     rates = record.get("step_rates", [])[warmup:]
     sent = record.get("step_bytes", [])[warmup:]
@@ -398,7 +398,7 @@ def merge(into: dict | None, record: dict, warmup: int) -> dict:
     if cpu is not None:
         into["host_cpu"] += cpu
     if links is not None:
-        into["host_links"] += links
+        into["host_links"] = link_sum(into["host_links"], links)
     into["peak_mem_mb"] = max(into["peak_mem_mb"], record["peak_mem_mb"])
     into["server_peak_mem_mb"] = max(into["server_peak_mem_mb"], record["server_peak_mem_mb"])
     into["stats"] = {k: into["stats"].get(k, 0) + v for k, v in record["stats"].items()
@@ -408,6 +408,12 @@ def merge(into: dict | None, record: dict, warmup: int) -> dict:
     into["paces"] = into.get("paces", []) + record.get("paces", [])
     into["share_history"] = record.get("share_history")  # the last round's: its parameters are the ones saved
     return into
+
+
+def link_sum(a: dict, b: dict) -> dict:
+    """Two rounds' link counts as one."""
+    return {"total": [[x + y for x, y in zip(m, n)] for m, n in zip(a["total"], b["total"])],
+            "steps": a["steps"] + b["steps"]}
 
 
 def run_check(name: str, options: dict, work: Workload, steps: int, run_dir: str,
