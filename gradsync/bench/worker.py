@@ -96,8 +96,9 @@ def host_cpu() -> tuple[int, int] | None:
 class HostLinks:
     """Each emulated host's link counters (:func:`gradsync.cluster.counters.link_bytes`), read by
     one rank through ``/proc/PID/net/dev`` of a rank on each host: a round's count runs from the
-    start of its first step, when nothing is in flight, to the end of its last, after a flush, so
-    that no step's traffic falls outside it. A strategy whose step returns before its traffic is
+    start of its first step, when nothing is in flight, to the end of its last, once the strategy
+    has settled (:meth:`~gradsync.strategies.base.Strategy.settle`), so that no step's traffic
+    falls outside it. A strategy whose step returns before its traffic is
     done (``p3``, ``allreduce-priority``) carries most of a step's bytes into the next step, and its
     first step's, while it learns the order, whole: counted step by step, the windows after a
     warm-up would hold the warm-up's tail in place of the last step's and overstate a few measured
@@ -120,7 +121,7 @@ class HostLinks:
         self.steps += 1
 
     def end(self) -> None:
-        """Close the round, after the strategy's flush: what crossed each link since ``start``."""
+        """Close the round, once the strategy has settled: what crossed each link since ``start``."""
         self.total = [[a - b for a, b in zip(n, m)] for n, m in zip(self.read(), self.first)]
 
 
@@ -349,10 +350,11 @@ def run_strategy(name: str, options: dict, work: Workload, total: int, run_dir: 
         share_history = None if policy is None else [[0, start_shares], *[[s, list(v)] for s, v in policy.history]]
         readings = stragglers.gather(transport, topo, recorder.pace)
         slow = stragglers.verdict(readings)
-        optimizer.flush()  # the last step's lazily finished pulls (p3) count toward its bytes
+        optimizer.strategy.settle()  # the last step's traffic still in flight (p3's pulls) counts toward its bytes
         sent = transport.bytes_sent - sent_before
         if links is not None:
             links.end()
+        optimizer.flush()  # every parameter current, for the saved model (hybrid: more than a step's traffic)
         for hook in hooks:
             hook.remove()
     optimizer.close()  # dedicated servers leave their loop; the model can be freed before the next strategy

@@ -145,6 +145,13 @@ class Strategy:
     def flush(self) -> None:
         pass
 
+    def settle(self) -> None:
+        """Wait until the traffic of the steps taken so far has crossed, starting none beyond it:
+        where a count of those steps' bytes ends. :meth:`flush` by default (the last step's pulls
+        or all-reduces still in flight); a strategy whose flush sends more than its steps would
+        overrides it."""
+        self.flush()
+
     def after_load(self) -> None:
         """The model's ``load_state_dict()`` just ended (every worker loads a checkpoint alike)."""
 

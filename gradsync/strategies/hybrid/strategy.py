@@ -281,6 +281,11 @@ class SparseHybrid(Planning, Strategy):
         wait_all(self.sends)
         self.sends = []
 
+    def settle(self) -> None:
+        """The pushes still being sent, not :meth:`flush`'s pull of every partition (rows no step read)."""
+        wait_all(self.sends)
+        self.sends = []
+
     def _check_server(self) -> None:
         if self.server is not None:
             self.server.check()
