@@ -89,6 +89,12 @@ GROUPS = [  # (model, workers, rate, dedicated servers, strategies[, compute[, r
     # diloco at 4 workers and 1 Gbit/s over 3 rounds, replacing its one-round records of the
     # rare-communication group (its int4 encodes meet the other ranks' work on two cores)
     ("resnet50", 4, "1gbit", 0, "diloco", "emulated", 3, {"steps": 20, "set": RARE_SET[1:], "compression": "int4"}),
+    # The all-reduces on hosts of two as the two-level transport pipelines them (each all-reduce's
+    # gather inside the host on a thread of its own, so the next buffer's steps do not wait for
+    # it): allreduce, replacing its records of the hosts' groups, and allreduce-priority in both forms.
+    *(("resnet50", 4, rate, 0, "allreduce,allreduce-priority,allreduce-priority:flat", "emulated", 1, more)
+      for rate, more in (("1gbit", {"ranks_per_host": 2, "steps": 4, "warmup": 2}),
+                         ("10gbit", {"ranks_per_host": 2, "steps": 8, "warmup": 2, "dilation": "auto:500mbit"}))),
 ]
 HELD_OUT_STRATEGIES = "allreduce,ps,p3"  # a ring, whole tensors through servers, slices by priority
 HELD_OUT = [  # cells the matrix was not fitted to: other models, worker counts and rates (``--held-out``)
