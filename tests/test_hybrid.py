@@ -40,6 +40,9 @@ def train(work: Workload, steps: int, options: dict):
     for step in range(steps):
         inputs, target = work.batch(spec, step, topo.rank, topo.num_workers)
         train_step(model, opt, spec, inputs, target)
+    before = len(sent)
+    opt.strategy.settle()  # where a count of the steps' bytes ends: no pull of whole partitions
+    assert sent[before:] == [], sent[before:]
     server = opt.strategy.server
     owned = sum(p.numel() * p.element_size() for parts in server.parts for _, _, p in parts) if server else 0
     described, work_done = opt.strategy.describe(), (opt.strategy.host_work(), owned)

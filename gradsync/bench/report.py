@@ -36,8 +36,8 @@ the rate the run's codecs met, and with the host's rates the memory rate the ser
 
 ``host_tx_bytes_per_step`` and ``host_rx_bytes_per_step``: on an emulated cluster, the bytes each
 host's link sent and received per step, from the link's own device counters (Ethernet frames:
-headers, acknowledgements and the job's small control messages included) over each round's every
-step, warm-up included, from a quiet start to a settled end (no step's tail left out), the busiest
+headers, acknowledgements and the job's small control messages included) over whole rounds,
+warm-up included, from a quiet point to a settled end (no step's tail left out: HostLinks), the busiest
 host's, and per host (``hosts_tx_bytes_per_step``, ``hosts_rx_bytes_per_step``; hosts in order, a
 host of servers alone included). Beside ``min_bytes_per_host`` they show how close a strategy's
 traffic comes to its pattern's minimum (``host_link_over_min``: the busiest host's busier direction

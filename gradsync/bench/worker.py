@@ -95,19 +95,23 @@ def host_cpu() -> tuple[int, int] | None:
 
 class HostLinks:
     """Each emulated host's link counters (:func:`gradsync.cluster.counters.link_bytes`), read by
-    one rank through ``/proc/PID/net/dev`` of a rank on each host: a round's count runs from the
-    start of its first step, when nothing is in flight, to the end of its last, once the strategy
-    has settled (:meth:`~gradsync.strategies.base.Strategy.settle`), so that no step's traffic
-    falls outside it. A strategy whose step returns before its traffic is
-    done (``p3``, ``allreduce-priority``) carries most of a step's bytes into the next step, and its
-    first step's, while it learns the order, whole: counted step by step, the windows after a
-    warm-up would hold the warm-up's tail in place of the last step's and overstate a few measured
-    steps by up to a step's bytes over their number. ``total``: each host's ``[tx, rx]`` bytes over
-    the round; ``steps``: the steps in it (warm-up included), each of which sends the same bytes in
-    every strategy measured on hosts (the strategy's own count, ``step_bytes``, shows where not)."""
+    one rank through ``/proc/PID/net/dev`` of a rank on each host. A round's count runs from the
+    start of its first step, when nothing is in flight (``settle_first``: from the end of that
+    step once the strategy has settled, where the warm-up has a step after it: a strategy decides
+    in its first step, ``hybrid`` probing its partition counts), to the end of its last once the
+    strategy has settled (:meth:`~gradsync.strategies.base.Strategy.settle`): ``total``, each
+    host's ``[tx, rx]`` bytes, over ``steps``, the steps counted, warm-up included.
 
-    def __init__(self, pids: list[int]):
+    Whole rounds, because a strategy whose step returns before its traffic is done (``p3``,
+    ``allreduce-priority``) carries most of a step's bytes into the next, and its first step's
+    whole (it learns the order then): windows closed at each step's end hold the warm-up's tail in
+    place of the last step's, and over a few measured steps read up to a step's bytes over their
+    number too much or too little. Every strategy measured on hosts sends the same bytes each step;
+    the strategy's own count per step (``step_bytes``) shows where one does not."""
+
+    def __init__(self, pids: list[int], settle_first: bool = False):
         self.pids, self.first, self.total, self.steps = pids, None, None, 0
+        self.settle_first = settle_first
 
     def read(self) -> list[tuple[int, int]]:
         from gradsync.cluster.counters import link_bytes
@@ -134,7 +138,8 @@ def host_links(config: dict) -> HostLinks | None:
     pids = torch.zeros(topo.world_size, dtype=torch.int64, device=transport.device)
     pids[topo.rank] = os.getpid()
     transport.allreduce(pids, world=True, what="gather of the ranks' processes")
-    return HostLinks([int(pids[ranks[0]]) for ranks in topo.hosts]) if topo.rank == 0 else None
+    return HostLinks([int(pids[ranks[0]]) for ranks in topo.hosts], settle_first=config["warmup"] >= 2) \
+        if topo.rank == 0 else None
 
 
 def timed_steps(model, optimizer, work: Workload, total: int, label: str = "compute only",
@@ -184,6 +189,9 @@ def timed_steps(model, optimizer, work: Workload, total: int, label: str = "comp
         times.append(end - start + between)
         if links is not None:
             links.step()
+            if step == 0 and links.settle_first:  # the first step's decisions are not a step's traffic
+                optimizer.strategy.settle()
+                links.start()
         if sent is not None:
             sent.append(runtime.current().transport.bytes_sent)
         if updates is not None:
