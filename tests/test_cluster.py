@@ -216,7 +216,8 @@ def test_bench_on_an_emulated_cluster_records_the_bound_and_a_trace(tmp_path):
     out = subprocess.run(GRADSYNC + ["bench", "--model", "toy", "--batch-size", "4", "--compute", f"emulated:{profile}",
                                      "--dilation", "2", "--net", "100mbit,rank2=50mbit", "--strategies", "allreduce,ps",
                                      "--ranks-per-host", "2", "--servers", "1", "--slow", "1:2",
-                                     "--steps", "3", "--warmup", "1", "--rounds", "1", "--check-steps", "2",
+                                     # two warm-up steps: the link count starts once the first has settled
+                                     "--steps", "3", "--warmup", "2", "--rounds", "1", "--check-steps", "2",
                                      "--json", str(records), "--trace", str(trace)],
                          capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stdout + out.stderr
