@@ -356,6 +356,77 @@ def test_a_shrink_keeps_allreduces_buckets_and_their_order():
     assert not result["other_shares"], result
 
 
+LOADS_ACROSS_RESIZES = """
+import gc, json, os, sys
+import torch
+import gradsync
+from gradsync.adapt import Controller, ScheduledResize
+
+def collect_garbage(worker_id):
+    gc.collect()  # a DataLoader worker's first collection: whatever its parent left in cycles
+
+def gloo_threads():
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                names.append(f.read())
+        except FileNotFoundError:  # a thread that ended meanwhile
+            pass
+    return sum(name.startswith("pt_gloo") for name in names)
+
+gradsync.init()
+data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
+model = torch.nn.Linear(4, 1)
+opt = gradsync.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1), sys.argv[2])
+ctl = Controller(opt, [ScheduledResize({2: 3, 4: 2, 6: 3, 8: 2})], batch_size=4, dataset_size=len(data))
+threads = {}
+
+def train(ctl):
+    for _ in ctl.epochs(100):
+        for step in ctl.steps():
+            if step >= 10:
+                ctl.stop()
+                break
+            part = torch.utils.data.Subset(data, ctl.batch_indices().tolist())
+            loader = torch.utils.data.DataLoader(part, batch_size=len(part), num_workers=1, timeout=20,
+                                                 worker_init_fn=collect_garbage)
+            for x, y in loader:  # a new worker process every step
+                torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            threads[step] = (ctl.num_workers, gloo_threads())
+
+ctl.run(train)
+if not ctl.detached and gradsync.topology().rank == 0:
+    with open(sys.argv[1], "w") as f:
+        json.dump({"threads": threads}, f)
+gradsync.shutdown()
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads by /proc/self/task")
+@pytest.mark.parametrize("strategy", ["allreduce", "allreduce-priority"])
+def test_dataloader_workers_forked_after_each_resize_load_and_old_groups_are_gone(tmp_path, strategy):
+    """A generation's strategy, transport and runtime refer to each other and hold its process
+    groups, whose Gloo threads run until the groups are freed. Left for a later collection, they
+    are freed in whatever process collects first: a DataLoader worker forked after the regroup,
+    where a group's destructor waits for threads the child does not have (it hangs, or crashes).
+    The regroup frees them: the workers load every step, and the Gloo threads stay as many at each
+    size as at its first visit."""
+    script = tmp_path / "loads.py"
+    script.write_text(LOADS_ACROSS_RESIZES)
+    out = tmp_path / "threads.json"
+    proc = subprocess.run([*GRADSYNC, "run", "--elastic", "-np", "2", "--min-np", "1", "--max-np", "3", "--",
+                           sys.executable, str(script), str(out), strategy], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT, env={**os.environ, "GRADSYNC_TIMEOUT": "20"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    threads = {int(step): tuple(v) for step, v in json.loads(out.read_text())["threads"].items()}
+    assert [threads[s][0] for s in range(10)] == [2, 2, 3, 3, 2, 2, 3, 3, 2, 2], threads
+    for size in (2, 3):  # the same count whenever the job is at this size again
+        assert len({n for workers, n in threads.values() if workers == size}) == 1, sorted(threads.items())
+
+
 @pytest.mark.parametrize("loader", [None, 2], ids=["batch_indices", "ctl.loader"])
 def test_balance_batches_in_an_elastic_job_rebalances_after_each_resize(tmp_path, loader):
     """BalanceBatches with worker 1 three times as slow per sample: it gets fewer samples, the shares
@@ -364,7 +435,7 @@ def test_balance_batches_in_an_elastic_job_rebalances_after_each_resize(tmp_path
     loaded by ctl.loader, a DataLoader of 2 processes loading 8 batches ahead: every batch is the
     step's part (the example checks), the plans dropped at each new share and size."""
     result, _ = run_job(tmp_path, ["-np", "2", "--min-np", "1", "--max-np", "3"],
-                        ["--schedule", "6:3,12:2", "--steps", "16", "--balance", "--sample-ms", "3",
+                        ["--schedule", "6:3,12:2", "--steps", "16", "--balance", "--sample-ms", "10",
                          "--slow-worker", "1:3", *(["--loader-workers", str(loader)] if loader else [])])
     shares = [result["shares"][str(s)] for s in range(16)]
     assert [len(s) for s in shares] == [2] * 6 + [3] * 6 + [2] * 4

@@ -8,6 +8,7 @@ the newest state hands it to all (joiners have none; after a failure survivors m
 from __future__ import annotations
 
 import copy
+import gc
 import time
 
 import torch
@@ -131,6 +132,13 @@ class Regrouping:
             for m in sync.observer:
                 m.attach(sync.params, sync.names, m.every)
         done("strategy")
+        # The old generation's strategy, transport and runtime refer to each other (threads, bound
+        # methods) and hold its process groups, whose Gloo threads run until the groups are freed.
+        # Freed here, not at some later collection, which may come in a child forked meanwhile (a
+        # DataLoader's worker): there a group's destructor waits for threads the child does not have.
+        del previous
+        gc.collect()
+        done("free the old group")
         if member.needs_state:  # a new worker, or restored commits that may differ; not after a shrink
             self._hand_over(joining=False)
             done("state hand-over")
