@@ -83,6 +83,11 @@ def stop_threads(runtime) -> None:
         two_level.close()
 
 
+def blocked_threads_left() -> bool:
+    """Whether a thread :func:`left_behind` remembered is still blocked in its broken group."""
+    return any(t.is_alive() for t in _LEFT_BEHIND)
+
+
 def left_behind(timeout_s: float) -> None:
     """A group broken by a peer failure was left and this process goes on (an elastic job's
     survivor): its threads still blocked in a receive that no peer will answer (a Gloo receive

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from gradsync import runtime
+from gradsync import runtime, teardown
 from gradsync.adapt import elastic
 from gradsync.consistency import broadcast_model, check_models_match
 from gradsync.diagnosis import PEER_TROUBLE
@@ -33,7 +33,9 @@ def collect_before_the_next_fork() -> None:
     threads run until the groups are freed. Whatever process collects that garbage first runs the
     groups' destructors: in a child forked meanwhile (a DataLoader's worker) they wait for threads
     the child does not have, and it hangs or crashes. So the next fork of this process collects it
-    first, here, once (a full collection, 0.01-0.1 s, paid by that fork and not by the regroup)."""
+    first, here, once (a full collection, 0.01-0.1 s, paid by that fork and not by the regroup);
+    after a failure, every fork does until the threads left blocked in the broken group have
+    ended (at its timeout at the latest), since their end is what makes that group garbage."""
     global _RETIRED, _HOOKED
     _RETIRED = True
     if not _HOOKED:
@@ -44,7 +46,7 @@ def collect_before_the_next_fork() -> None:
 def _collect_if_retired() -> None:
     global _RETIRED
     if _RETIRED:
-        _RETIRED = False
+        _RETIRED = teardown.blocked_threads_left()
         gc.collect()
 
 
