@@ -357,7 +357,7 @@ def test_a_shrink_keeps_allreduces_buckets_and_their_order():
 
 
 LOADS_ACROSS_RESIZES = """
-import gc, json, os, sys
+import gc, json, os, signal, sys
 import torch
 import gradsync
 from gradsync.adapt import Controller, ScheduledResize
@@ -379,7 +379,9 @@ gradsync.init()
 data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
 model = torch.nn.Linear(4, 1)
 opt = gradsync.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1), sys.argv[2])
-ctl = Controller(opt, [ScheduledResize({2: 3, 4: 2, 6: 3, 8: 2})], batch_size=4, dataset_size=len(data))
+die = sys.argv[3:] == ["die"]  # worker 1 dies in step 3 instead of the resizes; no loader, a collection each step
+ctl = Controller(opt, [ScheduledResize({} if die else {2: 3, 4: 2, 6: 3, 8: 2})], batch_size=4,
+                 dataset_size=len(data))
 threads = {}
 
 def train(ctl):
@@ -389,12 +391,20 @@ def train(ctl):
                 ctl.stop()
                 break
             part = torch.utils.data.Subset(data, ctl.batch_indices().tolist())
-            loader = torch.utils.data.DataLoader(part, batch_size=len(part), num_workers=1, timeout=20,
-                                                 worker_init_fn=collect_garbage)
-            for x, y in loader:  # a new worker process every step
+            if die:
+                if step == 3 and os.environ.get("GRADSYNC_ELASTIC_ID") == "1":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                x, y = data[ctl.batch_indices()]
                 torch.nn.functional.mse_loss(model(x), y).backward()
+            else:
+                loader = torch.utils.data.DataLoader(part, batch_size=len(part), num_workers=1, timeout=20,
+                                                     worker_init_fn=collect_garbage)
+                for x, y in loader:  # a new worker process every step
+                    torch.nn.functional.mse_loss(model(x), y).backward()
             opt.step()
             opt.zero_grad()
+            if die:
+                gc.collect()
             threads[step] = (ctl.num_workers, gloo_threads())
 
 ctl.run(train)
@@ -403,6 +413,18 @@ if not ctl.detached and gradsync.topology().rank == 0:
         json.dump({"threads": threads}, f)
 gradsync.shutdown()
 """
+
+
+def run_loads(tmp_path, np: int, *args: str) -> dict[int, tuple[int, int]]:
+    """LOADS_ACROSS_RESIZES as an elastic job of ``np`` workers: by step, (workers, Gloo threads)."""
+    script = tmp_path / "loads.py"
+    script.write_text(LOADS_ACROSS_RESIZES)
+    out = tmp_path / "threads.json"
+    proc = subprocess.run([*GRADSYNC, "run", "--elastic", "-np", str(np), "--min-np", "1", "--max-np", "3", "--",
+                           sys.executable, str(script), str(out), *args], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT, env={**os.environ, "GRADSYNC_TIMEOUT": "20"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return {int(step): tuple(v) for step, v in json.loads(out.read_text())["threads"].items()}
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads by /proc/self/task")
@@ -415,17 +437,20 @@ def test_dataloader_workers_forked_after_each_resize_load_and_old_groups_are_gon
     The next fork after a regroup collects them first (``ddp``'s reducer holds its group where no
     explicit release reaches): the workers load every step, and the Gloo threads stay as many at
     each size as at its first visit."""
-    script = tmp_path / "loads.py"
-    script.write_text(LOADS_ACROSS_RESIZES)
-    out = tmp_path / "threads.json"
-    proc = subprocess.run([*GRADSYNC, "run", "--elastic", "-np", "2", "--min-np", "1", "--max-np", "3", "--",
-                           sys.executable, str(script), str(out), strategy], capture_output=True, text=True,
-                          timeout=120, cwd=ROOT, env={**os.environ, "GRADSYNC_TIMEOUT": "20"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    threads = {int(step): tuple(v) for step, v in json.loads(out.read_text())["threads"].items()}
+    threads = run_loads(tmp_path, 2, strategy)
     assert [threads[s][0] for s in range(10)] == [2, 2, 3, 3, 2, 2, 3, 3, 2, 2], threads
     for size in (2, 3):  # the same count whenever the job is at this size again
         assert len({n for workers, n in threads.values() if workers == size}) == 1, sorted(threads.items())
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads by /proc/self/task")
+def test_after_a_workers_death_nothing_holds_the_broken_group(tmp_path):
+    """Worker 1 of 3 dies in step 3; the survivors redo it at 2 workers. Once they have regrouped,
+    nothing holds the broken generation (its failure's traceback did, until the job ended): a
+    collection frees its group, and the Gloo threads are as many as before the death."""
+    threads = run_loads(tmp_path, 3, "allreduce", "die")
+    assert [threads[s][0] for s in range(10)] == [3, 3, 3] + [2] * 7, threads
+    assert len({n for _, n in threads.values()}) == 1, sorted(threads.items())
 
 
 @pytest.mark.parametrize("loader", [None, 2], ids=["batch_indices", "ctl.loader"])

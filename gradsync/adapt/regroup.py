@@ -86,6 +86,7 @@ class Regrouping:
                     if failure is None:
                         raise
                     self._recover(failure)
+                    del failure  # its traceback holds the old generation: garbage now, for the next fork to collect
                     if self.detached:
                         return
         finally:
