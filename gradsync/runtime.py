@@ -314,6 +314,7 @@ def leave() -> Runtime | None:
         dist.destroy_process_group()
     if runtime.transport is not None and runtime.transport.failure is not None:
         teardown.left_behind(runtime.timeout_s)
+    teardown.collect_before_forks(runtime.transport)
     return runtime
 
 
@@ -381,6 +382,7 @@ def shutdown() -> None:
         teardown.stop_threads(runtime)
         trace.save_from_env()
     teardown.leave_group(runtime)
+    teardown.collect_before_forks(runtime.transport)
     if error is not None:
         raise error
 

@@ -14,6 +14,9 @@ round to a neighbouring bf16 value in the next forward (a 2^-8 relative change o
 so they allow 1e-4 + 1e-3 |p|: a missed or unaveraged gradient moves parameters by ~lr = 0.05.
 """
 import math
+import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -393,6 +396,57 @@ def test_a_dataloader_with_gradsync_sampler_shards_by_workers_only(strategy, ser
         torch.testing.assert_close(results[0][name], value.detach(), atol=FP32_TOL[0], rtol=FP32_TOL[1])
     if servers:
         assert results[WORKERS] == 0  # a server's sampler is empty
+
+
+EVALUATE_AFTER_TRAINING = """
+import gc, os, sys
+import torch
+import gradsync
+
+def collect_garbage(worker_id):
+    gc.collect()  # a DataLoader worker's first collection: whatever its parent left in cycles
+
+def gloo_threads():
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                names.append(f.read())
+        except FileNotFoundError:  # a thread that ended meanwhile
+            pass
+    return sum(name.startswith("pt_gloo") for name in names)
+
+def train():
+    model = torch.nn.Linear(6, 3)
+    opt = gradsync.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1), sys.argv[1])
+    for _ in range(3):
+        torch.nn.functional.mse_loss(model(torch.randn(4, 6)), torch.randn(4, 3)).backward()
+        opt.step()
+        opt.zero_grad()
+    opt.flush()
+    gradsync.shutdown()
+
+train()  # its model, optimizer and strategy are garbage now, holding the job's process groups
+data = torch.utils.data.TensorDataset(torch.randn(40, 6))
+loader = torch.utils.data.DataLoader(data, batch_size=5, num_workers=2, worker_init_fn=collect_garbage, timeout=30)
+print("evaluated", sum(len(x) for (x,) in loader), "gloo threads", gloo_threads(), flush=True)
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads by /proc/self/task")
+@pytest.mark.parametrize("strategy", ["allreduce", "p3", "ddp"])
+def test_a_dataloader_after_training_in_a_function_and_shutdown_loads(tmp_path, strategy):
+    """Training in a function, ``gradsync.shutdown()``, then an evaluation DataLoader with workers.
+    The optimizer, strategy, transport and runtime the function let go of hold the job's process
+    groups in reference cycles; freed in a loader's worker, a Gloo group's destructor waits for
+    threads the child does not have (a hang, or a crash). The fork collects them first, in the
+    trainer, and their Gloo threads end."""
+    script = tmp_path / "evaluate.py"
+    script.write_text(EVALUATE_AFTER_TRAINING)
+    proc = subprocess.run([sys.executable, "-m", "gradsync.cli", "run", "-np", "2", "--", sys.executable, str(script),
+                           strategy], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert proc.stdout.count("evaluated 40 gloo threads 0") == 2, proc.stdout
 
 
 # -- module buffers (BatchNorm statistics) ------------------------------------------------------------

@@ -8,46 +8,16 @@ the newest state hands it to all (joiners have none; after a failure survivors m
 from __future__ import annotations
 
 import copy
-import gc
-import os
 import time
 
 import torch
 
-from gradsync import runtime, teardown
+from gradsync import runtime
 from gradsync.adapt import elastic
 from gradsync.consistency import broadcast_model, check_models_match
 from gradsync.diagnosis import PEER_TROUBLE
 from gradsync.errors import GradsyncError, PeerFailureError
 from gradsync.optimizer import detach, reattach
-
-
-_RETIRED = False
-"""Whether a generation was left since the last collection before a fork (:func:`collect_before_the_next_fork`)."""
-_HOOKED = False
-
-
-def collect_before_the_next_fork() -> None:
-    """A generation was just left. Its strategy, transport and runtime refer to each other
-    (threads, bound methods) and so outlive it as garbage, holding its process groups, whose Gloo
-    threads run until the groups are freed. Whatever process collects that garbage first runs the
-    groups' destructors: in a child forked meanwhile (a DataLoader's worker) they wait for threads
-    the child does not have, and it hangs or crashes. So the next fork of this process collects it
-    first, here, once (a full collection, 0.01-0.1 s, paid by that fork and not by the regroup);
-    after a failure, every fork does until the threads left blocked in the broken group have
-    ended (at its timeout at the latest), since their end is what makes that group garbage."""
-    global _RETIRED, _HOOKED
-    _RETIRED = True
-    if not _HOOKED:
-        os.register_at_fork(before=_collect_if_retired)
-        _HOOKED = True
-
-
-def _collect_if_retired() -> None:
-    global _RETIRED
-    if _RETIRED:
-        _RETIRED = teardown.blocked_threads_left()
-        gc.collect()
 
 
 def _peer_failure(exc: RuntimeError) -> PeerFailureError | None:
@@ -86,7 +56,7 @@ class Regrouping:
                     if failure is None:
                         raise
                     self._recover(failure)
-                    del failure  # its traceback holds the old generation: garbage now, for the next fork to collect
+                    del failure  # its traceback holds the old generation: let go now (teardown.collect_before_forks)
                     if self.detached:
                         return
         finally:
@@ -144,7 +114,6 @@ class Regrouping:
             if not failed:
                 raise
         done("leave")
-        collect_before_the_next_fork()
         if not member.enter(gen, needs_state=failed):
             self.detached = self.stop_requested = True
             return
