@@ -140,3 +140,27 @@ def run_ranks_expect_failure(fn, world_size: int, *args, servers: int = 0, timeo
     finally:
         _reap(procs, grace=0.5)
     return {rank: value for rank, (status, value) in out.items() if status == "error"}
+
+
+FORK_PROBES = """
+import gc
+import os
+
+
+def collect_garbage(worker_id):
+    gc.collect()  # a DataLoader worker's first collection: whatever its parent left in cycles
+
+
+def gloo_threads():
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                names.append(f.read())
+        except FileNotFoundError:  # a thread that ended meanwhile
+            pass
+    return sum(name.startswith("pt_gloo") for name in names)
+"""
+"""The head of a script run by ``gradsync run`` that forks DataLoader workers: ``collect_garbage``
+(a ``worker_init_fn`` that collects first thing, as a child's collection may at any time) and
+``gloo_threads`` (this process's Gloo threads, from /proc/self/task)."""

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from gradsync.adapt.elastic import OTHERS_STEP
+from multirank import FORK_PROBES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "elastic.py")
@@ -356,24 +357,12 @@ def test_a_shrink_keeps_allreduces_buckets_and_their_order():
     assert not result["other_shares"], result
 
 
-LOADS_ACROSS_RESIZES = """
-import gc, json, os, signal, sys
+LOADS_ACROSS_RESIZES = FORK_PROBES + """
+import json, signal, sys
 import torch
 import gradsync
 from gradsync.adapt import Controller, ScheduledResize
 
-def collect_garbage(worker_id):
-    gc.collect()  # a DataLoader worker's first collection: whatever its parent left in cycles
-
-def gloo_threads():
-    names = []
-    for task in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{task}/comm") as f:
-                names.append(f.read())
-        except FileNotFoundError:  # a thread that ended meanwhile
-            pass
-    return sum(name.startswith("pt_gloo") for name in names)
 
 gradsync.init()
 data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randn(64, 1))

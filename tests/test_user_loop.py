@@ -26,7 +26,7 @@ from torch import nn
 import gradsync
 from gradsync.compress import CompressionError
 from gradsync.errors import ConfigError, GradientEditedError
-from multirank import DEVICE, run_ranks, run_ranks_expect_failure
+from multirank import DEVICE, FORK_PROBES, run_ranks, run_ranks_expect_failure
 
 WORKERS, STEPS, LR, CLIP = 2, 3, 0.05, 0.05
 FP32_TOL, BF16_TOL = (1e-5, 1e-4), (1e-4, 1e-3)
@@ -398,23 +398,11 @@ def test_a_dataloader_with_gradsync_sampler_shards_by_workers_only(strategy, ser
         assert results[WORKERS] == 0  # a server's sampler is empty
 
 
-EVALUATE_AFTER_TRAINING = """
-import gc, os, sys
+EVALUATE_AFTER_TRAINING = FORK_PROBES + """
+import sys
 import torch
 import gradsync
 
-def collect_garbage(worker_id):
-    gc.collect()  # a DataLoader worker's first collection: whatever its parent left in cycles
-
-def gloo_threads():
-    names = []
-    for task in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{task}/comm") as f:
-                names.append(f.read())
-        except FileNotFoundError:  # a thread that ended meanwhile
-            pass
-    return sum(name.startswith("pt_gloo") for name in names)
 
 def train():
     model = torch.nn.Linear(6, 3)
