@@ -99,9 +99,10 @@ def collect_before_forks(transport) -> None:
     collection here, in the parent (0.01-0.1 s each; after a regroup, usually the first fork
     alone: nothing else holds the old generation)."""
     global _HOOKED
-    if transport is None:
+    try:
+        _RELEASED.append(weakref.ref(transport))
+    except TypeError:  # None (a runtime that never formed), or a stand-in without weak references
         return
-    _RELEASED.append(weakref.ref(transport))
     if not _HOOKED:
         os.register_at_fork(before=_collect_if_released)
         _HOOKED = True
