@@ -96,7 +96,7 @@ def collect_before_forks(transport) -> None:
     Whatever process collects that garbage first runs the groups' destructors: in a child forked
     meanwhile (a DataLoader's worker) they wait for threads the child does not have, and it hangs
     or crashes. So until ``transport`` is freed, every fork of this process first runs a full
-    collection here, in the parent (0.01-0.1 s each; after a regroup, usually the first fork
+    collection here, in the parent (0.01-0.12 s each, as measured here; after a regroup, usually the first fork
     alone: nothing else holds the old generation)."""
     global _HOOKED
     try:
