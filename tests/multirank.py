@@ -157,7 +157,7 @@ def gloo_threads():
         try:
             with open(f"/proc/self/task/{task}/comm") as f:
                 names.append(f.read())
-        except FileNotFoundError:  # a thread that ended meanwhile
+        except OSError:  # a thread that ended meanwhile (ENOENT, or ESRCH while its entry goes)
             pass
     return sum(name.startswith("pt_gloo") for name in names)
 """

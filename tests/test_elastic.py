@@ -404,8 +404,9 @@ gradsync.shutdown()
 """
 
 
-def run_loads(tmp_path, np: int, *args: str) -> dict[int, tuple[int, int]]:
-    """LOADS_ACROSS_RESIZES as an elastic job of ``np`` workers: by step, (workers, Gloo threads)."""
+def run_loads(tmp_path, np: int, *args: str) -> tuple[dict[int, tuple[int, int]], str]:
+    """LOADS_ACROSS_RESIZES as an elastic job of ``np`` workers: by step, (workers, Gloo threads);
+    and what the job printed."""
     script = tmp_path / "loads.py"
     script.write_text(LOADS_ACROSS_RESIZES)
     out = tmp_path / "threads.json"
@@ -413,7 +414,8 @@ def run_loads(tmp_path, np: int, *args: str) -> dict[int, tuple[int, int]]:
                            sys.executable, str(script), str(out), *args], capture_output=True, text=True,
                           timeout=120, cwd=ROOT, env={**os.environ, "GRADSYNC_TIMEOUT": "20"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return {int(step): tuple(v) for step, v in json.loads(out.read_text())["threads"].items()}
+    return ({int(step): tuple(v) for step, v in json.loads(out.read_text())["threads"].items()},
+            proc.stdout[-3000:] + proc.stderr[-5000:])
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads by /proc/self/task")
@@ -426,10 +428,10 @@ def test_dataloader_workers_forked_after_each_resize_load_and_old_groups_are_gon
     The next fork after a regroup collects them first (``ddp``'s reducer holds its group where no
     explicit release reaches): the workers load every step, and the Gloo threads stay as many at
     each size as at its first visit."""
-    threads = run_loads(tmp_path, 2, strategy)
-    assert [threads[s][0] for s in range(10)] == [2, 2, 3, 3, 2, 2, 3, 3, 2, 2], threads
+    threads, printed = run_loads(tmp_path, 2, strategy)
+    assert [threads[s][0] for s in range(10)] == [2, 2, 3, 3, 2, 2, 3, 3, 2, 2], (threads, printed)
     for size in (2, 3):  # the same count whenever the job is at this size again
-        assert len({n for workers, n in threads.values() if workers == size}) == 1, sorted(threads.items())
+        assert len({n for workers, n in threads.values() if workers == size}) == 1, (sorted(threads.items()), printed)
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads by /proc/self/task")
@@ -437,9 +439,9 @@ def test_after_a_workers_death_nothing_holds_the_broken_group(tmp_path):
     """Worker 1 of 3 dies in step 3; the survivors redo it at 2 workers. Once they have regrouped,
     nothing holds the broken generation (its failure's traceback did, until the job ended): a
     collection frees its group, and the Gloo threads are as many as before the death."""
-    threads = run_loads(tmp_path, 3, "allreduce", "die")
-    assert [threads[s][0] for s in range(10)] == [3, 3, 3] + [2] * 7, threads
-    assert len({n for _, n in threads.values()}) == 1, sorted(threads.items())
+    threads, printed = run_loads(tmp_path, 3, "allreduce", "die")
+    assert [threads[s][0] for s in range(10)] == [3, 3, 3] + [2] * 7, (threads, printed)
+    assert len({n for _, n in threads.values()}) == 1, (sorted(threads.items()), printed)
 
 
 @pytest.mark.parametrize("loader", [None, 2], ids=["batch_indices", "ctl.loader"])
