@@ -379,13 +379,13 @@ def train(ctl):
             if step >= 10:
                 ctl.stop()
                 break
-            part = torch.utils.data.Subset(data, ctl.batch_indices().tolist())
             if die:
                 if step == 3 and os.environ.get("GRADSYNC_ELASTIC_ID") == "1":
                     os.kill(os.getpid(), signal.SIGKILL)
                 x, y = data[ctl.batch_indices()]
                 torch.nn.functional.mse_loss(model(x), y).backward()
             else:
+                part = torch.utils.data.Subset(data, ctl.batch_indices().tolist())
                 loader = torch.utils.data.DataLoader(part, batch_size=len(part), num_workers=1, timeout=20,
                                                      worker_init_fn=collect_garbage)
                 for x, y in loader:  # a new worker process every step
