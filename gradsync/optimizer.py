@@ -63,17 +63,20 @@ class DistributedOptimizer:
             recorder.pace.synchronous = sync.strategy.synchronous
             recorder.pace.end_step(recorder.waited_s, runtime.current().transport.bytes_sent)
             if sync.strategy.synchronous and stragglers.probe_due(sync.steps) and stragglers.enabled():
-                self._probe_links(recorder)
+                self._probe_links(recorder, sync.strategy)
         return loss
 
     @staticmethod
-    def _probe_links(recorder) -> None:
-        """Every worker times its ring neighbours' links, at the same step (gradsync.stragglers)."""
+    def _probe_links(recorder, strategy: Strategy) -> None:
+        """Every worker times its ring neighbours' links, at the same step (gradsync.stragglers),
+        once the step's traffic still in flight has crossed (``p3``'s pulls): the probe times the
+        links alone."""
         rt = runtime.current()
         # Not in an elastic job (a joiner counts its steps anew), nor where workers share hosts (a
         # neighbour on the same host is no network link).
         if rt.topology.num_workers > 1 and rt.elastic is None and not rt.topology.shares_hosts:
-            recorder.pace.links = stragglers.probe(rt.transport, rt.topology)
+            strategy.settle()
+            recorder.pace.links = stragglers.probe(rt.transport, rt.topology, watch=recorder.pace.probe_watch)
 
     @contextlib.contextmanager
     def no_sync(self):

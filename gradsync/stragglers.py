@@ -22,6 +22,7 @@ SIGUSR1 and failure summary, and :class:`gradsync.adapt.Stragglers` (TensorBoard
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import sys
@@ -73,7 +74,7 @@ EXPLAINS = 0.25
 """A slow link is named only when the worker's bytes a step, at its links' rate rather than the
 others', take at least this share of the job's wait longer (a slow probe reading on a link that
 carries little cannot hold the others back)."""
-PROBE_TAG = 0x53540000  # this module's point-to-point tags: PROBE_TAG + 0..99
+PROBE_TAG = 0x53540000  # this module's point-to-point tags: PROBE_TAG + 0..99 (80 + k: the closing barrier)
 ENV = "GRADSYNC_STRAGGLERS"
 """``0``: no probes and no printed line (the pace is still kept: it costs two clock reads and an append a step)."""
 
@@ -95,6 +96,9 @@ class Pace:
         self._sent_end: int | None = None
         self.links: dict[int, float] = {}  # peer -> Gbit/s, peer -> this worker
         self.synchronous = True  # the strategy has a barrier a step (a slow worker can hold the others)
+        self.probe_watch = contextlib.nullcontext
+        """The context the link probe's traffic runs inside (:func:`probe`'s ``watch``): ``gradsync
+        bench`` counts the links' bytes without it."""
         self._step_end: float | None = None  # when the last step ended (perf_counter, as the tracer)
         self._forward: float | None = None  # the first forward since then
         self._waited_end = self._waited_forward = 0.0  # the recorder's wait total at those times
@@ -261,12 +265,18 @@ def probe_due(steps: int) -> bool:
     return steps == PROBE_FIRST or (steps > PROBE_FIRST and (steps - PROBE_FIRST) % PROBE_EVERY == 0)
 
 
-def probe(transport, topology, nbytes: int = PROBE_BYTES, chunks: int = PROBE_CHUNKS) -> dict[int, float]:
+def probe(transport, topology, nbytes: int = PROBE_BYTES, chunks: int = PROBE_CHUNKS,
+          watch=contextlib.nullcontext) -> dict[int, float]:
     """Collective over the workers: the rate (Gbit/s) of the link from each ring neighbour to this
     worker. After a barrier each worker sends ``chunks`` messages of ``nbytes`` back to back to the
     next worker (then, second round, to the previous one) and notes when each of its neighbour's
-    arrives (:func:`train_rate`). Point-to-point messages only (the barrier too: a dissemination
-    barrier), so a strategy's collectives still in flight on its own threads are not disturbed."""
+    arrives (:func:`train_rate`). Point-to-point messages only (the barriers too: dissemination
+    barriers), so a strategy's collectives still in flight on its own threads are not disturbed.
+
+    ``watch()`` is a context entered once every worker has reached the probe and left once every
+    worker's trains have arrived (a closing barrier): what the links carry inside it is the probe's
+    own traffic, where the workers' strategy has settled first (``gradsync bench`` leaves it out of
+    its count of the links' bytes)."""
     import torch  # here: the launcher reads verdicts without importing torch
 
     n, me = topology.num_workers, topology.rank
@@ -274,21 +284,25 @@ def probe(transport, topology, nbytes: int = PROBE_BYTES, chunks: int = PROBE_CH
     inboxes = [torch.empty_like(payload) for _ in range(chunks)]
     bits = payload.numel() * 32
     out: dict[int, float] = {}
-    for k, d in enumerate((1, -1) if n > 2 else (1,)):
-        to, frm = (me + d) % n, (me - d) % n
-        tag = PROBE_TAG + 50 * k
-        _barrier(transport, n, me, tag)
-        start = time.perf_counter()
-        recvs = [transport.recv_async(inboxes[i], frm, tag + 10 + i, what="link probe") for i in range(chunks)]
-        sends = [transport.send_async(payload, to, tag + 10 + i, what="link probe", counted=False)
-                 for i in range(chunks)]
-        arrived = []
-        for h in recvs:
-            h.wait()
-            arrived.append(time.perf_counter())
-        out[frm] = train_rate(bits, start, arrived)
-        for h in sends:
-            h.wait()
+    _barrier(transport, n, me, PROBE_TAG)
+    with watch():
+        for k, d in enumerate((1, -1) if n > 2 else (1,)):
+            to, frm = (me + d) % n, (me - d) % n
+            tag = PROBE_TAG + 50 * k
+            if k:
+                _barrier(transport, n, me, tag)
+            start = time.perf_counter()
+            recvs = [transport.recv_async(inboxes[i], frm, tag + 10 + i, what="link probe") for i in range(chunks)]
+            sends = [transport.send_async(payload, to, tag + 10 + i, what="link probe", counted=False)
+                     for i in range(chunks)]
+            arrived = []
+            for h in recvs:
+                h.wait()
+                arrived.append(time.perf_counter())
+            out[frm] = train_rate(bits, start, arrived)
+            for h in sends:
+                h.wait()
+        _barrier(transport, n, me, PROBE_TAG + 80)  # every worker's trains have arrived
     return out
 
 

@@ -261,6 +261,28 @@ def test_bench_on_an_emulated_cluster_records_the_bound_and_a_trace(tmp_path):
 
 
 @needs_root
+def test_bench_leaves_the_straggler_monitors_link_probe_out_of_the_links_bytes(tmp_path):
+    from test_emulate import toy_profile
+
+    from gradsync import stragglers
+
+    # One round of 11 steps: after the tenth the monitor probes each worker's link (16 MiB each way,
+    # 1.5 MiB a step of the round if counted); the links' bytes per step are the strategy's alone.
+    profile = toy_profile(tmp_path / "toy.json", ms=2.0)
+    records = tmp_path / "records.json"
+    out = subprocess.run(GRADSYNC + ["bench", "--model", "toy", "--batch-size", "4", "--compute", f"emulated:{profile}",
+                                     "--net", "1gbit", "--np", "2", "--strategies", "allreduce,p3",
+                                     "--steps", str(stragglers.PROBE_FIRST - 1), "--warmup", "2", "--rounds", "1",
+                                     "--check-steps", "0", "--json", str(records)],
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stdout + out.stderr
+    for r in json.loads(records.read_text()):
+        assert r["host_probe_bytes"] >= stragglers.PROBE_CHUNKS * stragglers.PROBE_BYTES, r["strategy"]
+        # the toy model's few kB a step, headers and acknowledgements included, against 1.5 MiB
+        assert max(r["host_tx_bytes_per_step"], r["host_rx_bytes_per_step"]) < 4 * r["bytes_per_step"] + 20_000, r
+
+
+@needs_root
 def test_a_delay_line_adds_the_delay_and_goes_away_with_the_cluster():
     with EmulatedCluster(2, 100e6, delay_ms=20) as cluster:
         line = cluster._line

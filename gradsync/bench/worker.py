@@ -107,10 +107,15 @@ class HostLinks:
     whole (it learns the order then): windows closed at each step's end hold the warm-up's tail in
     place of the last step's, and over a few measured steps read up to a step's bytes over their
     number too much or too little. Every strategy measured on hosts sends the same bytes each step;
-    the strategy's own count per step (``step_bytes``) shows where one does not."""
+    the strategy's own count per step (``step_bytes``) shows where one does not.
+
+    The straggler monitor's link probe (after a round's tenth step) is not the strategy's traffic: what
+    the links carry while it runs (:meth:`probe`, its ``watch``) is left out of ``total`` and kept
+    in ``probe`` (each way, 16 MiB a ring neighbour on another host)."""
 
     def __init__(self, pids: list[int], settle_first: bool = False):
         self.pids, self.first, self.total, self.steps = pids, None, None, 0
+        self.probe_bytes = [[0, 0] for _ in pids]
         self.settle_first = settle_first
 
     def read(self) -> list[tuple[int, int]]:
@@ -120,13 +125,25 @@ class HostLinks:
 
     def start(self) -> None:
         self.first, self.total, self.steps = self.read(), None, 0
+        self.probe_bytes = [[0, 0] for _ in self.pids]
 
     def step(self) -> None:
         self.steps += 1
 
+    @contextlib.contextmanager
+    def probe(self):
+        """Around the link probe (:attr:`gradsync.stragglers.Pace.probe_watch`): its bytes, apart."""
+        before = self.read()
+        yield
+        for kept, n, m in zip(self.probe_bytes, self.read(), before):
+            kept[0] += n[0] - m[0]
+            kept[1] += n[1] - m[1]
+
     def end(self) -> None:
-        """Close the round, once the strategy has settled: what crossed each link since ``start``."""
-        self.total = [[a - b for a, b in zip(n, m)] for n, m in zip(self.read(), self.first)]
+        """Close the round, once the strategy has settled: what crossed each link since ``start``,
+        less the probe's."""
+        self.total = [[a - b - c for a, b, c in zip(n, m, p)]
+                      for n, m, p in zip(self.read(), self.first, self.probe_bytes)]
 
 
 def host_links(config: dict) -> HostLinks | None:
@@ -348,6 +365,8 @@ def run_strategy(name: str, options: dict, work: Workload, total: int, run_dir: 
         batches: list[float] = []
         recorder = flight.current()
         recorder.pace = stragglers.Pace(warmup=0)  # this strategy's steps alone (its warm-up steps are the bench's)
+        if links is not None:
+            recorder.pace.probe_watch = links.probe  # the link probe's bytes are not the strategy's
         counted: list[int] = []
         ctl, policy = balancer(name, optimizer, work, shares)
         with ctl.train() if ctl is not None else contextlib.nullcontext():
@@ -380,7 +399,8 @@ def run_strategy(name: str, options: dict, work: Workload, total: int, run_dir: 
             "workers_max_diff": agree, "stats": {k: v for k, v in getattr(optimizer.strategy, "stats", {}).items() if isinstance(v, (int, float))},
             "exact": bool(optimizer.strategy.exact), "period": optimizer.strategy.period, "model_bytes": model_bytes,
             "host_cpu": cpu,
-            "host_links": None if links is None else {"total": links.total, "steps": links.steps},
+            "host_links": None if links is None else {"total": links.total, "steps": links.steps,
+                                                      "probe": links.probe_bytes},
             "min_bytes_per_host": optimizer.strategy.min_bytes_per_host(model_bytes),
             "stragglers": [[[s.rank, s.cause, s.ratio, s.held_s] for s in slow]], "paces": [readings],
             "share_history": share_history}
@@ -422,8 +442,13 @@ def merge(into: dict | None, record: dict, warmup: int) -> dict:
 
 def link_sum(a: dict, b: dict) -> dict:
     """Two rounds' link counts as one."""
-    return {"total": [[x + y for x, y in zip(m, n)] for m, n in zip(a["total"], b["total"])],
-            "steps": a["steps"] + b["steps"]}
+    def add(x: list, y: list) -> list:
+        return [[i + j for i, j in zip(m, n)] for m, n in zip(x, y)]
+
+    summed = {"total": add(a["total"], b["total"]), "steps": a["steps"] + b["steps"]}
+    if "probe" in a and "probe" in b:
+        summed["probe"] = add(a["probe"], b["probe"])
+    return summed
 
 
 def run_check(name: str, options: dict, work: Workload, steps: int, run_dir: str,
