@@ -101,6 +101,7 @@ def exchange(store, topology: Topology, timeout_s: float, env=os.environ,
     _wait(store, [LAYOUT], timeout_s, None)
     kind, text = store.get(LAYOUT).decode().split("\t", 1)
     if kind == "error":
+        _all_read(store, topology)
         raise ConfigError(text)
     if kind == "abandoned":
         raise Abandoned(text)
@@ -111,6 +112,21 @@ DECIDED = "gradsync/hosts/decided"
 POLL_FIRST_S, POLL_S = 0.001, 0.05
 """An elastic generation's ranks poll for each other from 1 ms, doubling up to 50 ms: the others
 are usually milliseconds away (a regroup waits on this), a joiner seconds (the store is spared)."""
+
+
+READ = "gradsync/hosts/error-read"
+READ_WAIT_S = 10.0
+
+
+def _all_read(store, topology: Topology) -> None:
+    """Rank 0 raises a layout error only once every rank has read it (or :data:`READ_WAIT_S` has
+    passed): its process may host the store, and were it to exit first, a rank still reading
+    would get "Connection reset by peer" instead of the error."""
+    count = store.add(READ, 1)
+    deadline = time.monotonic() + READ_WAIT_S
+    while topology.rank == 0 and count < topology.world_size and time.monotonic() < deadline:
+        time.sleep(POLL_S / 5)
+        count = store.add(READ, 0)
 
 
 def _decide(store, answer: str, abandon) -> None:

@@ -61,6 +61,39 @@ def test_ranks_told_different_local_world_sizes_all_fail_at_init():
         assert "ConfigError: host 'GRADSYNC_HOST=h' runs ranks [0, 1], but they were told LOCAL_WORLD_SIZE" in text, text
 
 
+def test_rank_0_raises_a_layout_error_once_every_rank_has_read_it():
+    # Rank 0's process may host the store: had it raised and exited first, a rank still reading
+    # the answer would get "Connection reset by peer" instead of the ConfigError.
+    from gradsync.hosts import LAYOUT
+
+    base, events = dist.HashStore(), []
+
+    class RankOneReadsLate:
+        def __getattr__(self, name):
+            return getattr(base, name)
+
+        def get(self, key):
+            if key == LAYOUT and threading.current_thread().name == "rank 1":
+                time.sleep(0.3)
+                events.append("rank 1 read")
+            return base.get(key)
+
+    def one(rank):
+        env = {"GRADSYNC_HOST": "h", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "3"}
+        try:
+            exchange(RankOneReadsLate(), Topology(2, rank, 0, rank), 5.0, env=env)
+        except ConfigError:
+            events.append(f"rank {rank} raised")
+
+    threads = [threading.Thread(target=one, args=(r,), name=f"rank {r}") for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert sorted(events) == ["rank 0 raised", "rank 1 raised", "rank 1 read"], events
+    assert events.index("rank 1 read") < events.index("rank 0 raised"), events
+
+
 def exchange_on(store, ranks, world, abandon, env_of=lambda r: {"GRADSYNC_HOST": f"h{r // 2}"}):
     """``exchange`` run by ``ranks`` of ``world`` in threads on one store: each rank's layout or error."""
     out = {}
