@@ -273,7 +273,7 @@ def test_pair_averaging_beside_a_dedicated_server_rank_and_attached_again():
     # The server, which pair-averaging leaves idle, leaves at distribute: the answers' channels are
     # the workers' alone (a group the server also had to join would wait for it forever), and a
     # second attach in the same job reuses them.
-    results = run_ranks(averaging_twice, 3, "pair-averaging", {"exit_servers": False}, 20, servers=1, timeout=90)
+    results = run_ranks(averaging_twice, 3, "pair-averaging", {"exit_servers": False}, 40, servers=1, timeout=90)
     for runs in results[:2]:  # the workers (the server trained alone, unsynchronized)
         for before, grads, losses in runs:
             assert sum(losses[-5:]) < 0.5 * sum(losses[:5])
