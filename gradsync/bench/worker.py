@@ -111,7 +111,7 @@ class HostLinks:
 
     The straggler monitor's link probe (after a round's tenth step) is not the strategy's traffic: what
     the links carry while it runs (:meth:`probe`, its ``watch``) is left out of ``total`` and kept
-    in ``probe`` (each way, 16 MiB a ring neighbour on another host)."""
+    in ``probe_bytes`` (each way, 16 MiB a ring neighbour on another host)."""
 
     def __init__(self, pids: list[int], settle_first: bool = False):
         self.pids, self.first, self.total, self.steps = pids, None, None, 0
