@@ -10,7 +10,7 @@
 Runs are kept in the results store (gradsync.experiment.store; ``--store FILE``). A run that is
 interrupted (Ctrl-C, a crash) resumes cell by cell when the same command runs again (``--fresh``
 starts over). Each experiment's default scale finishes on a 2-core machine in 15 minutes or less,
-except those of hosts-two-level and the stragglers family (20-220 minutes: docs/experiments.md says
+except those of hosts-two-level and the stragglers family (20-235 minutes: docs/experiments.md says
 which takes how long).
 """
 from __future__ import annotations
