@@ -24,7 +24,7 @@ import os
 import threading
 import time
 
-from gradsync.stragglers import Pace, verdict
+from gradsync.stragglers import Pace, slower, verdict
 
 SIZE = 64
 """Operations each rank keeps."""
@@ -311,7 +311,8 @@ def summarize(dumps: dict[int, dict], ranks: list[int]) -> list[str]:
     divergence = _first_divergence(dumps)
     if divergence:
         lines.append(divergence)
-    lines += [s.describe() for s in verdict({r: d.get("pace") for r, d in dumps.items()})]
+    paces = {r: d.get("pace") for r, d in dumps.items()}
+    lines += [s.describe() for s in verdict(paces) + slower(paces)]
     return lines
 
 

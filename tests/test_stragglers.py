@@ -76,6 +76,33 @@ def test_a_slow_worker_nobody_waits_for_is_not_named():
     paces = {r: pace(0.1, 0.02) for r in range(4)}
     paces[1] = pace(0.15, 0.02)
     assert stragglers.verdict(paces) == []
+    # It is slower all the same: named as such, its time hidden.
+    [found] = stragglers.slower(paces)
+    assert (found.rank, found.cause, found.hidden, found.held_s) == (1, "compute", True, 0.0)
+    assert found.describe() == ("rank 1 computes 1.50x as long as the others but does not hold them back: "
+                                "its extra time hides behind communication (they do not wait for it)")
+
+
+def test_a_slower_worker_hidden_behind_the_network_is_named_as_such():
+    # ResNet-50, 4 workers at 1 Gbit/s, dilated 2x, worker 1 at 1.25x (one round, measured): it
+    # reads 1.15x busier, and the others wait 47 ms longer than it does, 2 % of their 2.4 s wait.
+    # It holds no one back, and it is slower.
+    slowed = {0: pace(0.283, 2.348), 1: pace(0.327, 2.328), 2: pace(0.293, 2.375), 3: pace(0.277, 2.387)}
+    assert stragglers.verdict(slowed) == []
+    [found] = stragglers.slower(slowed)
+    assert (found.rank, found.cause, found.hidden) == (1, "compute", True)
+    assert found.ratio == pytest.approx(0.327 / 0.283, rel=1e-3) and found.held_s == pytest.approx(0.047, abs=1e-3)
+    assert "(they wait 47 ms a step for it)" in found.describe()
+    # The same cluster balanced (the round of 40 whose busiest worker read most, 1.06x): no one slower.
+    balanced = {0: pace(0.279, 2.364), 1: pace(0.271, 2.375, between=0.0), 2: pace(0.293, 2.379, between=0.0),
+                3: pace(0.276, 2.385, between=0.0)}
+    assert stragglers.slower(balanced) == []
+    # A worker the verdict names is not named again as hidden; no barrier, nothing.
+    held = {r: pace(0.1, 0.05) for r in range(3)}
+    held[1] = pace(0.2, 0.0)
+    assert stragglers.slower(held) == [] and stragglers.verdict(held)[0].rank == 1
+    slowed[1]["synchronous"] = False
+    assert stragglers.slower(slowed) == []
 
 
 def test_time_between_steps_is_its_own_cause():
@@ -187,6 +214,9 @@ def test_bench_reports_the_verdict_of_most_rounds():
     assert got["straggler_rounds"] == "2/3" and got["stragglers"][0]["rank"] == 1
     assert report.slow_column(got) == "1 compute"
     assert report.slow_column(report.straggler_verdict([[]])) == "-"
+    hidden = report.straggler_verdict([[], []], [[[1, "compute", 1.15, 0.05]], [[1, "compute", 1.2, 0.04]]])
+    assert (hidden["named"], hidden["hidden"], hidden["hidden_share"], hidden["hidden_rounds"]) == ("-", "1 compute", 1.0, "2/2")
+    assert report.slow_column(hidden) == "(1 compute)"
 
 
 def test_the_flight_summary_names_the_straggler():
@@ -247,4 +277,30 @@ def test_the_adapt_monitor_reports_worker_0s_verdict():
     values = Stragglers().values()
     assert values["straggler_rank"] == 2.0 and values["straggler_cause"] == 1.0
     assert values["straggler_ratio"] == pytest.approx(2.0) and values["straggler_held_ms"] == pytest.approx(50.0)
+    assert values["slower_rank"] == -1.0
+    stragglers.reset()
+
+
+def test_worker_0_prints_a_hidden_slower_worker_once_it_holds(capsys, monkeypatch):
+    from gradsync.adapt import Stragglers
+
+    monkeypatch.setenv(stragglers.ENV, "1")
+    stragglers.reset()
+    paces = {r: pace(0.1, 0.02) for r in range(4)}
+    paces[3] = pace(0.13, 0.02)  # 1.3x busier; no one waits for it
+    for _ in range(stragglers.CONFIRM - 1):
+        stragglers.observe(paces)
+    assert stragglers.latest_hidden() == [] and capsys.readouterr().err == ""
+    stragglers.observe(paces)
+    assert [(s.rank, s.hidden) for s in stragglers.latest_hidden()] == [(3, True)] and stragglers.latest() == []
+    assert capsys.readouterr().err.startswith("gradsync: rank 3 computes 1.30x as long as the others but does not hold")
+    values = Stragglers().values()
+    assert (values["straggler_rank"], values["slower_rank"]) == (-1.0, 3.0)
+    assert values["slower_ratio"] == pytest.approx(1.3)
+    stragglers.observe(paces)  # said once while it holds
+    assert capsys.readouterr().err == ""
+    balanced = {r: pace(0.1, 0.02) for r in range(4)}
+    for _ in range(stragglers.CONFIRM):
+        stragglers.observe(balanced)
+    assert capsys.readouterr().err == "gradsync: no rank is slower than the others any longer\n"
     stragglers.reset()

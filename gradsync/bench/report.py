@@ -68,7 +68,10 @@ rather than a number of steps (``samples_per_s`` counts every step at its slowes
 other links' rate over its), ``held_s`` (what the others waited for it a step)), as found at the end
 of most rounds, and ``straggler_rounds`` (in how many of the rounds); ``named`` says it in a word
 (the table's ``slow`` column: ``1 compute``, ``-`` for no one) and ``named_share`` is the share of
-the rounds that found it (what an experiment's relations check); ``paces`` holds every worker's
+the rounds that found it (what an experiment's relations check). ``slower``, ``hidden``,
+``hidden_share`` and ``hidden_rounds`` say the same of the workers slower than the others that held
+no one back, their extra time hidden behind communication (:func:`gradsync.stragglers.slower`; in
+the ``slow`` column in parentheses: ``(1 compute)``). ``paces`` holds every worker's
 readings at the end of each round (seconds a step computing, between steps and waiting, and the
 Gbit/s of the links from its ring neighbours), from which the verdicts came.
 """
@@ -135,7 +138,7 @@ def summarize(raw: dict, compute_times: list[float], config: dict, check: dict |
                                             / record["min_bytes_per_host"])
     if raw.get("share_history"):  # a @balance label: the shares BalanceBatches ended the last round with
         record["shares"] = raw["share_history"][-1][1]
-    record.update(straggler_verdict(raw.get("stragglers", [])))
+    record.update(straggler_verdict(raw.get("stragglers", []), raw.get("slower")))
     if raw.get("paces"):  # every worker's pace at the end of each round, from which the verdicts came
         record["paces"] = raw["paces"]
     work = [w for w in raw.get("host_work") or [] if w]
@@ -240,21 +243,36 @@ def bound(min_bytes: float, compute_s: float, samples: int, config: dict) -> dic
             "ideal_samples_per_s": ideal, "bound_samples_per_s": limit}
 
 
-def straggler_verdict(rounds: list[list]) -> dict:
-    """The verdict found at the end of most rounds (each ``[[rank, cause, ratio, held_s], ...]``)."""
+def straggler_verdict(rounds: list[list], slower: list[list] | None = None) -> dict:
+    """The verdict found at the end of most rounds (each ``[[rank, cause, ratio, held_s], ...]``),
+    and, given the rounds' hidden slower workers (:func:`gradsync.stragglers.slower`, as ``rounds``),
+    those found at the end of most rounds."""
+    out = dict(zip(("stragglers", "straggler_rounds", "named", "named_share"), _most(rounds)))
+    if slower is not None:
+        out.update(zip(("slower", "hidden_rounds", "hidden", "hidden_share"), _most(slower)))
+    return out
+
+
+def _most(rounds: list[list]) -> tuple[list[dict], str, str, float]:
     if not rounds:
-        return {"stragglers": [], "straggler_rounds": "0/0", "named": "-", "named_share": 0.0}
+        return [], "0/0", "-", 0.0
     keys = [tuple((s[0], s[1]) for s in found) for found in rounds]
     common = max(set(keys), key=keys.count)
-    found = rounds[keys.index(common)]
-    stragglers = [{"rank": r, "cause": c, "ratio": x, "held_s": h} for r, c, x, h in found]
-    return {"stragglers": stragglers, "straggler_rounds": f"{keys.count(common)}/{len(keys)}",
-            "named": slow_column({"stragglers": stragglers}), "named_share": keys.count(common) / len(keys)}
+    found = [{"rank": r, "cause": c, "ratio": x, "held_s": h} for r, c, x, h in rounds[keys.index(common)]]
+    return found, f"{keys.count(common)}/{len(keys)}", _word(found), keys.count(common) / len(keys)
+
+
+def _word(found: list[dict]) -> str:
+    return ",".join(f"{s['rank']} {s['cause']}" for s in found) or "-"
 
 
 def slow_column(record: dict) -> str:
-    """``1 compute``: who held the others back in most rounds; ``-``: no one."""
-    return ",".join(f"{s['rank']} {s['cause']}" for s in record.get("stragglers") or []) or "-"
+    """``1 compute``: who held the others back in most rounds; ``(1 compute)``: a worker slower
+    than the others whose extra time hid behind communication; ``-``: no one."""
+    named, hidden = _word(record.get("stragglers") or []), _word(record.get("slower") or [])
+    if hidden == "-":
+        return named
+    return f"({hidden})" if named == "-" else f"{named} ({hidden})"
 
 
 def table(records: list[dict]) -> str:

@@ -376,7 +376,7 @@ def run_strategy(name: str, options: dict, work: Workload, total: int, run_dir: 
         start_shares = shares or [work.batch_size] * topo.num_workers
         share_history = None if policy is None else [[0, start_shares], *[[s, list(v)] for s, v in policy.history]]
         readings = stragglers.gather(transport, topo, recorder.pace)
-        slow = stragglers.verdict(readings)
+        slow, hidden = stragglers.verdict(readings), stragglers.slower(readings)
         optimizer.strategy.settle()  # the last step's traffic still in flight (p3's pulls) counts toward its bytes
         sent = transport.bytes_sent - sent_before
         if links is not None:
@@ -402,7 +402,8 @@ def run_strategy(name: str, options: dict, work: Workload, total: int, run_dir: 
             "host_links": None if links is None else {"total": links.total, "steps": links.steps,
                                                       "probe": links.probe_bytes},
             "min_bytes_per_host": optimizer.strategy.min_bytes_per_host(model_bytes),
-            "stragglers": [[[s.rank, s.cause, s.ratio, s.held_s] for s in slow]], "paces": [readings],
+            "stragglers": [[[s.rank, s.cause, s.ratio, s.held_s] for s in slow]],
+            "slower": [[[s.rank, s.cause, s.ratio, s.held_s] for s in hidden]], "paces": [readings],
             "share_history": share_history}
 
 
@@ -435,6 +436,7 @@ def merge(into: dict | None, record: dict, warmup: int) -> dict:
                      if isinstance(v, (int, float))}
     into["workers_max_diff"] = max(into["workers_max_diff"], record["workers_max_diff"])
     into["stragglers"] = into.get("stragglers", []) + record.get("stragglers", [])
+    into["slower"] = into.get("slower", []) + record.get("slower", [])
     into["paces"] = into.get("paces", []) + record.get("paces", [])
     into["share_history"] = record.get("share_history")  # the last round's: its parameters are the ones saved
     return into

@@ -14,7 +14,9 @@ class Stragglers(Monitor):
 
     Values: ``straggler_rank`` (-1: none), ``straggler_cause`` (0 none, 1 compute, 2 between steps,
     3 link), ``straggler_ratio`` (its time over the others', or the other links' rate over its),
-    ``straggler_held_ms`` (what the others wait for it a step), and this worker's ``compute_ms``,
+    ``straggler_held_ms`` (what the others wait for it a step), ``slower_rank`` and ``slower_ratio``
+    (a worker slower than the others whose extra time hides behind communication,
+    :func:`gradsync.stragglers.slower`; -1 and 1 for none), and this worker's ``compute_ms``,
     ``between_ms`` and ``wait_ms`` per step (medians over its last steps, :data:`gradsync.stragglers.WINDOW`).
     """
 
@@ -25,6 +27,8 @@ class Stragglers(Monitor):
                "straggler_cause": CAUSES[first.cause] if first else 0.0,
                "straggler_ratio": first.ratio if first else 1.0,
                "straggler_held_ms": first.held_s * 1e3 if first else 0.0}
+        hidden = stragglers.latest_hidden()
+        out.update(slower_rank=float(hidden[0].rank) if hidden else -1.0, slower_ratio=hidden[0].ratio if hidden else 1.0)
         recorder = flight.current()
         pace = None if recorder is None else recorder.pace.as_dict()
         if pace is not None:
