@@ -68,6 +68,10 @@ names no one's cost must not name noise. Over 40 rounds a cell on four emulated 
 workers' busy times read at most 1.064x the others' (ResNet-50 at 1 Gbit/s; 1.014x at 10 Gbit/s,
 1.034x on BERT-base), and workers slowed 1.25x and 1.5x read 1.14-1.46x (a 1.1x worker: 1.07-1.13x,
 named as slower in some rounds only)."""
+SETTLED = 8
+"""Steps every worker's pace must hold before :func:`slower` reads it. Nothing else filters its
+readings (the verdict's rules on the others' wait do), and a median over a job's first few steps
+strays by a third or more (balanced workers read 1.46x and 1.61x apart over a round's first steps)."""
 WAIT_SHARE = 0.05
 """Links are only blamed when the workers spend at least this share of a step waiting."""
 PROBE_EVERY = 100
@@ -164,21 +168,23 @@ class Pace:
         self.steps += 1
 
     def line(self) -> str:
-        """``COMPUTE BETWEEN WAIT LINKS SYNCHRONOUS SENT`` (ms; links ``peer:gbit,...`` or ``-``; 1
-        or 0; MB a step), for the heartbeat."""
+        """``COMPUTE BETWEEN WAIT LINKS SYNCHRONOUS SENT STEPS`` (ms; links ``peer:gbit,...`` or
+        ``-``; 1 or 0; MB a step; steps in the window), for the heartbeat."""
         if not self._steps:
             return ""
         compute, between, wait = self.compute, self.between, self.wait
         links = ",".join(f"{p}:{g:.4g}" for p, g in sorted(self.links.items())) or "-"
         return (f"{compute * 1e3:.3f} {between * 1e3:.3f} {wait * 1e3:.3f} {links} "
-                f"{int(self.synchronous)} {self.sent / 1e6:.6g}")
+                f"{int(self.synchronous)} {self.sent / 1e6:.6g} {len(self._steps)}")
 
     def as_dict(self) -> dict | None:
         if not self._steps:
             return None
+        with self._lock:
+            steps = len(self._steps)
         return {"compute": self.compute, "between": self.between, "wait": self.wait,
                 "links": {str(p): g for p, g in self.links.items()}, "synchronous": self.synchronous,
-                "sent": self.sent}
+                "sent": self.sent, "steps": steps}
 
 
 def parse(fields: list[str]) -> dict | None:
@@ -188,7 +194,8 @@ def parse(fields: list[str]) -> dict | None:
     try:
         links = {} if fields[3] == "-" else {p: float(g) for p, g in (x.split(":") for x in fields[3].split(","))}
         return {"compute": float(fields[0]) / 1e3, "between": float(fields[1]) / 1e3, "wait": float(fields[2]) / 1e3,
-                "links": links, "synchronous": fields[4:5] != ["0"], "sent": float((fields[5:6] or ["0"])[0]) * 1e6}
+                "links": links, "synchronous": fields[4:5] != ["0"], "sent": float((fields[5:6] or ["0"])[0]) * 1e6,
+                **({"steps": int(fields[6])} if len(fields) > 6 else {})}
     except ValueError:
         return None
 
@@ -249,9 +256,12 @@ def slower(paces: dict[int, dict], threshold: float = SLOWER) -> list[Straggler]
     """The workers whose busy time exceeds the median of the others' by ``threshold`` of it and
     that :func:`verdict` does not name: slower, but their extra time hides behind the others'
     communication (``hidden``; ``held_s``: what the others wait for it a step, at least 0). None
-    under a strategy without a barrier, as :func:`verdict`."""
+    under a strategy without a barrier, as :func:`verdict`, nor before every worker's pace holds
+    :data:`SETTLED` steps (a pace without ``steps`` counts as settled)."""
     paces = {r: p for r, p in paces.items() if p is not None}
     if len(paces) < 2 or not all(p.get("synchronous", True) for p in paces.values()):
+        return []
+    if any(p.get("steps", SETTLED) < SETTLED for p in paces.values()):
         return []
     named = {s.rank for s in verdict(paces)}
     found = []
@@ -382,25 +392,28 @@ def gather(transport, topology, pace: Pace) -> dict[int, dict | None]:
     import torch
 
     n, me = topology.num_workers, topology.rank
-    table = torch.zeros(n, 8, dtype=torch.float64, device=transport.device)
+    table = torch.zeros(n, 9, dtype=torch.float64, device=transport.device)
     mine = pace.as_dict()
     if mine is not None:
         prev, nxt = (me - 1) % n, (me + 1) % n
         table[me] = torch.tensor([1.0, mine["compute"], mine["between"], mine["wait"],
                                   pace.links.get(prev, 0.0), pace.links.get(nxt, 0.0) if n > 2 else 0.0,
-                                  float(pace.synchronous), pace.sent])
+                                  float(pace.synchronous), pace.sent, mine["steps"]])
     transport.allreduce(table, world=False, what="straggler readings")
     out: dict[int, dict | None] = {}
-    for r, (known, compute, between, wait, from_prev, from_next, synchronous, sent) in enumerate(table.tolist()):
+    for r, (known, compute, between, wait, from_prev, from_next, synchronous, sent, steps) in enumerate(table.tolist()):
         links = {p: g for p, g in (((r - 1) % n, from_prev), ((r + 1) % n, from_next)) if g > 0}
         out[r] = {"compute": compute, "between": between, "wait": wait, "links": links,
-                  "synchronous": synchronous > 0, "sent": sent} if known else None
+                  "synchronous": synchronous > 0, "sent": sent, "steps": int(steps)} if known else None
     return out
 
 
 # -- worker 0's view -------------------------------------------------------------------------------
 CONFIRM = 3
 """Beats in a row a verdict must hold before it is reported (a single noisy reading is not)."""
+CONFIRM_HIDDEN = 10
+"""...and a hidden slower worker (:func:`slower`): it costs the job little, so its reading can wait
+for more beats, and nothing but its busy time filters it."""
 REPEAT_S = 60.0
 
 
@@ -409,7 +422,9 @@ class _View:
         self.latest: list[Straggler] = []  # the confirmed verdict
         self.hidden: list[Straggler] = []  # the confirmed slower workers it does not name
         self.candidate: tuple = ()
+        self.hidden_candidate: tuple = ()
         self.streak = 0
+        self.hidden_streak = 0
         self.said_at = 0.0
 
 
@@ -427,30 +442,41 @@ def latest_hidden() -> list[Straggler]:
     return list(_VIEW.hidden)
 
 
+def _key(found: list[Straggler]) -> tuple:
+    return tuple((s.rank, s.cause) for s in found)
+
+
 def observe(paces: dict[int, dict]) -> list[Straggler]:
-    """Worker 0's heartbeat: a verdict and the hidden slower workers (:func:`slower`) from every
-    worker's pace. Once the same workers are found for the same causes :data:`CONFIRM` beats in a
-    row they become :func:`latest` and :func:`latest_hidden` and are printed (a verdict again every
-    :data:`REPEAT_S` while it holds; once more when it clears)."""
+    """Worker 0's heartbeat: a verdict from every worker's pace. Once the same workers are named
+    for the same causes :data:`CONFIRM` beats in a row it becomes :func:`latest` and is printed
+    (again every :data:`REPEAT_S` while it holds; once more when it clears). The hidden slower
+    workers (:func:`slower`) likewise, after :data:`CONFIRM_HIDDEN` beats, printed once."""
     view, found, hidden = _VIEW, verdict(paces), slower(paces)
-    key = tuple((s.rank, s.cause, s.hidden) for s in found + hidden)
+    key, hidden_key = _key(found), _key(hidden)
     view.streak = view.streak + 1 if key == view.candidate else 1
-    view.candidate = key
-    if view.streak < CONFIRM:
-        return view.latest
-    before = tuple((s.rank, s.cause, s.hidden) for s in view.latest + view.hidden)
-    held_before = bool(view.latest)
-    view.latest, view.hidden = found, hidden
+    view.hidden_streak = view.hidden_streak + 1 if hidden_key == view.hidden_candidate else 1
+    view.candidate, view.hidden_candidate = key, hidden_key
     now = time.perf_counter()
-    if enabled() and (key != before or (found and now - view.said_at >= REPEAT_S)):
-        text = "; ".join(s.describe() for s in found + hidden) or (
-            "no rank holds the others back any longer" if held_before else "no rank is slower than the others any longer")
-        print(f"gradsync: {text}", file=sys.stderr, flush=True)
-        view.said_at = now
-        tracer = trace.current()
-        if tracer is not None:
-            tracer.instant(text, "step", time.perf_counter())
+    if view.streak >= CONFIRM:
+        before, view.latest = _key(view.latest), found
+        if key != before or (key and now - view.said_at >= REPEAT_S):
+            if _say("; ".join(s.describe() for s in found) or "no rank holds the others back any longer"):
+                view.said_at = now
+    if view.hidden_streak >= CONFIRM_HIDDEN:
+        before, view.hidden = _key(view.hidden), hidden
+        if hidden_key != before:
+            _say("; ".join(s.describe() for s in hidden) or "no rank is slower than the others any longer")
     return view.latest
+
+
+def _say(text: str) -> bool:
+    if not enabled():
+        return False
+    print(f"gradsync: {text}", file=sys.stderr, flush=True)
+    tracer = trace.current()
+    if tracer is not None:
+        tracer.instant(text, "step", time.perf_counter())
+    return True
 
 
 def reset() -> None:

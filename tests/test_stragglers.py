@@ -103,6 +103,12 @@ def test_a_slower_worker_hidden_behind_the_network_is_named_as_such():
     assert stragglers.slower(held) == [] and stragglers.verdict(held)[0].rank == 1
     slowed[1]["synchronous"] = False
     assert stragglers.slower(slowed) == []
+    # Over a job's first steps a median strays: no reading until every worker's pace holds enough.
+    slowed[1]["synchronous"] = True
+    slowed[2]["steps"] = stragglers.SETTLED - 1
+    assert stragglers.slower(slowed) == []
+    slowed[2]["steps"] = stragglers.SETTLED
+    assert [s.rank for s in stragglers.slower(slowed)] == [1]
 
 
 def test_time_between_steps_is_its_own_cause():
@@ -164,6 +170,7 @@ def test_pace_counts_compute_between_and_wait():
     p.links = {1: 9.5}
     back = stragglers.parse(p.line().split())
     assert back.pop("links") == {"1": 9.5} and back.pop("synchronous") is True
+    assert back.pop("steps") == got["steps"] == 1  # the window's steps: a median over few strays
     assert back == pytest.approx({k: got[k] for k in ("compute", "between", "wait", "sent")}, abs=1e-6)
     assert stragglers.parse(["x", "1", "2", "-"]) is None
 
@@ -288,7 +295,7 @@ def test_worker_0_prints_a_hidden_slower_worker_once_it_holds(capsys, monkeypatc
     stragglers.reset()
     paces = {r: pace(0.1, 0.02) for r in range(4)}
     paces[3] = pace(0.13, 0.02)  # 1.3x busier; no one waits for it
-    for _ in range(stragglers.CONFIRM - 1):
+    for _ in range(stragglers.CONFIRM_HIDDEN - 1):
         stragglers.observe(paces)
     assert stragglers.latest_hidden() == [] and capsys.readouterr().err == ""
     stragglers.observe(paces)
@@ -300,7 +307,7 @@ def test_worker_0_prints_a_hidden_slower_worker_once_it_holds(capsys, monkeypatc
     stragglers.observe(paces)  # said once while it holds
     assert capsys.readouterr().err == ""
     balanced = {r: pace(0.1, 0.02) for r in range(4)}
-    for _ in range(stragglers.CONFIRM):
+    for _ in range(stragglers.CONFIRM_HIDDEN):
         stragglers.observe(balanced)
     assert capsys.readouterr().err == "gradsync: no rank is slower than the others any longer\n"
     stragglers.reset()
