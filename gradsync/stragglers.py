@@ -69,9 +69,11 @@ workers' busy times read at most 1.064x the others' (ResNet-50 at 1 Gbit/s; 1.01
 1.034x on BERT-base), and workers slowed 1.25x and 1.5x read 1.14-1.46x (a 1.1x worker: 1.07-1.13x,
 named as slower in some rounds only)."""
 SETTLED = 8
-"""Steps every worker's pace must hold before :func:`slower` reads it. Nothing else filters its
-readings (the verdict's rules on the others' wait do), and a median over a job's first few steps
-strays by a third or more (balanced workers read 1.46x and 1.61x apart over a round's first steps)."""
+"""Steps every worker's pace must hold before :func:`slower` reads it, and before worker 0's
+heartbeat (:func:`observe`) reads either: a median over a job's first few steps strays by a third
+or more (balanced workers read 1.46x and 1.61x apart over a round's first steps, and a 1.25x job
+named a worker it had not slowed, 1.62x, for a moment), and nothing but its busy time filters the
+slower reading (the verdict's rules on the others' wait filter the verdict)."""
 WAIT_SHARE = 0.05
 """Links are only blamed when the workers spend at least this share of a step waiting."""
 PROBE_EVERY = 100
@@ -261,7 +263,7 @@ def slower(paces: dict[int, dict], threshold: float = SLOWER) -> list[Straggler]
     paces = {r: p for r, p in paces.items() if p is not None}
     if len(paces) < 2 or not all(p.get("synchronous", True) for p in paces.values()):
         return []
-    if any(p.get("steps", SETTLED) < SETTLED for p in paces.values()):
+    if not settled(paces):
         return []
     named = {s.rank for s in verdict(paces)}
     found = []
@@ -270,6 +272,12 @@ def slower(paces: dict[int, dict], threshold: float = SLOWER) -> list[Straggler]
         if rank not in named and excess >= threshold * max(busy, 1e-4):
             found.append(Straggler(slow.rank, slow.cause, slow.ratio, max(0.0, held), hidden=True))
     return found
+
+
+def settled(paces: dict[int, dict | None]) -> bool:
+    """Whether every worker's pace that is known holds :data:`SETTLED` steps (one without
+    ``steps`` counts as settled: readings stored before it was kept)."""
+    return all(p.get("steps", SETTLED) >= SETTLED for p in paces.values() if p is not None)
 
 
 def _busier(paces: dict[int, dict], rank: int) -> tuple[float, float, float, float, Straggler]:
@@ -450,7 +458,11 @@ def observe(paces: dict[int, dict]) -> list[Straggler]:
     """Worker 0's heartbeat: a verdict from every worker's pace. Once the same workers are named
     for the same causes :data:`CONFIRM` beats in a row it becomes :func:`latest` and is printed
     (again every :data:`REPEAT_S` while it holds; once more when it clears). The hidden slower
-    workers (:func:`slower`) likewise, after :data:`CONFIRM_HIDDEN` beats, printed once."""
+    workers (:func:`slower`) likewise, after :data:`CONFIRM_HIDDEN` beats, printed once. Until
+    every worker's pace has :data:`SETTLED` steps (a job's start, a bench round's, an elastic
+    job's new generation) a beat changes nothing."""
+    if not settled(paces):
+        return _VIEW.latest
     view, found, hidden = _VIEW, verdict(paces), slower(paces)
     key, hidden_key = _key(found), _key(hidden)
     view.streak = view.streak + 1 if key == view.candidate else 1

@@ -306,6 +306,12 @@ def test_worker_0_prints_a_hidden_slower_worker_once_it_holds(capsys, monkeypatc
     assert values["slower_ratio"] == pytest.approx(1.3)
     stragglers.observe(paces)  # said once while it holds
     assert capsys.readouterr().err == ""
+    # A new round (or generation) starts the workers' windows anew: their first steps change nothing.
+    young = {r: {**pace(0.1, 0.02), "steps": 2} for r in range(4)}
+    young[0] = {**pace(0.2, 0.0), "steps": 2}
+    for _ in range(stragglers.CONFIRM_HIDDEN):
+        stragglers.observe(young)
+    assert capsys.readouterr().err == "" and [s.rank for s in stragglers.latest_hidden()] == [3]
     balanced = {r: pace(0.1, 0.02) for r in range(4)}
     for _ in range(stragglers.CONFIRM_HIDDEN):
         stragglers.observe(balanced)
