@@ -312,7 +312,8 @@ def summarize(dumps: dict[int, dict], ranks: list[int]) -> list[str]:
     if divergence:
         lines.append(divergence)
     paces = {r: d.get("pace") for r, d in dumps.items()}
-    lines += [s.describe() for s in verdict(paces) + slower(paces)]
+    found = verdict(paces)
+    lines += [s.describe() for s in found + slower(paces, named=found)]
     return lines
 
 

@@ -254,22 +254,23 @@ def verdict(paces: dict[int, dict], threshold: float = THRESHOLD, link_threshold
     return found
 
 
-def slower(paces: dict[int, dict], threshold: float = SLOWER) -> list[Straggler]:
+def slower(paces: dict[int, dict], threshold: float = SLOWER, named: list[Straggler] | None = None) -> list[Straggler]:
     """The workers whose busy time exceeds the median of the others' by ``threshold`` of it and
     that :func:`verdict` does not name: slower, but their extra time hides behind the others'
     communication (``hidden``; ``held_s``: what the others wait for it a step, at least 0). None
     under a strategy without a barrier, as :func:`verdict`, nor before every worker's pace holds
-    :data:`SETTLED` steps (a pace without ``steps`` counts as settled)."""
+    :data:`SETTLED` steps (a pace without ``steps`` counts as settled). ``named``: the verdict on
+    the same paces, where the caller has it."""
     paces = {r: p for r, p in paces.items() if p is not None}
     if len(paces) < 2 or not all(p.get("synchronous", True) for p in paces.values()):
         return []
     if not settled(paces):
         return []
-    named = {s.rank for s in verdict(paces)}
+    held_back = {s.rank for s in (verdict(paces) if named is None else named)}
     found = []
     for rank in sorted(paces):
         excess, busy, held, _, slow = _busier(paces, rank)
-        if rank not in named and excess >= threshold * max(busy, 1e-4):
+        if rank not in held_back and excess >= threshold * max(busy, 1e-4):
             found.append(Straggler(slow.rank, slow.cause, slow.ratio, max(0.0, held), hidden=True))
     return found
 
@@ -463,7 +464,8 @@ def observe(paces: dict[int, dict]) -> list[Straggler]:
     job's new generation) a beat changes nothing."""
     if not settled(paces):
         return _VIEW.latest
-    view, found, hidden = _VIEW, verdict(paces), slower(paces)
+    view, found = _VIEW, verdict(paces)
+    hidden = slower(paces, named=found)
     key, hidden_key = _key(found), _key(hidden)
     view.streak = view.streak + 1 if key == view.candidate else 1
     view.hidden_streak = view.hidden_streak + 1 if hidden_key == view.hidden_candidate else 1

@@ -376,7 +376,8 @@ def run_strategy(name: str, options: dict, work: Workload, total: int, run_dir: 
         start_shares = shares or [work.batch_size] * topo.num_workers
         share_history = None if policy is None else [[0, start_shares], *[[s, list(v)] for s, v in policy.history]]
         readings = stragglers.gather(transport, topo, recorder.pace)
-        slow, hidden = stragglers.verdict(readings), stragglers.slower(readings)
+        slow = stragglers.verdict(readings)
+        hidden = stragglers.slower(readings, named=slow)
         optimizer.strategy.settle()  # the last step's traffic still in flight (p3's pulls) counts toward its bytes
         sent = transport.bytes_sent - sent_before
         if links is not None:
