@@ -224,6 +224,8 @@ def test_bench_reports_the_verdict_of_most_rounds():
     hidden = report.straggler_verdict([[], []], [[[1, "compute", 1.15, 0.05]], [[1, "compute", 1.2, 0.04]]])
     assert (hidden["named"], hidden["hidden"], hidden["hidden_share"], hidden["hidden_rounds"]) == ("-", "1 compute", 1.0, "2/2")
     assert report.slow_column(hidden) == "(1 compute)"
+    short = report.straggler_verdict([[]], [])  # rounds too short for the slower reading: none read
+    assert (short["hidden"], short["hidden_rounds"], short["hidden_share"]) == ("-", "0/0", 0.0)
 
 
 def test_the_flight_summary_names_the_straggler():

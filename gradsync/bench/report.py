@@ -71,7 +71,8 @@ of most rounds, and ``straggler_rounds`` (in how many of the rounds); ``named`` 
 the rounds that found it (what an experiment's relations check). ``slower``, ``hidden``,
 ``hidden_share`` and ``hidden_rounds`` say the same of the workers slower than the others that held
 no one back, their extra time hidden behind communication (:func:`gradsync.stragglers.slower`; in
-the ``slow`` column in parentheses: ``(1 compute)``). ``paces`` holds every worker's
+the ``slow`` column in parentheses: ``(1 compute)``). Both count only the rounds long enough to read
+(:data:`gradsync.stragglers.SETTLED` steps a worker: ``0/0`` and ``-`` for a shorter run). ``paces`` holds every worker's
 readings at the end of each round (seconds a step computing, between steps and waiting, and the
 Gbit/s of the links from its ring neighbours), from which the verdicts came.
 """

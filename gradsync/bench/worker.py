@@ -378,6 +378,8 @@ def run_strategy(name: str, options: dict, work: Workload, total: int, run_dir: 
         readings = stragglers.gather(transport, topo, recorder.pace)
         slow = stragglers.verdict(readings)
         hidden = stragglers.slower(readings, named=slow)
+        # a round too short to read (stragglers.SETTLED steps a worker) counts as no reading, as on worker 0
+        read = stragglers.settled(readings)
         optimizer.strategy.settle()  # the last step's traffic still in flight (p3's pulls) counts toward its bytes
         sent = transport.bytes_sent - sent_before
         if links is not None:
@@ -403,8 +405,8 @@ def run_strategy(name: str, options: dict, work: Workload, total: int, run_dir: 
             "host_links": None if links is None else {"total": links.total, "steps": links.steps,
                                                       "probe": links.probe_bytes},
             "min_bytes_per_host": optimizer.strategy.min_bytes_per_host(model_bytes),
-            "stragglers": [[[s.rank, s.cause, s.ratio, s.held_s] for s in slow]],
-            "slower": [[[s.rank, s.cause, s.ratio, s.held_s] for s in hidden]], "paces": [readings],
+            "stragglers": [[[s.rank, s.cause, s.ratio, s.held_s] for s in slow]] if read else [],
+            "slower": [[[s.rank, s.cause, s.ratio, s.held_s] for s in hidden]] if read else [], "paces": [readings],
             "share_history": share_history}
 
 
